@@ -14,6 +14,7 @@
 
 pub mod dtype;
 pub mod error;
+pub mod ops;
 pub mod tensor;
 
 pub use dtype::DType;

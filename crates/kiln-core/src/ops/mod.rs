@@ -1,0 +1,7 @@
+//! The CPU reference operations: the specification every GPU kernel matches.
+
+pub mod norm;
+pub mod primitives;
+pub mod quantize;
+pub mod rope;
+pub mod sample;

@@ -1,0 +1,339 @@
+//! Output quantizers and the FP8 E4M3 / FP4 E2M1 conversions.
+//!
+//! A norm kernel can write its output `y` (fp32, before any rounding to an output dtype) as:
+//! - INT8: one fp32 scale per [`QUANT_BLOCK`] values, `scale = amax / 127`,
+//!   `q = clamp(rint(y / scale), -127, 127)`, or 0 where the block's `amax` is 0;
+//! - NVFP4: E2M1 codes (two per byte, the even element in the low nibble), one E4M3 scale per
+//!   [`QUANT_BLOCK`] values, `s = e4m3((amax / 6) * global_scale)`, and
+//!   `q = e2m1(y / (f32(s) / global_scale))`, or 0 where that divisor is 0;
+//! - FP8 E4M3 with one per-tensor scale: `q = e4m3(y / scale)`.
+//!
+//! `amax` is the largest `|y|` of the block, NaN ignored (`fmaxf`). The conversions round to
+//! nearest even and saturate to the largest finite value (infinities too); a NaN becomes
+//! `0x7F` in E4M3 and `0` in E2M1, which has no NaN. They are written with a few exact fp32
+//! operations so the CUDA kernels compute them identically; the tests check them against the
+//! plain definition ("the nearest representable value") for all 2^32 fp32 inputs.
+
+use crate::error::{Error, Result};
+
+/// Values per scale of the INT8 and NVFP4 outputs.
+pub const QUANT_BLOCK: usize = 16;
+
+/// Largest finite E4M3 value.
+pub const E4M3_MAX: f32 = 448.0;
+/// Largest E2M1 value.
+pub const E2M1_MAX: f32 = 6.0;
+
+/// fp32 to FP8 E4M3 (the OCP "fn" variant: bias 7, no infinities, NaN `0x7F`/`0xFF`),
+/// to nearest even, saturating.
+pub fn f32_to_e4m3(x: f32) -> u8 {
+    if x.is_nan() {
+        return 0x7F;
+    }
+    let sign = ((x.to_bits() >> 24) & 0x80) as u8;
+    let a = x.abs();
+    let magnitude = if a >= E4M3_MAX {
+        0x7E
+    } else if a < 0.015_625 {
+        // Subnormals (and the first normal): multiples of 2^-9, and a * 512 is exact.
+        (a * 512.0).round_ties_even() as u8
+    } else {
+        // Round the fp32 significand to 3 bits; a carry moves into the exponent, as it should.
+        let bits = a.to_bits();
+        let rounded = (bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20;
+        (rounded - ((127 - 7) << 3)) as u8
+    };
+    sign | magnitude
+}
+
+/// FP8 E4M3 to fp32 (exact).
+pub fn e4m3_to_f32(code: u8) -> f32 {
+    let sign = if code & 0x80 != 0 { -1.0f32 } else { 1.0 };
+    let exponent = i32::from((code >> 3) & 0xF);
+    let mantissa = f32::from(code & 7);
+    if code & 0x7F == 0x7F {
+        return f32::NAN;
+    }
+    if exponent == 0 {
+        sign * mantissa / 512.0
+    } else {
+        sign * (1.0 + mantissa / 8.0) * 2.0f32.powi(exponent - 7)
+    }
+}
+
+/// fp32 to FP4 E2M1 (values 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives; the sign in bit 3),
+/// to nearest even, saturating; NaN gives 0.
+pub fn f32_to_e2m1(x: f32) -> u8 {
+    if x.is_nan() {
+        return 0;
+    }
+    let sign = ((x.to_bits() >> 28) & 0x8) as u8;
+    let a = x.abs();
+    // Each branch's subtraction is exact (Sterbenz), so rint sees the exact offset.
+    let magnitude = if a >= E2M1_MAX {
+        7.0
+    } else if a < 1.0 {
+        (a * 2.0).round_ties_even()
+    } else if a < 2.0 {
+        2.0 + ((a - 1.0) * 2.0).round_ties_even()
+    } else if a < 4.0 {
+        4.0 + (a - 2.0).round_ties_even()
+    } else {
+        6.0 + ((a - 4.0) * 0.5).round_ties_even()
+    };
+    sign | magnitude as u8
+}
+
+/// FP4 E2M1 (the low 4 bits of `code`) to fp32.
+pub fn e2m1_to_f32(code: u8) -> f32 {
+    const VALUES: [f32; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
+    let magnitude = VALUES[usize::from(code & 7)];
+    if code & 8 != 0 {
+        -magnitude
+    } else {
+        magnitude
+    }
+}
+
+/// The largest `|v|` of a block, NaN ignored.
+pub fn block_amax(block: &[f32]) -> f32 {
+    block.iter().fold(0.0f32, |m, v| m.max(v.abs()))
+}
+
+/// INT8 codes and their per-block scale.
+pub fn int8_block(block: &[f32], codes: &mut [i8]) -> f32 {
+    let scale = block_amax(block) / 127.0;
+    for (q, &y) in codes.iter_mut().zip(block) {
+        *q = if scale > 0.0 { (y / scale).round_ties_even().max(-127.0).min(127.0) as i8 } else { 0 };
+    }
+    scale
+}
+
+/// NVFP4 codes (one per byte, low nibble) and the block's E4M3 scale.
+pub fn nvfp4_block(block: &[f32], global_scale: f32, codes: &mut [u8]) -> u8 {
+    let scale = f32_to_e4m3((block_amax(block) / 6.0) * global_scale);
+    let divisor = e4m3_to_f32(scale) / global_scale;
+    for (q, &y) in codes.iter_mut().zip(block) {
+        *q = if divisor > 0.0 { f32_to_e2m1(y / divisor) } else { 0 };
+    }
+    scale
+}
+
+/// Quantized rows.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Quantized {
+    /// INT8 codes and one fp32 scale per 16 values.
+    Int8 { codes: Vec<i8>, scales: Vec<f32> },
+    /// E2M1 codes packed two per byte (even element low) and one E4M3 scale per 16 values.
+    Nvfp4 { packed: Vec<u8>, scales: Vec<u8> },
+    /// E4M3 codes with the per-tensor scale given by the caller.
+    Fp8E4m3 { codes: Vec<u8> },
+}
+
+/// An output quantizer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Quantizer {
+    Int8,
+    Nvfp4 { global_scale: f32 },
+    Fp8E4m3 { scale: f32 },
+}
+
+impl Quantizer {
+    /// Checks the quantizer's arguments against a row length.
+    pub fn validate(&self, row_len: usize) -> Result<()> {
+        let blocked = matches!(self, Quantizer::Int8 | Quantizer::Nvfp4 { .. });
+        if blocked && row_len % QUANT_BLOCK != 0 {
+            return Err(Error::InvalidArgument {
+                name: "row length",
+                value: row_len.to_string(),
+                reason: format!("block-quantized outputs need a multiple of {QUANT_BLOCK}"),
+            });
+        }
+        let scale = match *self {
+            Quantizer::Int8 => return Ok(()),
+            Quantizer::Nvfp4 { global_scale } => global_scale,
+            Quantizer::Fp8E4m3 { scale } => scale,
+        };
+        if !(scale.is_finite() && scale > 0.0) {
+            return Err(Error::InvalidArgument {
+                name: "quantizer scale",
+                value: scale.to_string(),
+                reason: "must be finite and positive".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Quantizes `y` (whole rows, each `row_len` long).
+    pub fn quantize(&self, y: &[f32], row_len: usize) -> Result<Quantized> {
+        self.validate(row_len)?;
+        Ok(match *self {
+            Quantizer::Int8 => {
+                let mut codes = vec![0i8; y.len()];
+                let scales = y
+                    .chunks(QUANT_BLOCK)
+                    .zip(codes.chunks_mut(QUANT_BLOCK))
+                    .map(|(block, q)| int8_block(block, q))
+                    .collect();
+                Quantized::Int8 { codes, scales }
+            }
+            Quantizer::Nvfp4 { global_scale } => {
+                let mut codes = vec![0u8; y.len()];
+                let scales = y
+                    .chunks(QUANT_BLOCK)
+                    .zip(codes.chunks_mut(QUANT_BLOCK))
+                    .map(|(block, q)| nvfp4_block(block, global_scale, q))
+                    .collect();
+                let packed = codes.chunks(2).map(|p| p[0] | (p.get(1).copied().unwrap_or(0) << 4)).collect();
+                Quantized::Nvfp4 { packed, scales }
+            }
+            Quantizer::Fp8E4m3 { scale } => {
+                Quantized::Fp8E4m3 { codes: y.iter().map(|&v| f32_to_e4m3(v / scale)).collect() }
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rayon::prelude::*;
+
+    /// The plain definition: the nearest of the sorted non-negative finite `values` (codes
+    /// `0..values.len()`), ties to the even code, saturating at the last; the sign copied.
+    fn nearest(x: f32, values: &[f32], sign_bit: u8, nan: u8) -> u8 {
+        if x.is_nan() {
+            return nan;
+        }
+        let a = f64::from(x.abs());
+        let last = values.len() - 1;
+        let mut code = last;
+        for i in 0..last {
+            let (lo, hi) = (f64::from(values[i]), f64::from(values[i + 1]));
+            if a <= hi {
+                let mid = (lo + hi) / 2.0;
+                code = if a < mid || (a == mid && i % 2 == 0) { i } else { i + 1 };
+                break;
+            }
+        }
+        let sign = if x.is_sign_negative() { sign_bit } else { 0 };
+        sign | code as u8
+    }
+
+    fn e4m3_values() -> Vec<f32> {
+        (0u8..0x7F).map(e4m3_to_f32).collect()
+    }
+
+    fn e2m1_values() -> Vec<f32> {
+        (0u8..8).map(e2m1_to_f32).collect()
+    }
+
+    #[test]
+    fn e4m3_decoding_follows_the_format() {
+        assert_eq!(e4m3_to_f32(0x7E), 448.0);
+        assert_eq!(e4m3_to_f32(0x01), 2.0f32.powi(-9));
+        assert_eq!(e4m3_to_f32(0x08), 2.0f32.powi(-6));
+        assert_eq!(e4m3_to_f32(0x38), 1.0);
+        assert_eq!(e4m3_to_f32(0xB8), -1.0);
+        assert!(e4m3_to_f32(0xFF).is_nan());
+        let v = e4m3_values();
+        assert!(v.windows(2).all(|w| w[0] < w[1]), "E4M3 codes 0..0x7E increase");
+    }
+
+    /// Checks `fast` against `reference` for every fp32 bit pattern. The reference is monotone
+    /// in |x| between NaNs, so a chunk of consecutive patterns whose two ends agree maps to one
+    /// code: the reference is evaluated at chunk ends (and at every element of the few chunks
+    /// where the ends differ), and `fast` at every element.
+    fn check_all_f32(fast: fn(f32) -> u8, reference: &(dyn Fn(f32) -> u8 + Sync)) {
+        const CHUNK: u64 = 1 << 16;
+        let mismatches: u64 = (0..(1u64 << 32) / CHUNK)
+            .into_par_iter()
+            .map(|chunk| {
+                let first = (chunk * CHUNK) as u32;
+                let last = first + (CHUNK as u32 - 1);
+                let want = reference(f32::from_bits(first));
+                let mut bad = 0u64;
+                if want == reference(f32::from_bits(last)) {
+                    for bits in first..=last {
+                        bad += u64::from(fast(f32::from_bits(bits)) != want);
+                    }
+                } else {
+                    for bits in first..=last {
+                        let x = f32::from_bits(bits);
+                        bad += u64::from(fast(x) != reference(x));
+                    }
+                }
+                bad
+            })
+            .sum();
+        assert_eq!(mismatches, 0);
+    }
+
+    #[test]
+    fn e4m3_conversion_matches_the_definition_for_every_f32() {
+        let values = e4m3_values();
+        check_all_f32(f32_to_e4m3, &|x| nearest(x, &values, 0x80, 0x7F));
+    }
+
+    #[test]
+    fn e2m1_conversion_matches_the_definition_for_every_f32() {
+        let values = e2m1_values();
+        check_all_f32(f32_to_e2m1, &|x| nearest(x, &values, 0x8, 0));
+    }
+
+    #[test]
+    fn conversions_at_known_points() {
+        assert_eq!(f32_to_e4m3(1.0), 0x38);
+        assert_eq!(f32_to_e4m3(1000.0), 0x7E);
+        assert_eq!(f32_to_e4m3(f32::NEG_INFINITY), 0xFE);
+        assert_eq!(f32_to_e4m3(1.0625), 0x38); // tie between 1 and 1.125 goes to the even code
+        assert_eq!(f32_to_e4m3(2.0f32.powi(-10)), 0x00); // tie between 0 and 2^-9
+        assert_eq!(f32_to_e2m1(5.0), 0x6); // tie between 4 and 6
+        assert_eq!(f32_to_e2m1(-0.75), 0xA);
+        assert_eq!(f32_to_e2m1(f32::INFINITY), 0x7);
+    }
+
+    #[test]
+    fn int8_blocks_scale_by_amax_over_127() {
+        let y: Vec<f32> = (0..32).map(|i| (i as f32 - 10.0) * 0.37).collect();
+        let Quantized::Int8 { codes, scales } = Quantizer::Int8.quantize(&y, 32).unwrap() else {
+            panic!("int8 quantizer returned another format")
+        };
+        assert_eq!(scales[0], 10.0 * 0.37f32 / 127.0);
+        assert_eq!(codes[0], -127);
+        assert_eq!(codes[10], 0);
+        for (i, &q) in codes.iter().enumerate() {
+            let back = f32::from(q) * scales[i / 16];
+            assert!((back - y[i]).abs() <= scales[i / 16] * 0.5001, "element {i}");
+        }
+        let zeros = Quantizer::Int8.quantize(&[0.0; 16], 16).unwrap();
+        assert_eq!(zeros, Quantized::Int8 { codes: vec![0; 16], scales: vec![0.0] });
+    }
+
+    #[test]
+    fn nvfp4_blocks_dequantize_close_to_y() {
+        let y: Vec<f32> = (0..16).map(|i| (i as f32 - 7.5) * 0.9).collect();
+        let global_scale = 448.0 * 6.0 / 6.75;
+        let q = Quantizer::Nvfp4 { global_scale }.quantize(&y, 16).unwrap();
+        let Quantized::Nvfp4 { packed, scales } = q else { panic!("nvfp4 quantizer returned another format") };
+        assert_eq!(packed.len(), 8);
+        let divisor = e4m3_to_f32(scales[0]) / global_scale;
+        for (i, &v) in y.iter().enumerate() {
+            let code = (packed[i / 2] >> (4 * (i % 2))) & 0xF;
+            let back = e2m1_to_f32(code) * divisor;
+            assert!((back - v).abs() <= 0.26 * v.abs().max(0.5), "element {i}: {back} vs {v}");
+        }
+    }
+
+    #[test]
+    fn quantizers_refuse_bad_arguments() {
+        assert!(matches!(
+            Quantizer::Int8.quantize(&[1.0; 8], 8),
+            Err(Error::InvalidArgument { name: "row length", .. })
+        ));
+        assert!(matches!(
+            Quantizer::Fp8E4m3 { scale: 0.0 }.quantize(&[1.0; 8], 8),
+            Err(Error::InvalidArgument { name: "quantizer scale", .. })
+        ));
+    }
+}
