@@ -165,6 +165,12 @@ pub enum GgufErrorKind {
     UnknownTensorType { name: String, type_id: u32 },
     #[error("tensor `{name}`: data [{start}, {end}) {reason}")]
     BadOffset { name: String, start: u64, end: u64, reason: &'static str },
+    #[error("metadata key `{key}` = {value} does not fit in {expected}")]
+    ValueOutOfRange { key: String, value: String, expected: &'static str },
+    #[error("metadata key `{key}`: bool byte {value} is neither 0 nor 1")]
+    BadBool { key: String, value: u8 },
+    #[error("{bytes} bytes after the last tensor, more than the alignment {alignment} pads")]
+    TrailingBytes { bytes: u64, alignment: u64 },
 }
 
 impl Error {

@@ -1,1 +1,4 @@
-//! placeholder
+//! `kiln-engine`: formats, tokenizers, models, KV cache, sampling and the generation loop.
+
+pub mod fetch;
+pub mod formats;
