@@ -2,3 +2,5 @@
 
 pub mod fetch;
 pub mod formats;
+pub mod chat;
+pub mod tokenizer;
