@@ -329,7 +329,11 @@ impl LayerNorm {
 pub fn rms_norm_f32(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) -> Result<()> {
     let hidden = w.len();
     if hidden == 0 || x.len() % hidden != 0 || out.len() != x.len() {
-        return Err(Error::ShapeMismatch { op: "rms_norm_f32", expected: vec![x.len(), hidden], got: vec![out.len()] });
+        return Err(Error::ShapeMismatch {
+            op: "rms_norm_f32",
+            expected: vec![x.len(), hidden],
+            got: vec![out.len()],
+        });
     }
     for (row, dst) in x.chunks(hidden).zip(out.chunks_mut(hidden)) {
         let r = inv_root(unit_sum(hidden, |j| row[j] * row[j]), hidden, eps);
@@ -405,7 +409,8 @@ mod tests {
         let out = RmsNorm::llama(1e-5, DType::F16).run(256, &ins).unwrap();
         let sum: Vec<f32> = x.iter().zip(&res).map(|(a, b)| FloatType::F16.round(a + b)).collect();
         assert_eq!(out.residual.as_deref(), Some(&sum[..]));
-        let plain = RmsNorm::llama(1e-5, DType::F16).run(256, &NormInputs { x_type: DType::F16, ..inputs(&sum, &w) });
+        let plain =
+            RmsNorm::llama(1e-5, DType::F16).run(256, &NormInputs { x_type: DType::F16, ..inputs(&sum, &w) });
         assert_eq!(out.y, plain.unwrap().y);
     }
 
@@ -434,7 +439,11 @@ mod tests {
         let z: Vec<f32> = (0..300).map(|_| r() * 3.0).collect();
         let w: Vec<f32> = (0..300).map(|_| r()).collect();
         let b: Vec<f32> = (0..300).map(|_| r()).collect();
-        let base = RmsNorm { gate: Some(Gate::After), rounding: RmsNormRounding::Single, ..RmsNorm::llama(1e-5, DType::F32) };
+        let base = RmsNorm {
+            gate: Some(Gate::After),
+            rounding: RmsNormRounding::Single,
+            ..RmsNorm::llama(1e-5, DType::F32)
+        };
         let ins = NormInputs { gate: Some(&z), ..inputs(&x, &w) };
         let after = base.run(300, &ins).unwrap().y;
         let mut plain = vec![0.0; 300];
@@ -447,12 +456,19 @@ mod tests {
         rms_norm_f32(&gx, &w, 1e-5, &mut plain).unwrap();
         assert_eq!(before, plain);
 
-        let ln = LayerNorm { eps: 1e-5, weight: WeightMode::OnePlus, bias: true, groups: 1, out: NormOutput::Float(DType::F32) };
+        let ln = LayerNorm {
+            eps: 1e-5,
+            weight: WeightMode::OnePlus,
+            bias: true,
+            groups: 1,
+            out: NormOutput::Float(DType::F32),
+        };
         let y = ln.run(300, &NormInputs { bias: Some(&b), ..inputs(&x, &w) }).unwrap().y;
         let mean = x.iter().map(|&v| f64::from(v)).sum::<f64>() / 300.0;
         let var = x.iter().map(|&v| (f64::from(v) - mean).powi(2)).sum::<f64>() / 300.0;
         for j in 0..300 {
-            let want = (f64::from(x[j]) - mean) / (var + 1e-5).sqrt() * (1.0 + f64::from(w[j])) + f64::from(b[j]);
+            let want =
+                (f64::from(x[j]) - mean) / (var + 1e-5).sqrt() * (1.0 + f64::from(w[j])) + f64::from(b[j]);
             assert!((f64::from(y[j]) - want).abs() < 1e-5 * want.abs().max(1.0), "col {j}");
         }
     }

@@ -10,7 +10,8 @@
 //!
 //! `amax` is the largest `|y|` of the block, NaN ignored (`fmaxf`). The conversions round to
 //! nearest even and saturate to the largest finite value (infinities too); a NaN becomes
-//! `0x7F` in E4M3 and `0` in E2M1, which has no NaN. They are written with a few exact fp32
+//! the NaN code `S.1111.111` in E4M3 (as the CUDA prelude's `kiln_f32_to_e4m3`) and `0` in E2M1,
+//! which has no NaN. They are written with a few exact fp32
 //! operations so the CUDA kernels compute them identically; the tests check them against the
 //! plain definition ("the nearest representable value") for all 2^32 fp32 inputs.
 
@@ -27,16 +28,16 @@ pub const E2M1_MAX: f32 = 6.0;
 /// fp32 to FP8 E4M3 (the OCP "fn" variant: bias 7, no infinities, NaN `0x7F`/`0xFF`),
 /// to nearest even, saturating.
 pub fn f32_to_e4m3(x: f32) -> u8 {
-    if x.is_nan() {
-        return 0x7F;
-    }
     let sign = ((x.to_bits() >> 24) & 0x80) as u8;
+    if x.is_nan() {
+        return sign | 0x7F;
+    }
     let a = x.abs();
     let magnitude = if a >= E4M3_MAX {
         0x7E
     } else if a < 0.015_625 {
         // Subnormals (and the first normal): multiples of 2^-9, and a * 512 is exact.
-        (a * 512.0).round_ties_even() as u8
+        rint_small(a * 512.0) as u8
     } else {
         // Round the fp32 significand to 3 bits; a carry moves into the exponent, as it should.
         let bits = a.to_bits();
@@ -73,15 +74,21 @@ pub fn f32_to_e2m1(x: f32) -> u8 {
     let magnitude = if a >= E2M1_MAX {
         7.0
     } else if a < 1.0 {
-        (a * 2.0).round_ties_even()
+        rint_small(a * 2.0)
     } else if a < 2.0 {
-        2.0 + ((a - 1.0) * 2.0).round_ties_even()
+        2.0 + rint_small((a - 1.0) * 2.0)
     } else if a < 4.0 {
-        4.0 + (a - 2.0).round_ties_even()
+        4.0 + rint_small(a - 2.0)
     } else {
-        6.0 + ((a - 4.0) * 0.5).round_ties_even()
+        6.0 + rint_small((a - 4.0) * 0.5)
     };
     sign | magnitude as u8
+}
+
+/// Rounds `0 <= v < 2^23` to an integer, ties to even (`rintf`): adding and removing 2^23
+/// leaves no fraction bits, and the addition rounds to nearest even.
+fn rint_small(v: f32) -> f32 {
+    (v + 8_388_608.0) - 8_388_608.0
 }
 
 /// FP4 E2M1 (the low 4 bits of `code`) to fp32.
@@ -202,8 +209,9 @@ mod tests {
     /// The plain definition: the nearest of the sorted non-negative finite `values` (codes
     /// `0..values.len()`), ties to the even code, saturating at the last; the sign copied.
     fn nearest(x: f32, values: &[f32], sign_bit: u8, nan: u8) -> u8 {
+        let sign = if x.is_sign_negative() { sign_bit } else { 0 };
         if x.is_nan() {
-            return nan;
+            return if nan == 0 { 0 } else { sign | nan };
         }
         let a = f64::from(x.abs());
         let last = values.len() - 1;
@@ -216,7 +224,6 @@ mod tests {
                 break;
             }
         }
-        let sign = if x.is_sign_negative() { sign_bit } else { 0 };
         sign | code as u8
     }
 
@@ -236,6 +243,7 @@ mod tests {
         assert_eq!(e4m3_to_f32(0x38), 1.0);
         assert_eq!(e4m3_to_f32(0xB8), -1.0);
         assert!(e4m3_to_f32(0xFF).is_nan());
+        assert_eq!(f32_to_e4m3(f32::from_bits(0xFFC0_0000)), 0xFF);
         let v = e4m3_values();
         assert!(v.windows(2).all(|w| w[0] < w[1]), "E4M3 codes 0..0x7E increase");
     }
@@ -244,7 +252,7 @@ mod tests {
     /// in |x| between NaNs, so a chunk of consecutive patterns whose two ends agree maps to one
     /// code: the reference is evaluated at chunk ends (and at every element of the few chunks
     /// where the ends differ), and `fast` at every element.
-    fn check_all_f32(fast: fn(f32) -> u8, reference: &(dyn Fn(f32) -> u8 + Sync)) {
+    fn check_all_f32(fast: impl Fn(f32) -> u8 + Sync, reference: impl Fn(f32) -> u8 + Sync) {
         const CHUNK: u64 = 1 << 16;
         let mismatches: u64 = (0..(1u64 << 32) / CHUNK)
             .into_par_iter()
@@ -272,13 +280,13 @@ mod tests {
     #[test]
     fn e4m3_conversion_matches_the_definition_for_every_f32() {
         let values = e4m3_values();
-        check_all_f32(f32_to_e4m3, &|x| nearest(x, &values, 0x80, 0x7F));
+        check_all_f32(f32_to_e4m3, |x| nearest(x, &values, 0x80, 0x7F));
     }
 
     #[test]
     fn e2m1_conversion_matches_the_definition_for_every_f32() {
         let values = e2m1_values();
-        check_all_f32(f32_to_e2m1, &|x| nearest(x, &values, 0x8, 0));
+        check_all_f32(f32_to_e2m1, |x| nearest(x, &values, 0x8, 0));
     }
 
     #[test]
@@ -315,7 +323,9 @@ mod tests {
         let y: Vec<f32> = (0..16).map(|i| (i as f32 - 7.5) * 0.9).collect();
         let global_scale = 448.0 * 6.0 / 6.75;
         let q = Quantizer::Nvfp4 { global_scale }.quantize(&y, 16).unwrap();
-        let Quantized::Nvfp4 { packed, scales } = q else { panic!("nvfp4 quantizer returned another format") };
+        let Quantized::Nvfp4 { packed, scales } = q else {
+            panic!("nvfp4 quantizer returned another format")
+        };
         assert_eq!(packed.len(), 8);
         let divisor = e4m3_to_f32(scales[0]) / global_scale;
         for (i, &v) in y.iter().enumerate() {

@@ -23,10 +23,17 @@ pub enum RopeLayout {
 pub enum RopeScaling {
     None,
     /// Every frequency divided by `factor` (position interpolation).
-    Linear { factor: f64 },
+    Linear {
+        factor: f64,
+    },
     /// Llama 3.1's scaling: low frequencies divided by `factor`, high ones kept, a smooth ramp
     /// between.
-    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position: f64 },
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position: f64,
+    },
     /// YaRN: a ramp between interpolated and extrapolated frequencies, and cos/sin multiplied by
     /// `attention_factor` (see [`RopeScaling::yarn_attention_factor`]).
     Yarn {
@@ -149,7 +156,13 @@ pub fn rotate(a: f32, b: f32, cos: f32, sin: f32, ty: FloatType) -> (f32, f32) {
 }
 
 /// Applies RoPE in place to `heads` heads of `head_dim` fp32 values at `position`.
-pub fn apply_rope(q_or_k: &mut [f32], head_dim: usize, heads: usize, position: u64, spec: &RopeSpec) -> Result<()> {
+pub fn apply_rope(
+    q_or_k: &mut [f32],
+    head_dim: usize,
+    heads: usize,
+    position: u64,
+    spec: &RopeSpec,
+) -> Result<()> {
     apply_rope_typed(q_or_k, head_dim, heads, position, spec, FloatType::F32)
 }
 
@@ -164,7 +177,11 @@ pub fn apply_rope_typed(
 ) -> Result<()> {
     spec.validate(head_dim)?;
     if q_or_k.len() != head_dim * heads {
-        return Err(Error::ShapeMismatch { op: "rope", expected: vec![heads, head_dim], got: vec![q_or_k.len()] });
+        return Err(Error::ShapeMismatch {
+            op: "rope",
+            expected: vec![heads, head_dim],
+            got: vec![q_or_k.len()],
+        });
     }
     for head in q_or_k.chunks_mut(head_dim) {
         for i in 0..spec.rotary_dim / 2 {
@@ -301,6 +318,9 @@ mod tests {
             apply_rope(&mut v, 8, 1, 0, &spec(RopeLayout::HalfSplit, 7)),
             Err(Error::InvalidArgument { name: "rotary_dim", .. })
         ));
-        assert!(matches!(apply_rope(&mut v, 8, 2, 0, &spec(RopeLayout::HalfSplit, 8)), Err(Error::ShapeMismatch { .. })));
+        assert!(matches!(
+            apply_rope(&mut v, 8, 2, 0, &spec(RopeLayout::HalfSplit, 8)),
+            Err(Error::ShapeMismatch { .. })
+        ));
     }
 }
