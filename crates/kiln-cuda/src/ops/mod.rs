@@ -1,0 +1,4 @@
+//! Kernel launchers, one module per kernel family (`kernels/<family>.cu`): validation against
+//! what the kernel serves, the compile-time constants of a call, and the launch.
+
+pub mod norm;

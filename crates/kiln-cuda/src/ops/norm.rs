@@ -1,0 +1,313 @@
+//! Launcher of `kernels/norm.cu`: the norm family of `kiln_core::ops::norm` on the GPU, equal to
+//! the CPU reference bit for bit for every [`NormVariant`].
+//!
+//! Buffers are device memory blocks ([`DeviceMemory`]) laid out as the reference's: rows of `hidden`
+//! elements, row-major; the INT8 output is one byte per value plus one fp32 scale per 16, the
+//! NVFP4 output two codes per byte (even element low) plus one E4M3 byte per 16, the FP8 output
+//! one byte per value. The residual, when given, is read and overwritten with `x + residual`.
+
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+use kiln_core::ops::norm::{Gate, NormKind, NormOutput, NormSpec, RmsNormRounding, WeightMode};
+use kiln_core::ops::primitives::{FloatType, UNIT};
+use kiln_core::ops::quantize::{Quantizer, QUANT_BLOCK};
+use kiln_core::{DType, Error, Result};
+
+use crate::kernels::NORM;
+use crate::memory::DeviceMemory;
+use crate::runtime::{driver_error, Gpu};
+
+/// One shape of the norm kernel: warps that share a segment (a row or a group), and segments per
+/// thread block. Every variant computes the same bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct NormVariant {
+    pub warps_per_row: u32,
+    pub rows_per_block: u32,
+}
+
+/// The variants, as data; the tests run every one that serves a shape.
+pub const NORM_VARIANTS: &[NormVariant] = &[
+    NormVariant { warps_per_row: 1, rows_per_block: 1 },
+    NormVariant { warps_per_row: 1, rows_per_block: 2 },
+    NormVariant { warps_per_row: 1, rows_per_block: 4 },
+    NormVariant { warps_per_row: 2, rows_per_block: 1 },
+    NormVariant { warps_per_row: 2, rows_per_block: 2 },
+    NormVariant { warps_per_row: 4, rows_per_block: 1 },
+    NormVariant { warps_per_row: 8, rows_per_block: 1 },
+    NormVariant { warps_per_row: 16, rows_per_block: 1 },
+];
+
+/// Most units of 256 elements one warp holds in registers (16: 128 fp32 values per lane).
+pub const MAX_UNITS_PER_WARP: usize = 16;
+
+impl NormVariant {
+    /// Units each warp holds for segments of `n` elements (a power of two), or `None` when the
+    /// variant needs more than [`MAX_UNITS_PER_WARP`].
+    pub fn units_per_warp(&self, n: usize) -> Option<usize> {
+        let per_warp = n.div_ceil(UNIT).div_ceil(self.warps_per_row as usize).max(1).next_power_of_two();
+        (per_warp <= MAX_UNITS_PER_WARP).then_some(per_warp)
+    }
+
+    /// The default variant for segments of `n` elements: at most 4 units per warp.
+    pub fn default_for(n: usize) -> NormVariant {
+        let warps = n.div_ceil(UNIT).div_ceil(4).next_power_of_two().clamp(1, 16) as u32;
+        NormVariant { warps_per_row: warps, rows_per_block: (4 / warps).max(1) }
+    }
+}
+
+/// Device buffers of one norm call (see the module docs for their layouts).
+#[derive(Debug, Clone, Copy)]
+pub struct NormBuffers<'a> {
+    pub x: &'a DeviceMemory,
+    /// Read, then overwritten with `x + residual`.
+    pub residual: Option<&'a DeviceMemory>,
+    pub weight: Option<&'a DeviceMemory>,
+    pub bias: Option<&'a DeviceMemory>,
+    pub gate: Option<&'a DeviceMemory>,
+    pub out: &'a DeviceMemory,
+    /// Per-16 scales of the INT8 (fp32) and NVFP4 (E4M3) outputs.
+    pub scales: Option<&'a DeviceMemory>,
+}
+
+/// The shape and types of a norm call.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct NormCall {
+    pub spec: NormSpec,
+    pub rows: usize,
+    pub hidden: usize,
+    /// Type of x, the residual and the gate.
+    pub x_type: DType,
+    /// Type of the weight and the bias.
+    pub weight_type: DType,
+}
+
+fn out_code(out: NormOutput) -> Result<(u32, f32)> {
+    Ok(match out {
+        NormOutput::Float(dtype) => (float_code(FloatType::of(dtype, "norm output")?), 0.0),
+        NormOutput::Quantized(Quantizer::Int8) => (3, 0.0),
+        NormOutput::Quantized(Quantizer::Nvfp4 { global_scale }) => (4, global_scale),
+        NormOutput::Quantized(Quantizer::Fp8E4m3 { scale }) => (5, scale),
+    })
+}
+
+fn float_code(t: FloatType) -> u32 {
+    match t {
+        FloatType::F32 => 0,
+        FloatType::F16 => 1,
+        FloatType::BF16 => 2,
+    }
+}
+
+impl NormCall {
+    /// Elements per segment.
+    pub fn segment_len(&self) -> usize {
+        self.hidden / self.spec.groups.max(1)
+    }
+
+    /// Bytes each buffer must hold: x (and residual, gate), weight (and bias), out, scales.
+    pub fn buffer_bytes(&self) -> Result<(usize, usize, usize, usize)> {
+        let x = FloatType::of(self.x_type, "norm input")?.bytes();
+        let w = FloatType::of(self.weight_type, "norm weight")?.bytes();
+        let elements = self.rows * self.hidden;
+        let (out, scales) = match self.spec.out {
+            NormOutput::Float(dtype) => (elements * FloatType::of(dtype, "norm output")?.bytes(), 0),
+            NormOutput::Quantized(Quantizer::Int8) => (elements, elements / QUANT_BLOCK * 4),
+            NormOutput::Quantized(Quantizer::Nvfp4 { .. }) => (elements / 2, elements / QUANT_BLOCK),
+            NormOutput::Quantized(Quantizer::Fp8E4m3 { .. }) => (elements, 0),
+        };
+        Ok((elements * x, self.hidden * w, out, scales))
+    }
+
+    /// Checks what the kernel serves beyond the reference's own rules.
+    pub fn validate(&self, variant: NormVariant) -> Result<usize> {
+        let n = self.segment_len();
+        if self.spec.groups == 0 || self.hidden % self.spec.groups != 0 || n % 8 != 0 {
+            return Err(Error::NotServed {
+                op: "norm kernel",
+                reason: format!(
+                    "segments of {} elements ({} / {} groups): the kernel needs a multiple of 8",
+                    n, self.hidden, self.spec.groups
+                ),
+            });
+        }
+        if matches!(self.spec.out, NormOutput::Quantized(Quantizer::Int8 | Quantizer::Nvfp4 { .. })) && n % QUANT_BLOCK != 0
+        {
+            return Err(Error::NotServed {
+                op: "norm kernel",
+                reason: format!("block-quantized output of segments of {n} elements (needs a multiple of 16)"),
+            });
+        }
+        if let NormOutput::Quantized(q) = self.spec.out {
+            q.validate(self.hidden)?;
+        }
+        if self.spec.kind == NormKind::Layer && (self.spec.gate.is_some() || self.spec.rounding != RmsNormRounding::Single)
+        {
+            return Err(Error::NotServed { op: "layer norm", reason: "LayerNorm has one rounding and no gate".into() });
+        }
+        variant.units_per_warp(n).ok_or_else(|| Error::NotServed {
+            op: "norm kernel",
+            reason: format!(
+                "{} warps per row hold at most {} elements, segments have {n}",
+                variant.warps_per_row,
+                variant.warps_per_row as usize * MAX_UNITS_PER_WARP * UNIT
+            ),
+        })
+    }
+
+    /// The compile-time constants of this call on `variant`.
+    pub fn defines(&self, variant: NormVariant) -> Result<Vec<(&'static str, String)>> {
+        let units = self.validate(variant)?;
+        let s = &self.spec;
+        let flag = |b: bool| if b { "1" } else { "0" }.to_owned();
+        Ok(vec![
+            ("KIND", if s.kind == NormKind::Rms { "0" } else { "1" }.to_owned()),
+            ("X_T", float_code(FloatType::of(self.x_type, "norm input")?).to_string()),
+            ("W_T", float_code(FloatType::of(self.weight_type, "norm weight")?).to_string()),
+            ("OUT_T", out_code(s.out)?.0.to_string()),
+            (
+                "WEIGHT",
+                match s.weight {
+                    WeightMode::Plain => "0",
+                    WeightMode::OnePlus => "1",
+                    WeightMode::None => "2",
+                }
+                .to_owned(),
+            ),
+            ("HAS_BIAS", flag(s.bias)),
+            ("HAS_RESIDUAL", "0".to_owned()),
+            ("HF_ROUNDING", flag(s.rounding == RmsNormRounding::HuggingFace)),
+            (
+                "GATE",
+                match s.gate {
+                    None => "0",
+                    Some(Gate::Before) => "1",
+                    Some(Gate::After) => "2",
+                }
+                .to_owned(),
+            ),
+            ("WARPS_PER_ROW", variant.warps_per_row.to_string()),
+            ("ROWS_PER_BLOCK", variant.rows_per_block.to_string()),
+            ("UNITS_PER_WARP", units.to_string()),
+        ])
+    }
+}
+
+fn check_len(what: &'static str, got: usize, want: usize) -> Result<()> {
+    if got < want {
+        return Err(Error::ByteLength { what: format!("norm {what} buffer"), expected: want as u64, got: got as u64 });
+    }
+    Ok(())
+}
+
+fn check_presence(what: &'static str, present: bool, wanted: bool) -> Result<()> {
+    if present != wanted {
+        return Err(Error::InvalidArgument {
+            name: what,
+            value: if present { "given" } else { "missing" }.to_owned(),
+            reason: format!("the norm spec {} it", if wanted { "needs" } else { "does not use" }),
+        });
+    }
+    Ok(())
+}
+
+/// Runs the norm `call` on `gpu`'s stream with `variant` (or the default for the shape).
+pub fn norm(gpu: &Gpu, call: &NormCall, buffers: NormBuffers<'_>, variant: Option<NormVariant>) -> Result<()> {
+    let variant = variant.unwrap_or_else(|| NormVariant::default_for(call.segment_len()));
+    let mut defines = call.defines(variant)?;
+    let (x_bytes, w_bytes, out_bytes, scale_bytes) = call.buffer_bytes()?;
+    let s = &call.spec;
+    let len = |m: Option<&DeviceMemory>| m.map_or(0, DeviceMemory::len_bytes);
+    check_len("x", buffers.x.len_bytes(), x_bytes)?;
+    check_len("out", buffers.out.len_bytes(), out_bytes)?;
+    check_presence("weight", buffers.weight.is_some(), s.weight != WeightMode::None)?;
+    check_presence("bias", buffers.bias.is_some(), s.bias)?;
+    check_presence("gate", buffers.gate.is_some(), s.gate.is_some())?;
+    check_presence("scales", buffers.scales.is_some(), scale_bytes > 0)?;
+    check_len("weight", len(buffers.weight), if buffers.weight.is_some() { w_bytes } else { 0 })?;
+    check_len("bias", len(buffers.bias), if s.bias { w_bytes } else { 0 })?;
+    check_len("gate", len(buffers.gate), if s.gate.is_some() { x_bytes } else { 0 })?;
+    check_len("scales", len(buffers.scales), scale_bytes)?;
+    if buffers.residual.is_some() {
+        check_len("residual", len(buffers.residual), x_bytes)?;
+        defines.iter_mut().filter(|(k, _)| *k == "HAS_RESIDUAL").for_each(|(_, v)| *v = "1".to_owned());
+    }
+    let define_refs: Vec<(&str, &str)> = defines.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let function = gpu.function(&NORM, "kiln_norm", &define_refs)?;
+
+    let segments = call.rows * s.groups;
+    if segments == 0 {
+        return Ok(());
+    }
+    let n = i32::try_from(call.segment_len()).map_err(|_| Error::NotServed {
+        op: "norm kernel",
+        reason: format!("segments of {} elements", call.segment_len()),
+    })?;
+    let groups = i32::try_from(s.groups)
+        .map_err(|_| Error::NotServed { op: "norm kernel", reason: format!("{} groups", s.groups) })?;
+    let blocks = u32::try_from(segments.div_ceil(variant.rows_per_block as usize))
+        .map_err(|_| Error::NotServed { op: "norm kernel", reason: format!("{segments} segments") })?;
+    let threads = 32 * variant.warps_per_row * variant.rows_per_block;
+    let config = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+    let (_, qscale) = out_code(s.out)?;
+    let segments = segments as i64;
+
+    let ptr = |m: Option<&DeviceMemory>| m.map_or(0u64, DeviceMemory::device_ptr);
+    let (x, out) = (buffers.x.device_ptr(), buffers.out.device_ptr());
+    let (residual, weight, bias) = (ptr(buffers.residual), ptr(buffers.weight), ptr(buffers.bias));
+    let (gate, scales) = (ptr(buffers.gate), ptr(buffers.scales));
+    let stream = gpu.stream();
+    let mut launch = stream.launch_builder(&function);
+    launch
+        .arg(&x)
+        .arg(&residual)
+        .arg(&weight)
+        .arg(&bias)
+        .arg(&gate)
+        .arg(&out)
+        .arg(&scales)
+        .arg(&s.eps)
+        .arg(&qscale)
+        .arg(&segments)
+        .arg(&n)
+        .arg(&groups);
+    // SAFETY: the argument list matches `kiln_norm`'s signature (7 pointers, 2 floats, i64, 2
+    // i32); every pointer is null only where the defines make the kernel ignore it, and every
+    // buffer was checked above to hold the bytes the kernel touches for `segments` segments of
+    // `n` elements; the blocks are from this device's pool, which reuses memory only in the
+    // order of this stream, so they stay valid until the kernel has run.
+    unsafe { launch.launch(config) }.map_err(|e| driver_error("cuLaunchKernel(kiln_norm)", e))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kiln_core::ops::norm::RmsNorm;
+
+    #[test]
+    fn variants_cover_every_row_length_up_to_16384() {
+        for n in (8..=16_384).step_by(8) {
+            let default = NormVariant::default_for(n);
+            assert!(default.units_per_warp(n).is_some(), "default variant for {n}");
+            assert!(NORM_VARIANTS.contains(&default), "default {default:?} is listed");
+        }
+        let one = NormVariant { warps_per_row: 1, rows_per_block: 1 };
+        assert_eq!(one.units_per_warp(4096), Some(16));
+        assert_eq!(one.units_per_warp(4097), None);
+        assert_eq!(NormVariant { warps_per_row: 4, rows_per_block: 1 }.units_per_warp(1000), Some(1));
+    }
+
+    #[test]
+    fn unserved_shapes_are_named() {
+        let call = NormCall {
+            spec: RmsNorm::llama(1e-5, DType::BF16).into(),
+            rows: 3,
+            hidden: 100,
+            x_type: DType::BF16,
+            weight_type: DType::BF16,
+        };
+        assert!(matches!(call.validate(NORM_VARIANTS[0]), Err(Error::NotServed { op: "norm kernel", .. })));
+        let call = NormCall { hidden: 8192, ..call };
+        assert!(call.validate(NORM_VARIANTS[0]).is_err());
+        assert_eq!(call.validate(NormVariant { warps_per_row: 2, rows_per_block: 1 }).unwrap(), 16);
+    }
+}
