@@ -1,0 +1,138 @@
+//! Dequantization against llama.cpp's `gguf` Python package, and the block-wise dot product
+//! against a float64 dot of those same values.
+//!
+//! The fixtures in `tests/fixtures/quant/` were written by `fixtures/make_quant_fixtures.py`:
+//! raw blocks (`<TYPE>.bin`) and the f32 values the package dequantizes them to (`<TYPE>.f32`).
+
+use std::path::PathBuf;
+
+use kiln_core::{DType, Error};
+use kiln_engine::formats::quant::{dequantize_row, dot_row, matvec, SERVED};
+
+const TYPES: &[&str] =
+    &["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K"];
+
+fn fixture(name: &str) -> (DType, Vec<u8>, Vec<f32>) {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/quant");
+    let raw = std::fs::read(dir.join(format!("{name}.bin"))).unwrap();
+    let expected = std::fs::read(dir.join(format!("{name}.f32"))).unwrap();
+    let expected = expected.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+    (DType::from_name(name).unwrap(), raw, expected)
+}
+
+#[test]
+fn every_served_type_has_a_fixture() {
+    let mut served: Vec<&str> = SERVED.iter().map(|d| d.name()).collect();
+    let mut listed = TYPES.to_vec();
+    served.sort();
+    listed.sort();
+    assert_eq!(served, listed);
+}
+
+#[test]
+fn dequantization_equals_the_gguf_package_bit_for_bit() {
+    for name in TYPES {
+        let (dtype, raw, expected) = fixture(name);
+        assert_eq!(expected.len(), 512, "{name}");
+        let mut out = vec![f32::from_bits(0x7fc0_dead); expected.len()];
+        dequantize_row(dtype, &raw, &mut out).unwrap();
+        for (i, (&got, &want)) in out.iter().zip(&expected).enumerate() {
+            let same = got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan());
+            assert!(same, "{name} element {i}: got {got:e} ({:#x}), gguf gives {want:e} ({:#x})", got.to_bits(), want.to_bits());
+        }
+    }
+}
+
+/// A fresh pseudo-random vector (xorshift seeded by the clock), never all zeros.
+fn random_x(n: usize) -> Vec<f32> {
+    let mut s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        })
+        .collect()
+}
+
+#[test]
+fn dot_row_matches_a_float64_dot_of_the_dequantized_values() {
+    for name in TYPES {
+        let (dtype, raw, expected) = fixture(name);
+        if expected.iter().any(|v| !v.is_finite()) {
+            // The float fixtures carry Inf and NaN on purpose; dot them over the finite part.
+            continue;
+        }
+        let x = random_x(expected.len());
+        let reference: f64 = expected.iter().zip(&x).map(|(&w, &v)| f64::from(w) * f64::from(v)).sum();
+        let magnitude: f64 = expected.iter().zip(&x).map(|(&w, &v)| (f64::from(w) * f64::from(v)).abs()).sum();
+        let got = f64::from(dot_row(dtype, &raw, &x).unwrap());
+        assert!(
+            (got - reference).abs() <= 1e-5 * magnitude + 1e-30,
+            "{name}: dot_row {got} vs float64 {reference} (sum of |terms| {magnitude})"
+        );
+    }
+}
+
+#[test]
+fn dot_row_of_float_rows_handles_tails_and_specials() {
+    // 37 elements: two 16-lane chunks and a tail of 5.
+    let w: Vec<f32> = random_x(37);
+    let x: Vec<f32> = random_x(37);
+    let reference: f64 = w.iter().zip(&x).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum();
+    let bytes: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let got = dot_row(DType::F32, &bytes, &x).unwrap();
+    assert!((f64::from(got) - reference).abs() < 1e-5, "{got} vs {reference}");
+
+    // f16 and bf16 rows of finite values, widened exactly, against float64.
+    let f16_bytes: Vec<u8> = w.iter().flat_map(|&v| half::f16::from_f32(v).to_le_bytes()).collect();
+    let bf16_bytes: Vec<u8> = w.iter().flat_map(|&v| half::bf16::from_f32(v).to_le_bytes()).collect();
+    let f16_ref: f64 = w.iter().zip(&x).map(|(&a, &b)| f64::from(half::f16::from_f32(a).to_f32()) * f64::from(b)).sum();
+    let bf16_ref: f64 =
+        w.iter().zip(&x).map(|(&a, &b)| f64::from(half::bf16::from_f32(a).to_f32()) * f64::from(b)).sum();
+    let got = dot_row(DType::F16, &f16_bytes, &x).unwrap();
+    assert!((f64::from(got) - f16_ref).abs() < 1e-5, "f16: {got} vs {f16_ref}");
+    let got = dot_row(DType::BF16, &bf16_bytes, &x).unwrap();
+    assert!((f64::from(got) - bf16_ref).abs() < 1e-5, "bf16: {got} vs {bf16_ref}");
+
+    let (_, raw, _) = fixture("F16");
+    let got = dot_row(DType::F16, &raw, &vec![1.0; 512]).unwrap();
+    assert!(got.is_nan(), "Inf - Inf + NaN must stay NaN, got {got}");
+}
+
+#[test]
+fn matvec_equals_dot_row_for_every_row() {
+    for name in ["Q4_1", "Q8_0", "Q6_K", "F16"] {
+        let (dtype, raw, _) = fixture(name);
+        // The 512-element fixture as 2 rows of 256.
+        let x = random_x(256);
+        let mut out = vec![f32::NAN; 2];
+        matvec(dtype, &raw, 2, 256, &x, &mut out).unwrap();
+        let half = raw.len() / 2;
+        for (r, &o) in out.iter().enumerate() {
+            let want = dot_row(dtype, &raw[r * half..(r + 1) * half], &x).unwrap();
+            assert_eq!(o.to_bits(), want.to_bits(), "{name} row {r}");
+        }
+    }
+}
+
+#[test]
+fn wrong_lengths_and_unserved_types_are_named_errors() {
+    let (_, raw, _) = fixture("Q4_1");
+    let mut out = vec![0f32; 511];
+    assert!(matches!(dequantize_row(DType::Q4_1, &raw, &mut out), Err(Error::NotBlockAligned { elements: 511, .. })));
+    let mut out = vec![0f32; 480];
+    assert!(matches!(
+        dequantize_row(DType::Q4_1, &raw, &mut out),
+        Err(Error::ByteLength { expected: 300, got: 320, .. })
+    ));
+    assert!(matches!(dot_row(DType::Q4_1, &raw[..319], &[0.0; 512]), Err(Error::ByteLength { .. })));
+    assert!(matches!(dot_row(DType::IQ2_XXS, &[], &[]), Err(Error::DTypeNotServed { dtype: "IQ2_XXS", .. })));
+    let mut out = vec![0f32; 3];
+    assert!(matches!(matvec(DType::Q4_1, &raw, 3, 256, &[0.0; 256], &mut out), Err(Error::ByteLength { .. })));
+    assert!(matches!(
+        matvec(DType::Q4_1, &raw, 2, 256, &[0.0; 255], &mut out[..2]),
+        Err(Error::ShapeMismatch { .. })
+    ));
+}
