@@ -1,0 +1,203 @@
+//! GPU tests of the norm kernel: every flavor, dtype and variant equal to the CPU reference
+//! (`kiln_core::ops::norm`) bit for bit, on fresh random inputs over ragged shapes, with the
+//! outputs poisoned before each launch. Needs an NVIDIA GPU: `cargo test -p kiln-cuda
+//! --features gpu-tests --test gpu_norm`.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use kiln_core::ops::norm::{Gate, LayerNorm, NormInputs, NormOutput, NormSpec, RmsNorm, RmsNormRounding, WeightMode};
+use kiln_core::ops::primitives::FloatType;
+use kiln_core::ops::quantize::{Quantized, Quantizer};
+use kiln_core::DType;
+use kiln_cuda::ops::norm::{norm, NormBuffers, NormCall, NormVariant, NORM_VARIANTS};
+use kiln_cuda::{DeviceMemory, Gpu};
+
+/// xorshift64*, seeded from the clock so every run draws new inputs (the seed is printed).
+struct Rng(u64);
+
+impl Rng {
+    fn fresh() -> Rng {
+        let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1);
+        let seed = nanos | 1;
+        println!("seed {seed:#x}");
+        Rng(seed)
+    }
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    /// Uniform in [lo, hi), rounded to `ty`.
+    fn values(&mut self, len: usize, lo: f32, hi: f32, ty: FloatType) -> Vec<f32> {
+        (0..len).map(|_| ty.round(lo + (hi - lo) * ((self.next() >> 40) as f32 / (1u64 << 24) as f32))).collect()
+    }
+}
+
+fn encode(values: &[f32], ty: FloatType) -> Vec<u8> {
+    let mut out = Vec::with_capacity(values.len() * ty.bytes());
+    for &v in values {
+        ty.encode(v, &mut out);
+    }
+    out
+}
+
+fn upload(gpu: &Gpu, bytes: &[u8]) -> DeviceMemory {
+    let memory = gpu.alloc(bytes.len().max(1)).expect("device allocation");
+    memory.copy_from_host(0, bytes).expect("host to device copy");
+    memory
+}
+
+fn poisoned(gpu: &Gpu, bytes: usize) -> DeviceMemory {
+    let memory = gpu.alloc(bytes.max(1)).expect("device allocation");
+    memory.fill_bytes(0xA7).expect("poison");
+    memory
+}
+
+fn first_difference(want: &[u8], got: &[u8]) -> Option<usize> {
+    want.iter().zip(got).position(|(a, b)| a != b)
+}
+
+/// Runs one call on the GPU and the CPU and asserts the bytes are equal.
+fn check(gpu: &Gpu, rng: &mut Rng, call: NormCall, variant: NormVariant) {
+    let (rows, hidden) = (call.rows, call.hidden);
+    let xt = FloatType::of(call.x_type, "test").unwrap();
+    let wt = FloatType::of(call.weight_type, "test").unwrap();
+    let s = call.spec;
+    let x = rng.values(rows * hidden, -2.0, 2.0, xt);
+    let residual = rng.values(rows * hidden, -2.0, 2.0, xt);
+    let weight = rng.values(hidden, 0.25, 1.75, wt);
+    let bias = rng.values(hidden, -0.5, 0.5, wt);
+    let gate = rng.values(rows * hidden, -6.0, 6.0, xt);
+    let with_residual = rng.next() % 2 == 0;
+    let inputs = NormInputs {
+        x: &x,
+        x_type: call.x_type,
+        residual: with_residual.then_some(&residual[..]),
+        weight: (s.weight != WeightMode::None).then_some(&weight[..]),
+        bias: s.bias.then_some(&bias[..]),
+        gate: s.gate.map(|_| &gate[..]),
+    };
+    let want = s.run(hidden, &inputs).expect("CPU reference");
+
+    let (_, _, out_bytes, scale_bytes) = call.buffer_bytes().unwrap();
+    let dx = upload(gpu, &encode(&x, xt));
+    let dres = upload(gpu, &encode(&residual, xt));
+    let dw = upload(gpu, &encode(&weight, wt));
+    let db = upload(gpu, &encode(&bias, wt));
+    let dg = upload(gpu, &encode(&gate, xt));
+    let dout = poisoned(gpu, out_bytes);
+    let dscales = poisoned(gpu, scale_bytes);
+    let buffers = NormBuffers {
+        x: &dx,
+        residual: with_residual.then_some(&dres),
+        weight: inputs.weight.map(|_| &dw),
+        bias: inputs.bias.map(|_| &db),
+        gate: inputs.gate.map(|_| &dg),
+        out: &dout,
+        scales: (scale_bytes > 0).then_some(&dscales),
+    };
+    let label = format!("{call:?} {variant:?} residual={with_residual}");
+    norm(gpu, &call, buffers, Some(variant)).unwrap_or_else(|e| panic!("{label}: {e}"));
+    gpu.synchronize().unwrap_or_else(|e| panic!("{label}: {e}"));
+
+    let got_out = dout.to_host_bytes().unwrap();
+    let (want_out, want_scales) = match (&s.out, &want.quantized) {
+        (NormOutput::Float(dtype), _) => (encode(&want.y, FloatType::of(*dtype, "test").unwrap()), Vec::new()),
+        (_, Some(Quantized::Int8 { codes, scales })) => (
+            codes.iter().map(|&c| c as u8).collect(),
+            scales.iter().flat_map(|s| s.to_le_bytes()).collect(),
+        ),
+        (_, Some(Quantized::Nvfp4 { packed, scales })) => (packed.clone(), scales.clone()),
+        (_, Some(Quantized::Fp8E4m3 { codes })) => (codes.clone(), Vec::new()),
+        (_, None) => panic!("{label}: the reference returned no quantized output"),
+    };
+    if let Some(i) = first_difference(&want_out, &got_out[..want_out.len()]) {
+        panic!("{label}: output byte {i} differs: want {:#04x}, got {:#04x}", want_out[i], got_out[i]);
+    }
+    if scale_bytes > 0 {
+        let got = dscales.to_host_bytes().unwrap();
+        if let Some(i) = first_difference(&want_scales, &got[..want_scales.len()]) {
+            panic!("{label}: scale byte {i} differs: want {:#04x}, got {:#04x}", want_scales[i], got[i]);
+        }
+    }
+    if let Some(res) = &want.residual {
+        let got = dres.to_host_bytes().unwrap();
+        let want = encode(res, xt);
+        if let Some(i) = first_difference(&want, &got) {
+            panic!("{label}: residual byte {i} differs");
+        }
+    }
+}
+
+fn gpu() -> std::sync::Arc<Gpu> {
+    Gpu::open(0).expect("these tests need a CUDA GPU (device 0)")
+}
+
+/// Ragged shapes: rows 1 to 8192, hidden sizes that are and are not multiples of 256, up to 16384.
+const SHAPES: &[(usize, usize)] =
+    &[(1, 4096), (3, 1000), (7, 16), (64, 2056), (5, 16_384), (8192, 256), (129, 4104), (2, 8192)];
+
+#[test]
+fn every_variant_matches_the_reference() {
+    let gpu = gpu();
+    let mut rng = Rng::fresh();
+    let spec: NormSpec = RmsNorm::llama(1e-5, DType::BF16).into();
+    let mut tested = 0;
+    for &variant in NORM_VARIANTS {
+        for &(rows, hidden) in SHAPES {
+            let call = NormCall { spec, rows, hidden, x_type: DType::BF16, weight_type: DType::BF16 };
+            if call.validate(variant).is_ok() {
+                check(&gpu, &mut rng, call, variant);
+                tested += 1;
+            }
+        }
+    }
+    assert!(tested >= NORM_VARIANTS.len() * 3, "only {tested} variant/shape pairs served");
+}
+
+fn flavors() -> Vec<NormSpec> {
+    let rms = RmsNorm::llama(1e-6, DType::BF16);
+    let single = RmsNorm { rounding: RmsNormRounding::Single, ..rms };
+    let layer = LayerNorm { eps: 1e-5, weight: WeightMode::Plain, bias: true, groups: 1, out: NormOutput::Float(DType::BF16) };
+    vec![
+        rms.into(),
+        RmsNorm { weight: WeightMode::OnePlus, ..single }.into(),
+        RmsNorm { weight: WeightMode::None, ..single }.into(),
+        RmsNorm { bias: true, ..single }.into(),
+        RmsNorm { gate: Some(Gate::Before), groups: 4, ..rms }.into(),
+        RmsNorm { gate: Some(Gate::After), ..single }.into(),
+        RmsNorm { groups: 8, ..rms }.into(),
+        RmsNorm { out: NormOutput::Quantized(Quantizer::Int8), ..rms }.into(),
+        RmsNorm { out: NormOutput::Quantized(Quantizer::Nvfp4 { global_scale: 448.0 * 6.0 / 3.0 }), ..rms }.into(),
+        RmsNorm { out: NormOutput::Quantized(Quantizer::Fp8E4m3 { scale: 1.0 / 64.0 }), ..single }.into(),
+        layer.into(),
+        LayerNorm { weight: WeightMode::OnePlus, bias: false, ..layer }.into(),
+        LayerNorm { out: NormOutput::Quantized(Quantizer::Int8), ..layer }.into(),
+    ]
+}
+
+#[test]
+fn every_flavor_and_dtype_matches_the_reference() {
+    let gpu = gpu();
+    let mut rng = Rng::fresh();
+    let types = [DType::BF16, DType::F16, DType::F32];
+    for spec in flavors() {
+        for (i, &x_type) in types.iter().enumerate() {
+            let weight_type = types[(i + 1) % 3];
+            let mut spec = spec;
+            if let NormOutput::Float(_) = spec.out {
+                spec.out = NormOutput::Float(types[(i + 2) % 3]);
+            }
+            for &(rows, hidden) in &[(3usize, 1024usize), (17, 4352), (2, 16_384)] {
+                let call = NormCall { spec, rows, hidden, x_type, weight_type };
+                let variant = NormVariant::default_for(call.segment_len());
+                check(&gpu, &mut rng, call, variant);
+                let other = NORM_VARIANTS.iter().rev().find(|v| **v != variant && call.validate(**v).is_ok());
+                if let Some(&other) = other {
+                    check(&gpu, &mut rng, call, other);
+                }
+            }
+        }
+    }
+}
