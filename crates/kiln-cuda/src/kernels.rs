@@ -1,0 +1,54 @@
+//! The registry of every kernel source. A kernel family adds its entry to [`ALL`]; the compile
+//! check (`tests/kernels_compile.rs`) compiles each for every supported architecture and each of
+//! its define sets, and fails on an error, a warning, or a register spill.
+
+use crate::compile::KernelSource;
+
+/// Conversions between f32 and bf16, fp16, fp8 (bit-exact with the CPU reference).
+pub const CONVERT: KernelSource = KernelSource {
+    name: "convert",
+    source: include_str!("../kernels/convert.cu"),
+    define_sets: &[&[]],
+    fmad: false,
+};
+
+/// Streaming 16-byte copy and a 32-bit fill.
+pub const COPY: KernelSource = KernelSource {
+    name: "copy",
+    source: include_str!("../kernels/copy.cu"),
+    define_sets: &[&[], &[("UNROLL", "1")], &[("UNROLL", "8")]],
+    fmad: true,
+};
+
+/// The norm family (RMSNorm, LayerNorm, residual, gates, groups, quantized outputs); its
+/// determinism primitives (`deterministic.cuh`) are prepended.
+pub const NORM: KernelSource = KernelSource {
+    name: "norm",
+    source: concat!(include_str!("../kernels/deterministic.cuh"), include_str!("../kernels/norm.cu")),
+    define_sets: &[
+        &[
+            ("KIND", "0"), ("X_T", "2"), ("W_T", "2"), ("OUT_T", "2"), ("WEIGHT", "0"), ("HAS_BIAS", "0"),
+            ("HAS_RESIDUAL", "1"), ("HF_ROUNDING", "1"), ("GATE", "0"), ("WARPS_PER_ROW", "1"),
+            ("ROWS_PER_BLOCK", "4"), ("UNITS_PER_WARP", "16"),
+        ],
+        &[
+            ("KIND", "1"), ("X_T", "0"), ("W_T", "1"), ("OUT_T", "4"), ("WEIGHT", "1"), ("HAS_BIAS", "1"),
+            ("HAS_RESIDUAL", "1"), ("HF_ROUNDING", "0"), ("GATE", "0"), ("WARPS_PER_ROW", "4"),
+            ("ROWS_PER_BLOCK", "1"), ("UNITS_PER_WARP", "4"),
+        ],
+        &[
+            ("KIND", "0"), ("X_T", "1"), ("W_T", "0"), ("OUT_T", "3"), ("WEIGHT", "0"), ("HAS_BIAS", "0"),
+            ("HAS_RESIDUAL", "0"), ("HF_ROUNDING", "1"), ("GATE", "1"), ("WARPS_PER_ROW", "8"),
+            ("ROWS_PER_BLOCK", "1"), ("UNITS_PER_WARP", "2"),
+        ],
+        &[
+            ("KIND", "0"), ("X_T", "2"), ("W_T", "2"), ("OUT_T", "5"), ("WEIGHT", "2"), ("HAS_BIAS", "0"),
+            ("HAS_RESIDUAL", "0"), ("HF_ROUNDING", "0"), ("GATE", "2"), ("WARPS_PER_ROW", "2"),
+            ("ROWS_PER_BLOCK", "2"), ("UNITS_PER_WARP", "1"),
+        ],
+    ],
+    fmad: false,
+};
+
+/// Every kernel source of Kiln.
+pub const ALL: &[KernelSource] = &[CONVERT, COPY, NORM];

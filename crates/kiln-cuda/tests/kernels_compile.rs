@@ -1,0 +1,68 @@
+//! The kernel compile check: every kernel of the registry, with every declared define set, through
+//! NVRTC for every supported architecture. Fails on a compile error, a warning, a register spill
+//! or a stack frame, and fails (never skips) when NVRTC cannot be found: CI installs the
+//! `nvidia-cuda-nvrtc` wheel and points `KILN_NVRTC_PATH` at it (see `scripts/test`).
+
+use kiln_cuda::{compile_only, kernels, Arch};
+
+#[test]
+fn every_kernel_compiles_for_every_architecture_without_warnings_or_spills() {
+    let version = match kiln_cuda::nvrtc_version() {
+        Ok(v) => v,
+        Err(e) => panic!("the kernel compile check needs NVRTC: {e}"),
+    };
+    eprintln!("NVRTC {}.{}", version.0, version.1);
+    let mut failures = Vec::new();
+    let mut compiled = 0;
+    for kernel in kernels::ALL {
+        assert!(!kernel.define_sets.is_empty(), "{}: declares no define set", kernel.name);
+        for arch in Arch::SUPPORTED {
+            for defines in kernel.define_sets {
+                let what = format!("{} {arch} {defines:?}", kernel.name);
+                let image = match compile_only(kernel, arch, defines) {
+                    Ok(image) => image,
+                    Err(e) => {
+                        failures.push(format!("{what}: {e}"));
+                        continue;
+                    }
+                };
+                compiled += 1;
+                for warning in image.warnings() {
+                    failures.push(format!("{what}: {warning}"));
+                }
+                if image.resources.is_empty() {
+                    failures.push(format!("{what}: no ptxas report in the log:\n{}", image.log));
+                }
+                for r in &image.resources {
+                    if r.spill_store_bytes > 0 || r.spill_load_bytes > 0 || r.stack_frame_bytes > 0 {
+                        failures.push(format!(
+                            "{what}: {} spills ({} bytes stores, {} bytes loads, {} bytes stack frame)",
+                            r.function, r.spill_store_bytes, r.spill_load_bytes, r.stack_frame_bytes
+                        ));
+                    }
+                    eprintln!("{what}: {} {} registers", r.function, r.registers);
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "kernel compile check failed:\n{}", failures.join("\n"));
+    assert!(compiled >= kernels::ALL.len() * Arch::SUPPORTED.len());
+}
+
+#[test]
+fn a_compile_error_carries_the_log_and_options() {
+    let broken = kiln_cuda::KernelSource {
+        name: "broken",
+        source: "#include \"kiln_prelude.cuh\"\nextern \"C\" __global__ void f() { undeclared_name = 1; }\n",
+        define_sets: &[&[]],
+        fmad: true,
+    };
+    match compile_only(&broken, Arch(90), &[]) {
+        Err(kiln_core::Error::Compile { kernel, options, log }) => {
+            assert_eq!(kernel, "broken");
+            assert!(options.contains(&"--gpu-architecture=sm_90".to_owned()), "{options:?}");
+            assert!(log.contains("undeclared_name"), "{log}");
+        }
+        other => panic!("expected a compile error, got {other:?}"),
+    }
+}
