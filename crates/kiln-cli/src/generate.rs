@@ -1,0 +1,185 @@
+//! `kiln generate`: stream a model's continuation of a prompt to stdout.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::{Args, ValueEnum};
+use kiln_core::ops::sample::SamplingParams;
+use kiln_core::{Error, Result};
+use kiln_engine::chat::{render_with, ChatMessage};
+use kiln_engine::fetch::{self, DEFAULT_MODEL};
+use kiln_engine::generate::{generate, GenerateOptions, StopReason};
+use kiln_engine::models::load_path;
+
+use crate::pull::BarProgress;
+
+/// Where the model runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DeviceChoice {
+    /// The CPU, every core (rayon).
+    Cpu,
+    /// The first CUDA GPU.
+    Cuda,
+}
+
+/// Arguments of `kiln generate`.
+#[derive(Debug, Args)]
+pub struct GenerateArgs {
+    /// A GGUF file, or a known model name fetched into the cache on first use.
+    #[arg(long, short, default_value = DEFAULT_MODEL)]
+    pub model: String,
+    /// The prompt; `-` reads it from standard input.
+    #[arg(long, short)]
+    pub prompt: String,
+    /// Wrap the prompt as a user message in the model's chat template.
+    #[arg(long)]
+    pub chat: bool,
+    /// A system message for `--chat` (default: the template's own).
+    #[arg(long, requires = "chat")]
+    pub system: Option<String>,
+    /// The most tokens to generate.
+    #[arg(long, short = 'n', default_value_t = 256)]
+    pub max_tokens: usize,
+    /// Sampling temperature; 0 is greedy (the most likely token each step).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Keep only the k most likely tokens (0: all).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: u32,
+    /// Keep the smallest set of most likely tokens holding this share of the probability.
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Drop tokens less likely than this share of the most likely one.
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
+    /// Divide positive (multiply negative) logits of tokens already seen.
+    #[arg(long, default_value_t = 1.0)]
+    pub repetition_penalty: f32,
+    /// Subtract from the logit of every token already seen.
+    #[arg(long, default_value_t = 0.0)]
+    pub presence_penalty: f32,
+    /// Subtract this times the count of each token already seen.
+    #[arg(long, default_value_t = 0.0)]
+    pub frequency_penalty: f32,
+    /// Seed of the sampler: the same seed, prompt and flags give the same tokens.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Where to run.
+    #[arg(long, value_enum, default_value_t = DeviceChoice::Cpu)]
+    pub device: DeviceChoice,
+    /// CPU threads (default: every core).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Print the token ids (one line, after the text) for scripts.
+    #[arg(long)]
+    pub print_ids: bool,
+}
+
+fn read_prompt(prompt: &str) -> Result<String> {
+    if prompt != "-" {
+        return Ok(prompt.to_string());
+    }
+    let mut text = String::new();
+    std::io::Read::read_to_string(&mut std::io::stdin(), &mut text)
+        .map_err(|e| Error::io(PathBuf::from("<stdin>"), e))?;
+    Ok(text)
+}
+
+pub fn run(args: GenerateArgs) -> Result<ExitCode> {
+    if args.device == DeviceChoice::Cuda {
+        return Err(Error::NotServed {
+            op: "kiln generate --device cuda",
+            reason: "generation on the GPU is not served yet; use --device cpu".into(),
+        });
+    }
+    if let Some(threads) = args.threads {
+        if threads == 0 {
+            return Err(Error::InvalidArgument {
+                name: "--threads",
+                value: "0".into(),
+                reason: "at least one thread".into(),
+            });
+        }
+        // The global pool can be set once per process; this is the first use.
+        let _ = rayon::ThreadPoolBuilder::new().num_threads(threads).build_global();
+    }
+    let sampling = SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        min_p: args.min_p,
+        repetition_penalty: args.repetition_penalty,
+        presence_penalty: args.presence_penalty,
+        frequency_penalty: args.frequency_penalty,
+        seed: args.seed,
+    };
+    sampling.validate()?;
+    let prompt_text = read_prompt(&args.prompt)?;
+
+    let path = fetch::resolve_model(&args.model, &mut BarProgress::new())?;
+    let load_started = Instant::now();
+    let (model, tokenizer) = load_path(&path)?;
+    let load_time = load_started.elapsed();
+    tracing::debug!(config = ?model.config(), "model loaded");
+
+    let (text, add_special) = if args.chat {
+        let mut messages = Vec::new();
+        if let Some(system) = &args.system {
+            messages.push(ChatMessage::new("system", system.clone()));
+        }
+        messages.push(ChatMessage::new("user", prompt_text));
+        (render_with(&tokenizer, &messages, true)?, false)
+    } else {
+        (prompt_text, true)
+    };
+    let prompt = tokenizer.encode(&text, add_special)?;
+    let options = GenerateOptions {
+        max_tokens: args.max_tokens,
+        sampling,
+        stop_tokens: tokenizer.eos_ids().to_vec(),
+        prefill_chunk: 256,
+    };
+
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    let mut stream = tokenizer.stream();
+    let mut broken_pipe = false;
+    let generation = generate(&model, &prompt, &options, &mut |token| {
+        let piece = stream.step(token)?;
+        match out.write_all(piece.as_bytes()).and_then(|()| out.flush()) {
+            Ok(()) => Ok(true),
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
+                broken_pipe = true;
+                Ok(false)
+            }
+            Err(e) => Err(Error::io(PathBuf::from("<stdout>"), e)),
+        }
+    })?;
+    if broken_pipe {
+        return Ok(ExitCode::SUCCESS);
+    }
+    let tail = stream.finish();
+    let _ = writeln!(out, "{tail}");
+    if args.print_ids {
+        let ids: Vec<String> = generation.tokens.iter().map(u32::to_string).collect();
+        let _ = writeln!(out, "ids: {}", ids.join(" "));
+    }
+    let stop = match generation.stop {
+        StopReason::StopToken(t) => format!("stop token {t}"),
+        StopReason::MaxTokens => "max tokens".into(),
+        StopReason::ContextFull => "context full".into(),
+        StopReason::Caller => "stopped".into(),
+    };
+    eprintln!(
+        "kiln: {} | load {:.2} s | prompt {} tokens, {:.1} tok/s | decode {} tokens, {:.1} tok/s | {stop}",
+        path.display(),
+        load_time.as_secs_f64(),
+        generation.prompt_tokens,
+        generation.prompt_tokens_per_second(),
+        generation.tokens.len(),
+        generation.decode_tokens_per_second(),
+    );
+    Ok(ExitCode::SUCCESS)
+}
