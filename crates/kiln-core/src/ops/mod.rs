@@ -1,5 +1,6 @@
 //! The CPU reference operations: the specification every GPU kernel matches.
 
+pub mod lm_head;
 pub mod norm;
 pub mod primitives;
 pub mod quantize;
