@@ -1,0 +1,198 @@
+//! `kiln bench norm`: the norm kernel's achieved bandwidth against the device-to-device copy
+//! ceiling measured in the same run, and against PyTorch (`bench/peers/norm.py`, whose JSON
+//! output `--peer` reads).
+//!
+//! Timing: CUDA events around batches of launches, warm-up first, the median of the batches;
+//! each launch reads a different input set, rotated so that the sets together exceed the L2
+//! cache twice over. Bytes counted: every input read once (x, residual, weight), every output
+//! written once (out, scales, the updated residual).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use kiln_core::ops::norm::{LayerNorm, NormOutput, NormSpec, RmsNorm, WeightMode};
+use kiln_core::ops::primitives::f32_to_bf16_bits;
+use kiln_core::ops::quantize::Quantizer;
+use kiln_core::{DType, Error, Result};
+use kiln_cuda::cudarc::driver::sys::CUevent_flags;
+use kiln_cuda::ops::norm::{norm, NormBuffers, NormCall};
+use kiln_cuda::runtime::driver_error;
+use kiln_cuda::{DeviceMemory, Gpu};
+
+/// Arguments of `kiln bench norm`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct BenchNormArgs {
+    /// JSON written by `bench/peers/norm.py` (case -> shape -> microseconds), for the ratio column.
+    #[arg(long)]
+    pub peer: Option<PathBuf>,
+    /// Batches timed per case (the median is reported).
+    #[arg(long, default_value_t = 30)]
+    pub batches: usize,
+    /// Launches per batch.
+    #[arg(long, default_value_t = 20)]
+    pub launches: usize,
+}
+
+/// The benchmarked cases: name, spec, whether the residual is added.
+fn cases() -> Vec<(&'static str, NormSpec, bool)> {
+    let rms = RmsNorm::llama(1e-5, DType::BF16);
+    let layer = LayerNorm {
+        eps: 1e-5,
+        weight: WeightMode::Plain,
+        bias: true,
+        groups: 1,
+        out: NormOutput::Float(DType::BF16),
+    };
+    vec![
+        ("rms_norm", rms.into(), false),
+        ("rms_norm_residual", rms.into(), true),
+        ("rms_norm_int8", RmsNorm { out: NormOutput::Quantized(Quantizer::Int8), ..rms }.into(), false),
+        (
+            "rms_norm_nvfp4",
+            RmsNorm { out: NormOutput::Quantized(Quantizer::Nvfp4 { global_scale: 448.0 }), ..rms }.into(),
+            false,
+        ),
+        ("layer_norm", layer.into(), false),
+    ]
+}
+
+/// The shapes of the table (rows, hidden), bf16.
+pub const SHAPES: &[(usize, usize)] = &[(1, 4096), (2048, 4096), (8192, 8192)];
+
+fn timed(
+    gpu: &Gpu,
+    batches: usize,
+    launches: usize,
+    mut launch: impl FnMut(usize) -> Result<()>,
+) -> Result<f64> {
+    let ctx = gpu.context();
+    let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
+    for i in 0..launches.max(3) {
+        launch(i)?;
+    }
+    let mut per_launch_us = Vec::with_capacity(batches);
+    let mut counter = 0;
+    for _ in 0..batches {
+        let start = ctx.new_event(flags).map_err(|e| driver_error("cuEventCreate", e))?;
+        let end = ctx.new_event(flags).map_err(|e| driver_error("cuEventCreate", e))?;
+        start.record(gpu.stream()).map_err(|e| driver_error("cuEventRecord", e))?;
+        for _ in 0..launches {
+            launch(counter)?;
+            counter += 1;
+        }
+        end.record(gpu.stream()).map_err(|e| driver_error("cuEventRecord", e))?;
+        let ms = start.elapsed_ms(&end).map_err(|e| driver_error("cuEventElapsedTime", e))?;
+        per_launch_us.push(f64::from(ms) * 1000.0 / launches as f64);
+    }
+    per_launch_us.sort_by(f64::total_cmp);
+    Ok(per_launch_us[per_launch_us.len() / 2])
+}
+
+/// Random bf16 bytes in [-2, 2) (never zeros: they can run faster than real data).
+fn random_bf16(bytes: usize, seed: &mut u64) -> Vec<u8> {
+    let mut out = Vec::with_capacity(bytes);
+    while out.len() < bytes {
+        *seed ^= *seed << 13;
+        *seed ^= *seed >> 7;
+        *seed ^= *seed << 17;
+        let v = ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0;
+        out.extend_from_slice(&f32_to_bf16_bits(v).to_le_bytes());
+    }
+    out.truncate(bytes);
+    out
+}
+
+fn device(gpu: &Gpu, bytes: &[u8]) -> Result<DeviceMemory> {
+    let m = gpu.alloc(bytes.len().max(1))?;
+    m.copy_from_host(0, bytes)?;
+    Ok(m)
+}
+
+/// Runs the benchmark and prints the table.
+pub fn run(args: &BenchNormArgs) -> Result<()> {
+    let gpu = Gpu::open(0)?;
+    let peer: BTreeMap<String, BTreeMap<String, f64>> = match &args.peer {
+        Some(path) => {
+            let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+            serde_json::from_str(&text).map_err(|e| Error::InvalidArgument {
+                name: "--peer",
+                value: path.display().to_string(),
+                reason: format!("not the JSON of bench/peers/norm.py: {e}"),
+            })?
+        }
+        None => BTreeMap::new(),
+    };
+    let l2 = gpu.facts().l2_cache_bytes as usize;
+
+    // The copy ceiling: a large device-to-device copy, bytes read plus bytes written.
+    let copy_bytes = 512 << 20;
+    let (src, dst) = (gpu.alloc(copy_bytes)?, gpu.alloc(copy_bytes)?);
+    src.fill_bytes(0x3C)?;
+    let copy_us = timed(&gpu, args.batches, 5, |_| dst.copy_from_device(&src))?;
+    let ceiling_gbs = 2.0 * copy_bytes as f64 / copy_us / 1e3;
+    println!("device: {} ({}), copy ceiling {:.0} GB/s", gpu.facts().name, gpu.arch(), ceiling_gbs);
+    println!(
+        "{:<20} {:>12} {:>10} {:>9} {:>9} {:>10} {:>12}",
+        "case", "shape", "time_us", "GB/s", "%copy", "torch_us", "speedup"
+    );
+
+    let mut seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(1)
+        | 1;
+    for &(rows, hidden) in SHAPES {
+        for (name, spec, residual) in cases() {
+            let call = NormCall { spec, rows, hidden, x_type: DType::BF16, weight_type: DType::BF16 };
+            let (x_bytes, w_bytes, out_bytes, scale_bytes) = call.buffer_bytes()?;
+            let set_bytes = x_bytes * if residual { 3 } else { 1 } + out_bytes + scale_bytes;
+            let sets = (2 * l2).div_ceil(set_bytes).clamp(2, 64);
+            let xs = (0..sets)
+                .map(|_| device(&gpu, &random_bf16(x_bytes, &mut seed)))
+                .collect::<Result<Vec<_>>>()?;
+            let residuals = if residual {
+                (0..sets)
+                    .map(|_| device(&gpu, &random_bf16(x_bytes, &mut seed)))
+                    .collect::<Result<Vec<_>>>()?
+            } else {
+                Vec::new()
+            };
+            let outs = (0..sets).map(|_| gpu.alloc(out_bytes)).collect::<Result<Vec<_>>>()?;
+            let scales = (0..sets).map(|_| gpu.alloc(scale_bytes.max(1))).collect::<Result<Vec<_>>>()?;
+            let weight = device(&gpu, &random_bf16(w_bytes, &mut seed))?;
+            let bias = device(&gpu, &random_bf16(w_bytes, &mut seed))?;
+            let us = timed(&gpu, args.batches, args.launches, |i| {
+                let k = i % sets;
+                let buffers = NormBuffers {
+                    x: &xs[k],
+                    residual: residuals.get(k),
+                    weight: Some(&weight),
+                    bias: spec.bias.then_some(&bias),
+                    gate: None,
+                    out: &outs[k],
+                    scales: (scale_bytes > 0).then_some(&scales[k]),
+                };
+                norm(&gpu, &call, buffers, None)
+            })?;
+            let moved = x_bytes
+                + w_bytes * if spec.bias { 2 } else { 1 }
+                + out_bytes
+                + scale_bytes
+                + if residual { 2 * x_bytes } else { 0 };
+            let gbs = moved as f64 / us / 1e3;
+            let shape = format!("{rows}x{hidden}");
+            let torch = peer.get(name).and_then(|m| m.get(&shape)).copied();
+            println!(
+                "{:<20} {:>12} {:>10.2} {:>9.0} {:>8.1}% {:>10} {:>12}",
+                name,
+                shape,
+                us,
+                gbs,
+                100.0 * gbs / ceiling_gbs,
+                torch.map_or("-".to_owned(), |t| format!("{t:.2}")),
+                torch.map_or("-".to_owned(), |t| format!("{:.2}x", t / us)),
+            );
+        }
+    }
+    Ok(())
+}
