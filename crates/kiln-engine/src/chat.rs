@@ -16,7 +16,7 @@
 //! ```
 
 use kiln_core::{Error, Result};
-use minijinja::value::{Kwargs, Value};
+use minijinja::value::{Kwargs, Value, ValueKind};
 use minijinja::{Environment, ErrorKind};
 use serde::Serialize;
 
@@ -102,7 +102,8 @@ fn environment() -> Environment<'static> {
     env
 }
 
-/// `tojson` as Hugging Face defines it: `json.dumps(value, ensure_ascii=False, indent=indent)`.
+/// `tojson` as Hugging Face defines it: `json.dumps(value, ensure_ascii=False, indent=indent)`,
+/// keys in their order (Python dicts keep insertion order; minijinja's `preserve_order` does too).
 fn tojson(
     value: &Value,
     indent: Option<usize>,
@@ -113,17 +114,19 @@ fn tojson(
         None => indent,
     };
     kwargs.assert_all_used()?;
-    let json = serde_json::to_value(value)
-        .map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
     let mut out = String::new();
-    write_python_json(&json, indent, 0, &mut out);
+    write_python_json(value, indent, 0, &mut out)?;
     Ok(Value::from_safe_string(out))
 }
 
 /// Writes `value` as Python's `json.dumps` does: `", "` and `": "` separators without indent,
 /// `","` and newlines with it.
-fn write_python_json(value: &serde_json::Value, indent: Option<usize>, depth: usize, out: &mut String) {
-    use serde_json::Value as J;
+fn write_python_json(
+    value: &Value,
+    indent: Option<usize>,
+    depth: usize,
+    out: &mut String,
+) -> std::result::Result<(), minijinja::Error> {
     let newline = |out: &mut String, depth: usize| {
         if let Some(width) = indent {
             out.push('\n');
@@ -131,35 +134,37 @@ fn write_python_json(value: &serde_json::Value, indent: Option<usize>, depth: us
         }
     };
     let separator = if indent.is_some() { "," } else { ", " };
-    match value {
-        J::Array(items) if !items.is_empty() => {
-            out.push('[');
-            for (i, item) in items.iter().enumerate() {
+    let json_error =
+        |e: serde_json::Error| minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}"));
+    match value.kind() {
+        ValueKind::Seq | ValueKind::Map | ValueKind::Iterable => {
+            let is_map = value.kind() == ValueKind::Map;
+            let (open, close) = if is_map { ('{', '}') } else { ('[', ']') };
+            out.push(open);
+            let mut empty = true;
+            for (i, item) in value.try_iter()?.enumerate() {
+                empty = false;
                 if i > 0 {
                     out.push_str(separator);
                 }
                 newline(out, depth + 1);
-                write_python_json(item, indent, depth + 1, out);
-            }
-            newline(out, depth);
-            out.push(']');
-        }
-        J::Object(map) if !map.is_empty() => {
-            out.push('{');
-            for (i, (key, item)) in map.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(separator);
+                if is_map {
+                    let key = item.as_str().map_or_else(|| item.to_string(), str::to_string);
+                    out.push_str(&serde_json::to_string(&key).map_err(json_error)?);
+                    out.push_str(": ");
+                    write_python_json(&value.get_item(&item)?, indent, depth + 1, out)?;
+                } else {
+                    write_python_json(&item, indent, depth + 1, out)?;
                 }
-                newline(out, depth + 1);
-                out.push_str(&J::String(key.clone()).to_string());
-                out.push_str(": ");
-                write_python_json(item, indent, depth + 1, out);
             }
-            newline(out, depth);
-            out.push('}');
+            if !empty {
+                newline(out, depth);
+            }
+            out.push(close);
         }
-        other => out.push_str(&other.to_string()),
+        _ => out.push_str(&serde_json::to_string(value).map_err(json_error)?),
     }
+    Ok(())
 }
 
 fn unix_seconds() -> i64 {

@@ -183,7 +183,11 @@ enum Encoder {
     /// A `tokenizer.json`; its post-processor adds BOS/EOS.
     Json(Box<tokenizers::Tokenizer>),
     /// SentencePiece-style BPE, with the special tokens matched before it runs.
-    SentencePiece { model: SentencePiece, specials: Option<(AhoCorasick, Vec<u32>)>, add_space_prefix: bool },
+    SentencePiece {
+        model: Box<SentencePiece>,
+        specials: Option<(AhoCorasick, Vec<u32>)>,
+        add_space_prefix: bool,
+    },
 }
 
 /// A tokenizer: encodes text to token ids and decodes ids to text.
@@ -346,7 +350,7 @@ impl Tokenizer {
                         .map_err(|e| tokenizer_error(format!("special tokens cannot be matched: {e}")))?;
                     Some((matcher, special_ids.clone()))
                 };
-                let model = SentencePiece::new(token_to_id, scores, byte_ids, spec.unk_id);
+                let model = Box::new(SentencePiece::new(token_to_id, scores, byte_ids, spec.unk_id));
                 let encoder =
                     Encoder::SentencePiece { model, specials, add_space_prefix: spec.add_space_prefix };
                 (encoder, pieces, spec.add_space_prefix)
