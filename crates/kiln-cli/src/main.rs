@@ -1,22 +1,26 @@
-//! `kiln`: run large language models on NVIDIA GPUs and on any CPU.
+//! `kiln`: run language models on NVIDIA GPUs and on any CPU.
 //!
-//! Each subcommand lives in its own module; adding one is a variant of [`Command`] and a line
-//! in [`dispatch`].
+//! Each subcommand lives in its own module with an `Args` struct and a `run` function returning
+//! the process's exit code; adding one is a variant in [`Command`] and a line in [`dispatch`].
+//!
+//! Exit codes: 0 success, 1 failure (the error and its causes are printed), 2 bad usage.
 
+mod bench;
 mod bench_norm;
-mod generate;
-mod logging;
-mod pull;
+mod doctor;
+mod output;
 
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use kiln_core::{Error, Result};
+use tracing_subscriber::filter::LevelFilter;
 
-/// Kiln runs large language models (GGUF, safetensors) on NVIDIA GPUs and on any CPU.
 #[derive(Debug, Parser)]
-#[command(name = "kiln", version, about, long_about = None, propagate_version = true)]
+#[command(name = "kiln", version, about = "Run language models on NVIDIA GPUs and on any CPU")]
 struct Cli {
-    /// More logging: -v debug, -vv trace and the whole error chain with its backtrace.
+    /// More logging: -v debug, -vv trace and the error's full structure. `KILN_LOG` sets the
+    /// level otherwise (debug, info, warn, error).
     #[arg(short, long, action = clap::ArgAction::Count, global = true)]
     verbose: u8,
     #[command(subcommand)]
@@ -25,40 +29,107 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Generate text from a prompt (fetches the default model on first use).
-    Generate(generate::GenerateArgs),
-    /// Fetch a known model into the cache.
-    Pull(pull::PullArgs),
-    /// Benchmarks against the hardware's ceiling and a peer.
+    /// Check the CUDA driver, NVRTC, the GPUs and the kernel cache; compile and run a kernel.
+    Doctor(doctor::DoctorArgs),
+    /// Benchmarks against the hardware ceiling and a peer.
     #[command(subcommand)]
-    Bench(BenchCommand),
+    Bench(bench::BenchCommand),
 }
 
-#[derive(Debug, Subcommand)]
-enum BenchCommand {
-    /// The norm kernels (RMSNorm, LayerNorm, residual, quantized outputs) on the GPU.
-    Norm(bench_norm::BenchNormArgs),
-}
-
-fn dispatch(command: Command) -> kiln_core::Result<ExitCode> {
+fn dispatch(command: &Command) -> Result<ExitCode> {
     match command {
-        Command::Generate(args) => generate::run(args),
-        Command::Pull(args) => pull::run(args),
-        Command::Bench(BenchCommand::Norm(args)) => bench_norm::run(&args).map(|()| ExitCode::SUCCESS),
+        Command::Doctor(args) => doctor::run(args),
+        Command::Bench(args) => bench::run(args),
     }
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    if let Err(e) = logging::init(cli.verbose) {
-        eprintln!("kiln: {e}");
-        return ExitCode::from(2);
+    if let Err(e) = init_logging(cli.verbose) {
+        print_error(&e, cli.verbose);
+        return ExitCode::FAILURE;
     }
-    match dispatch(cli.command) {
+    match dispatch(&cli.command) {
         Ok(code) => code,
         Err(e) => {
-            logging::report(&e, cli.verbose);
+            print_error(&e, cli.verbose);
             ExitCode::FAILURE
+        }
+    }
+}
+
+/// The level from `-v` flags, else `KILN_LOG`, else INFO; any other `KILN_LOG` value is refused.
+fn log_level(verbose: u8, kiln_log: Option<&str>) -> Result<LevelFilter> {
+    match verbose {
+        0 => {}
+        1 => return Ok(LevelFilter::DEBUG),
+        _ => return Ok(LevelFilter::TRACE),
+    }
+    match kiln_log {
+        None | Some("") | Some("info") => Ok(LevelFilter::INFO),
+        Some("debug") => Ok(LevelFilter::DEBUG),
+        Some("warn") => Ok(LevelFilter::WARN),
+        Some("error") => Ok(LevelFilter::ERROR),
+        Some(other) => Err(Error::BadSetting {
+            name: "KILN_LOG",
+            value: other.to_owned(),
+            allowed: "debug, info, warn, error",
+        }),
+    }
+}
+
+/// One handler, on stderr, so stdout stays for results.
+fn init_logging(verbose: u8) -> Result<()> {
+    let kiln_log = std::env::var("KILN_LOG").ok();
+    let level = log_level(verbose, kiln_log.as_deref())?;
+    tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_writer(std::io::stderr)
+        .with_target(verbose >= 2)
+        .init();
+    Ok(())
+}
+
+/// The error and each of its causes, one per line; with `-vv` also its full structure.
+fn print_error(error: &Error, verbose: u8) {
+    eprintln!("error: {error}");
+    let mut source = std::error::Error::source(error);
+    while let Some(cause) = source {
+        eprintln!("  caused by: {cause}");
+        source = cause.source();
+    }
+    if verbose >= 2 {
+        eprintln!("{error:#?}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kiln_log_accepts_the_four_levels_and_refuses_others_by_name() {
+        assert_eq!(log_level(0, None).ok(), Some(LevelFilter::INFO));
+        assert_eq!(log_level(0, Some("debug")).ok(), Some(LevelFilter::DEBUG));
+        assert_eq!(log_level(0, Some("warn")).ok(), Some(LevelFilter::WARN));
+        assert_eq!(log_level(0, Some("error")).ok(), Some(LevelFilter::ERROR));
+        assert_eq!(log_level(1, Some("error")).ok(), Some(LevelFilter::DEBUG));
+        assert_eq!(log_level(2, None).ok(), Some(LevelFilter::TRACE));
+        match log_level(0, Some("verbose")) {
+            Err(Error::BadSetting { name: "KILN_LOG", value, .. }) => assert_eq!(value, "verbose"),
+            other => panic!("expected BadSetting, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_command_line_parses() {
+        Cli::command_for_test();
+    }
+
+    impl Cli {
+        fn command_for_test() {
+            use clap::CommandFactory;
+            Cli::command().debug_assert();
         }
     }
 }

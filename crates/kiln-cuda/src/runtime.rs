@@ -95,7 +95,9 @@ pub fn require_libcuda() -> Result<()> {
 }
 
 fn probe_libcuda() -> LibraryProbe {
-    let candidates = cudarc::get_lib_name_candidates("cuda");
+    let mut candidates = cudarc::get_lib_name_candidates("cuda");
+    let mut seen = std::collections::HashSet::new();
+    candidates.retain(|name| seen.insert(name.clone()));
     let mut errors = Vec::new();
     for name in &candidates {
         // SAFETY: loading libcuda runs its initialisers, which have no preconditions; it is the
