@@ -1,5 +1,5 @@
 //! Kiln's tokenizers and chat templates against references Kiln did not write: ids from Python's
-//! `tokenizers` package (and llama.cpp, when the fixture holds its ids) and renderings from
+//! `tokenizers` package and llama.cpp (`llama-cpp-python`), and renderings from
 //! Python's `jinja2`, all made by `tests/fixtures/tokenizer/make_fixtures.py`.
 
 use std::path::{Path, PathBuf};
@@ -311,8 +311,7 @@ fn full_smollm2_vocabulary_matches_python_tokenizers() -> Result<()> {
     assert_encodes_like(&tokenizer, &cases("full_ids"), "full vocabulary")
 }
 
-/// The tokenizer of the real SmolLM2 GGUF against Python's `tokenizers` and, where the fixture
-/// holds them, llama.cpp's ids; and its chat template against jinja2.
+/// The tokenizer of the real SmolLM2 GGUF against Python's `tokenizers` and llama.cpp's ids; and its chat template against jinja2.
 /// Needs KILN_TEST_MODEL=.models/SmolLM2-135M-Instruct.Q4_1.gguf.
 #[test]
 #[ignore = "needs KILN_TEST_MODEL (SmolLM2-135M-Instruct.Q4_1.gguf)"]
@@ -323,10 +322,7 @@ fn smollm2_gguf_matches_references() -> Result<()> {
     assert_eq!(tokenizer.bos_id(), Some(1));
     assert_eq!(tokenizer.eos_ids(), [0, 2]);
     assert_encodes_like(&tokenizer, &cases("full_ids"), "SmolLM2 GGUF vs tokenizers")?;
-    let llama_cpp = cases("llama_cpp_ids");
-    if !llama_cpp.is_empty() {
-        assert_encodes_like(&tokenizer, &llama_cpp, "SmolLM2 GGUF vs llama.cpp")?;
-    }
+    assert_encodes_like(&tokenizer, &cases("llama_cpp_ids"), "SmolLM2 GGUF vs llama.cpp")?;
     let json = read_json(&fixture("chat-templates.json"));
     let smollm2 = &json["templates"][0];
     assert_eq!(smollm2["name"], "smollm2");
@@ -336,5 +332,38 @@ fn smollm2_gguf_matches_references() -> Result<()> {
         [ChatMessage::new("user", "What is the capital of France?"), ChatMessage::new("assistant", "Paris.")];
     let rendered = kiln_engine::chat::render_with(&tokenizer, &messages, false)?;
     assert_eq!(rendered, conversation["rendered"].as_str().unwrap_or_default());
+    Ok(())
+}
+
+#[test]
+fn tokenizer_json_takes_template_and_special_tokens_from_the_configs_beside_it() -> Result<()> {
+    let folder = std::env::temp_dir().join(format!("kiln-tokenizer-config-{}", std::process::id()));
+    std::fs::create_dir_all(&folder).map_err(|e| Error::io(&folder, e))?;
+    let path = folder.join("tokenizer.json");
+    std::fs::copy(fixture("smollm2-mini-tokenizer.json"), &path).map_err(|e| Error::io(&path, e))?;
+    let config = r#"{"bos_token": "<|im_start|>", "eos_token": {"content": "<|im_end|>"},
+        "chat_template": [{"name": "tool_use", "template": "x"}, {"name": "default", "template": "{{ bos_token }}"}]}"#;
+    std::fs::write(folder.join("tokenizer_config.json"), config).map_err(|e| Error::io(&folder, e))?;
+    std::fs::write(folder.join("generation_config.json"), r#"{"eos_token_id": [2, 5]}"#)
+        .map_err(|e| Error::io(&folder, e))?;
+    let tokenizer = Tokenizer::from_file(&path)?;
+    assert_eq!(tokenizer.chat_template(), Some("{{ bos_token }}"));
+    assert_eq!(tokenizer.bos_id(), Some(1));
+    assert_eq!(tokenizer.eos_id(), Some(2));
+    assert_eq!(tokenizer.eos_ids(), [0, 2, 5]);
+    assert_eq!(kiln_engine::chat::render_with(&tokenizer, &[], false)?, "<|im_start|>");
+
+    std::fs::write(folder.join("generation_config.json"), r#"{"eos_token_id": 999999}"#)
+        .map_err(|e| Error::io(&folder, e))?;
+    let reason = tokenizer_reason(Tokenizer::from_file(&path));
+    assert!(reason.starts_with("generation_config.json: eos_token_id 999999 is out of range"), "{reason}");
+
+    std::fs::write(&path, "{not json").map_err(|e| Error::io(&path, e))?;
+    let reason = tokenizer_reason(Tokenizer::from_file(&path));
+    assert!(reason.starts_with(&format!("{}: ", path.display())), "{reason}");
+    std::fs::remove_dir_all(&folder).map_err(|e| Error::io(&folder, e))?;
+
+    let missing = Tokenizer::from_file(folder.join("nowhere.json"));
+    assert!(matches!(missing, Err(Error::Io { .. })), "{missing:?}");
     Ok(())
 }
