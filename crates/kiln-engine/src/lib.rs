@@ -1,8 +1,9 @@
 //! `kiln-engine`: formats, tokenizers, models, KV cache, sampling and the generation loop.
 
-pub mod fetch;
-pub mod generate;
-pub mod models;
-pub mod formats;
 pub mod chat;
+pub mod fetch;
+pub mod formats;
+pub mod generate;
+pub mod kv;
+pub mod models;
 pub mod tokenizer;
