@@ -101,8 +101,7 @@ impl ModelConfig {
         let kv_heads = file.opt_u32(&key("attention.head_count_kv"))?.map_or(heads, |v| v as usize);
         let head_dim = match file.opt_u32(&key("attention.key_length"))? {
             Some(v) => v as usize,
-            None if heads > 0 => hidden / heads,
-            None => 0,
+            None => hidden.checked_div(heads).unwrap_or(0),
         };
         let vocab = match file.opt_u32(&key("vocab_size"))? {
             Some(v) => v as usize,
@@ -191,7 +190,7 @@ impl ModelConfig {
         let hidden = required("hidden_size")?;
         let heads = required("num_attention_heads")?;
         let kv_heads = usize_field("num_key_value_heads")?.unwrap_or(heads);
-        let head_dim = usize_field("head_dim")?.unwrap_or(if heads > 0 { hidden / heads } else { 0 });
+        let head_dim = usize_field("head_dim")?.unwrap_or(hidden.checked_div(heads).unwrap_or(0));
         let theta = f64_field("rope_theta")?.unwrap_or(10_000.0);
         let scaling = match field("rope_scaling") {
             None => RopeScaling::None,
