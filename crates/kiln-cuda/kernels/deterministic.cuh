@@ -93,7 +93,7 @@ __device__ __forceinline__ float kiln_exp_poly(float x) {
     p = __fmaf_rn(p, r, 8.333452e-3f);
     p = __fmaf_rn(p, r, 4.1665796e-2f);
     p = __fmaf_rn(p, r, 1.6666665e-1f);
-    p = __fmaf_rn(p, r, 5.0000001e-1f);
+    p = __fmaf_rn(p, r, 0.5f);
     float r2 = r * r;
     float y = __fmaf_rn(p, r2, r) + 1.0f;
     int ki = (int)k;

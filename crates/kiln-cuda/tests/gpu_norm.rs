@@ -5,7 +5,9 @@
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use kiln_core::ops::norm::{Gate, LayerNorm, NormInputs, NormOutput, NormSpec, RmsNorm, RmsNormRounding, WeightMode};
+use kiln_core::ops::norm::{
+    Gate, LayerNorm, NormInputs, NormOutput, NormSpec, RmsNorm, RmsNormRounding, WeightMode,
+};
 use kiln_core::ops::primitives::FloatType;
 use kiln_core::ops::quantize::{Quantized, Quantizer};
 use kiln_core::DType;
@@ -30,7 +32,9 @@ impl Rng {
     }
     /// Uniform in [lo, hi), rounded to `ty`.
     fn values(&mut self, len: usize, lo: f32, hi: f32, ty: FloatType) -> Vec<f32> {
-        (0..len).map(|_| ty.round(lo + (hi - lo) * ((self.next() >> 40) as f32 / (1u64 << 24) as f32))).collect()
+        (0..len)
+            .map(|_| ty.round(lo + (hi - lo) * ((self.next() >> 40) as f32 / (1u64 << 24) as f32)))
+            .collect()
     }
 }
 
@@ -103,11 +107,12 @@ fn check(gpu: &Gpu, rng: &mut Rng, call: NormCall, variant: NormVariant) {
 
     let got_out = dout.to_host_bytes().unwrap();
     let (want_out, want_scales) = match (&s.out, &want.quantized) {
-        (NormOutput::Float(dtype), _) => (encode(&want.y, FloatType::of(*dtype, "test").unwrap()), Vec::new()),
-        (_, Some(Quantized::Int8 { codes, scales })) => (
-            codes.iter().map(|&c| c as u8).collect(),
-            scales.iter().flat_map(|s| s.to_le_bytes()).collect(),
-        ),
+        (NormOutput::Float(dtype), _) => {
+            (encode(&want.y, FloatType::of(*dtype, "test").unwrap()), Vec::new())
+        }
+        (_, Some(Quantized::Int8 { codes, scales })) => {
+            (codes.iter().map(|&c| c as u8).collect(), scales.iter().flat_map(|s| s.to_le_bytes()).collect())
+        }
         (_, Some(Quantized::Nvfp4 { packed, scales })) => (packed.clone(), scales.clone()),
         (_, Some(Quantized::Fp8E4m3 { codes })) => (codes.clone(), Vec::new()),
         (_, None) => panic!("{label}: the reference returned no quantized output"),
@@ -159,7 +164,13 @@ fn every_variant_matches_the_reference() {
 fn flavors() -> Vec<NormSpec> {
     let rms = RmsNorm::llama(1e-6, DType::BF16);
     let single = RmsNorm { rounding: RmsNormRounding::Single, ..rms };
-    let layer = LayerNorm { eps: 1e-5, weight: WeightMode::Plain, bias: true, groups: 1, out: NormOutput::Float(DType::BF16) };
+    let layer = LayerNorm {
+        eps: 1e-5,
+        weight: WeightMode::Plain,
+        bias: true,
+        groups: 1,
+        out: NormOutput::Float(DType::BF16),
+    };
     vec![
         rms.into(),
         RmsNorm { weight: WeightMode::OnePlus, ..single }.into(),
@@ -169,7 +180,8 @@ fn flavors() -> Vec<NormSpec> {
         RmsNorm { gate: Some(Gate::After), ..single }.into(),
         RmsNorm { groups: 8, ..rms }.into(),
         RmsNorm { out: NormOutput::Quantized(Quantizer::Int8), ..rms }.into(),
-        RmsNorm { out: NormOutput::Quantized(Quantizer::Nvfp4 { global_scale: 448.0 * 6.0 / 3.0 }), ..rms }.into(),
+        RmsNorm { out: NormOutput::Quantized(Quantizer::Nvfp4 { global_scale: 448.0 * 6.0 / 3.0 }), ..rms }
+            .into(),
         RmsNorm { out: NormOutput::Quantized(Quantizer::Fp8E4m3 { scale: 1.0 / 64.0 }), ..single }.into(),
         layer.into(),
         LayerNorm { weight: WeightMode::OnePlus, bias: false, ..layer }.into(),

@@ -1,5 +1,7 @@
 //! The CPU reference operations: the specification every GPU kernel matches.
 
+pub mod attention;
+pub mod embedding;
 pub mod lm_head;
 pub mod norm;
 pub mod primitives;

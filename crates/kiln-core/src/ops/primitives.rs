@@ -74,7 +74,7 @@ pub fn exp_poly(x: f32) -> f32 {
     p = p.mul_add(r, 8.333_452e-3);
     p = p.mul_add(r, 4.166_579_6e-2);
     p = p.mul_add(r, 1.666_666_5e-1);
-    p = p.mul_add(r, 5.000_000_1e-1);
+    p = p.mul_add(r, 0.5);
     let r2 = r * r;
     let y = p.mul_add(r2, r) + 1.0;
     // 2^k split in two factors so that k = 128 and k = -126 stay representable.

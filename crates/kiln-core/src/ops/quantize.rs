@@ -108,6 +108,9 @@ pub fn block_amax(block: &[f32]) -> f32 {
 }
 
 /// INT8 codes and their per-block scale.
+// `max` then `min` rather than `clamp`: a NaN becomes -127 here as with CUDA's fmaxf / fminf,
+// where `clamp` would keep the NaN.
+#[allow(clippy::manual_clamp)]
 pub fn int8_block(block: &[f32], codes: &mut [i8]) -> f32 {
     let scale = block_amax(block) / 127.0;
     for (q, &y) in codes.iter_mut().zip(block) {

@@ -129,19 +129,26 @@ impl NormCall {
                 ),
             });
         }
-        if matches!(self.spec.out, NormOutput::Quantized(Quantizer::Int8 | Quantizer::Nvfp4 { .. })) && n % QUANT_BLOCK != 0
+        if matches!(self.spec.out, NormOutput::Quantized(Quantizer::Int8 | Quantizer::Nvfp4 { .. }))
+            && n % QUANT_BLOCK != 0
         {
             return Err(Error::NotServed {
                 op: "norm kernel",
-                reason: format!("block-quantized output of segments of {n} elements (needs a multiple of 16)"),
+                reason: format!(
+                    "block-quantized output of segments of {n} elements (needs a multiple of 16)"
+                ),
             });
         }
         if let NormOutput::Quantized(q) = self.spec.out {
             q.validate(self.hidden)?;
         }
-        if self.spec.kind == NormKind::Layer && (self.spec.gate.is_some() || self.spec.rounding != RmsNormRounding::Single)
+        if self.spec.kind == NormKind::Layer
+            && (self.spec.gate.is_some() || self.spec.rounding != RmsNormRounding::Single)
         {
-            return Err(Error::NotServed { op: "layer norm", reason: "LayerNorm has one rounding and no gate".into() });
+            return Err(Error::NotServed {
+                op: "layer norm",
+                reason: "LayerNorm has one rounding and no gate".into(),
+            });
         }
         variant.units_per_warp(n).ok_or_else(|| Error::NotServed {
             op: "norm kernel",
@@ -193,7 +200,11 @@ impl NormCall {
 
 fn check_len(what: &'static str, got: usize, want: usize) -> Result<()> {
     if got < want {
-        return Err(Error::ByteLength { what: format!("norm {what} buffer"), expected: want as u64, got: got as u64 });
+        return Err(Error::ByteLength {
+            what: format!("norm {what} buffer"),
+            expected: want as u64,
+            got: got as u64,
+        });
     }
     Ok(())
 }
@@ -210,7 +221,12 @@ fn check_presence(what: &'static str, present: bool, wanted: bool) -> Result<()>
 }
 
 /// Runs the norm `call` on `gpu`'s stream with `variant` (or the default for the shape).
-pub fn norm(gpu: &Gpu, call: &NormCall, buffers: NormBuffers<'_>, variant: Option<NormVariant>) -> Result<()> {
+pub fn norm(
+    gpu: &Gpu,
+    call: &NormCall,
+    buffers: NormBuffers<'_>,
+    variant: Option<NormVariant>,
+) -> Result<()> {
     let variant = variant.unwrap_or_else(|| NormVariant::default_for(call.segment_len()));
     let mut defines = call.defines(variant)?;
     let (x_bytes, w_bytes, out_bytes, scale_bytes) = call.buffer_bytes()?;
