@@ -91,12 +91,19 @@ struct CopyReport {
 
 /// The median and minimum time, microseconds, of `iterations` runs of `work` after `warmup`,
 /// each timed by CUDA events on the GPU's stream.
-pub fn time_us(gpu: &Gpu, warmup: usize, iterations: usize, mut work: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
+pub fn time_us(
+    gpu: &Gpu,
+    warmup: usize,
+    iterations: usize,
+    mut work: impl FnMut() -> Result<()>,
+) -> Result<(f64, f64)> {
     for _ in 0..warmup {
         work()?;
     }
     let event = || {
-        gpu.context().new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| driver_error("cuEventCreate", e))
+        gpu.context()
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|e| driver_error("cuEventCreate", e))
     };
     let (start, end) = (event()?, event()?);
     let mut times = Vec::with_capacity(iterations);
@@ -123,16 +130,31 @@ pub fn copy_ceiling(gpu: &Gpu, bytes: usize, warmup: usize, iterations: usize) -
 fn row(gpu: &Gpu, method: &str, bytes: usize, median_us: f64, min_us: f64) -> CopyRow {
     let gb_per_s = 2.0 * bytes as f64 / (median_us * 1e3);
     let peak = peak_gb_per_s(gpu);
-    CopyRow { method: method.into(), median_us, min_us, gb_per_s, fraction_of_peak: peak.map(|p| gb_per_s / p) }
+    CopyRow {
+        method: method.into(),
+        median_us,
+        min_us,
+        gb_per_s,
+        fraction_of_peak: peak.map(|p| gb_per_s / p),
+    }
 }
 
 fn peak_gb_per_s(gpu: &Gpu) -> Option<f64> {
     let facts = gpu.facts();
-    DeviceFile::for_arch(facts.arch).and_then(|f| f.peak_memory_bandwidth_bytes_per_s(&facts.name)).ok().map(|b| b / 1e9)
+    DeviceFile::for_arch(facts.arch)
+        .and_then(|f| f.peak_memory_bandwidth_bytes_per_s(&facts.name))
+        .ok()
+        .map(|b| b / 1e9)
 }
 
 /// Kiln's streaming copy kernel (16-byte accesses), for comparison with the driver's copy.
-fn kernel_copy(gpu: &Gpu, src: &DeviceMemory, dst: &DeviceMemory, warmup: usize, iterations: usize) -> Result<CopyRow> {
+fn kernel_copy(
+    gpu: &Gpu,
+    src: &DeviceMemory,
+    dst: &DeviceMemory,
+    warmup: usize,
+    iterations: usize,
+) -> Result<CopyRow> {
     let function = gpu.function(&kernels::COPY, "copy_vec16", &[])?;
     let n16 = (src.len_bytes() / 16) as u64;
     let blocks = gpu.facts().multiprocessors * 8;
@@ -156,7 +178,12 @@ fn copy(args: &CopyArgs) -> Result<ExitCode> {
     })?;
     let gpu = Gpu::open(args.gpu)?;
     let facts = gpu.facts().clone();
-    tracing::info!("copy bandwidth on {} ({}), {} per buffer", facts.name, facts.arch, output::bytes(bytes as u64));
+    tracing::info!(
+        "copy bandwidth on {} ({}), {} per buffer",
+        facts.name,
+        facts.arch,
+        output::bytes(bytes as u64)
+    );
     let mut rows = vec![copy_ceiling(&gpu, bytes, args.warmup, args.iterations)?];
     {
         let (src, dst) = (gpu.alloc(bytes)?, gpu.alloc(bytes)?);
@@ -219,7 +246,11 @@ fn markdown(report: &CopyReport) -> String {
     let _ = writeln!(s, "| --- | ---: | ---: | ---: | ---: |");
     for r in &report.rows {
         let peak = r.fraction_of_peak.map(|f| format!("{:.1}%", f * 100.0)).unwrap_or_else(|| "-".into());
-        let _ = writeln!(s, "| {} | {:.1} | {:.1} | {:.1} | {peak} |", r.method, r.median_us, r.min_us, r.gb_per_s);
+        let _ = writeln!(
+            s,
+            "| {} | {:.1} | {:.1} | {:.1} | {peak} |",
+            r.method, r.median_us, r.min_us, r.gb_per_s
+        );
     }
     if let Some(p) = report.peak_gb_per_s {
         let _ = writeln!(s, "\nPublished peak: {p:.0} GB/s.");
@@ -283,9 +314,12 @@ fn run_peer(args: &CopyArgs, bytes: usize) -> Result<CopyRow> {
 pub fn find_peer_script(name: &str) -> Result<PathBuf> {
     let relative = Path::new("bench/peers").join(name);
     let beside_binary = std::env::current_exe().ok().and_then(|exe| exe.parent().map(|d| d.join(&relative)));
-    beside_binary.into_iter().chain([relative.clone()]).find(|p| p.is_file()).ok_or_else(|| Error::InvalidArgument {
-        name: "--peer-script",
-        value: relative.display().to_string(),
-        reason: "not found beside the kiln binary nor under the current folder; pass --peer-script".into(),
+    beside_binary.into_iter().chain([relative.clone()]).find(|p| p.is_file()).ok_or_else(|| {
+        Error::InvalidArgument {
+            name: "--peer-script",
+            value: relative.display().to_string(),
+            reason: "not found beside the kiln binary nor under the current folder; pass --peer-script"
+                .into(),
+        }
     })
 }

@@ -81,7 +81,11 @@ fn examine() -> Report {
     for library in [&probe.libcuda, &probe.libnvrtc] {
         if !library.found {
             problems.push(Problem {
-                problem: format!("{} was not found ({})", library.library, library.detail.clone().unwrap_or_default()),
+                problem: format!(
+                    "{} was not found ({})",
+                    library.library,
+                    library.detail.clone().unwrap_or_default()
+                ),
                 fix: library.fix.unwrap_or_default().to_owned(),
             });
         }
@@ -89,7 +93,9 @@ fn examine() -> Report {
     if let Some(error) = &probe.device_error {
         problems.push(Problem {
             problem: format!("the CUDA driver cannot list devices: {error}"),
-            fix: "check that the NVIDIA driver is loaded (`nvidia-smi`) and that this process may use the GPU".into(),
+            fix:
+                "check that the NVIDIA driver is loaded (`nvidia-smi`) and that this process may use the GPU"
+                    .into(),
         });
     } else if probe.device_count == Some(0) {
         problems.push(Problem {
@@ -101,7 +107,8 @@ fn examine() -> Report {
     let kernel_cache = match KernelCache::default_location() {
         Ok(cache) => Some(cache.summary()),
         Err(e) => {
-            problems.push(Problem { problem: format!("kernel cache: {e}"), fix: "set KILN_CACHE_DIR".into() });
+            problems
+                .push(Problem { problem: format!("kernel cache: {e}"), fix: "set KILN_CACHE_DIR".into() });
             None
         }
     };
@@ -178,13 +185,18 @@ fn live_steps(dir: &std::path::Path, check: &mut LiveCheck) -> Result<()> {
     let mut launch = gpu.stream().launch_builder(&function);
     launch.arg(&ptr).arg(&pattern).arg(&count);
     // SAFETY: fill_u32(u32* dst, u32 pattern, u64 n) writes n words; `out` holds n words.
-    unsafe { launch.launch(LaunchConfig::for_num_elems(n as u32)) }.map_err(|e| driver_error("cuLaunchKernel", e))?;
+    unsafe { launch.launch(LaunchConfig::for_num_elems(n as u32)) }
+        .map_err(|e| driver_error("cuLaunchKernel", e))?;
     gpu.synchronize()?;
     check.run_ms = Some(started.elapsed().as_secs_f64() * 1e3);
     let words = out.to_host_bytes()?;
-    let wrong = words.chunks_exact(4).filter(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]) != pattern).count();
+    let wrong =
+        words.chunks_exact(4).filter(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]) != pattern).count();
     if wrong > 0 {
-        return Err(kiln_core::Error::Launch { kernel: "fill_u32", reason: format!("{wrong} of {n} words are wrong") });
+        return Err(kiln_core::Error::Launch {
+            kernel: "fill_u32",
+            reason: format!("{wrong} of {n} words are wrong"),
+        });
     }
     Ok(())
 }
@@ -254,6 +266,10 @@ fn render(report: &Report) -> String {
     for problem in &report.problems {
         let _ = writeln!(s, "problem: {}\n  fix: {}", problem.problem, problem.fix);
     }
-    let _ = writeln!(s, "{}", if report.ok { "CUDA works." } else { "CUDA does not work here; the CPU path still does." });
+    let _ = writeln!(
+        s,
+        "{}",
+        if report.ok { "CUDA works." } else { "CUDA does not work here; the CPU path still does." }
+    );
     s
 }

@@ -240,7 +240,11 @@ impl KernelCache {
 
     /// The compiled image from the cache, or a fresh compile stored for next time. The flag says
     /// whether it came from the cache.
-    pub fn get_or_compile(&self, kernel: &KernelSource, options: &CompileOptions) -> Result<(CompiledKernel, bool)> {
+    pub fn get_or_compile(
+        &self,
+        kernel: &KernelSource,
+        options: &CompileOptions,
+    ) -> Result<(CompiledKernel, bool)> {
         let key = KernelCache::key(kernel, options)?;
         let cubin_path = self.dir.join(format!("{key}.cubin"));
         let log_path = self.dir.join(format!("{key}.log"));
@@ -331,7 +335,8 @@ ptxas info    : Used 10 registers, 368 bytes cmem[0]\n";
 
     #[test]
     fn options_carry_arch_fmad_and_defines() {
-        let options = CompileOptions { arch: Arch(80), defines: vec![("BLOCK".into(), "256".into())], fmad: false };
+        let options =
+            CompileOptions { arch: Arch(80), defines: vec![("BLOCK".into(), "256".into())], fmad: false };
         let flags = options.nvrtc_options();
         assert!(flags.contains(&"--gpu-architecture=sm_80".to_owned()));
         assert!(flags.contains(&"--fmad=false".to_owned()));

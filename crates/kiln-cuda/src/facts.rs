@@ -65,8 +65,10 @@ impl DeviceFacts {
             multiprocessors: attribute(Attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
             total_memory_bytes: context.total_mem().map_err(|e| driver_error("cuDeviceTotalMem", e))? as u64,
             l2_cache_bytes: attribute(Attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?.into(),
-            shared_memory_per_block_bytes: attribute(Attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK)?
-                .into(),
+            shared_memory_per_block_bytes: attribute(
+                Attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK,
+            )?
+            .into(),
             shared_memory_per_block_optin_bytes: attribute(
                 Attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
             )?
@@ -76,9 +78,13 @@ impl DeviceFacts {
             )?
             .into(),
             registers_per_block: attribute(Attribute::CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_BLOCK)?,
-            registers_per_multiprocessor: attribute(Attribute::CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR)?,
+            registers_per_multiprocessor: attribute(
+                Attribute::CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR,
+            )?,
             max_threads_per_block: attribute(Attribute::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK)?,
-            max_threads_per_multiprocessor: attribute(Attribute::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR)?,
+            max_threads_per_multiprocessor: attribute(
+                Attribute::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR,
+            )?,
             warp_size: attribute(Attribute::CU_DEVICE_ATTRIBUTE_WARP_SIZE)?,
             memory_bus_width_bits: attribute(Attribute::CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH)?,
             driver_cuda_version: format!("{}.{}", version / 1000, (version % 1000) / 10),

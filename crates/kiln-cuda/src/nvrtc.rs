@@ -130,7 +130,7 @@ fn candidates() -> Vec<PathBuf> {
 fn site_packages() -> Vec<PathBuf> {
     let mut roots: Vec<PathBuf> = ["VIRTUAL_ENV", "CONDA_PREFIX"]
         .iter()
-        .filter_map(|v| std::env::var_os(v))
+        .filter_map(std::env::var_os)
         .map(|p| PathBuf::from(p).join("lib"))
         .collect();
     if let Some(home) = std::env::var_os("HOME") {
@@ -263,8 +263,10 @@ impl Nvrtc {
         };
         let source_c = c(source, "source")?;
         let name_c = c(name, "name")?;
-        let header_sources: Vec<CString> = headers.iter().map(|(_, s)| c(s, "header")).collect::<Result<_>>()?;
-        let header_names: Vec<CString> = headers.iter().map(|(n, _)| c(n, "header name")).collect::<Result<_>>()?;
+        let header_sources: Vec<CString> =
+            headers.iter().map(|(_, s)| c(s, "header")).collect::<Result<_>>()?;
+        let header_names: Vec<CString> =
+            headers.iter().map(|(n, _)| c(n, "header name")).collect::<Result<_>>()?;
         let options_c: Vec<CString> = options.iter().map(|o| c(o, "option")).collect::<Result<_>>()?;
         let header_source_ptrs: Vec<*const c_char> = header_sources.iter().map(|s| s.as_ptr()).collect();
         let header_name_ptrs: Vec<*const c_char> = header_names.iter().map(|s| s.as_ptr()).collect();
@@ -302,7 +304,8 @@ impl Nvrtc {
         self.check("nvrtcGetProgramLogSize", (self.get_log_size)(program, &mut size))?;
         let mut log = vec![0u8; size.max(1)];
         self.check("nvrtcGetProgramLog", (self.get_log)(program, log.as_mut_ptr().cast()))?;
-        let text = CStr::from_bytes_until_nul(&log).map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+        let text =
+            CStr::from_bytes_until_nul(&log).map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
         Ok(text)
     }
 

@@ -293,7 +293,12 @@ impl Gpu {
     ///
     /// Looked up in order: this process's modules, the disk cache, NVRTC. Defines are the
     /// compile-time constants of one specialization (`&[("BLOCK", "256")]`).
-    pub fn function(&self, kernel: &KernelSource, entry: &str, defines: &[(&str, &str)]) -> Result<CudaFunction> {
+    pub fn function(
+        &self,
+        kernel: &KernelSource,
+        entry: &str,
+        defines: &[(&str, &str)],
+    ) -> Result<CudaFunction> {
         let defines: Vec<(String, String)> =
             defines.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
         let key: FunctionKey = (kernel.name, entry.to_owned(), defines.clone());
@@ -348,7 +353,10 @@ fn load_function(kernel: &KernelSource, module: &Arc<CudaModule>, entry: &str) -
 }
 
 pub(crate) fn poisoned(what: &str) -> Error {
-    Error::NotServed { op: "kiln-cuda", reason: format!("{what} is unusable after a panic in another thread") }
+    Error::NotServed {
+        op: "kiln-cuda",
+        reason: format!("{what} is unusable after a panic in another thread"),
+    }
 }
 
 /// Compiles `kernel` for `arch` with no GPU, no cache: the CI check and `kiln doctor` use it.

@@ -74,7 +74,11 @@ fn convert(gpu: &Gpu, entry: &str, input: &[u8], n: usize, out_bytes_per_element
     let (src_ptr, dst_ptr, count) = (src.device_ptr(), dst.device_ptr(), n as u64);
     let mut launch = gpu.stream().launch_builder(&function);
     launch.arg(&src_ptr).arg(&dst_ptr).arg(&count);
-    let config = LaunchConfig { grid_dim: (n.div_ceil(256).min(4096) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let config = LaunchConfig {
+        grid_dim: (n.div_ceil(256).min(4096) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
     // SAFETY: `entry(const IN* in, OUT* out, u64 n)` reads n inputs and writes n outputs; both
     // blocks hold that many.
     unsafe { launch.launch(config) }.map_err(|e| driver_error("cuLaunchKernel", e))?;
@@ -139,7 +143,8 @@ fn conversion_kernels_match_the_cpu_bit_for_bit() -> Result<()> {
     // e5m2 encoding against the plain definition: the nearest finite code, ties to the even code,
     // saturating to the largest finite value (57344); infinities stay infinities.
     let e5m2 = convert(&gpu, "convert_f32_to_e5m2", &input, n, 1)?;
-    let finite: Vec<(u8, f64)> = (0u8..0x7C).map(|c| (c, f64::from(half::f16::from_bits(u16::from(c) << 8).to_f32()))).collect();
+    let finite: Vec<(u8, f64)> =
+        (0u8..0x7C).map(|c| (c, f64::from(half::f16::from_bits(u16::from(c) << 8).to_f32()))).collect();
     for (i, &v) in values.iter().enumerate().take(1 << 16) {
         let got = e5m2[i];
         let sign = ((v.to_bits() >> 24) & 0x80) as u8;
@@ -196,7 +201,8 @@ fn second_compile_is_a_disk_cache_hit_without_nvrtc() -> Result<()> {
     let mut launch = second.stream().launch_builder(&function);
     launch.arg(&ptr).arg(&pattern).arg(&count);
     // SAFETY: fill_u32(u32* dst, u32 pattern, u64 n) writes n words; `out` holds n words.
-    unsafe { launch.launch(LaunchConfig::for_num_elems(n as u32)) }.map_err(|e| driver_error("cuLaunchKernel", e))?;
+    unsafe { launch.launch(LaunchConfig::for_num_elems(n as u32)) }
+        .map_err(|e| driver_error("cuLaunchKernel", e))?;
     let words = out.to_host_bytes()?;
     assert!(words.chunks_exact(4).all(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]) == pattern));
 
@@ -274,7 +280,10 @@ fn device_facts_agree_with_the_driver_and_the_device_file() -> Result<()> {
     assert!(free as u64 <= facts.total_memory_bytes);
 
     let file = DeviceFile::for_arch(facts.arch)?;
-    assert_eq!(file.fact("shared_memory_per_multiprocessor_bytes")?, facts.shared_memory_per_multiprocessor_bytes);
+    assert_eq!(
+        file.fact("shared_memory_per_multiprocessor_bytes")?,
+        facts.shared_memory_per_multiprocessor_bytes
+    );
     assert_eq!(file.fact("shared_memory_per_block_optin_bytes")?, facts.shared_memory_per_block_optin_bytes);
     assert_eq!(file.fact("registers_per_multiprocessor")?, u64::from(facts.registers_per_multiprocessor));
     assert_eq!(file.fact("max_threads_per_multiprocessor")?, u64::from(facts.max_threads_per_multiprocessor));
