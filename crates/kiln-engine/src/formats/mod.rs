@@ -7,7 +7,9 @@
 
 pub mod gguf;
 pub mod quant;
+pub mod safetensors;
 
+pub use self::safetensors::{HfConfig, SafetensorsFile, SafetensorsWeights};
 pub use gguf::{GgufArray, GgufFile, GgufTensorInfo, GgufValue};
 pub use quant::{dequantize_row, dot_row, matvec};
 

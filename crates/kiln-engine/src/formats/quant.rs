@@ -48,9 +48,22 @@ pub const SERVED: &[DType] = &[
     DType::Q8_K,
 ];
 
+/// f16 bits to f32, exactly (normals, subnormals, infinities, NaN payloads), without branches
+/// or a table so that it vectorizes: the 15 bits of exponent and mantissa shifted into an f32
+/// and rescaled by 2^112, the exponent forced to all ones for Inf/NaN, the sign put back. A NaN
+/// keeps its payload unquieted, as numpy converts it.
+#[inline(always)]
+pub fn f16_to_f32(h: u16) -> f32 {
+    let h = u32::from(h);
+    let magnitude = h & 0x7fff;
+    let scaled = (f32::from_bits(magnitude << 13) * f32::from_bits(0x7780_0000)).to_bits();
+    let special = if magnitude >= 0x7c00 { 0x7f80_0000 } else { 0 };
+    f32::from_bits(scaled | special | ((h & 0x8000) << 16))
+}
+
 #[inline(always)]
 fn f16_at(b: &[u8], i: usize) -> f32 {
-    f16::from_bits(u16::from_le_bytes([b[i], b[i + 1]])).to_f32()
+    f16_to_f32(u16::from_le_bytes([b[i], b[i + 1]]))
 }
 
 /// Splits `bytes` into blocks of `N` bytes (the caller checked the length is a multiple).
@@ -432,9 +445,11 @@ fn dot_plain(bytes: &[u8], x: &[f32], width: usize, convert: impl Fn(&[u8]) -> f
 fn dot_row_unchecked(dtype: DType, bytes: &[u8], x: &[f32]) -> f32 {
     match dtype {
         DType::F32 => dot_plain(bytes, x, 4, |c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
-        DType::F16 => dot_plain(bytes, x, 2, |c| f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32()),
+        DType::F16 => dot_plain(bytes, x, 2, |c| f16_to_f32(u16::from_le_bytes([c[0], c[1]]))),
         // bf16 is the top half of an f32: a shift, no table.
-        DType::BF16 => dot_plain(bytes, x, 2, |c| f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16)),
+        DType::BF16 => {
+            dot_plain(bytes, x, 2, |c| f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16))
+        }
         DType::Q4_0 => dot_q4_0(bytes, x),
         DType::Q4_1 => dot_q4_1(bytes, x),
         DType::Q8_0 => dot_q8_0(bytes, x),
@@ -463,7 +478,9 @@ fn has_avx2() -> bool {
     use std::sync::OnceLock;
     static HAS: OnceLock<bool> = OnceLock::new();
     *HAS.get_or_init(|| {
-        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+        is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
     })
 }
 
@@ -486,7 +503,14 @@ pub fn dot_row(dtype: DType, row_bytes: &[u8], x: &[f32]) -> Result<f32> {
 
 /// `out[r] = dot(matrix row r, x)` for a row-major `rows × cols` matrix of `dtype`, the rows
 /// split across the rayon pool in one contiguous chunk per thread.
-pub fn matvec(dtype: DType, matrix_bytes: &[u8], rows: usize, cols: usize, x: &[f32], out: &mut [f32]) -> Result<()> {
+pub fn matvec(
+    dtype: DType,
+    matrix_bytes: &[u8],
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    out: &mut [f32],
+) -> Result<()> {
     if x.len() != cols {
         return Err(Error::ShapeMismatch { op: "matvec (x)", expected: vec![cols], got: vec![x.len()] });
     }
@@ -517,4 +541,23 @@ pub fn matvec(dtype: DType, matrix_bytes: &[u8], rows: usize, cols: usize, x: &[
         }
     });
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn f16_to_f32_is_exact_for_every_bit_pattern() {
+        for bits in 0..=u16::MAX {
+            let want = f16::from_bits(bits).to_f32();
+            let got = f16_to_f32(bits);
+            assert!(
+                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                "{bits:#06x}: {got:e} ({:#x}) vs {want:e} ({:#x})",
+                got.to_bits(),
+                want.to_bits()
+            );
+        }
+    }
 }

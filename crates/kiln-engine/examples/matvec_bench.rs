@@ -1,0 +1,64 @@
+//! Times `dot_row` (one thread) and `matvec` (the rayon pool) on random weights of each hot
+//! dtype, and prints the weight bytes read per second.
+//!
+//! `cargo run --release -p kiln-engine --example matvec_bench [rows cols]` (default 576 × 1536,
+//! SmolLM2's FFN down projection).
+
+use std::time::Instant;
+
+use kiln_core::DType;
+use kiln_engine::formats::{dot_row, matvec};
+
+fn main() -> kiln_core::Result<()> {
+    let args: Vec<usize> = std::env::args().skip(1).filter_map(|a| a.parse().ok()).collect();
+    let (rows, cols) = match args[..] {
+        [r, c] => (r, c),
+        _ => (576, 1536),
+    };
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let x: Vec<f32> = (0..cols).map(|_| (next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5).collect();
+    println!("{rows} x {cols}, {} threads", rayon::current_num_threads());
+    for dtype in
+        [DType::Q4_1, DType::Q8_0, DType::Q4_0, DType::Q6_K, DType::Q4_K, DType::F32, DType::F16, DType::BF16]
+    {
+        let row_bytes = dtype.bytes_for(cols as u64)? as usize;
+        let mut matrix: Vec<u8> = (0..rows * row_bytes).map(|_| next() as u8).collect();
+        // Finite scales: set every f16 field that could be a scale to a small value by writing
+        // random bytes whose f16 exponent is bounded (top byte 0x1c..0x2b is |v| < 0.25).
+        for b in matrix.iter_mut().skip(1).step_by(2) {
+            *b = 0x1c + (*b % 16);
+        }
+        let mut out = vec![0f32; rows];
+        let reps = (200_000_000 / matrix.len()).max(3);
+        let start = Instant::now();
+        let mut sink = 0f32;
+        for _ in 0..reps {
+            for r in 0..rows {
+                sink += dot_row(dtype, &matrix[r * row_bytes..(r + 1) * row_bytes], &x)?;
+            }
+        }
+        let single = start.elapsed().as_secs_f64() / reps as f64;
+        let start = Instant::now();
+        for _ in 0..reps {
+            matvec(dtype, &matrix, rows, cols, &x, &mut out)?;
+            sink += out[0];
+        }
+        let parallel = start.elapsed().as_secs_f64() / reps as f64;
+        let gb = matrix.len() as f64 / 1e9;
+        println!(
+            "{dtype:>5}: {:>8.1} us/matvec 1 thread ({:>5.1} GB/s), {:>8.1} us pooled ({:>5.1} GB/s) [{}]",
+            single * 1e6,
+            gb / single,
+            parallel * 1e6,
+            gb / parallel,
+            sink.is_finite()
+        );
+    }
+    Ok(())
+}
