@@ -50,5 +50,69 @@ pub const NORM: KernelSource = KernelSource {
     fmad: false,
 };
 
+/// The LM head (`logits = h W^T` for 1..8 rows, bf16 / fp16 / Q8_0 / Q4_0 / Q4_1 weights, scales,
+/// soft-capping, block argmax); its determinism primitives (`deterministic.cuh`) are prepended.
+pub const LM_HEAD: KernelSource = KernelSource {
+    name: "lm_head",
+    source: concat!(include_str!("../kernels/deterministic.cuh"), include_str!("../kernels/lm_head.cu")),
+    define_sets: &[
+        &[
+            ("ROWS", "1"),
+            ("W_T", "0"),
+            ("WARPS", "8"),
+            ("VROWS", "4"),
+            ("ROW_SCALE", "0"),
+            ("SOFT_CAP", "0"),
+            ("STATS", "1"),
+        ],
+        &[
+            ("ROWS", "8"),
+            ("W_T", "0"),
+            ("WARPS", "8"),
+            ("VROWS", "4"),
+            ("ROW_SCALE", "1"),
+            ("SOFT_CAP", "1"),
+            ("STATS", "1"),
+        ],
+        &[
+            ("ROWS", "3"),
+            ("W_T", "1"),
+            ("WARPS", "16"),
+            ("VROWS", "8"),
+            ("ROW_SCALE", "0"),
+            ("SOFT_CAP", "1"),
+            ("STATS", "0"),
+        ],
+        &[
+            ("ROWS", "2"),
+            ("W_T", "2"),
+            ("WARPS", "8"),
+            ("VROWS", "4"),
+            ("ROW_SCALE", "1"),
+            ("SOFT_CAP", "0"),
+            ("STATS", "0"),
+        ],
+        &[
+            ("ROWS", "5"),
+            ("W_T", "3"),
+            ("WARPS", "4"),
+            ("VROWS", "2"),
+            ("ROW_SCALE", "0"),
+            ("SOFT_CAP", "0"),
+            ("STATS", "1"),
+        ],
+        &[
+            ("ROWS", "4"),
+            ("W_T", "4"),
+            ("WARPS", "8"),
+            ("VROWS", "8"),
+            ("ROW_SCALE", "0"),
+            ("SOFT_CAP", "0"),
+            ("STATS", "1"),
+        ],
+    ],
+    fmad: false,
+};
+
 /// Every kernel source of Kiln.
-pub const ALL: &[KernelSource] = &[CONVERT, COPY, NORM];
+pub const ALL: &[KernelSource] = &[CONVERT, COPY, NORM, LM_HEAD];

@@ -1,0 +1,278 @@
+// The LM head: logits[r][v] = epilogue(sum_j h[r][j] * W[v][j]) for ROWS rows (1..8), equal bit
+// for bit to `kiln_core::ops::lm_head` for every WARPS / VROWS / tile.
+//
+// Memory floor: W read once (vocab * row_bytes), for all rows together; h (at most 8 x hidden
+// fp32) stays in L2 and registers. At 151936 x 4096 bf16 that is 1.24 GB, about 300 us at
+// 4.2 TB/s.
+//
+// Shape: a block owns tiles of `tile` consecutive vocabulary rows (a persistent grid-stride loop
+// over tiles). Its WARPS warps split the hidden dimension in units of 256: warp w takes units w,
+// w + WARPS, ...; for each, every lane keeps its eight h values of every row in registers and
+// streams the tile's W rows, VROWS at a time with one 16-byte load each (bf16 / fp16), so VROWS
+// loads per lane are in flight. A lane's eight products are summed by `kiln_lane_sum8`; the
+// unit's sum over the warp uses the prelude's butterfly tree, computed for VROWS x ROWS sums at
+// once by a transposed reduction (each step halves the sums a lane carries: 31 shuffles for 32
+// sums instead of 160; each sum sees the same additions in the same tree). Unit sums go to
+// shared memory and one thread per (row, token) adds them left to right, applies the epilogue,
+// and writes the logit; with STATS the tile's largest logit and its lowest index, packed as
+// `kiln_core::ops::lm_head::pack_argmax`, are written per (row, tile).
+//
+// Compile-time constants: ROWS (1..8), W_T (0 bf16, 1 fp16, 2 Q8_0, 3 Q4_0, 4 Q4_1), WARPS,
+// VROWS (VROWS x next_pow2(ROWS) <= 32), ROW_SCALE, SOFT_CAP, STATS (0 / 1). Compiled with
+// --fmad=false; the one fused operation (Q4_1's d * q + m) is an explicit __fmaf_rn.
+
+#ifndef ROWS
+#define ROWS 1
+#endif
+#ifndef W_T
+#define W_T 0
+#endif
+#ifndef WARPS
+#define WARPS 8
+#endif
+#ifndef VROWS
+#define VROWS 4
+#endif
+#ifndef ROW_SCALE
+#define ROW_SCALE 0
+#endif
+#ifndef SOFT_CAP
+#define SOFT_CAP 0
+#endif
+#ifndef STATS
+#define STATS 0
+#endif
+
+#define ROWS_P2 (ROWS <= 1 ? 1 : (ROWS <= 2 ? 2 : (ROWS <= 4 ? 4 : 8)))
+#define SLOTS (VROWS * ROWS_P2)
+static_assert(ROWS >= 1 && ROWS <= 8, "ROWS must be 1..8");
+static_assert(SLOTS <= 32 && (SLOTS & (SLOTS - 1)) == 0, "VROWS x next_pow2(ROWS) must be a power of two <= 32");
+
+// 16 bytes streamed past L1 (W is read once).
+__device__ __forceinline__ uint4 lm_load_stream16(const void* p) {
+    uint4 r;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ kiln_u16 lm_load_u16(const kiln_u8* p) {
+    return *reinterpret_cast<const kiln_u16*>(p);
+}
+
+// Elements e0 .. e0 + 8 of one weight row, in fp32, as `weight_element` in Rust.
+__device__ __forceinline__ void lm_load_w8(const kiln_u8* row, int e0, float w[8]) {
+#if W_T == 0 || W_T == 1
+    uint4 q = lm_load_stream16(row + 2 * (long long)e0);
+    kiln_u32 words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+#if W_T == 0
+        w[2 * k] = kiln_bf16_to_f32((kiln_u16)(words[k] & 0xFFFFu));
+        w[2 * k + 1] = kiln_bf16_to_f32((kiln_u16)(words[k] >> 16));
+#else
+        w[2 * k] = kiln_f16_to_f32((kiln_u16)(words[k] & 0xFFFFu));
+        w[2 * k + 1] = kiln_f16_to_f32((kiln_u16)(words[k] >> 16));
+#endif
+    }
+#else
+    const int block = e0 >> 5, k0 = e0 & 31;
+#if W_T == 2
+    const kiln_u8* base = row + 34 * (long long)block;
+    const float d = kiln_f16_to_f32(lm_load_u16(base));
+#pragma unroll
+    for (int k = 0; k < 8; k += 2) {
+        kiln_u16 pair = lm_load_u16(base + 2 + k0 + k);
+        w[k] = __fmul_rn(d, (float)(signed char)(pair & 0xFF));
+        w[k + 1] = __fmul_rn(d, (float)(signed char)(pair >> 8));
+    }
+#elif W_T == 3
+    const kiln_u8* base = row + 18 * (long long)block;
+    const float d = kiln_f16_to_f32(lm_load_u16(base));
+    const int shift = k0 < 16 ? 0 : 4;
+#pragma unroll
+    for (int k = 0; k < 8; k += 2) {
+        kiln_u16 pair = lm_load_u16(base + 2 + (k0 & 15) + k);
+        w[k] = __fmul_rn(d, __fsub_rn((float)((pair >> shift) & 0xF), 8.0f));
+        w[k + 1] = __fmul_rn(d, __fsub_rn((float)((pair >> (8 + shift)) & 0xF), 8.0f));
+    }
+#elif W_T == 4
+    const kiln_u8* base = row + 20 * (long long)block;
+    const float d = kiln_f16_to_f32(lm_load_u16(base));
+    const float m = kiln_f16_to_f32(lm_load_u16(base + 2));
+    const int shift = k0 < 16 ? 0 : 4;
+    const kiln_u32* q = reinterpret_cast<const kiln_u32*>(base + 4 + (k0 & 15));
+    kiln_u32 words[2] = {q[0], q[1]};
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        kiln_u32 byte = (words[k >> 2] >> (8 * (k & 3))) & 0xFFu;
+        w[k] = __fmaf_rn(d, (float)((byte >> shift) & 0xFu), m);
+    }
+#else
+#error "W_T must be 0..4"
+#endif
+#endif
+}
+
+// One transposed step: C sums per lane become C / 2, exchanged with the lane at distance O.
+template <int C, int O>
+struct LmTransposedStep {
+    static __device__ __forceinline__ void run(float* s, int lane) {
+        const bool upper = (lane & O) != 0;
+#pragma unroll
+        for (int k = 0; k < C / 2; ++k) {
+            const float send = upper ? s[k] : s[k + C / 2];
+            const float keep = upper ? s[k + C / 2] : s[k];
+            s[k] = keep + __shfl_xor_sync(KILN_FULL_MASK, send, O);
+        }
+        LmTransposedStep<C / 2, O / 2>::run(s, lane);
+    }
+};
+template <int O>
+struct LmTransposedStep<1, O> {
+    static __device__ __forceinline__ void run(float*, int) {}
+};
+
+// The sums of N values across the warp, each by the prelude's butterfly tree (distances 16, 8,
+// 4, 2, 1). The first log2(N) steps are transposed: a lane sends half of its sums to its partner
+// and adds the partner's half to the half it keeps, so after them each lane carries one sum,
+// number lane / (32 / N); the remaining distances are a plain butterfly. Returns that sum.
+template <int N>
+__device__ __forceinline__ float lm_reduce_slots(float (&s)[N], int lane) {
+    LmTransposedStep<N, 16>::run(s, lane);
+    float v = s[0];
+#pragma unroll
+    for (int o = 16 / N; o > 0; o >>= 1) {
+        v += __shfl_xor_sync(KILN_FULL_MASK, v, o);
+    }
+    return v;
+}
+
+// Kiln's tanh, as `tanh_poly` in Rust.
+__device__ __forceinline__ float lm_tanh_poly(float x) {
+    const float a = fabsf(x);
+    if (a < 0.25f) {
+        const float x2 = x * x;
+        float p = __uint_as_float(0xbc11371bu);
+        p = __fmaf_rn(p, x2, __uint_as_float(0x3cb327a4u));
+        p = __fmaf_rn(p, x2, __uint_as_float(0xbd5d0dd1u));
+        p = __fmaf_rn(p, x2, __uint_as_float(0x3e088889u));
+        p = __fmaf_rn(p, x2, __uint_as_float(0xbeaaaaabu));
+        return __fmaf_rn(x * x2, p, x);
+    }
+    const float t = 1.0f - 2.0f / (kiln_exp_poly(a + a) + 1.0f);
+    return x < 0.0f ? -t : t;
+}
+
+// As `order_key` in Rust: monotone in the value, NaN lowest (0), -0 equal to +0.
+__device__ __forceinline__ kiln_u32 lm_order_key(float y) {
+    if (y != y) return 0u;
+    kiln_u32 bits = y == 0.0f ? 0u : __float_as_uint(y);
+    return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, const float* __restrict__ row_scale,
+             float* __restrict__ logits, kiln_u64* __restrict__ stats, long long vocab, int hidden,
+             long long row_bytes, int tile, float logit_scale, float cap) {
+    // Unit sums: [unit][row][token of the tile], rows of `tile + 1` floats (padded against bank
+    // conflicts on the writes).
+    extern __shared__ float partial[];
+#if STATS
+    __shared__ kiln_u64 tile_max[ROWS];
+#endif
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int units = (hidden + 255) >> 8;
+    const int stride = tile + 1;
+    const long long tiles = (vocab + tile - 1) / tile;
+
+    for (long long t = blockIdx.x; t < tiles; t += gridDim.x) {
+        const long long v0 = t * tile;
+        for (int u = warp; u < units; u += WARPS) {
+            const int e0 = u * 256 + lane * 8;
+            const bool active = e0 < hidden;
+            float hv[ROWS][8];
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                if (active) {
+                    const float4* p = reinterpret_cast<const float4*>(h + (long long)r * hidden + e0);
+                    const float4 a = p[0], b = p[1];
+                    hv[r][0] = a.x; hv[r][1] = a.y; hv[r][2] = a.z; hv[r][3] = a.w;
+                    hv[r][4] = b.x; hv[r][5] = b.y; hv[r][6] = b.z; hv[r][7] = b.w;
+                } else {
+#pragma unroll
+                    for (int k = 0; k < 8; ++k) hv[r][k] = 0.0f;
+                }
+            }
+            for (int i0 = 0; i0 < tile; i0 += VROWS) {
+                float wv[VROWS][8];
+#pragma unroll
+                for (int i = 0; i < VROWS; ++i) {
+                    const long long v = v0 + i0 + i;
+                    if (active && v < vocab) {
+                        lm_load_w8(weights + v * row_bytes, e0, wv[i]);
+                    } else {
+#pragma unroll
+                        for (int k = 0; k < 8; ++k) wv[i][k] = 0.0f;
+                    }
+                }
+                float s[SLOTS];
+#pragma unroll
+                for (int i = 0; i < VROWS; ++i) {
+#pragma unroll
+                    for (int r = 0; r < ROWS_P2; ++r) {
+                        if (r < ROWS) {
+                            float prod[8];
+#pragma unroll
+                            for (int k = 0; k < 8; ++k) prod[k] = hv[r][k] * wv[i][k];
+                            s[i * ROWS_P2 + r] = kiln_lane_sum8(prod);
+                        } else {
+                            s[i * ROWS_P2 + r] = 0.0f;
+                        }
+                    }
+                }
+                const float sum = lm_reduce_slots<SLOTS>(s, lane);
+                const int group = 32 / SLOTS;
+                if ((lane & (group - 1)) == 0) {
+                    const int j = lane / group;
+                    const int i = j / ROWS_P2, r = j % ROWS_P2;
+                    if (r < ROWS && i0 + i < tile) {
+                        partial[(u * ROWS + r) * stride + i0 + i] = sum;
+                    }
+                }
+            }
+        }
+#if STATS
+        if (threadIdx.x < ROWS) tile_max[threadIdx.x] = 0ull;
+#endif
+        __syncthreads();
+        for (int p = threadIdx.x; p < ROWS * tile; p += blockDim.x) {
+            const int r = p / tile, i = p - r * tile;
+            const long long v = v0 + i;
+            if (v < vocab) {
+                float acc = 0.0f;
+                for (int u = 0; u < units; ++u) acc = acc + partial[(u * ROWS + r) * stride + i];
+                float y = acc;
+#if ROW_SCALE
+                y = y * row_scale[r];
+#endif
+                y = y * logit_scale;
+#if SOFT_CAP
+                y = cap * lm_tanh_poly(y / cap);
+#endif
+                logits[(long long)r * vocab + v] = y;
+#if STATS
+                const kiln_u64 packed = ((kiln_u64)lm_order_key(y) << 32) | (kiln_u64)(0xFFFFFFFFu - (kiln_u32)v);
+                atomicMax(&tile_max[r], packed);
+#endif
+            }
+        }
+#if STATS
+        __syncthreads();
+        if (threadIdx.x < ROWS) stats[(long long)threadIdx.x * tiles + t] = tile_max[threadIdx.x];
+#endif
+        __syncthreads();
+    }
+}

@@ -1,0 +1,249 @@
+//! Launcher of `kernels/lm_head.cu`: `kiln_core::ops::lm_head` on the GPU, equal to the CPU
+//! reference bit for bit for every [`LmHeadVariant`].
+//!
+//! Buffers: `h` is `rows x hidden` fp32 (16-byte aligned rows: `hidden` a multiple of 8), the
+//! weights `vocab` rows of `row_bytes(dtype, hidden)` bytes, `row_scale` `rows` fp32, `logits`
+//! `rows x vocab` fp32, `stats` `rows x ceil(vocab / tile)` packed `u64` (row-major), where the
+//! tile is the spec's `stats_block` when it asks for statistics.
+
+use cudarc::driver::sys::CUfunction_attribute_enum;
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+use kiln_core::ops::lm_head::{row_bytes, LmHead, MAX_ROWS};
+use kiln_core::{DType, Error, Result};
+
+use crate::kernels::LM_HEAD;
+use crate::memory::DeviceMemory;
+use crate::runtime::{driver_error, Gpu};
+
+/// One shape of the kernel: warps per block (splitting `hidden` in units of 256), vocabulary
+/// rows each warp loads per step, and vocabulary rows per tile. Every variant computes the same
+/// bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct LmHeadVariant {
+    pub warps: u32,
+    pub vocab_rows: u32,
+    pub tile: u32,
+}
+
+/// The variants the tests check and the benchmark sweeps.
+pub const LM_HEAD_VARIANTS: &[LmHeadVariant] = &[
+    LmHeadVariant { warps: 4, vocab_rows: 4, tile: 64 },
+    LmHeadVariant { warps: 8, vocab_rows: 4, tile: 64 },
+    LmHeadVariant { warps: 8, vocab_rows: 2, tile: 96 },
+    LmHeadVariant { warps: 16, vocab_rows: 4, tile: 32 },
+    LmHeadVariant { warps: 16, vocab_rows: 2, tile: 64 },
+    LmHeadVariant { warps: 8, vocab_rows: 8, tile: 128 },
+    LmHeadVariant { warps: 4, vocab_rows: 1, tile: 16 },
+];
+
+impl LmHeadVariant {
+    /// The default variant for `rows`: 8 warps, as many rows per step as the 32 sums allow (at
+    /// most 4).
+    pub fn default_for(rows: usize) -> LmHeadVariant {
+        let per_step = (32 / rows.next_power_of_two()).min(4) as u32;
+        LmHeadVariant { warps: 8, vocab_rows: per_step, tile: 64 }
+    }
+}
+
+/// Device buffers of one LM head call (see the module docs).
+#[derive(Debug, Clone, Copy)]
+pub struct LmHeadBuffers<'a> {
+    pub h: &'a DeviceMemory,
+    pub weights: &'a DeviceMemory,
+    pub row_scale: Option<&'a DeviceMemory>,
+    pub logits: &'a DeviceMemory,
+    pub stats: Option<&'a DeviceMemory>,
+}
+
+fn weight_code(dtype: DType) -> Result<u32> {
+    Ok(match dtype {
+        DType::BF16 => 0,
+        DType::F16 => 1,
+        DType::Q8_0 => 2,
+        DType::Q4_0 => 3,
+        DType::Q4_1 => 4,
+        other => return Err(Error::DTypeNotServed { dtype: other.name(), op: "lm_head kernel" }),
+    })
+}
+
+fn not_served(reason: String) -> Error {
+    Error::NotServed { op: "lm_head kernel", reason }
+}
+
+/// The launch plan of a call: its defines, tile, tiles and shared bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LmHeadPlan {
+    pub defines: Vec<(&'static str, String)>,
+    pub tile: usize,
+    pub tiles: usize,
+    pub shared_bytes: usize,
+    pub threads: u32,
+}
+
+/// Checks what the kernel serves for `rows` rows on `variant` and plans the launch.
+pub fn plan(head: &LmHead, rows: usize, variant: LmHeadVariant) -> Result<LmHeadPlan> {
+    if rows == 0 || rows > MAX_ROWS {
+        return Err(not_served(format!("{rows} rows (1 to {MAX_ROWS})")));
+    }
+    let code = weight_code(head.weight)?;
+    if head.hidden == 0 || head.hidden % 8 != 0 || (code >= 2 && head.hidden % 32 != 0) {
+        return Err(not_served(format!("hidden {} for {} weights", head.hidden, head.weight)));
+    }
+    let slots = variant.vocab_rows as usize * rows.next_power_of_two();
+    if !variant.vocab_rows.is_power_of_two() || slots > 32 || ![1, 2, 4, 8, 16, 32].contains(&variant.warps) {
+        return Err(not_served(format!("variant {variant:?} for {rows} rows")));
+    }
+    let tile = head.stats_block.unwrap_or(variant.tile as usize);
+    if tile == 0 || tile % variant.vocab_rows as usize != 0 || tile > 4096 {
+        return Err(not_served(format!(
+            "tile (statistics block) of {tile} tokens: needs a multiple of {} up to 4096",
+            variant.vocab_rows
+        )));
+    }
+    let units = head.hidden.div_ceil(256);
+    let shared_bytes = units * rows * (tile + 1) * 4;
+    let flag = |b: bool| if b { "1" } else { "0" }.to_owned();
+    let defines = vec![
+        ("ROWS", rows.to_string()),
+        ("W_T", code.to_string()),
+        ("WARPS", variant.warps.to_string()),
+        ("VROWS", variant.vocab_rows.to_string()),
+        ("ROW_SCALE", flag(false)),
+        ("SOFT_CAP", flag(head.soft_cap.is_some())),
+        ("STATS", flag(head.stats_block.is_some())),
+    ];
+    Ok(LmHeadPlan {
+        defines,
+        tile,
+        tiles: head.vocab.div_ceil(tile),
+        shared_bytes,
+        threads: variant.warps * 32,
+    })
+}
+
+fn check_len(what: &'static str, got: usize, want: usize) -> Result<()> {
+    if got < want {
+        return Err(Error::ByteLength {
+            what: format!("lm_head {what} buffer"),
+            expected: want as u64,
+            got: got as u64,
+        });
+    }
+    Ok(())
+}
+
+/// Runs `head` over `rows` rows on `gpu`'s stream with `variant` (or the default).
+pub fn lm_head(
+    gpu: &Gpu,
+    head: &LmHead,
+    rows: usize,
+    buffers: LmHeadBuffers<'_>,
+    variant: Option<LmHeadVariant>,
+) -> Result<()> {
+    let variant = variant.unwrap_or_else(|| LmHeadVariant::default_for(rows));
+    let mut plan = plan(head, rows, variant)?;
+    let row = row_bytes(head.weight, head.hidden)?;
+    check_len("h", buffers.h.len_bytes(), rows * head.hidden * 4)?;
+    check_len("weights", buffers.weights.len_bytes(), head.vocab * row)?;
+    check_len("logits", buffers.logits.len_bytes(), rows * head.vocab * 4)?;
+    if let Some(scale) = buffers.row_scale {
+        check_len("row_scale", scale.len_bytes(), rows * 4)?;
+        plan.defines.iter_mut().filter(|(k, _)| *k == "ROW_SCALE").for_each(|(_, v)| *v = "1".to_owned());
+    }
+    match (head.stats_block.is_some(), buffers.stats) {
+        (true, Some(stats)) => check_len("stats", stats.len_bytes(), rows * plan.tiles * 8)?,
+        (false, None) => {}
+        (wanted, _) => {
+            return Err(Error::InvalidArgument {
+                name: "stats",
+                value: if wanted { "missing" } else { "given" }.to_owned(),
+                reason: format!("the head's stats_block is {:?}", head.stats_block),
+            })
+        }
+    }
+    let max_shared = gpu.facts().shared_memory_per_block_optin_bytes as usize;
+    if plan.shared_bytes + 64 > max_shared {
+        return Err(not_served(format!(
+            "{} bytes of shared memory for tile {} x {} rows x hidden {} (the device gives {max_shared})",
+            plan.shared_bytes, plan.tile, rows, head.hidden
+        )));
+    }
+    let define_refs: Vec<(&str, &str)> = plan.defines.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let function = gpu.function(&LM_HEAD, "kiln_lm_head", &define_refs)?;
+    if plan.shared_bytes > 48 * 1024 {
+        function
+            .set_attribute(
+                CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                plan.shared_bytes as i32,
+            )
+            .map_err(|e| driver_error("cuFuncSetAttribute", e))?;
+    }
+    let blocks =
+        u32::try_from(plan.tiles.min(1 << 20)).map_err(|_| not_served(format!("{} tiles", plan.tiles)))?;
+    let config = LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (plan.threads, 1, 1),
+        shared_mem_bytes: plan.shared_bytes as u32,
+    };
+    let ptr = |m: Option<&DeviceMemory>| m.map_or(0u64, DeviceMemory::device_ptr);
+    let (h, weights, logits) =
+        (buffers.h.device_ptr(), buffers.weights.device_ptr(), buffers.logits.device_ptr());
+    let (row_scale, stats) = (ptr(buffers.row_scale), ptr(buffers.stats));
+    let vocab = head.vocab as i64;
+    let hidden = i32::try_from(head.hidden).map_err(|_| not_served(format!("hidden {}", head.hidden)))?;
+    let row_bytes = row as i64;
+    let tile = plan.tile as i32;
+    let cap = head.soft_cap.unwrap_or(1.0);
+    let mut launch = gpu.stream().launch_builder(&function);
+    launch
+        .arg(&h)
+        .arg(&weights)
+        .arg(&row_scale)
+        .arg(&logits)
+        .arg(&stats)
+        .arg(&vocab)
+        .arg(&hidden)
+        .arg(&row_bytes)
+        .arg(&tile)
+        .arg(&head.logit_scale)
+        .arg(&cap);
+    // SAFETY: the arguments match `kiln_lm_head`'s signature (5 pointers, i64, i32, i64, i32, 2
+    // floats); `row_scale` and `stats` are null only when the defines make the kernel ignore
+    // them; every buffer was checked above to hold what the kernel touches for `rows` rows,
+    // `vocab` rows of `row_bytes` bytes and `tiles` statistics per row; the dynamic shared memory
+    // is what the kernel indexes (units x rows x (tile + 1) floats); the blocks come from this
+    // device's pool, which reuses memory only in this stream's order.
+    unsafe { launch.launch(config) }.map_err(|e| driver_error("cuLaunchKernel(kiln_lm_head)", e))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn head(hidden: usize, weight: DType) -> LmHead {
+        LmHead { hidden, vocab: 1000, weight, logit_scale: 1.0, soft_cap: None, stats_block: None }
+    }
+
+    #[test]
+    fn every_default_variant_is_served() {
+        for rows in 1..=MAX_ROWS {
+            for dtype in [DType::BF16, DType::F16, DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+                let plan = plan(&head(4096, dtype), rows, LmHeadVariant::default_for(rows)).unwrap();
+                assert!(plan.shared_bytes <= 48 * 1024 * 3, "{rows} rows: {plan:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn unserved_calls_are_named() {
+        let v = LmHeadVariant::default_for(1);
+        assert!(matches!(plan(&head(4096, DType::F32), 1, v), Err(Error::DTypeNotServed { .. })));
+        assert!(matches!(plan(&head(100, DType::BF16), 1, v), Err(Error::NotServed { .. })));
+        assert!(matches!(plan(&head(4096, DType::BF16), 9, v), Err(Error::NotServed { .. })));
+        let wide = LmHeadVariant { warps: 8, vocab_rows: 8, tile: 64 };
+        assert!(matches!(plan(&head(4096, DType::BF16), 8, wide), Err(Error::NotServed { .. })));
+        let odd_stats = LmHead { stats_block: Some(30), ..head(4096, DType::BF16) };
+        assert!(matches!(plan(&odd_stats, 1, v), Err(Error::NotServed { .. })));
+    }
+}
