@@ -78,11 +78,13 @@ pub fn tanh_poly(x: f32) -> f32 {
     let a = x.abs();
     if a < 0.25 {
         let x2 = x * x;
-        let mut p = -1382.0f32 / 155_925.0;
-        p = p.mul_add(x2, 62.0 / 2835.0);
-        p = p.mul_add(x2, -17.0 / 315.0);
-        p = p.mul_add(x2, 2.0 / 15.0);
-        p = p.mul_add(x2, -1.0 / 3.0);
+        // The Taylor coefficients -1382/155925, 62/2835, -17/315, 2/15, -1/3 rounded to fp32,
+        // written as bits so that CUDA uses the very same constants.
+        let mut p = f32::from_bits(0xbc11_371b);
+        p = p.mul_add(x2, f32::from_bits(0x3cb3_27a4));
+        p = p.mul_add(x2, f32::from_bits(0xbd5d_0dd1));
+        p = p.mul_add(x2, f32::from_bits(0x3e08_8889));
+        p = p.mul_add(x2, f32::from_bits(0xbeaa_aaab));
         (x * x2).mul_add(p, x)
     } else {
         let t = 1.0 - 2.0 / (exp_poly(a + a) + 1.0);
