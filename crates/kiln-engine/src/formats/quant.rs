@@ -453,14 +453,14 @@ fn dot_row_unchecked(dtype: DType, bytes: &[u8], x: &[f32]) -> f32 {
         DType::Q4_0 => dot_q4_0(bytes, x),
         DType::Q4_1 => dot_q4_1(bytes, x),
         DType::Q8_0 => dot_q8_0(bytes, x),
-        DType::Q5_0 => dot_decoded::<Q5_0_BYTES, 32>(bytes, x, dequant_q5_0),
-        DType::Q5_1 => dot_decoded::<Q5_1_BYTES, 32>(bytes, x, dequant_q5_1),
-        DType::Q2_K => dot_decoded::<Q2_K_BYTES, QK_K>(bytes, x, dequant_q2_k),
-        DType::Q3_K => dot_decoded::<Q3_K_BYTES, QK_K>(bytes, x, dequant_q3_k),
-        DType::Q4_K => dot_decoded::<Q4_K_BYTES, QK_K>(bytes, x, dequant_q4_k),
-        DType::Q5_K => dot_decoded::<Q5_K_BYTES, QK_K>(bytes, x, dequant_q5_k),
-        DType::Q6_K => dot_decoded::<Q6_K_BYTES, QK_K>(bytes, x, dequant_q6_k),
-        DType::Q8_K => dot_decoded::<Q8_K_BYTES, QK_K>(bytes, x, dequant_q8_k),
+        DType::Q5_0 => dot_decoded::<Q5_0_BYTES, 32>(bytes, x, |b, y| dequant_q5_0(b, y)),
+        DType::Q5_1 => dot_decoded::<Q5_1_BYTES, 32>(bytes, x, |b, y| dequant_q5_1(b, y)),
+        DType::Q2_K => dot_decoded::<Q2_K_BYTES, QK_K>(bytes, x, |b, y| dequant_q2_k(b, y)),
+        DType::Q3_K => dot_decoded::<Q3_K_BYTES, QK_K>(bytes, x, |b, y| dequant_q3_k(b, y)),
+        DType::Q4_K => dot_decoded::<Q4_K_BYTES, QK_K>(bytes, x, |b, y| dequant_q4_k(b, y)),
+        DType::Q5_K => dot_decoded::<Q5_K_BYTES, QK_K>(bytes, x, |b, y| dequant_q5_k(b, y)),
+        DType::Q6_K => dot_decoded::<Q6_K_BYTES, QK_K>(bytes, x, |b, y| dequant_q6_k(b, y)),
+        DType::Q8_K => dot_decoded::<Q8_K_BYTES, QK_K>(bytes, x, |b, y| dequant_q8_k(b, y)),
         // check_row() refused every other dtype.
         _ => f32::NAN,
     }
@@ -488,10 +488,108 @@ fn has_avx2() -> bool {
 fn dot_row_dispatch(dtype: DType, bytes: &[u8], x: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
-        // SAFETY: the CPU was checked at run time for every feature the function enables.
-        return unsafe { dot_row_avx2(dtype, bytes, x) };
+        // SAFETY: the CPU was checked at run time for every feature these functions enable, and
+        // the caller checked that `bytes` holds exactly `x.len()` elements of `dtype`.
+        return unsafe {
+            match dtype {
+                DType::Q8_0 => avx2::dot_q8_0(bytes, x),
+                DType::Q4_1 => avx2::dot_q4_1(bytes, x),
+                DType::Q4_0 => avx2::dot_q4_0(bytes, x),
+                _ => dot_row_avx2(dtype, bytes, x),
+            }
+        };
     }
     dot_row_unchecked(dtype, bytes, x)
+}
+
+/// Hand-written AVX2/FMA kernels for the formats of the default model: per block, the integer
+/// quants widened to 8 f32 lanes at a time and multiplied into a block sum with FMA, then the
+/// block sum scaled into the running accumulator.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{f16_at, Q4_0_BYTES, Q4_1_BYTES, Q8_0_BYTES};
+
+    #[inline(always)]
+    unsafe fn horizontal_sum(v: __m256) -> f32 {
+        let pair = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let quad = _mm_add_ps(pair, _mm_movehl_ps(pair, pair));
+        _mm_cvtss_f32(_mm_add_ss(quad, _mm_movehdup_ps(quad)))
+    }
+
+    /// 16 signed bytes as two vectors of 8 f32.
+    #[inline(always)]
+    unsafe fn widen_i8(q: __m128i) -> (__m256, __m256) {
+        (_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))))
+    }
+
+    /// The sum over a 32-element block of `q[j] * x[j]`, with `lo` holding quants 0..16 and `hi`
+    /// quants 16..32 as signed bytes.
+    #[inline(always)]
+    unsafe fn block_dot(lo: __m128i, hi: __m128i, x: *const f32) -> __m256 {
+        let (q0, q1) = widen_i8(lo);
+        let (q2, q3) = widen_i8(hi);
+        let mut s = _mm256_mul_ps(q0, _mm256_loadu_ps(x));
+        s = _mm256_fmadd_ps(q1, _mm256_loadu_ps(x.add(8)), s);
+        s = _mm256_fmadd_ps(q2, _mm256_loadu_ps(x.add(16)), s);
+        _mm256_fmadd_ps(q3, _mm256_loadu_ps(x.add(24)), s)
+    }
+
+    /// # Safety
+    /// AVX2 and FMA are present; `bytes.len() == x.len() / 32 * 34`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_q8_0(bytes: &[u8], x: &[f32]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        for (i, b) in bytes.chunks_exact(Q8_0_BYTES).enumerate() {
+            let d = _mm256_set1_ps(f16_at(b, 0));
+            let q = b.as_ptr().add(2);
+            let lo = _mm_loadu_si128(q.cast());
+            let hi = _mm_loadu_si128(q.add(16).cast());
+            acc = _mm256_fmadd_ps(d, block_dot(lo, hi, x.as_ptr().add(32 * i)), acc);
+        }
+        horizontal_sum(acc)
+    }
+
+    /// # Safety
+    /// AVX2 and FMA are present; `bytes.len() == x.len() / 32 * 20`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_q4_1(bytes: &[u8], x: &[f32]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        let mut acc_min = _mm256_setzero_ps();
+        let nibble = _mm_set1_epi8(0x0F);
+        for (i, b) in bytes.chunks_exact(Q4_1_BYTES).enumerate() {
+            let (d, m) = (_mm256_set1_ps(f16_at(b, 0)), _mm256_set1_ps(f16_at(b, 2)));
+            let qs = _mm_loadu_si128(b.as_ptr().add(4).cast());
+            let lo = _mm_and_si128(qs, nibble);
+            let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), nibble);
+            let xp = x.as_ptr().add(32 * i);
+            acc = _mm256_fmadd_ps(d, block_dot(lo, hi, xp), acc);
+            let xs = _mm256_add_ps(
+                _mm256_add_ps(_mm256_loadu_ps(xp), _mm256_loadu_ps(xp.add(8))),
+                _mm256_add_ps(_mm256_loadu_ps(xp.add(16)), _mm256_loadu_ps(xp.add(24))),
+            );
+            acc_min = _mm256_fmadd_ps(m, xs, acc_min);
+        }
+        horizontal_sum(_mm256_add_ps(acc, acc_min))
+    }
+
+    /// # Safety
+    /// AVX2 and FMA are present; `bytes.len() == x.len() / 32 * 18`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_q4_0(bytes: &[u8], x: &[f32]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        let nibble = _mm_set1_epi8(0x0F);
+        let eight = _mm_set1_epi8(8);
+        for (i, b) in bytes.chunks_exact(Q4_0_BYTES).enumerate() {
+            let d = _mm256_set1_ps(f16_at(b, 0));
+            let qs = _mm_loadu_si128(b.as_ptr().add(2).cast());
+            let lo = _mm_sub_epi8(_mm_and_si128(qs, nibble), eight);
+            let hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(qs, 4), nibble), eight);
+            acc = _mm256_fmadd_ps(d, block_dot(lo, hi, x.as_ptr().add(32 * i)), acc);
+        }
+        horizontal_sum(acc)
+    }
 }
 
 /// The dot product of one row of `dtype` (its raw bytes) with `x`, block by block, without
