@@ -66,3 +66,28 @@ fn a_compile_error_carries_the_log_and_options() {
         other => panic!("expected a compile error, got {other:?}"),
     }
 }
+
+#[test]
+fn a_stack_frame_and_a_warning_are_caught() {
+    // A register array indexed at run time lives in local memory (a stack frame); an unused
+    // variable draws a warning. The check above must see both.
+    let local = kiln_cuda::KernelSource {
+        name: "local",
+        source: "#include \"kiln_prelude.cuh\"\n\
+                 extern \"C\" __global__ void f(float* out, int i) {\n\
+                   int unused;\n\
+                   float a[256];\n\
+                   for (int k = 0; k < 256; ++k) a[k] = out[k] * out[k + i];\n\
+                   out[i] = a[out[1] > 0.0f ? i : i + 1];\n\
+                 }\n",
+        define_sets: &[&[]],
+        fmad: true,
+    };
+    let image = match compile_only(&local, Arch(90), &[]) {
+        Ok(image) => image,
+        Err(e) => panic!("compile failed: {e}"),
+    };
+    let f = image.resources.iter().find(|r| r.function == "f").unwrap_or_else(|| panic!("{}", image.log));
+    assert!(f.stack_frame_bytes >= 256, "{f:?}\n{}", image.log);
+    assert!(!image.warnings().is_empty(), "no warning in:\n{}", image.log);
+}
