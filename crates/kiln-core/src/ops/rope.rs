@@ -7,6 +7,7 @@
 //! and the result rounded once to the activation type.
 
 use crate::error::{Error, Result};
+use crate::ops::norm::{NormInputs, RmsNorm};
 use crate::ops::primitives::FloatType;
 
 /// Which elements of a head form a rotating pair.
@@ -195,6 +196,42 @@ pub fn apply_rope_typed(
     Ok(())
 }
 
+/// Qwen3's per-head q/k RMSNorm followed by RoPE, in place: each head of `head_dim` values is
+/// normalised by [`RmsNorm::llama`] (Hugging Face rounding to `ty`, the fixed-order unit sum) with
+/// the `head_dim` weights `norm_weight`, then rotated by [`apply_rope_typed`]. The composition is the
+/// specification of the fused kernel (`kernels/rope.cu` with its q/k norm on).
+#[allow(clippy::too_many_arguments)]
+pub fn qk_norm_rope_typed(
+    q_or_k: &mut [f32],
+    head_dim: usize,
+    heads: usize,
+    position: u64,
+    norm_weight: &[f32],
+    eps: f32,
+    spec: &RopeSpec,
+    ty: FloatType,
+) -> Result<()> {
+    spec.validate(head_dim)?;
+    if q_or_k.len() != head_dim * heads {
+        return Err(Error::ShapeMismatch {
+            op: "q/k norm and rope",
+            expected: vec![heads, head_dim],
+            got: vec![q_or_k.len()],
+        });
+    }
+    let inputs = NormInputs {
+        x: q_or_k,
+        x_type: ty.dtype(),
+        residual: None,
+        weight: Some(norm_weight),
+        bias: None,
+        gate: None,
+    };
+    let normed = RmsNorm::llama(eps, ty.dtype()).run(head_dim, &inputs)?;
+    q_or_k.copy_from_slice(&normed.y);
+    apply_rope_typed(q_or_k, head_dim, heads, position, spec, ty)
+}
+
 /// cos and sin for positions `0..positions`: `cos[p * rotary_dim / 2 + i]`, the table the GPU reads.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RopeTable {
@@ -307,6 +344,34 @@ mod tests {
         assert!((yarn.inv_freq(63) - base.inv_freq(63) / 4.0).abs() < 1e-15);
         let (c, _) = yarn.cos_sin(0, 3);
         assert_eq!(c, (0.1 * 4f64.ln() + 1.0) as f32);
+    }
+
+    #[test]
+    fn qk_norm_rope_is_the_hugging_face_norm_then_the_rotation() {
+        let ty = FloatType::BF16;
+        let s = spec(RopeLayout::HalfSplit, 64);
+        let x: Vec<f32> = (0..128).map(|i| ty.round(((i * 53 % 29) as f32 - 14.0) * 0.21)).collect();
+        let w: Vec<f32> = (0..64).map(|i| ty.round(0.6 + i as f32 * 0.013)).collect();
+        let mut fused = x.clone();
+        qk_norm_rope_typed(&mut fused, 64, 2, 301, &w, 1e-6, &s, ty).unwrap();
+        for head in 0..2 {
+            let h = &x[head * 64..(head + 1) * 64];
+            let ms = h.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>() / 64.0;
+            let r = (1.0 / (ms + 1e-6).sqrt()) as f32;
+            let mut want: Vec<f32> = (0..64).map(|j| ty.round(ty.round(h[j] * r) * w[j])).collect();
+            apply_rope_typed(&mut want, 64, 1, 301, &s, ty).unwrap();
+            let got = &fused[head * 64..(head + 1) * 64];
+            for j in 0..64 {
+                // r from f64 may differ from the fixed-order fp32 r in its last bit: one bf16 step.
+                assert!((got[j] - want[j]).abs() <= want[j].abs() / 64.0 + 1e-6, "head {head} j {j}");
+            }
+        }
+        let mut bad = x.clone();
+        assert!(matches!(
+            qk_norm_rope_typed(&mut bad, 64, 3, 0, &w, 1e-6, &s, ty),
+            Err(Error::ShapeMismatch { .. })
+        ));
+        assert!(qk_norm_rope_typed(&mut bad, 64, 2, 0, &w[..32], 1e-6, &s, ty).is_err());
     }
 
     #[test]
