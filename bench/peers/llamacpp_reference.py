@@ -15,12 +15,18 @@ holds a libllama.so built from the same sdist's vendor/llama.cpp. Format of the 
 bench/reference/smollm2-q4_1/README.md.
 """
 
+import os
+import sys
+
+# bench/peers also holds scripts named like standard modules (copy.py): keep this directory off
+# the import path, which Python puts first when it runs a script.
+if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    del sys.path[0]
+
 import argparse
 import hashlib
 import json
-import os
 import re
-import sys
 
 import numpy as np
 import llama_cpp

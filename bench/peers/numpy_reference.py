@@ -20,9 +20,16 @@ h reads key/value head h // (n_head / n_head_kv), SwiGLU feed-forward, the outpu
 token_embd when output.weight is absent.
 """
 
+import os
+import sys
+
+# bench/peers also holds scripts named like standard modules (copy.py): keep this directory off
+# the import path, which Python puts first when it runs a script.
+if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    del sys.path[0]
+
 import argparse
 import json
-import os
 import re
 
 import numpy as np
