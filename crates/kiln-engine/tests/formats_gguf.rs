@@ -68,7 +68,12 @@ fn array(element_type: u32, count: u64, elements: &[u8]) -> Vec<u8> {
 }
 
 fn tensor(name: &str, dims: &[u64], dtype: DType, offset: u64) -> TensorInfo {
-    TensorInfo { name: name.as_bytes().to_vec(), dims: dims.to_vec(), type_id: dtype.gguf_code().unwrap(), offset }
+    TensorInfo {
+        name: name.as_bytes().to_vec(),
+        dims: dims.to_vec(),
+        type_id: dtype.gguf_code().unwrap(),
+        offset,
+    }
 }
 
 impl Gguf {
@@ -221,15 +226,27 @@ fn getters_name_wrong_types_missing_keys_and_values_out_of_range() {
     };
     assert_eq!(
         kind(file.get_u32("general.architecture").unwrap_err()),
-        GgufErrorKind::WrongType { key: "general.architecture".into(), expected: "u32", found: "string".into() }
+        GgufErrorKind::WrongType {
+            key: "general.architecture".into(),
+            expected: "u32",
+            found: "string".into()
+        }
     );
     assert_eq!(
         kind(file.get_string_array("test.i32s").unwrap_err()),
-        GgufErrorKind::WrongType { key: "test.i32s".into(), expected: "array<string>", found: "array<i32>".into() }
+        GgufErrorKind::WrongType {
+            key: "test.i32s".into(),
+            expected: "array<string>",
+            found: "array<i32>".into()
+        }
     );
     assert_eq!(
         kind(file.opt_f32("test.strings").unwrap_err()),
-        GgufErrorKind::WrongType { key: "test.strings".into(), expected: "f32", found: "array<string>".into() }
+        GgufErrorKind::WrongType {
+            key: "test.strings".into(),
+            expected: "f32",
+            found: "array<string>".into()
+        }
     );
     assert_eq!(kind(file.get_str("nope").unwrap_err()), GgufErrorKind::MissingKey { key: "nope".into() });
     assert_eq!(
@@ -238,7 +255,11 @@ fn getters_name_wrong_types_missing_keys_and_values_out_of_range() {
     );
     assert_eq!(
         kind(file.get_u32("test.u64").unwrap_err()),
-        GgufErrorKind::ValueOutOfRange { key: "test.u64".into(), value: (1u64 << 40).to_string(), expected: "u32" }
+        GgufErrorKind::ValueOutOfRange {
+            key: "test.u64".into(),
+            value: (1u64 << 40).to_string(),
+            expected: "u32"
+        }
     );
     assert_eq!(
         kind(file.opt_u64("test.i8").unwrap_err()),
@@ -251,8 +272,14 @@ fn getters_name_wrong_types_missing_keys_and_values_out_of_range() {
 /// Every malformed case: its corpus name, its bytes, and the error it must produce.
 fn cases() -> Vec<(&'static str, Vec<u8>, GgufErrorKind)> {
     let v = Gguf::valid;
-    let bad_tensor = |name: &str, reason: &str| GgufErrorKind::BadTensor { name: name.into(), reason: reason.into() };
-    let bad_offset = |name: &str, start, end, reason| GgufErrorKind::BadOffset { name: String::from(name), start, end, reason };
+    let bad_tensor =
+        |name: &str, reason: &str| GgufErrorKind::BadTensor { name: name.into(), reason: reason.into() };
+    let bad_offset = |name: &str, start, end, reason| GgufErrorKind::BadOffset {
+        name: String::from(name),
+        start,
+        end,
+        reason,
+    };
     let nested = |depth: usize| {
         let mut value = array(T_U8, 1, &[1]);
         for _ in 1..depth {
@@ -274,17 +301,29 @@ fn cases() -> Vec<(&'static str, Vec<u8>, GgufErrorKind)> {
         (
             "tensor_count_max",
             v().with(|g| g.tensor_count = Some(u64::MAX)).bytes(),
-            GgufErrorKind::AbsurdCount { what: "tensor", count: u64::MAX, file_bytes: v().bytes().len() as u64 },
+            GgufErrorKind::AbsurdCount {
+                what: "tensor",
+                count: u64::MAX,
+                file_bytes: v().bytes().len() as u64,
+            },
         ),
         (
             "metadata_count_max",
             v().with(|g| g.kv_count = Some(u64::MAX)).bytes(),
-            GgufErrorKind::AbsurdCount { what: "metadata", count: u64::MAX, file_bytes: v().bytes().len() as u64 },
+            GgufErrorKind::AbsurdCount {
+                what: "metadata",
+                count: u64::MAX,
+                file_bytes: v().bytes().len() as u64,
+            },
         ),
         (
             "metadata_count_too_large",
             v().with(|g| g.kv_count = Some(1000)).bytes(),
-            GgufErrorKind::AbsurdCount { what: "metadata", count: 1000, file_bytes: v().bytes().len() as u64 },
+            GgufErrorKind::AbsurdCount {
+                what: "metadata",
+                count: 1000,
+                file_bytes: v().bytes().len() as u64,
+            },
         ),
         (
             "string_past_end",
@@ -363,7 +402,11 @@ fn cases() -> Vec<(&'static str, Vec<u8>, GgufErrorKind)> {
         (
             "alignment_wrong_type",
             v().set("general.alignment", T_STRING, s(b"32")).bytes(),
-            GgufErrorKind::WrongType { key: "general.alignment".into(), expected: "u32", found: "string".into() },
+            GgufErrorKind::WrongType {
+                key: "general.alignment".into(),
+                expected: "u32",
+                found: "string".into(),
+            },
         ),
         (
             "five_dims",
@@ -375,7 +418,11 @@ fn cases() -> Vec<(&'static str, Vec<u8>, GgufErrorKind)> {
             v().with(|g| g.tensors[0].dims = vec![]).bytes(),
             bad_tensor("a", "0 dimensions (GGML allows 1 to 4)"),
         ),
-        ("zero_dim", v().with(|g| g.tensors[0].dims = vec![4, 0]).bytes(), bad_tensor("a", "dimension 1 is 0")),
+        (
+            "zero_dim",
+            v().with(|g| g.tensors[0].dims = vec![4, 0]).bytes(),
+            bad_tensor("a", "dimension 1 is 0"),
+        ),
         (
             "negative_dim",
             v().with(|g| g.tensors[0].dims = vec![4, (-2i64) as u64]).bytes(),

@@ -35,7 +35,10 @@ fn smollm2_reads_as_the_gguf_package_reads_it() {
     assert_eq!(file.tensor_infos().len() as u64, want["tensor_count"].as_u64().unwrap());
     assert_eq!(file.metadata_len() as u64, want["metadata_count"].as_u64().unwrap());
     assert_eq!(u64::from(file.get_u32("llama.block_count").unwrap()), want["block_count"].as_u64().unwrap());
-    assert_eq!(f64::from(file.get_f32("llama.rope.freq_base").unwrap()), want["rope_freq_base"].as_f64().unwrap());
+    assert_eq!(
+        f64::from(file.get_f32("llama.rope.freq_base").unwrap()),
+        want["rope_freq_base"].as_f64().unwrap()
+    );
     assert_eq!(file.get_str("tokenizer.ggml.pre").unwrap(), want["pre"].as_str().unwrap());
     let tokens = want["token_count"].as_u64().unwrap() as usize;
     assert_eq!(file.get_string_array("tokenizer.ggml.tokens").unwrap().len(), tokens);
@@ -58,7 +61,8 @@ fn smollm2_reads_as_the_gguf_package_reads_it() {
         let mut values = vec![f32::NAN; info.elements() as usize];
         dequantize_row(info.dtype, file.tensor_bytes(name).unwrap(), &mut values).unwrap();
         // Compared as f32: the JSON text holds each f32 exactly, narrowing undoes parsing's last bit.
-        let first: Vec<f32> = t["first"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
+        let first: Vec<f32> =
+            t["first"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
         assert_eq!(&values[..first.len()], &first[..], "{name}");
         let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
         let digest: String = Sha256::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect();

@@ -9,8 +9,10 @@ use std::path::PathBuf;
 use kiln_core::{DType, Error};
 use kiln_engine::formats::quant::{dequantize_row, dot_row, matvec, SERVED};
 
-const TYPES: &[&str] =
-    &["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K"];
+const TYPES: &[&str] = &[
+    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+    "Q8_K",
+];
 
 fn fixture(name: &str) -> (DType, Vec<u8>, Vec<f32>) {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/quant");
@@ -38,14 +40,20 @@ fn dequantization_equals_the_gguf_package_bit_for_bit() {
         dequantize_row(dtype, &raw, &mut out).unwrap();
         for (i, (&got, &want)) in out.iter().zip(&expected).enumerate() {
             let same = got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan());
-            assert!(same, "{name} element {i}: got {got:e} ({:#x}), gguf gives {want:e} ({:#x})", got.to_bits(), want.to_bits());
+            assert!(
+                same,
+                "{name} element {i}: got {got:e} ({:#x}), gguf gives {want:e} ({:#x})",
+                got.to_bits(),
+                want.to_bits()
+            );
         }
     }
 }
 
 /// A fresh pseudo-random vector (xorshift seeded by the clock), never all zeros.
 fn random_x(n: usize) -> Vec<f32> {
-    let mut s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1;
+    let mut s =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1;
     (0..n)
         .map(|_| {
             s ^= s << 13;
@@ -66,7 +74,8 @@ fn dot_row_matches_a_float64_dot_of_the_dequantized_values() {
         }
         let x = random_x(expected.len());
         let reference: f64 = expected.iter().zip(&x).map(|(&w, &v)| f64::from(w) * f64::from(v)).sum();
-        let magnitude: f64 = expected.iter().zip(&x).map(|(&w, &v)| (f64::from(w) * f64::from(v)).abs()).sum();
+        let magnitude: f64 =
+            expected.iter().zip(&x).map(|(&w, &v)| (f64::from(w) * f64::from(v)).abs()).sum();
         let got = f64::from(dot_row(dtype, &raw, &x).unwrap());
         assert!(
             (got - reference).abs() <= 1e-5 * magnitude + 1e-30,
@@ -88,7 +97,8 @@ fn dot_row_of_float_rows_handles_tails_and_specials() {
     // f16 and bf16 rows of finite values, widened exactly, against float64.
     let f16_bytes: Vec<u8> = w.iter().flat_map(|&v| half::f16::from_f32(v).to_le_bytes()).collect();
     let bf16_bytes: Vec<u8> = w.iter().flat_map(|&v| half::bf16::from_f32(v).to_le_bytes()).collect();
-    let f16_ref: f64 = w.iter().zip(&x).map(|(&a, &b)| f64::from(half::f16::from_f32(a).to_f32()) * f64::from(b)).sum();
+    let f16_ref: f64 =
+        w.iter().zip(&x).map(|(&a, &b)| f64::from(half::f16::from_f32(a).to_f32()) * f64::from(b)).sum();
     let bf16_ref: f64 =
         w.iter().zip(&x).map(|(&a, &b)| f64::from(half::bf16::from_f32(a).to_f32()) * f64::from(b)).sum();
     let got = dot_row(DType::F16, &f16_bytes, &x).unwrap();
@@ -121,7 +131,10 @@ fn matvec_equals_dot_row_for_every_row() {
 fn wrong_lengths_and_unserved_types_are_named_errors() {
     let (_, raw, _) = fixture("Q4_1");
     let mut out = vec![0f32; 511];
-    assert!(matches!(dequantize_row(DType::Q4_1, &raw, &mut out), Err(Error::NotBlockAligned { elements: 511, .. })));
+    assert!(matches!(
+        dequantize_row(DType::Q4_1, &raw, &mut out),
+        Err(Error::NotBlockAligned { elements: 511, .. })
+    ));
     let mut out = vec![0f32; 480];
     assert!(matches!(
         dequantize_row(DType::Q4_1, &raw, &mut out),
@@ -130,7 +143,10 @@ fn wrong_lengths_and_unserved_types_are_named_errors() {
     assert!(matches!(dot_row(DType::Q4_1, &raw[..319], &[0.0; 512]), Err(Error::ByteLength { .. })));
     assert!(matches!(dot_row(DType::IQ2_XXS, &[], &[]), Err(Error::DTypeNotServed { dtype: "IQ2_XXS", .. })));
     let mut out = vec![0f32; 3];
-    assert!(matches!(matvec(DType::Q4_1, &raw, 3, 256, &[0.0; 256], &mut out), Err(Error::ByteLength { .. })));
+    assert!(matches!(
+        matvec(DType::Q4_1, &raw, 3, 256, &[0.0; 256], &mut out),
+        Err(Error::ByteLength { .. })
+    ));
     assert!(matches!(
         matvec(DType::Q4_1, &raw, 2, 256, &[0.0; 255], &mut out[..2]),
         Err(Error::ShapeMismatch { .. })

@@ -98,7 +98,11 @@ fn malformed_files_get_named_errors() {
             file_bytes(r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}"#, 0, &data),
             "invalid offset",
         ),
-        ("bytes_after_last_tensor", file_bytes(&format!("{{{ok_tensor}}}"), 0, &f32_bytes(&[1.0, 2.0, 3.0])), "incomplete metadata"),
+        (
+            "bytes_after_last_tensor",
+            file_bytes(&format!("{{{ok_tensor}}}"), 0, &f32_bytes(&[1.0, 2.0, 3.0])),
+            "incomplete metadata",
+        ),
         (
             "shape_disagrees_with_range",
             file_bytes(r#"{"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}"#, 0, &data),
@@ -135,9 +139,21 @@ fn truncation_at_every_byte_is_an_error() {
 #[test]
 fn sharded_checkpoints_load_through_the_index() {
     let d = dir("sharded");
-    write(&d, "s1.safetensors", &file_bytes(r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#, 0, &f32_bytes(&[1.0])));
-    write(&d, "s2.safetensors", &file_bytes(r#"{"b":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#, 0, &f32_bytes(&[2.0])));
-    write(&d, "model.safetensors.index.json", br#"{"metadata":{},"weight_map":{"a":"s1.safetensors","b":"s2.safetensors"}}"#);
+    write(
+        &d,
+        "s1.safetensors",
+        &file_bytes(r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#, 0, &f32_bytes(&[1.0])),
+    );
+    write(
+        &d,
+        "s2.safetensors",
+        &file_bytes(r#"{"b":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#, 0, &f32_bytes(&[2.0])),
+    );
+    write(
+        &d,
+        "model.safetensors.index.json",
+        br#"{"metadata":{},"weight_map":{"a":"s1.safetensors","b":"s2.safetensors"}}"#,
+    );
     let w = SafetensorsWeights::open(&d).unwrap();
     assert_eq!(w.tensor_names(), ["a", "b"]);
     assert_eq!(w.tensor("b").unwrap().to_f32_vec().unwrap(), [2.0]);
@@ -151,7 +167,11 @@ fn sharded_checkpoints_load_through_the_index() {
     assert!(index(r#"{"weight_map":{"a":"../s1.safetensors"}}"#).contains("not a file name"));
     assert!(index(r#"{"weight_map":{}}"#).contains("empty"));
     assert!(index(r#"{"weight_map":"#).contains("index"));
-    write(&d, "s3.safetensors", &file_bytes(r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#, 0, &f32_bytes(&[3.0])));
+    write(
+        &d,
+        "s3.safetensors",
+        &file_bytes(r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#, 0, &f32_bytes(&[3.0])),
+    );
     assert!(index(r#"{"weight_map":{"a":"s1.safetensors","z":"s3.safetensors"}}"#).contains("does not hold"));
     let twice = r#"{"weight_map":{"a":"s1.safetensors","b":"s2.safetensors","c":"s3.safetensors"}}"#;
     assert!(index(twice).contains("does not hold"));
@@ -170,7 +190,10 @@ fn hf_config_reads_llama_fields() {
     assert_eq!(c.tie_word_embeddings, Some(true));
     assert_eq!(c.torch_dtype.as_deref(), Some("bfloat16"));
     let missing = HfConfig::from_json(r#"{"architectures":[]}"#).unwrap_err();
-    assert!(matches!(missing, Error::Model { ref reason, .. } if reason.contains("hidden_size")), "{missing}");
+    assert!(
+        matches!(missing, Error::Model { ref reason, .. } if reason.contains("hidden_size")),
+        "{missing}"
+    );
     let c = HfConfig::from_json(&text.replace(r#"["LlamaForCausalLM"]"#, "[]")).unwrap();
     assert!(matches!(c.architecture(), Err(Error::Model { .. })));
 }

@@ -843,10 +843,7 @@ impl Header {
         }
         let data_end = data_offset + order.last().map_or(0, |&i| tensors[i].offset + tensors[i].bytes);
         if file_len - data_end >= alignment {
-            return Err((
-                data_end,
-                GgufErrorKind::TrailingBytes { bytes: file_len - data_end, alignment },
-            ));
+            return Err((data_end, GgufErrorKind::TrailingBytes { bytes: file_len - data_end, alignment }));
         }
         for t in &mut tensors {
             // Cannot overflow: checked above against the file length.
@@ -901,7 +898,10 @@ fn read_array(r: &mut Reader<'_>, key: &str, depth: u32) -> Parse<GgufArray> {
             const SIZE: usize = std::mem::size_of::<$t>();
             let bytes = r.take((len * SIZE) as u64, || what.clone())?;
             GgufArray::$variant(
-                bytes.chunks_exact(SIZE).map(|c| <$t>::from_le_bytes(c.try_into().unwrap_or_default())).collect(),
+                bytes
+                    .chunks_exact(SIZE)
+                    .map(|c| <$t>::from_le_bytes(c.try_into().unwrap_or_default()))
+                    .collect(),
             )
         }};
     }

@@ -453,14 +453,14 @@ fn dot_row_unchecked(dtype: DType, bytes: &[u8], x: &[f32]) -> f32 {
         DType::Q4_0 => dot_q4_0(bytes, x),
         DType::Q4_1 => dot_q4_1(bytes, x),
         DType::Q8_0 => dot_q8_0(bytes, x),
-        DType::Q5_0 => dot_decoded::<Q5_0_BYTES, 32>(bytes, x, |b, y| dequant_q5_0(b, y)),
-        DType::Q5_1 => dot_decoded::<Q5_1_BYTES, 32>(bytes, x, |b, y| dequant_q5_1(b, y)),
-        DType::Q2_K => dot_decoded::<Q2_K_BYTES, QK_K>(bytes, x, |b, y| dequant_q2_k(b, y)),
-        DType::Q3_K => dot_decoded::<Q3_K_BYTES, QK_K>(bytes, x, |b, y| dequant_q3_k(b, y)),
-        DType::Q4_K => dot_decoded::<Q4_K_BYTES, QK_K>(bytes, x, |b, y| dequant_q4_k(b, y)),
-        DType::Q5_K => dot_decoded::<Q5_K_BYTES, QK_K>(bytes, x, |b, y| dequant_q5_k(b, y)),
-        DType::Q6_K => dot_decoded::<Q6_K_BYTES, QK_K>(bytes, x, |b, y| dequant_q6_k(b, y)),
-        DType::Q8_K => dot_decoded::<Q8_K_BYTES, QK_K>(bytes, x, |b, y| dequant_q8_k(b, y)),
+        DType::Q5_0 => dot_decoded::<Q5_0_BYTES, 32>(bytes, x, dequant_q5_0),
+        DType::Q5_1 => dot_decoded::<Q5_1_BYTES, 32>(bytes, x, dequant_q5_1),
+        DType::Q2_K => dot_decoded::<Q2_K_BYTES, QK_K>(bytes, x, dequant_q2_k),
+        DType::Q3_K => dot_decoded::<Q3_K_BYTES, QK_K>(bytes, x, dequant_q3_k),
+        DType::Q4_K => dot_decoded::<Q4_K_BYTES, QK_K>(bytes, x, dequant_q4_k),
+        DType::Q5_K => dot_decoded::<Q5_K_BYTES, QK_K>(bytes, x, dequant_q5_k),
+        DType::Q6_K => dot_decoded::<Q6_K_BYTES, QK_K>(bytes, x, dequant_q6_k),
+        DType::Q8_K => dot_decoded::<Q8_K_BYTES, QK_K>(bytes, x, dequant_q8_k),
         // check_row() refused every other dtype.
         _ => f32::NAN,
     }
@@ -521,7 +521,10 @@ mod avx2 {
     /// 16 signed bytes as two vectors of 8 f32.
     #[inline(always)]
     unsafe fn widen_i8(q: __m128i) -> (__m256, __m256) {
-        (_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))))
+        (
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)),
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))),
+        )
     }
 
     /// The sum over a 32-element block of `q[j] * x[j]`, with `lo` holding quants 0..16 and `hi`
