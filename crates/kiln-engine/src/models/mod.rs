@@ -7,6 +7,7 @@ use std::path::Path;
 
 use kiln_core::{Error, Result};
 
+use crate::formats::safetensors::SafetensorsWeights;
 use crate::formats::GgufFile;
 use crate::tokenizer::Tokenizer;
 pub use config::{Architecture, ModelConfig};
@@ -18,23 +19,48 @@ pub fn load_gguf(file: GgufFile) -> Result<LlamaModel> {
     LlamaModel::load(config, Box::new(file), |name| name.to_string())
 }
 
-/// Loads a model and its tokenizer from a path: a `.gguf` file (tokenizer from its metadata).
-pub fn load_path(path: &Path) -> Result<(LlamaModel, Tokenizer)> {
-    if path.is_file() {
-        let file = GgufFile::open(path)?;
-        let tokenizer = Tokenizer::from_gguf(&file)?;
-        let model = load_gguf(file)?;
-        if tokenizer.vocab_size() > model.config().vocab {
-            return Err(Error::Model {
-                model: model.config().name.clone(),
-                reason: format!(
-                    "the tokenizer has {} tokens, the output layer {}",
-                    tokenizer.vocab_size(),
-                    model.config().vocab
-                ),
-            });
-        }
-        return Ok((model, tokenizer));
+/// Loads a Hugging Face folder: `config.json`, `tokenizer.json` and safetensors weights (one
+/// file or a sharded index).
+pub fn load_hf_dir(dir: &Path) -> Result<(LlamaModel, Tokenizer)> {
+    let config_path = dir.join("config.json");
+    let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
+    let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Model {
+        model: dir.display().to_string(),
+        reason: format!("config.json: {e}"),
+    })?;
+    let name =
+        dir.file_name().map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into_owned());
+    let config = ModelConfig::from_hf_json(&json, &name)?;
+    let tokenizer = Tokenizer::from_file(dir.join("tokenizer.json"))?;
+    let weights = SafetensorsWeights::open(dir)?;
+    let model = LlamaModel::load(config, Box::new(weights), hf_tensor_name)?;
+    check_vocab(&model, &tokenizer)?;
+    Ok((model, tokenizer))
+}
+
+fn check_vocab(model: &LlamaModel, tokenizer: &Tokenizer) -> Result<()> {
+    if tokenizer.vocab_size() > model.config().vocab {
+        return Err(Error::Model {
+            model: model.config().name.clone(),
+            reason: format!(
+                "the tokenizer has {} tokens, the output layer {}",
+                tokenizer.vocab_size(),
+                model.config().vocab
+            ),
+        });
     }
-    Err(Error::NotServed { op: "model loading", reason: format!("{}: not a GGUF file", path.display()) })
+    Ok(())
+}
+
+/// Loads a model and its tokenizer from a path: a `.gguf` file (tokenizer from its metadata), or
+/// a Hugging Face folder (`config.json`, `tokenizer.json`, safetensors).
+pub fn load_path(path: &Path) -> Result<(LlamaModel, Tokenizer)> {
+    if path.is_dir() {
+        return load_hf_dir(path);
+    }
+    let file = GgufFile::open(path)?;
+    let tokenizer = Tokenizer::from_gguf(&file)?;
+    let model = load_gguf(file)?;
+    check_vocab(&model, &tokenizer)?;
+    Ok((model, tokenizer))
 }
