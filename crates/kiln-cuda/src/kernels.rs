@@ -50,6 +50,47 @@ pub const NORM: KernelSource = KernelSource {
     fmad: false,
 };
 
+/// RoPE on q and k in place (half-split / interleaved, partial rotary dim, positions and the cos /
+/// sin table in device memory), optionally after Qwen3's per-head q/k RMSNorm; its determinism
+/// primitives (`deterministic.cuh`) are prepended.
+pub const ROPE: KernelSource = KernelSource {
+    name: "rope",
+    source: concat!(include_str!("../kernels/deterministic.cuh"), include_str!("../kernels/rope.cu")),
+    define_sets: &[
+        &[
+            ("X_T", "2"), ("W_T", "2"), ("LAYOUT", "0"), ("QK_NORM", "1"), ("LANES_PER_HEAD", "16"),
+            ("HEADS_PER_BLOCK", "8"), ("UNITS", "1"),
+        ],
+        &[
+            ("X_T", "1"), ("W_T", "0"), ("LAYOUT", "1"), ("QK_NORM", "0"), ("LANES_PER_HEAD", "8"),
+            ("HEADS_PER_BLOCK", "16"), ("UNITS", "1"),
+        ],
+        &[
+            ("X_T", "0"), ("W_T", "1"), ("LAYOUT", "0"), ("QK_NORM", "1"), ("LANES_PER_HEAD", "32"),
+            ("HEADS_PER_BLOCK", "4"), ("UNITS", "4"),
+        ],
+        &[
+            ("X_T", "2"), ("W_T", "2"), ("LAYOUT", "1"), ("QK_NORM", "1"), ("LANES_PER_HEAD", "32"),
+            ("HEADS_PER_BLOCK", "1"), ("UNITS", "2"),
+        ],
+    ],
+    fmad: false,
+};
+
+/// Embedding lookup (bf16 / fp16 / fp32 / Q8_0 tables, out-of-vocabulary flag, row sums of squares
+/// in the norm's units); its determinism primitives (`deterministic.cuh`) are prepended.
+pub const EMBEDDING: KernelSource = KernelSource {
+    name: "embedding",
+    source: concat!(include_str!("../kernels/deterministic.cuh"), include_str!("../kernels/embedding.cu")),
+    define_sets: &[
+        &[("TABLE_T", "2"), ("OUT_T", "0"), ("SUM_SQUARES", "1"), ("WARPS_PER_ROW", "1"), ("ROWS_PER_BLOCK", "4")],
+        &[("TABLE_T", "3"), ("OUT_T", "2"), ("SUM_SQUARES", "1"), ("WARPS_PER_ROW", "4"), ("ROWS_PER_BLOCK", "2")],
+        &[("TABLE_T", "0"), ("OUT_T", "1"), ("SUM_SQUARES", "0"), ("WARPS_PER_ROW", "8"), ("ROWS_PER_BLOCK", "1")],
+        &[("TABLE_T", "1"), ("OUT_T", "1"), ("SUM_SQUARES", "1"), ("WARPS_PER_ROW", "16"), ("ROWS_PER_BLOCK", "1")],
+    ],
+    fmad: false,
+};
+
 /// The LM head (`logits = h W^T` for 1..8 rows, bf16 / fp16 / Q8_0 / Q4_0 / Q4_1 weights, scales,
 /// soft-capping, block argmax); its determinism primitives (`deterministic.cuh`) are prepended.
 pub const LM_HEAD: KernelSource = KernelSource {
@@ -115,4 +156,4 @@ pub const LM_HEAD: KernelSource = KernelSource {
 };
 
 /// Every kernel source of Kiln.
-pub const ALL: &[KernelSource] = &[CONVERT, COPY, NORM, LM_HEAD];
+pub const ALL: &[KernelSource] = &[CONVERT, COPY, NORM, ROPE, EMBEDDING, LM_HEAD];
