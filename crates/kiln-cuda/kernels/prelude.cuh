@@ -158,3 +158,72 @@ KILN_DEVICE kiln_u64 kiln_global_index() {
 KILN_DEVICE kiln_u64 kiln_grid_stride() {
     return (kiln_u64)gridDim.x * blockDim.x;
 }
+
+// ---- tensor cores, ldmatrix, asynchronous copies (sm_80 and later) ---------------------------
+// Fragment layouts of mma.m16n8k16 (lane = 4 * group + thread_in_group, g = group, t = thread):
+//   A (16 x 16, row-major) a[0]: (g, 2t..2t+1)  a[1]: (g + 8, 2t..)  a[2]: (g, 2t + 8..)  a[3]: (g + 8, 2t + 8..)
+//   B (16 x 8, column)     b[0]: (2t..2t+1, g)  b[1]: (2t + 8.., g)
+//   C (16 x 8, f32)        c[0], c[1]: (g, 2t), (g, 2t + 1)  c[2], c[3]: (g + 8, 2t), (g + 8, 2t + 1)
+// Each 32-bit register holds two bf16, the lower column (or row, for B) in the low half.
+
+// The shared-memory address of a generic pointer into shared memory.
+KILN_DEVICE kiln_u32 kiln_smem_address(const void* pointer) {
+    kiln_u32 address;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(address) : "l"(pointer));
+    return address;
+}
+
+// D += A * B, bf16 inputs, f32 accumulators.
+KILN_DEVICE void kiln_mma_bf16_16816(float (&d)[4], const kiln_u32 (&a)[4], kiln_u32 b0, kiln_u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Four 8x8 b16 matrices from shared memory: lanes 8i..8i+7 give the row addresses of matrix i,
+// and r[i] is this lane's part of matrix i (row lane / 4, columns 2 (lane % 4) and + 1).
+KILN_DEVICE void kiln_ldmatrix_x4(kiln_u32 (&r)[4], kiln_u32 address) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+}
+
+// As kiln_ldmatrix_x4, each matrix transposed: r[i] holds rows 2 (lane % 4) and + 1 of column lane / 4.
+KILN_DEVICE void kiln_ldmatrix_x4_trans(kiln_u32 (&r)[4], kiln_u32 address) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+}
+
+// Two f32 rounded to nearest even into a bf16 pair, `low` in the low half.
+KILN_DEVICE kiln_u32 kiln_pack_bf16x2(float low, float high) {
+    kiln_u32 packed;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(high), "f"(low));
+    return packed;
+}
+
+// 2^x with the hardware's approximation (2 ulp); 2^-inf = 0.
+KILN_DEVICE float kiln_exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// 16 bytes from global to shared memory without passing through registers; when `valid` is
+// false nothing is read and the 16 bytes are zeroed.
+KILN_DEVICE void kiln_cp_async_16(kiln_u32 shared_address, const void* global, bool valid) {
+    int source_bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared_address), "l"(global),
+                 "r"(source_bytes)
+                 : "memory");
+}
+
+KILN_DEVICE void kiln_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+// Waits until at most `PENDING` committed groups of this thread are still in flight.
+template <int PENDING>
+KILN_DEVICE void kiln_cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
+}

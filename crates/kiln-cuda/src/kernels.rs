@@ -155,5 +155,21 @@ pub const LM_HEAD: KernelSource = KernelSource {
     fmad: false,
 };
 
+/// Causal GQA attention over the paged KV cache (prefill and split decode), the combine of the
+/// splits, and the K/V append. Defines: `HEAD_DIM`, `WARPS_M`, `WARPS_N`, `WARP_KEYS`.
+pub const ATTENTION: KernelSource = KernelSource {
+    name: "attention",
+    source: include_str!("../kernels/attention.cu"),
+    define_sets: &[
+        &[("HEAD_DIM", "128"), ("WARPS_M", "4"), ("WARPS_N", "1"), ("WARP_KEYS", "64")],
+        &[("HEAD_DIM", "64"), ("WARPS_M", "4"), ("WARPS_N", "1"), ("WARP_KEYS", "64")],
+        &[("HEAD_DIM", "128"), ("WARPS_M", "8"), ("WARPS_N", "1"), ("WARP_KEYS", "64")],
+        &[("HEAD_DIM", "128"), ("WARPS_M", "1"), ("WARPS_N", "4"), ("WARP_KEYS", "16")],
+        &[("HEAD_DIM", "64"), ("WARPS_M", "1"), ("WARPS_N", "4"), ("WARP_KEYS", "16")],
+        &[("HEAD_DIM", "128"), ("WARPS_M", "1"), ("WARPS_N", "4"), ("WARP_KEYS", "32")],
+    ],
+    fmad: true,
+};
+
 /// Every kernel source of Kiln.
-pub const ALL: &[KernelSource] = &[CONVERT, COPY, NORM, ROPE, EMBEDDING, LM_HEAD];
+pub const ALL: &[KernelSource] = &[CONVERT, COPY, NORM, ROPE, EMBEDDING, LM_HEAD, ATTENTION];

@@ -1,5 +1,6 @@
 //! Kernel launchers, one module per kernel family (`kernels/<family>.cu`): validation against
 //! what the kernel serves, the compile-time constants of a call, and the launch.
 
+pub mod attention;
 pub mod lm_head;
 pub mod norm;

@@ -1,0 +1,390 @@
+// Causal grouped-query attention over the paged KV cache, in the FlashAttention-2 manner: one
+// kernel serves prefill (ragged sequences, chunks after cached positions) and decode (split
+// along the context, flash-decoding), plus the combine of decode's partials and the K/V append.
+//
+// Layouts (row-major, indices in elements; see kiln_core::ops::attention and kiln_engine::kv):
+//   q, out        [query_token][q_head][HEAD_DIM] bf16; sequence b's query tokens are
+//                 [query_offsets[b], query_offsets[b + 1])
+//   k_cache,      [page][kv_head][slot][HEAD_DIM] bf16, page_tokens = 1 << page_shift slots;
+//   v_cache       position p of sequence b is page page_ids[page_offsets[b] + (p >> page_shift)],
+//                 slot p & (page_tokens - 1)
+//   partial_out   [split][query_token][q_head][HEAD_DIM] f32, normalized by its own softmax sum
+//   partial_lse   [split][query_token][q_head] f32, log2 of the split's softmax sum (in units of
+//                 scale_log2 * q.k), -inf for a split that saw no key
+// Query token i of sequence b (q_len tokens, context_lens[b] positions) is at position
+// context - q_len + i and attends to positions 0..= that.
+//
+// Work: a thread block takes BLOCK_M = 16 * WARPS_M "rows" of one sequence and one KV head,
+// where row r is (query token r / G, query head kv_head * G + r % G) with G = q_heads / kv_heads:
+// the query heads of a group are packed into the rows, so each K/V tile is read once for all of
+// them. It walks its key range in tiles of BLOCK_N = WARPS_N * WARP_KEYS keys, double-buffered in
+// shared memory by cp.async (16-byte copies, the page looked up per key row), S = Q K^T and
+// O += P V on bf16 tensor cores (mma.m16n8k16, operands by ldmatrix from rows padded by 16
+// bytes, so the eight row addresses of an 8x8 matrix hit distinct banks), with the online softmax
+// in f32 between them. Prefill uses WARPS_N = 1 (each warp owns 16 rows and all keys of a tile);
+// decode, whose rows are the G heads of one token, uses WARPS_M = 1 and splits each tile among
+// WARPS_N warps, merged at the end in warp order through shared memory.
+//
+// Grid: x = row tile (reversed, so the longest causal tiles start first), y = kv_head * splits +
+// split, z = sequence. A split s takes the keys [s * chunk, (s + 1) * chunk) with chunk = the
+// context divided by `splits`, rounded up to BLOCK_N: the grid does not depend on the context
+// length, so a captured decode step replays as the cache grows. Every sum runs in a fixed order
+// (no atomics), so the output is the same bits run to run.
+//
+// Memory floor: K and V of the context read once per (sequence, kv head, row tile); q read and
+// out written once. Decode reaches it (one row tile); prefill re-reads K/V once per row tile from
+// L2, as FlashAttention-2 does.
+#include "kiln_prelude.cuh"
+
+#ifndef HEAD_DIM
+#define HEAD_DIM 128
+#endif
+#ifndef WARPS_M
+#define WARPS_M 4
+#endif
+#ifndef WARPS_N
+#define WARPS_N 1
+#endif
+#ifndef WARP_KEYS
+#define WARP_KEYS 64
+#endif
+
+#define THREADS (32 * WARPS_M * WARPS_N)
+#define BLOCK_M (16 * WARPS_M)
+#define BLOCK_N (WARPS_N * WARP_KEYS)
+// A shared-memory row: HEAD_DIM bf16 plus 16 bytes of padding.
+#define ROW (HEAD_DIM + 8)
+#define CHUNKS_PER_ROW (HEAD_DIM / 8)
+#define KILN_NEG_INF (-__int_as_float(0x7f800000))
+
+static_assert(HEAD_DIM % 32 == 0, "HEAD_DIM is a multiple of 32");
+static_assert(WARP_KEYS % 16 == 0, "WARP_KEYS is a multiple of 16");
+static_assert((BLOCK_N * CHUNKS_PER_ROW) % THREADS == 0, "a K/V tile splits evenly over the threads");
+static_assert((BLOCK_M * CHUNKS_PER_ROW) % THREADS == 0, "a Q tile splits evenly over the threads");
+// The merge of WARPS_N > 1 reuses the K/V buffers: WARPS_M * WARPS_N * 16 rows of HEAD_DIM + 4 f32.
+static_assert(WARPS_M * WARPS_N * 16 * (HEAD_DIM + 4) * 4 <= 4 * BLOCK_N * ROW * 2, "merge fits in K/V");
+
+struct alignas(16) kiln_chunk16 { kiln_u32 x, y, z, w; };
+
+// Dynamic shared memory: Q [BLOCK_M][ROW], then K [2][BLOCK_N][ROW], V [2][BLOCK_N][ROW] (bf16).
+extern "C" __global__ void __launch_bounds__(THREADS) kiln_attention(
+    const kiln_u16* __restrict__ q, const kiln_u16* __restrict__ k_cache, const kiln_u16* __restrict__ v_cache,
+    const kiln_i32* __restrict__ query_offsets, const kiln_i32* __restrict__ context_lens,
+    const kiln_i32* __restrict__ page_offsets, const kiln_u32* __restrict__ page_ids, kiln_u16* __restrict__ out,
+    float* __restrict__ partial_out, float* __restrict__ partial_lse, int q_heads, int kv_heads, int page_shift,
+    float scale_log2, int splits) {
+    extern __shared__ kiln_chunk16 shared_chunks[];
+    kiln_u16* q_smem = reinterpret_cast<kiln_u16*>(shared_chunks);
+    kiln_u16* k_smem = q_smem + BLOCK_M * ROW;
+    kiln_u16* v_smem = k_smem + 2 * BLOCK_N * ROW;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int warp_m = warp / WARPS_N, warp_n = warp % WARPS_N;
+    const int group = lane >> 2, thread_in_group = lane & 3;
+
+    const int sequence = blockIdx.z;
+    const int kv_head = blockIdx.y / splits, split = blockIdx.y % splits;
+    const int q_begin = query_offsets[sequence];
+    const int q_len = query_offsets[sequence + 1] - q_begin;
+    const int context = context_lens[sequence];
+    const int heads_per_group = q_heads / kv_heads;
+    const int rows = q_len * heads_per_group;
+    const int row0 = (gridDim.x - 1 - blockIdx.x) * BLOCK_M;
+    if (row0 >= rows) return;
+    const int first_position = context - q_len;
+    const int total_queries = query_offsets[gridDim.z];
+    const kiln_u32* pages = page_ids + page_offsets[sequence];
+
+    // This block's keys: the split's chunk, cut at the context and at the causal limit of its last row.
+    const int last_row = min(rows, row0 + BLOCK_M) - 1;
+    const int chunk = (((context + splits - 1) / splits) + BLOCK_N - 1) / BLOCK_N * BLOCK_N;
+    const int kv_begin = split * chunk;
+    const int kv_end = min(min(context, kv_begin + chunk), first_position + last_row / heads_per_group + 1);
+    const int tiles = kv_end > kv_begin ? (kv_end - kv_begin + BLOCK_N - 1) / BLOCK_N : 0;
+
+    // Q rows into shared memory (rows past the sequence are zeros).
+#pragma unroll
+    for (int i = 0; i < BLOCK_M * CHUNKS_PER_ROW / THREADS; ++i) {
+        const int index = tid + i * THREADS;
+        const int r = index / CHUNKS_PER_ROW, c = index % CHUNKS_PER_ROW;
+        const int row = row0 + r;
+        kiln_chunk16 value = {0u, 0u, 0u, 0u};
+        if (row < rows) {
+            const int token = row / heads_per_group, head = kv_head * heads_per_group + row % heads_per_group;
+            value = reinterpret_cast<const kiln_chunk16*>(
+                q + ((kiln_u64)(q_begin + token) * q_heads + head) * HEAD_DIM)[c];
+        }
+        *reinterpret_cast<kiln_chunk16*>(q_smem + r * ROW + c * 8) = value;
+    }
+
+    // K and V of tile `t` into buffer `stage`: 16-byte chunks, positions past kv_end zeroed.
+    auto load_tile = [&](int t, int stage) {
+        const int tile_start = kv_begin + t * BLOCK_N;
+#pragma unroll
+        for (int i = 0; i < BLOCK_N * CHUNKS_PER_ROW / THREADS; ++i) {
+            const int index = tid + i * THREADS;
+            const int r = index / CHUNKS_PER_ROW, c = index % CHUNKS_PER_ROW;
+            const int position = tile_start + r;
+            const bool valid = position < kv_end;
+            const kiln_u32 page = valid ? pages[position >> page_shift] : 0u;
+            const kiln_u64 offset =
+                (((kiln_u64)page * kv_heads + kv_head) << page_shift | (kiln_u64)(position & ((1 << page_shift) - 1))) *
+                    HEAD_DIM +
+                c * 8;
+            const int smem_offset = (stage * BLOCK_N + r) * ROW + c * 8;
+            kiln_cp_async_16(kiln_smem_address(k_smem + smem_offset), valid ? k_cache + offset : k_cache, valid);
+            kiln_cp_async_16(kiln_smem_address(v_smem + smem_offset), valid ? v_cache + offset : v_cache, valid);
+        }
+    };
+
+    if (tiles > 0) load_tile(0, 0);
+    kiln_cp_async_commit();
+    __syncthreads();
+
+    // This warp's 16 rows of Q as A fragments, one per 16 columns.
+    kiln_u32 q_fragments[HEAD_DIM / 16][4];
+    {
+        const int r = warp_m * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+        const int c = (lane >> 4) * 8;
+#pragma unroll
+        for (int kd = 0; kd < HEAD_DIM / 16; ++kd) {
+            kiln_ldmatrix_x4(q_fragments[kd], kiln_smem_address(q_smem + r * ROW + kd * 16 + c));
+        }
+    }
+
+    // The positions of this thread's two rows (g and g + 8); rows past the sequence take the
+    // last position, so they see keys and stay finite (their output is not stored).
+    int row_position[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = min(row0 + warp_m * 16 + group + h * 8, rows - 1);
+        row_position[h] = first_position + row / heads_per_group;
+    }
+    const int min_position = first_position + row0 / heads_per_group;
+
+    float o[HEAD_DIM / 8][4];
+#pragma unroll
+    for (int n = 0; n < HEAD_DIM / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float row_max[2] = {KILN_NEG_INF, KILN_NEG_INF};  // in units of scale_log2 * q.k
+    float row_sum[2] = {0.0f, 0.0f};                  // this thread's columns only, until the end
+
+    for (int t = 0; t < tiles; ++t) {
+        if (t + 1 < tiles) load_tile(t + 1, (t + 1) & 1);
+        kiln_cp_async_commit();
+        kiln_cp_async_wait<1>();
+        __syncthreads();
+
+        const int stage = t & 1;
+        const int warp_key0 = warp_n * WARP_KEYS;  // within the tile
+        const kiln_u16* k_tile = k_smem + stage * BLOCK_N * ROW;
+        const kiln_u16* v_tile = v_smem + stage * BLOCK_N * ROW;
+
+        // S = Q K^T over this warp's keys.
+        float s[WARP_KEYS / 8][4];
+#pragma unroll
+        for (int j = 0; j < WARP_KEYS / 8; ++j) {
+            s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+            const int key = warp_key0 + j * 8 + (lane & 7);
+#pragma unroll
+            for (int kd = 0; kd < HEAD_DIM / 16; kd += 2) {
+                kiln_u32 b[4];
+                kiln_ldmatrix_x4(b, kiln_smem_address(k_tile + key * ROW + kd * 16 + (lane >> 3) * 8));
+                kiln_mma_bf16_16816(s[j], q_fragments[kd], b[0], b[1]);
+                kiln_mma_bf16_16816(s[j], q_fragments[kd + 1], b[2], b[3]);
+            }
+        }
+
+        // Mask keys past a row's position or past kv_end, only where the tile reaches them.
+        const int tile_start = kv_begin + t * BLOCK_N;
+        if (tile_start + BLOCK_N > kv_end || tile_start + BLOCK_N - 1 > min_position) {
+#pragma unroll
+            for (int j = 0; j < WARP_KEYS / 8; ++j) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = tile_start + warp_key0 + j * 8 + 2 * thread_in_group + (e & 1);
+                    if (key > row_position[e >> 1] || key >= kv_end) s[j][e] = KILN_NEG_INF;
+                }
+            }
+        }
+
+        // Online softmax: new row maxima (over the quad that shares a row), rescale, exponentiate.
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float m = KILN_NEG_INF;
+#pragma unroll
+            for (int j = 0; j < WARP_KEYS / 8; ++j) m = fmaxf(m, fmaxf(s[j][2 * h], s[j][2 * h + 1]));
+            m = fmaxf(m, __shfl_xor_sync(KILN_FULL_MASK, m, 1));
+            m = fmaxf(m, __shfl_xor_sync(KILN_FULL_MASK, m, 2));
+            const float new_max = fmaxf(row_max[h], m * scale_log2);
+            // A row that has seen no key yet keeps -inf; subtracting 0 then gives 0 weights, not NaN.
+            const float base = new_max == KILN_NEG_INF ? 0.0f : new_max;
+            const float alpha = kiln_exp2_approx(row_max[h] - base);
+            row_max[h] = new_max;
+            row_sum[h] *= alpha;
+#pragma unroll
+            for (int n = 0; n < HEAD_DIM / 8; ++n) {
+                o[n][2 * h] *= alpha;
+                o[n][2 * h + 1] *= alpha;
+            }
+#pragma unroll
+            for (int j = 0; j < WARP_KEYS / 8; ++j) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float p = kiln_exp2_approx(fmaf(s[j][2 * h + e], scale_log2, -base));
+                    s[j][2 * h + e] = p;
+                    row_sum[h] += p;
+                }
+            }
+        }
+
+        // O += P V: P from the S accumulators as A fragments, V by transposed ldmatrix.
+#pragma unroll
+        for (int kk = 0; kk < WARP_KEYS / 16; ++kk) {
+            const kiln_u32 p[4] = {
+                kiln_pack_bf16x2(s[2 * kk][0], s[2 * kk][1]),
+                kiln_pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
+                kiln_pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                kiln_pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]),
+            };
+            const int key = warp_key0 + kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+            for (int nd = 0; nd < HEAD_DIM / 16; ++nd) {
+                kiln_u32 b[4];
+                kiln_ldmatrix_x4_trans(b, kiln_smem_address(v_tile + key * ROW + nd * 16 + (lane >> 4) * 8));
+                kiln_mma_bf16_16816(o[2 * nd], p, b[0], b[1]);
+                kiln_mma_bf16_16816(o[2 * nd + 1], p, b[2], b[3]);
+            }
+        }
+        __syncthreads();
+    }
+    kiln_cp_async_wait<0>();
+
+    // Row sums over the quad, in a fixed order.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        row_sum[h] += __shfl_xor_sync(KILN_FULL_MASK, row_sum[h], 1);
+        row_sum[h] += __shfl_xor_sync(KILN_FULL_MASK, row_sum[h], 2);
+    }
+
+    // Stores two adjacent elements of a row: bf16 to out, or f32 with the lse to the partials.
+    auto store = [&](int row, int d, float v0, float v1, float sum, float max) {
+        if (row >= rows) return;
+        const int token = q_begin + row / heads_per_group;
+        const int head = kv_head * heads_per_group + row % heads_per_group;
+        const float inverse = sum > 0.0f ? 1.0f / sum : 0.0f;
+        if (splits == 1) {
+            *reinterpret_cast<kiln_u32*>(out + ((kiln_u64)token * q_heads + head) * HEAD_DIM + d) =
+                kiln_pack_bf16x2(v0 * inverse, v1 * inverse);
+        } else {
+            const kiln_u64 query_row = (kiln_u64)split * total_queries * q_heads + (kiln_u64)token * q_heads + head;
+            *reinterpret_cast<float2*>(partial_out + query_row * HEAD_DIM + d) =
+                make_float2(v0 * inverse, v1 * inverse);
+            if (d == 0) partial_lse[query_row] = sum > 0.0f ? max + __log2f(sum) : KILN_NEG_INF;
+        }
+    };
+
+    if (WARPS_N == 1) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = row0 + warp_m * 16 + group + h * 8;
+#pragma unroll
+            for (int n = 0; n < HEAD_DIM / 8; ++n) {
+                store(row, n * 8 + 2 * thread_in_group, o[n][2 * h], o[n][2 * h + 1], row_sum[h], row_max[h]);
+            }
+        }
+        return;
+    }
+
+    // WARPS_N > 1: merge the warps' partial rows through shared memory, in warp order.
+    float* merge = reinterpret_cast<float*>(k_smem);  // [WARPS_M][WARPS_N][16][HEAD_DIM + 4]
+    float* maxima = reinterpret_cast<float*>(q_smem);  // [WARPS_M][WARPS_N][16]
+    float* sums = maxima + WARPS_M * WARPS_N * 16;     // [WARPS_M][WARPS_N][16]
+    __syncthreads();  // every warp has read its Q fragments (the loop may not have run)
+    if (thread_in_group == 0) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            maxima[warp * 16 + group + 8 * h] = row_max[h];
+            sums[warp * 16 + group + 8 * h] = row_sum[h];
+        }
+    }
+    __syncthreads();
+    float total_sum[2], total_max[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = group + 8 * h;
+        float m = KILN_NEG_INF;
+        for (int w = 0; w < WARPS_N; ++w) m = fmaxf(m, maxima[(warp_m * WARPS_N + w) * 16 + r]);
+        const float base = m == KILN_NEG_INF ? 0.0f : m;
+        float l = 0.0f;
+        for (int w = 0; w < WARPS_N; ++w) {
+            const int i = (warp_m * WARPS_N + w) * 16 + r;
+            l += sums[i] * kiln_exp2_approx(maxima[i] - base);
+        }
+        total_sum[h] = l;
+        total_max[h] = m;
+        const float factor = kiln_exp2_approx(row_max[h] - base);
+        float* merge_row = merge + ((kiln_u64)warp * 16 + r) * (HEAD_DIM + 4);
+#pragma unroll
+        for (int n = 0; n < HEAD_DIM / 8; ++n) {
+            *reinterpret_cast<float2*>(merge_row + n * 8 + 2 * thread_in_group) =
+                make_float2(o[n][2 * h] * factor, o[n][2 * h + 1] * factor);
+        }
+    }
+    __syncthreads();
+    // Warps with warp_n == 0 sum the rows of their warp_m group and store them.
+    if (warp_n != 0) return;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = group + 8 * h;
+#pragma unroll
+        for (int n = 0; n < HEAD_DIM / 8; ++n) {
+            const int d = n * 8 + 2 * thread_in_group;
+            float v0 = 0.0f, v1 = 0.0f;
+            for (int w = 0; w < WARPS_N; ++w) {
+                const float2 part = *reinterpret_cast<const float2*>(
+                    merge + ((kiln_u64)(warp_m * WARPS_N + w) * 16 + r) * (HEAD_DIM + 4) + d);
+                v0 += part.x;
+                v1 += part.y;
+            }
+            store(row0 + warp_m * 16 + r, d, v0, v1, total_sum[h], total_max[h]);
+        }
+    }
+}
+
+// The combine of decode's splits: out = sum_s 2^(lse_s - M) O_s / sum_s 2^(lse_s - M), with
+// M = max_s lse_s, in split order. One block per (query token, head), one thread per element.
+extern "C" __global__ void __launch_bounds__(HEAD_DIM) kiln_attention_combine(
+    const float* __restrict__ partial_out, const float* __restrict__ partial_lse, kiln_u16* __restrict__ out,
+    int query_rows, int splits) {
+    const int row = blockIdx.x, d = threadIdx.x;
+    float m = KILN_NEG_INF;
+    for (int s = 0; s < splits; ++s) m = fmaxf(m, partial_lse[(kiln_u64)s * query_rows + row]);
+    const float base = m == KILN_NEG_INF ? 0.0f : m;
+    float numerator = 0.0f, denominator = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+        const float w = kiln_exp2_approx(partial_lse[(kiln_u64)s * query_rows + row] - base);
+        numerator += w * partial_out[((kiln_u64)s * query_rows + row) * HEAD_DIM + d];
+        denominator += w;
+    }
+    out[(kiln_u64)row * HEAD_DIM + d] = kiln_f32_to_bf16(denominator > 0.0f ? numerator / denominator : 0.0f);
+}
+
+// Writes new tokens' K and V into their slots: k_new, v_new [token][kv_head][HEAD_DIM] bf16,
+// slots[token] = page * page_tokens + slot. One 16-byte chunk per thread, grid-stride.
+extern "C" __global__ void kiln_kv_append(const kiln_chunk16* __restrict__ k_new,
+                                          const kiln_chunk16* __restrict__ v_new,
+                                          const kiln_u32* __restrict__ slots, kiln_chunk16* __restrict__ k_cache,
+                                          kiln_chunk16* __restrict__ v_cache, kiln_u64 tokens, int kv_heads,
+                                          int page_shift) {
+    const kiln_u64 chunks = tokens * kv_heads * CHUNKS_PER_ROW;
+    for (kiln_u64 i = kiln_global_index(); i < chunks; i += kiln_grid_stride()) {
+        const kiln_u64 c = i % CHUNKS_PER_ROW;
+        const kiln_u64 head = (i / CHUNKS_PER_ROW) % kv_heads;
+        const kiln_u64 token = i / CHUNKS_PER_ROW / kv_heads;
+        const kiln_u64 slot = slots[token];
+        const kiln_u64 page = slot >> page_shift, in_page = slot & ((1ull << page_shift) - 1);
+        const kiln_u64 destination = (((page * kv_heads + head) << page_shift) | in_page) * CHUNKS_PER_ROW + c;
+        k_cache[destination] = k_new[i];
+        v_cache[destination] = v_new[i];
+    }
+}

@@ -1,0 +1,434 @@
+//! Launcher of `kernels/attention.cu`: causal grouped-query attention over the paged KV cache
+//! (prefill, chunked prefill, split decode), the combine of the splits, and the K/V append.
+//!
+//! Buffers ([`DeviceMemory`], bf16 unless said), as `kiln_core::ops::attention` lays them out:
+//! - `q`, `out`: `[query_token][q_head][head_dim]`, the sequences' query tokens one after another;
+//! - `k_cache`, `v_cache`: one layer's `[page][kv_head][slot][head_dim]` (`kiln_engine::kv`);
+//! - [`PagedBatch`]: the sequences' metadata on the device, as CSR arrays (`i32` offsets, `u32`
+//!   page ids), built once per step and shared by every layer;
+//! - the scratch of a split call: [`scratch_bytes`] of f32 partial outputs and their log-sums.
+//!
+//! A call with `splits > 1` writes partials and then combines them in split order; `splits` is
+//! chosen from the batch and the heads only ([`decode_splits`]), never from the context length, so
+//! the grid of a decode step is the same at every step.
+
+use cudarc::driver::sys::CUfunction_attribute_enum;
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+use kiln_core::ops::attention::{validate_sequences, AttentionSequence, AttentionShape};
+use kiln_core::{Error, Result};
+
+use crate::kernels::ATTENTION;
+use crate::memory::DeviceMemory;
+use crate::runtime::{driver_error, Gpu};
+
+/// The work split of one thread block: `warps_m` warps of 16 rows each, and `warps_n` warps that
+/// share each tile of `warps_n * warp_keys` keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct AttentionVariant {
+    pub warps_m: u32,
+    pub warps_n: u32,
+    pub warp_keys: u32,
+}
+
+impl AttentionVariant {
+    /// Prefill: 64 rows by 4 warps, 64 keys a tile.
+    pub const PREFILL: AttentionVariant = AttentionVariant { warps_m: 4, warps_n: 1, warp_keys: 64 };
+    /// Prefill: 128 rows by 8 warps, 64 keys a tile.
+    pub const PREFILL_WIDE: AttentionVariant = AttentionVariant { warps_m: 8, warps_n: 1, warp_keys: 64 };
+    /// Decode: 16 rows (the query heads of a group), 4 warps sharing 64 keys a tile.
+    pub const DECODE: AttentionVariant = AttentionVariant { warps_m: 1, warps_n: 4, warp_keys: 16 };
+    /// Decode: as [`AttentionVariant::DECODE`] with 128 keys a tile.
+    pub const DECODE_WIDE: AttentionVariant = AttentionVariant { warps_m: 1, warps_n: 4, warp_keys: 32 };
+
+    /// Every variant; the tests run each.
+    pub const ALL: [AttentionVariant; 4] =
+        [Self::PREFILL, Self::PREFILL_WIDE, Self::DECODE, Self::DECODE_WIDE];
+
+    fn threads(&self) -> u32 {
+        32 * self.warps_m * self.warps_n
+    }
+
+    fn rows(&self) -> u32 {
+        16 * self.warps_m
+    }
+
+    fn keys(&self) -> u32 {
+        self.warps_n * self.warp_keys
+    }
+
+    /// Dynamic shared memory: Q rows, then two stages of K and V tiles, rows padded by 16 bytes.
+    pub fn shared_bytes(&self, head_dim: usize) -> usize {
+        let row = (head_dim + 8) * 2;
+        (self.rows() as usize + 4 * self.keys() as usize) * row
+    }
+
+    /// The default for a call whose sequences have at most `max_query_tokens` queries.
+    pub fn default_for(max_query_tokens: usize) -> AttentionVariant {
+        if max_query_tokens <= 1 {
+            AttentionVariant::DECODE
+        } else {
+            AttentionVariant::PREFILL
+        }
+    }
+
+    fn validate(&self, head_dim: usize) -> Result<()> {
+        let served = self.warps_m * self.warps_n <= 8
+            && self.warp_keys % 16 == 0
+            && self.warp_keys > 0
+            && (self.keys() as usize * head_dim / 8) % self.threads() as usize == 0
+            && (self.rows() as usize * head_dim / 8) % self.threads() as usize == 0;
+        if !served {
+            return Err(Error::NotServed { op: "attention kernel", reason: format!("variant {self:?}") });
+        }
+        Ok(())
+    }
+}
+
+/// Head sizes the kernel is compiled for.
+pub const HEAD_DIMS: [usize; 2] = [64, 128];
+
+/// The sequences of one attention call on the device (see the module docs).
+#[derive(Debug)]
+pub struct PagedBatch {
+    /// `i32 [batch + 1]`: sequence `b`'s query tokens are `[offsets[b], offsets[b + 1])`.
+    pub query_offsets: DeviceMemory,
+    /// `i32 [batch]`: positions each sequence holds (cached plus its queries).
+    pub context_lens: DeviceMemory,
+    /// `i32 [batch + 1]`: sequence `b`'s pages are `page_ids[offsets[b]..offsets[b + 1]]`.
+    pub page_offsets: DeviceMemory,
+    /// `u32`: the page tables, one after another.
+    pub page_ids: DeviceMemory,
+    pub batch: usize,
+    pub total_queries: usize,
+    pub max_query_tokens: usize,
+}
+
+impl PagedBatch {
+    /// Checks `sequences` against `shape` and a cache of `cache_pages` pages, and uploads them.
+    pub fn upload(
+        gpu: &Gpu,
+        shape: &AttentionShape,
+        sequences: &[AttentionSequence<'_>],
+        cache_pages: usize,
+    ) -> Result<PagedBatch> {
+        let page_elements = shape.kv_heads * shape.page_tokens * shape.head_dim;
+        let total_queries = validate_sequences(shape, sequences, cache_pages * page_elements)?;
+        let too_big = |what: &'static str, value: usize| Error::NotServed {
+            op: "attention kernel",
+            reason: format!("{what} {value} does not fit in 31 bits"),
+        };
+        let i32_of = |what, value: usize| i32::try_from(value).map_err(|_| too_big(what, value));
+        let (mut query_offsets, mut page_offsets) = (vec![0i32], vec![0i32]);
+        let (mut context_lens, mut page_ids) = (Vec::new(), Vec::new());
+        let mut max_query_tokens = 0;
+        for s in sequences {
+            let pages = s.context_tokens.div_ceil(shape.page_tokens);
+            page_ids.extend_from_slice(&s.pages[..pages]);
+            query_offsets
+                .push(i32_of("query offset", *query_offsets.last().unwrap_or(&0) as usize + s.query_tokens)?);
+            page_offsets.push(i32_of("page offset", page_ids.len())?);
+            context_lens.push(i32_of("context", s.context_tokens)?);
+            max_query_tokens = max_query_tokens.max(s.query_tokens);
+        }
+        i32_of("query rows", total_queries * shape.q_heads)?;
+        let bytes = |words: &[i32]| words.iter().flat_map(|w| w.to_le_bytes()).collect::<Vec<u8>>();
+        let page_bytes: Vec<u8> = page_ids.iter().flat_map(|w| w.to_le_bytes()).collect();
+        let device = |host: &[u8]| -> Result<DeviceMemory> {
+            let memory = gpu.alloc(host.len().max(4))?;
+            memory.copy_from_host(0, host)?;
+            Ok(memory)
+        };
+        Ok(PagedBatch {
+            query_offsets: device(&bytes(&query_offsets))?,
+            context_lens: device(&bytes(&context_lens))?,
+            page_offsets: device(&bytes(&page_offsets))?,
+            page_ids: device(&page_bytes)?,
+            batch: sequences.len(),
+            total_queries,
+            max_query_tokens,
+        })
+    }
+}
+
+/// One layer's K and V page buffers, `pages` pages each.
+#[derive(Debug, Clone, Copy)]
+pub struct KvBuffers<'a> {
+    pub k: &'a DeviceMemory,
+    pub v: &'a DeviceMemory,
+    pub pages: usize,
+}
+
+/// Splits of the context for a call over `batch` sequences: enough blocks to fill the device about
+/// twice, from the batch and the heads alone (never the context length), at most 64.
+pub fn decode_splits(gpu: &Gpu, batch: usize, kv_heads: usize) -> u32 {
+    let blocks = (batch * kv_heads).max(1);
+    (2 * gpu.facts().multiprocessors as usize).div_ceil(blocks).clamp(1, 64) as u32
+}
+
+/// Bytes of scratch a call with `splits > 1` needs: f32 partial outputs and log-sums per split.
+pub fn scratch_bytes(shape: &AttentionShape, total_queries: usize, splits: u32) -> usize {
+    if splits <= 1 {
+        return 0;
+    }
+    splits as usize * total_queries * shape.q_heads * (shape.head_dim + 1) * 4
+}
+
+fn check_len(what: &'static str, got: usize, expected: usize) -> Result<()> {
+    if got < expected {
+        return Err(Error::ByteLength { what: what.to_owned(), expected: expected as u64, got: got as u64 });
+    }
+    Ok(())
+}
+
+fn check_shape(shape: &AttentionShape) -> Result<u32> {
+    shape.validate()?;
+    if !HEAD_DIMS.contains(&shape.head_dim) {
+        return Err(Error::NotServed {
+            op: "attention kernel",
+            reason: format!("head_dim {}", shape.head_dim),
+        });
+    }
+    Ok(shape.page_tokens.trailing_zeros())
+}
+
+fn defines(head_dim: usize, variant: AttentionVariant) -> [(&'static str, String); 4] {
+    [
+        ("HEAD_DIM", head_dim.to_string()),
+        ("WARPS_M", variant.warps_m.to_string()),
+        ("WARPS_N", variant.warps_n.to_string()),
+        ("WARP_KEYS", variant.warp_keys.to_string()),
+    ]
+}
+
+fn function(
+    gpu: &Gpu,
+    head_dim: usize,
+    variant: AttentionVariant,
+    entry: &str,
+) -> Result<cudarc::driver::CudaFunction> {
+    let defines = defines(head_dim, variant);
+    let refs: Vec<(&str, &str)> = defines.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    gpu.function(&ATTENTION, entry, &refs)
+}
+
+fn as_i32(what: &'static str, value: usize) -> Result<i32> {
+    i32::try_from(value).map_err(|_| Error::NotServed {
+        op: "attention kernel",
+        reason: format!("{what} {value} does not fit in 31 bits"),
+    })
+}
+
+/// Causal GQA attention of `batch` over the cache into `out` (bf16). With `splits > 1` the
+/// context is split in that many parts whose partials go to `scratch` ([`scratch_bytes`]) and
+/// are combined in split order.
+#[allow(clippy::too_many_arguments)]
+pub fn attention(
+    gpu: &Gpu,
+    shape: &AttentionShape,
+    batch: &PagedBatch,
+    q: &DeviceMemory,
+    cache: KvBuffers<'_>,
+    out: &DeviceMemory,
+    scratch: Option<&DeviceMemory>,
+    splits: u32,
+    variant: Option<AttentionVariant>,
+) -> Result<()> {
+    let page_shift = check_shape(shape)?;
+    let variant = variant.unwrap_or_else(|| AttentionVariant::default_for(batch.max_query_tokens));
+    variant.validate(shape.head_dim)?;
+    if !(1..=1024).contains(&splits) {
+        return Err(Error::InvalidArgument {
+            name: "splits",
+            value: splits.to_string(),
+            reason: "between 1 and 1024".into(),
+        });
+    }
+    let q_bytes = batch.total_queries * shape.q_heads * shape.head_dim * 2;
+    let cache_bytes = cache.pages * shape.kv_heads * shape.page_tokens * shape.head_dim * 2;
+    check_len("attention q", q.len_bytes(), q_bytes)?;
+    check_len("attention out", out.len_bytes(), q_bytes)?;
+    check_len("attention k_cache", cache.k.len_bytes(), cache_bytes)?;
+    check_len("attention v_cache", cache.v.len_bytes(), cache_bytes)?;
+    let scratch_needed = scratch_bytes(shape, batch.total_queries, splits);
+    let (partial_out, partial_lse) = match scratch {
+        Some(s) if splits > 1 => {
+            check_len("attention scratch", s.len_bytes(), scratch_needed)?;
+            let lse_offset = (scratch_needed / (shape.head_dim + 1) * shape.head_dim) as u64;
+            (s.device_ptr(), s.device_ptr() + lse_offset)
+        }
+        None if splits > 1 => {
+            return Err(Error::InvalidArgument {
+                name: "scratch",
+                value: "missing".into(),
+                reason: format!("{splits} splits need {scratch_needed} bytes of scratch"),
+            })
+        }
+        _ => (0, 0),
+    };
+    if batch.batch == 0 || batch.total_queries == 0 {
+        return Ok(());
+    }
+
+    let kernel = function(gpu, shape.head_dim, variant, "kiln_attention")?;
+    let shared = variant.shared_bytes(shape.head_dim);
+    let optin = gpu.facts().shared_memory_per_block_optin_bytes as usize;
+    if shared > optin {
+        return Err(Error::NotServed {
+            op: "attention kernel",
+            reason: format!("{variant:?} needs {shared} bytes of shared memory, the device gives {optin}"),
+        });
+    }
+    kernel
+        .set_attribute(
+            CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            shared as i32,
+        )
+        .map_err(|e| driver_error("cuFuncSetAttribute(kiln_attention)", e))?;
+    let group = shape.group();
+    let row_tiles = (batch.max_query_tokens * group).div_ceil(variant.rows() as usize);
+    let grid_y = shape.kv_heads * splits as usize;
+    if row_tiles > i32::MAX as usize || grid_y > 65_535 || batch.batch > 65_535 {
+        return Err(Error::NotServed {
+            op: "attention kernel",
+            reason: format!("grid of {row_tiles} x {grid_y} x {} blocks", batch.batch),
+        });
+    }
+    let config = LaunchConfig {
+        grid_dim: (row_tiles as u32, grid_y as u32, batch.batch as u32),
+        block_dim: (variant.threads(), 1, 1),
+        shared_mem_bytes: shared as u32,
+    };
+    let (q_heads, kv_heads) = (as_i32("q_heads", shape.q_heads)?, as_i32("kv_heads", shape.kv_heads)?);
+    let page_shift = page_shift as i32;
+    let scale_log2 = shape.scale * std::f32::consts::LOG2_E;
+    let splits_arg = splits as i32;
+    let pointers = [
+        q.device_ptr(),
+        cache.k.device_ptr(),
+        cache.v.device_ptr(),
+        batch.query_offsets.device_ptr(),
+        batch.context_lens.device_ptr(),
+        batch.page_offsets.device_ptr(),
+        batch.page_ids.device_ptr(),
+        out.device_ptr(),
+        partial_out,
+        partial_lse,
+    ];
+    let stream = gpu.stream();
+    let mut launch = stream.launch_builder(&kernel);
+    for pointer in &pointers {
+        launch.arg(pointer);
+    }
+    launch.arg(&q_heads).arg(&kv_heads).arg(&page_shift).arg(&scale_log2).arg(&splits_arg);
+    // SAFETY: the arguments match `kiln_attention`'s signature (10 pointers, 3 i32, f32, i32).
+    // `batch` was validated against the shape and the cache's page count when uploaded, so every
+    // page id and offset the kernel reads is in bounds; q, out, the caches and (for splits > 1)
+    // the scratch were checked above to hold what the kernel touches; the dynamic shared memory
+    // was raised to what the launch asks for. All buffers come from this device's pool, which
+    // reuses memory only in this stream's order, so they outlive the kernel.
+    unsafe { launch.launch(config) }.map_err(|e| driver_error("cuLaunchKernel(kiln_attention)", e))?;
+
+    if splits > 1 {
+        let combine = function(gpu, shape.head_dim, variant, "kiln_attention_combine")?;
+        let query_rows = as_i32("query rows", batch.total_queries * shape.q_heads)?;
+        let config = LaunchConfig {
+            grid_dim: (query_rows as u32, 1, 1),
+            block_dim: (shape.head_dim as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let out_ptr = out.device_ptr();
+        let mut launch = stream.launch_builder(&combine);
+        launch.arg(&partial_out).arg(&partial_lse).arg(&out_ptr).arg(&query_rows).arg(&splits_arg);
+        // SAFETY: matches `kiln_attention_combine(const float*, const float*, u16*, int, int)`; the
+        // scratch holds `splits` partials of `query_rows` rows (checked above) written by the
+        // launch before it on the same stream, and `out` holds `query_rows * head_dim` bf16.
+        unsafe { launch.launch(config) }
+            .map_err(|e| driver_error("cuLaunchKernel(kiln_attention_combine)", e))?;
+    }
+    Ok(())
+}
+
+/// Writes `tokens` new tokens' K and V (`[token][kv_head][head_dim]` bf16) into the cache at
+/// `slots` (`u32 [tokens]`, `page * page_tokens + slot`, as `kiln_engine::kv::AppendPlan` gives
+/// them). Slots must be below `cache.pages * page_tokens`; the kernel does not check them.
+pub fn kv_append(
+    gpu: &Gpu,
+    shape: &AttentionShape,
+    k_new: &DeviceMemory,
+    v_new: &DeviceMemory,
+    slots: &[u32],
+    cache: KvBuffers<'_>,
+) -> Result<()> {
+    let page_shift = check_shape(shape)?;
+    let tokens = slots.len();
+    let limit = cache.pages * shape.page_tokens;
+    if let Some(&slot) = slots.iter().find(|&&s| s as usize >= limit) {
+        return Err(Error::OutOfBounds {
+            op: "kv_append",
+            what: "slot",
+            value: u64::from(slot),
+            limit: limit as u64,
+        });
+    }
+    let new_bytes = tokens * shape.kv_heads * shape.head_dim * 2;
+    let cache_bytes = cache.pages * shape.kv_heads * shape.page_tokens * shape.head_dim * 2;
+    check_len("kv_append k_new", k_new.len_bytes(), new_bytes)?;
+    check_len("kv_append v_new", v_new.len_bytes(), new_bytes)?;
+    check_len("kv_append k_cache", cache.k.len_bytes(), cache_bytes)?;
+    check_len("kv_append v_cache", cache.v.len_bytes(), cache_bytes)?;
+    if tokens == 0 {
+        return Ok(());
+    }
+    let slot_bytes: Vec<u8> = slots.iter().flat_map(|s| s.to_le_bytes()).collect();
+    let device_slots = gpu.alloc(slot_bytes.len())?;
+    device_slots.copy_from_host(0, &slot_bytes)?;
+    let kernel = function(gpu, shape.head_dim, AttentionVariant::PREFILL, "kiln_kv_append")?;
+    let chunks = (new_bytes / 16) as u64;
+    let blocks = chunks.div_ceil(256).min(65_536) as u32;
+    let config = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let (tokens_arg, kv_heads, page_shift) =
+        (tokens as u64, as_i32("kv_heads", shape.kv_heads)?, page_shift as i32);
+    let pointers = [
+        k_new.device_ptr(),
+        v_new.device_ptr(),
+        device_slots.device_ptr(),
+        cache.k.device_ptr(),
+        cache.v.device_ptr(),
+    ];
+    let stream = gpu.stream();
+    let mut launch = stream.launch_builder(&kernel);
+    for pointer in &pointers {
+        launch.arg(pointer);
+    }
+    launch.arg(&tokens_arg).arg(&kv_heads).arg(&page_shift);
+    // SAFETY: matches `kiln_kv_append` (5 pointers, u64, 2 i32); k_new and v_new hold `tokens`
+    // rows, every slot was checked to lie inside the caches, which hold `cache.pages` pages; the
+    // slot buffer is kept alive by the pool's stream-ordered reuse until the kernel has run.
+    unsafe { launch.launch(config) }.map_err(|e| driver_error("cuLaunchKernel(kiln_kv_append)", e))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn variants_fit_the_compiled_shapes() {
+        for variant in AttentionVariant::ALL {
+            for head_dim in HEAD_DIMS {
+                variant.validate(head_dim).unwrap();
+                assert!(variant.shared_bytes(head_dim) <= 227 * 1024, "{variant:?} {head_dim}");
+            }
+        }
+        assert_eq!(AttentionVariant::PREFILL.shared_bytes(128), (64 + 256) * 272);
+        let bad = AttentionVariant { warps_m: 1, warps_n: 1, warp_keys: 8 };
+        assert!(matches!(bad.validate(128), Err(Error::NotServed { .. })));
+    }
+
+    #[test]
+    fn scratch_holds_outputs_then_log_sums() {
+        let shape = AttentionShape { q_heads: 8, kv_heads: 2, head_dim: 64, page_tokens: 16, scale: 0.125 };
+        assert_eq!(scratch_bytes(&shape, 3, 1), 0);
+        assert_eq!(scratch_bytes(&shape, 3, 4), 4 * 3 * 8 * 65 * 4);
+    }
+}
