@@ -1,0 +1,325 @@
+//! GPU tests of the attention kernels against the float64 CPU reference
+//! (`kiln_core::ops::attention::paged_attention`): prefill over ragged batches, chunked prefill
+//! after cached positions, and split decode, over GQA ratios, head dims, page sizes and every
+//! kernel variant, on fresh random inputs (the seed is printed), with outputs poisoned (NaN)
+//! before each launch and every element checked; decode twice, bit for bit; the K/V append
+//! byte for byte. Needs an NVIDIA GPU: `cargo test -p kiln-cuda --features gpu-tests --test
+//! gpu_attention -- --test-threads 1`.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use kiln_core::ops::attention::{paged_attention, AttentionSequence, AttentionShape};
+use kiln_core::ops::primitives::{bf16_bits_to_f32, f32_to_bf16_bits};
+use kiln_cuda::ops::attention::{
+    attention, decode_splits, kv_append, scratch_bytes, AttentionVariant, KvBuffers, PagedBatch,
+};
+use kiln_cuda::{DeviceMemory, Gpu};
+
+/// xorshift64*, seeded from the clock so every run draws new inputs.
+struct Rng(u64);
+
+impl Rng {
+    fn fresh() -> Rng {
+        let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1);
+        println!("seed {:#x}", nanos | 1);
+        Rng(nanos | 1)
+    }
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+    /// bf16 values uniform in [-amplitude, amplitude).
+    fn bf16(&mut self, len: usize, amplitude: f32) -> Vec<f32> {
+        (0..len)
+            .map(|_| {
+                let u = (self.next() >> 40) as f32 / (1u64 << 24) as f32;
+                bf16_bits_to_f32(f32_to_bf16_bits((2.0 * u - 1.0) * amplitude))
+            })
+            .collect()
+    }
+}
+
+fn bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|&v| f32_to_bf16_bits(v).to_le_bytes()).collect()
+}
+
+fn upload(gpu: &Gpu, host: &[u8]) -> DeviceMemory {
+    let memory = gpu.alloc(host.len().max(16)).expect("device allocation");
+    memory.copy_from_host(0, host).expect("host to device copy");
+    memory
+}
+
+fn poisoned(gpu: &Gpu, len: usize) -> DeviceMemory {
+    let memory = gpu.alloc(len.max(16)).expect("device allocation");
+    memory.fill_bytes(0xFF).expect("poison"); // bf16 and f32 NaN
+    memory
+}
+
+/// One attention case: sequences given as (query tokens, context tokens).
+struct Case {
+    q_heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    page_tokens: usize,
+    sequences: Vec<(usize, usize)>,
+    splits: Option<u32>,
+    variant: AttentionVariant,
+}
+
+struct Inputs {
+    shape: AttentionShape,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    pages: usize,
+    tables: Vec<Vec<u32>>,
+}
+
+fn inputs(rng: &mut Rng, case: &Case) -> Inputs {
+    let shape = AttentionShape {
+        q_heads: case.q_heads,
+        kv_heads: case.kv_heads,
+        head_dim: case.head_dim,
+        page_tokens: case.page_tokens,
+        scale: 1.0 / (case.head_dim as f32).sqrt(),
+    };
+    let needed: usize = case.sequences.iter().map(|&(_, c)| c.div_ceil(case.page_tokens)).sum();
+    let pages = needed + 3;
+    // Pages handed out in a shuffled order, so no table is contiguous.
+    let mut order: Vec<u32> = (0..pages as u32).collect();
+    for i in (1..order.len()).rev() {
+        order.swap(i, rng.below(i + 1));
+    }
+    let mut next = order.into_iter();
+    let tables = case
+        .sequences
+        .iter()
+        .map(|&(_, c)| (0..c.div_ceil(case.page_tokens)).map(|_| next.next().unwrap()).collect())
+        .collect();
+    let cache = pages * shape.kv_heads * shape.page_tokens * shape.head_dim;
+    let total_q: usize = case.sequences.iter().map(|&(q, _)| q).sum();
+    Inputs {
+        shape,
+        // Queries large enough that the softmax is far from uniform.
+        q: rng.bf16(total_q * shape.q_heads * shape.head_dim, 3.0),
+        k: rng.bf16(cache, 1.0),
+        v: rng.bf16(cache, 1.0),
+        pages,
+        tables,
+    }
+}
+
+/// Runs `case` on the GPU (twice when `twice`), returns the output bytes of each run.
+fn run_gpu(gpu: &Gpu, case: &Case, inputs: &Inputs, runs: usize) -> Vec<Vec<u8>> {
+    let sequences: Vec<AttentionSequence<'_>> = case
+        .sequences
+        .iter()
+        .zip(&inputs.tables)
+        .map(|(&(query_tokens, context_tokens), pages)| AttentionSequence {
+            query_tokens,
+            context_tokens,
+            pages,
+        })
+        .collect();
+    let batch = PagedBatch::upload(gpu, &inputs.shape, &sequences, inputs.pages).expect("batch upload");
+    let q = upload(gpu, &bytes(&inputs.q));
+    let (k, v) = (upload(gpu, &bytes(&inputs.k)), upload(gpu, &bytes(&inputs.v)));
+    let cache = KvBuffers { k: &k, v: &v, pages: inputs.pages };
+    let splits = case.splits.unwrap_or_else(|| decode_splits(gpu, case.sequences.len(), case.kv_heads));
+    let scratch = poisoned(gpu, scratch_bytes(&inputs.shape, batch.total_queries, splits));
+    (0..runs)
+        .map(|_| {
+            let out = poisoned(gpu, inputs.q.len() * 2);
+            attention(
+                gpu,
+                &inputs.shape,
+                &batch,
+                &q,
+                cache,
+                &out,
+                Some(&scratch),
+                splits,
+                Some(case.variant),
+            )
+            .expect("attention launch");
+            gpu.synchronize().expect("attention run");
+            let mut host = out.to_host_bytes().expect("device to host copy");
+            host.truncate(inputs.q.len() * 2);
+            host
+        })
+        .collect()
+}
+
+/// Runs `case` and checks every element against the float64 reference; returns the output bytes.
+fn check(gpu: &Gpu, rng: &mut Rng, case: &Case, runs: usize) -> Vec<Vec<u8>> {
+    let inputs = inputs(rng, case);
+    let sequences: Vec<AttentionSequence<'_>> = case
+        .sequences
+        .iter()
+        .zip(&inputs.tables)
+        .map(|(&(query_tokens, context_tokens), pages)| AttentionSequence {
+            query_tokens,
+            context_tokens,
+            pages,
+        })
+        .collect();
+    let want =
+        paged_attention(&inputs.shape, &inputs.q, &inputs.k, &inputs.v, &sequences).expect("reference");
+    let outputs = run_gpu(gpu, case, &inputs, runs);
+    let label = format!(
+        "q_heads {} kv_heads {} head_dim {} page {} sequences {:?} splits {:?} {:?}",
+        case.q_heads,
+        case.kv_heads,
+        case.head_dim,
+        case.page_tokens,
+        case.sequences,
+        case.splits,
+        case.variant
+    );
+    for got in &outputs {
+        let (mut error, mut norm, mut worst) = (0f64, 0f64, 0f64);
+        for (i, (chunk, &w)) in got.chunks_exact(2).zip(&want).enumerate() {
+            let g = f64::from(bf16_bits_to_f32(u16::from_le_bytes([chunk[0], chunk[1]])));
+            assert!(g.is_finite(), "{label}: element {i} is {g} (unwritten or NaN), want {w}");
+            error += (g - w) * (g - w);
+            norm += w * w;
+            worst = worst.max((g - w).abs());
+        }
+        let relative = (error / norm.max(1e-300)).sqrt();
+        println!("{label}: relative L2 error {relative:.2e}, worst element {worst:.2e}");
+        assert!(relative < 1e-2, "{label}: relative L2 error {relative:.3e}");
+        assert!(worst < 0.05, "{label}: an element is off by {worst:.3e}");
+    }
+    outputs
+}
+
+fn gpu() -> std::sync::Arc<Gpu> {
+    Gpu::open(0).expect("a CUDA device (these tests need one)")
+}
+
+/// (q_heads, kv_heads): group sizes 1, 3, 4, 8 and 16.
+const RATIOS: [(usize, usize); 5] = [(4, 4), (12, 4), (32, 8), (16, 2), (16, 1)];
+
+#[test]
+fn prefill_over_ragged_batches_matches_float64() {
+    let (gpu, mut rng) = (gpu(), Rng::fresh());
+    for head_dim in [64, 128] {
+        for (i, &(q_heads, kv_heads)) in RATIOS.iter().enumerate() {
+            let page_tokens = [1, 16, 64, 8, 128][i];
+            let lengths: Vec<usize> = (0..1 + rng.below(4)).map(|_| 1 + rng.below(300)).collect();
+            for variant in [AttentionVariant::PREFILL, AttentionVariant::PREFILL_WIDE] {
+                let case = Case {
+                    q_heads,
+                    kv_heads,
+                    head_dim,
+                    page_tokens,
+                    sequences: lengths.iter().map(|&n| (n, n)).collect(),
+                    splits: Some(1),
+                    variant,
+                };
+                check(&gpu, &mut rng, &case, 1);
+            }
+        }
+    }
+}
+
+#[test]
+fn chunked_prefill_after_cached_positions_matches_float64() {
+    let (gpu, mut rng) = (gpu(), Rng::fresh());
+    for head_dim in [64, 128] {
+        for &(q_heads, kv_heads) in &RATIOS {
+            let sequences: Vec<(usize, usize)> = (0..1 + rng.below(3))
+                .map(|_| {
+                    let chunk = 1 + rng.below(130);
+                    (chunk, chunk + rng.below(700))
+                })
+                .collect();
+            for splits in [1, 3] {
+                let case = Case {
+                    q_heads,
+                    kv_heads,
+                    head_dim,
+                    page_tokens: 16,
+                    sequences: sequences.clone(),
+                    splits: Some(splits),
+                    variant: AttentionVariant::PREFILL,
+                };
+                check(&gpu, &mut rng, &case, 1);
+            }
+        }
+    }
+}
+
+#[test]
+fn decode_matches_float64_and_repeats_bit_for_bit() {
+    let (gpu, mut rng) = (gpu(), Rng::fresh());
+    for head_dim in [64, 128] {
+        for (i, &(q_heads, kv_heads)) in RATIOS.iter().enumerate() {
+            let batch = [1, 3, 8, 5, 2][i];
+            let sequences: Vec<(usize, usize)> = (0..batch).map(|_| (1, 1 + rng.below(3000))).collect();
+            for (variant, splits) in [
+                (AttentionVariant::DECODE, None),
+                (AttentionVariant::DECODE, Some(1)),
+                (AttentionVariant::DECODE_WIDE, Some(7)),
+                (AttentionVariant::PREFILL, None),
+            ] {
+                let case = Case {
+                    q_heads,
+                    kv_heads,
+                    head_dim,
+                    page_tokens: [16, 64, 1, 32, 8][i],
+                    sequences: sequences.clone(),
+                    splits,
+                    variant,
+                };
+                let outputs = check(&gpu, &mut rng, &case, 2);
+                assert!(outputs[0] == outputs[1], "decode differs between two runs: {variant:?} {splits:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn kv_append_writes_each_token_at_its_slot_and_nothing_else() {
+    let (gpu, mut rng) = (gpu(), Rng::fresh());
+    for (head_dim, kv_heads, page_tokens) in [(128, 8, 16), (64, 2, 1), (128, 1, 64)] {
+        let shape = AttentionShape { q_heads: kv_heads, kv_heads, head_dim, page_tokens, scale: 1.0 };
+        let pages = 9;
+        let row = kv_heads * head_dim;
+        // Distinct random slots.
+        let mut all: Vec<u32> = (0..(pages * page_tokens) as u32).collect();
+        for i in (1..all.len()).rev() {
+            all.swap(i, rng.below(i + 1));
+        }
+        let tokens = 1 + rng.below(all.len().min(40));
+        let slots = &all[..tokens];
+        let (k_new, v_new) = (rng.bf16(tokens * row, 2.0), rng.bf16(tokens * row, 2.0));
+        let cache_len = pages * page_tokens * row;
+        let (k_old, v_old) = (rng.bf16(cache_len, 1.0), rng.bf16(cache_len, 1.0));
+        let (dk, dv) = (upload(&gpu, &bytes(&k_old)), upload(&gpu, &bytes(&v_old)));
+        let (nk, nv) = (upload(&gpu, &bytes(&k_new)), upload(&gpu, &bytes(&v_new)));
+        kv_append(&gpu, &shape, &nk, &nv, slots, KvBuffers { k: &dk, v: &dv, pages }).expect("kv_append");
+        gpu.synchronize().expect("kv_append run");
+        for (old, new, device) in [(&k_old, &k_new, &dk), (&v_old, &v_new, &dv)] {
+            let mut want = old.clone();
+            for (t, &slot) in slots.iter().enumerate() {
+                let (page, in_page) = (slot as usize / page_tokens, slot as usize % page_tokens);
+                for h in 0..kv_heads {
+                    let to = ((page * kv_heads + h) * page_tokens + in_page) * head_dim;
+                    want[to..to + head_dim]
+                        .copy_from_slice(&new[(t * kv_heads + h) * head_dim..][..head_dim]);
+                }
+            }
+            let got = device.to_host_bytes().expect("device to host copy");
+            assert!(
+                got[..cache_len * 2] == bytes(&want)[..],
+                "kv_append {head_dim} {kv_heads} {page_tokens}"
+            );
+        }
+    }
+}
