@@ -2,5 +2,7 @@
 //! what the kernel serves, the compile-time constants of a call, and the launch.
 
 pub mod attention;
+pub mod embedding;
 pub mod lm_head;
 pub mod norm;
+pub mod rope;
