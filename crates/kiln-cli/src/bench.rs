@@ -21,6 +21,8 @@ use crate::output;
 pub enum BenchCommand {
     /// Device-to-device copy bandwidth: the ceiling of every memory-bound kernel.
     Copy(CopyArgs),
+    /// Attention prefill (TFLOP/s) and decode (% of the copy ceiling) against PyTorch.
+    Attention(crate::bench_attention::BenchAttentionArgs),
     /// The norm kernels against the copy ceiling and PyTorch.
     Norm(crate::bench_norm::BenchNormArgs),
 }
@@ -28,6 +30,7 @@ pub enum BenchCommand {
 pub fn run(command: &BenchCommand) -> Result<ExitCode> {
     match command {
         BenchCommand::Copy(args) => copy(args),
+        BenchCommand::Attention(args) => crate::bench_attention::run(args).map(|()| ExitCode::SUCCESS),
         BenchCommand::Norm(args) => crate::bench_norm::run(args).map(|()| ExitCode::SUCCESS),
     }
 }

@@ -6,6 +6,7 @@
 //! Exit codes: 0 success, 1 failure (the error and its causes are printed), 2 bad usage.
 
 mod bench;
+mod bench_attention;
 mod bench_norm;
 mod doctor;
 mod output;

@@ -1,0 +1,218 @@
+//! `kiln bench attention`: the attention kernels against the hardware and PyTorch.
+//!
+//! - Prefill: one sequence of 1k, 4k and 16k tokens, head dim 128, causal, 32 query heads over 8
+//!   KV heads, as TFLOP/s (4 * heads * head_dim * L(L+1)/2 operations: QK^T and PV over the causal
+//!   triangle) for every prefill variant.
+//! - Decode: batch 1, 8 and 64 at contexts 1k to 128k, as the fraction of the device-to-device copy
+//!   ceiling measured in the same run (bytes: every sequence's K and V read once, q read and out
+//!   written once), with the splits of [`decode_splits`].
+//!
+//! Both as a ratio to PyTorch's `scaled_dot_product_attention` (flash backend) on the same shapes
+//! (unpaged), read from the JSON of `bench/peers/attention.py` (`--peer`). Timing: CUDA events,
+//! warm-up first, the median; decode rotates among page sets that together exceed the L2 cache
+//! twice, so no run reads the cache the previous one left in L2. Inputs are random bf16 (a random
+//! block tiled over the cache), never zeros.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::PathBuf;
+
+use kiln_core::ops::attention::{AttentionSequence, AttentionShape};
+use kiln_core::ops::primitives::f32_to_bf16_bits;
+use kiln_core::{Error, Result};
+use kiln_cuda::ops::attention::{
+    attention, decode_splits, scratch_bytes, AttentionVariant, KvBuffers, PagedBatch,
+};
+use kiln_cuda::{DeviceMemory, Gpu};
+
+use crate::bench::{copy_ceiling, time_us};
+
+/// Arguments of `kiln bench attention`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct BenchAttentionArgs {
+    /// JSON written by `bench/peers/attention.py` (`{"prefill": {"1024": us}, "decode": {"8x4096": us}}`).
+    #[arg(long)]
+    pub peer: Option<PathBuf>,
+    /// Timed runs per case (the median is reported).
+    #[arg(long, default_value_t = 30)]
+    pub iterations: usize,
+    /// Largest KV cache a decode case may allocate, GiB.
+    #[arg(long, default_value_t = 48)]
+    pub max_cache_gib: usize,
+    /// Also write the table (markdown) here.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+const Q_HEADS: usize = 32;
+const KV_HEADS: usize = 8;
+const HEAD_DIM: usize = 128;
+const PAGE_TOKENS: usize = 64;
+pub const PREFILL_LENGTHS: [usize; 3] = [1024, 4096, 16384];
+pub const DECODE_BATCHES: [usize; 3] = [1, 8, 64];
+pub const DECODE_CONTEXTS: [usize; 5] = [1024, 4096, 16384, 32768, 131072];
+
+fn shape() -> AttentionShape {
+    AttentionShape {
+        q_heads: Q_HEADS,
+        kv_heads: KV_HEADS,
+        head_dim: HEAD_DIM,
+        page_tokens: PAGE_TOKENS,
+        scale: 1.0 / (HEAD_DIM as f32).sqrt(),
+    }
+}
+
+/// A device buffer of `bytes` random bf16 in [-1, 1): a random block of at most 64 MiB, tiled.
+fn random_device(gpu: &Gpu, bytes: usize, seed: &mut u64) -> Result<DeviceMemory> {
+    let block_len = bytes.min(64 << 20);
+    let mut block = Vec::with_capacity(block_len);
+    while block.len() < block_len {
+        *seed ^= *seed << 13;
+        *seed ^= *seed >> 7;
+        *seed ^= *seed << 17;
+        let v = ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0;
+        block.extend_from_slice(&f32_to_bf16_bits(v).to_le_bytes());
+    }
+    block.truncate(block_len);
+    let memory = gpu.alloc(bytes.max(16))?;
+    let mut offset = 0;
+    while offset < bytes {
+        let n = block_len.min(bytes - offset);
+        memory.copy_from_host(offset, &block[..n])?;
+        offset += n;
+    }
+    Ok(memory)
+}
+
+type Peer = BTreeMap<String, BTreeMap<String, f64>>;
+
+fn read_peer(args: &BenchAttentionArgs) -> Result<Peer> {
+    let Some(path) = &args.peer else { return Ok(Peer::new()) };
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    serde_json::from_str(&text).map_err(|e| Error::InvalidArgument {
+        name: "--peer",
+        value: path.display().to_string(),
+        reason: format!("not the JSON of bench/peers/attention.py: {e}"),
+    })
+}
+
+fn ratio(peer: &Peer, table: &str, key: &str, kiln_us: f64) -> String {
+    peer.get(table)
+        .and_then(|t| t.get(key))
+        .map_or("-".into(), |us| format!("{us:.1} / {:.2}x", us / kiln_us))
+}
+
+/// Runs the benchmark and prints the tables.
+pub fn run(args: &BenchAttentionArgs) -> Result<()> {
+    let gpu = Gpu::open(0)?;
+    let peer = read_peer(args)?;
+    let shape = shape();
+    let mut seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(1)
+        | 1;
+    let mut report = String::new();
+    let copy = copy_ceiling(&gpu, 1 << 30, 5, 20)?;
+    let _ = writeln!(
+        report,
+        "device: {} ({}), copy ceiling {:.0} GB/s\n\n## Prefill (causal, GQA {Q_HEADS}/{KV_HEADS}, head dim {HEAD_DIM}, page {PAGE_TOKENS})\n",
+        gpu.facts().name,
+        gpu.arch(),
+        copy.gb_per_s
+    );
+    let _ = writeln!(
+        report,
+        "| tokens | variant | time_us | TFLOP/s | torch_us / speedup |\n|---|---|---|---|---|"
+    );
+    print!("{report}");
+
+    for &len in &PREFILL_LENGTHS {
+        let pages: Vec<u32> = (0..len.div_ceil(PAGE_TOKENS) as u32).collect();
+        let sequence = [AttentionSequence { query_tokens: len, context_tokens: len, pages: &pages }];
+        let batch = PagedBatch::upload(&gpu, &shape, &sequence, pages.len())?;
+        let cache_bytes = pages.len() * KV_HEADS * PAGE_TOKENS * HEAD_DIM * 2;
+        let q = random_device(&gpu, len * Q_HEADS * HEAD_DIM * 2, &mut seed)?;
+        let (k, v) =
+            (random_device(&gpu, cache_bytes, &mut seed)?, random_device(&gpu, cache_bytes, &mut seed)?);
+        let out = gpu.alloc(len * Q_HEADS * HEAD_DIM * 2)?;
+        let cache = KvBuffers { k: &k, v: &v, pages: pages.len() };
+        let flops = 4.0 * (Q_HEADS * HEAD_DIM) as f64 * (len * (len + 1) / 2) as f64;
+        for variant in [AttentionVariant::PREFILL, AttentionVariant::PREFILL_WIDE] {
+            let (us, _) = time_us(&gpu, 3, args.iterations, || {
+                attention(&gpu, &shape, &batch, &q, cache, &out, None, 1, Some(variant))
+            })?;
+            let line = format!(
+                "| {len} | {}x{}x{} | {us:.1} | {:.1} | {} |",
+                variant.warps_m,
+                variant.warps_n,
+                variant.warp_keys,
+                flops / us / 1e6,
+                ratio(&peer, "prefill", &len.to_string(), us)
+            );
+            println!("{line}");
+            let _ = writeln!(report, "{line}");
+        }
+    }
+
+    let header = "\n## Decode (GQA 32/8, head dim 128, page 64; % of the copy ceiling)\n\n\
+                  | batch | context | splits | time_us | GB/s | % copy | torch_us / speedup |\n|---|---|---|---|---|---|---|";
+    println!("{header}");
+    let _ = writeln!(report, "{header}");
+    let l2 = gpu.facts().l2_cache_bytes as usize;
+    let token_bytes = KV_HEADS * HEAD_DIM * 2 * 2;
+    for &batch_size in &DECODE_BATCHES {
+        for &context in &DECODE_CONTEXTS {
+            let case_bytes = batch_size * context * token_bytes;
+            let rotations = (2 * l2).div_ceil(case_bytes).clamp(1, 64);
+            if case_bytes * rotations > args.max_cache_gib << 30 {
+                println!("| {batch_size} | {context} | - | skipped: over --max-cache-gib | | | |");
+                continue;
+            }
+            let pages_per_sequence = context.div_ceil(PAGE_TOKENS);
+            let total_pages = pages_per_sequence * batch_size * rotations;
+            let cache_bytes = total_pages * KV_HEADS * PAGE_TOKENS * HEAD_DIM * 2;
+            let (k, v) =
+                (random_device(&gpu, cache_bytes, &mut seed)?, random_device(&gpu, cache_bytes, &mut seed)?);
+            let cache = KvBuffers { k: &k, v: &v, pages: total_pages };
+            let tables: Vec<Vec<u32>> = (0..batch_size * rotations)
+                .map(|s| {
+                    let first = (s * pages_per_sequence) as u32;
+                    (first..first + pages_per_sequence as u32).collect()
+                })
+                .collect();
+            let batches = tables
+                .chunks(batch_size)
+                .map(|group| {
+                    let sequences: Vec<AttentionSequence<'_>> = group
+                        .iter()
+                        .map(|pages| AttentionSequence { query_tokens: 1, context_tokens: context, pages })
+                        .collect();
+                    PagedBatch::upload(&gpu, &shape, &sequences, total_pages)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let q = random_device(&gpu, batch_size * Q_HEADS * HEAD_DIM * 2, &mut seed)?;
+            let out = gpu.alloc(batch_size * Q_HEADS * HEAD_DIM * 2)?;
+            let splits = decode_splits(&gpu, batch_size, KV_HEADS);
+            let scratch = gpu.alloc(scratch_bytes(&shape, batch_size, splits).max(16))?;
+            let mut turn = 0;
+            let (us, _) = time_us(&gpu, 3, args.iterations, || {
+                turn = (turn + 1) % batches.len();
+                attention(&gpu, &shape, &batches[turn], &q, cache, &out, Some(&scratch), splits, None)
+            })?;
+            let bytes = case_bytes + 2 * batch_size * Q_HEADS * HEAD_DIM * 2;
+            let gb_per_s = bytes as f64 / us / 1e3;
+            let line = format!(
+                "| {batch_size} | {context} | {splits} | {us:.1} | {gb_per_s:.0} | {:.1} | {} |",
+                100.0 * gb_per_s / copy.gb_per_s,
+                ratio(&peer, "decode", &format!("{batch_size}x{context}"), us)
+            );
+            println!("{line}");
+            let _ = writeln!(report, "{line}");
+        }
+    }
+    if let Some(path) = &args.out {
+        std::fs::write(path, report).map_err(|e| Error::io(path, e))?;
+    }
+    Ok(())
+}
