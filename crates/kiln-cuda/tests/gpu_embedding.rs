@@ -145,7 +145,7 @@ fn check(gpu: &Gpu, rng: &mut Rng, call: EmbeddingCall, variant: EmbeddingVarian
     }
     assert_eq!(read_flag(&flag).unwrap(), want.out_of_vocabulary, "{label}: out-of-vocabulary flag");
     if outside {
-        assert!(ids.iter().all(|&i| u64::from(i) < vocab) || want.out_of_vocabulary);
+        assert!(want.out_of_vocabulary, "{label}: no id outside the vocabulary was drawn");
     }
 }
 

@@ -150,6 +150,7 @@ fn check(
         }
     }
     let want_flag = zeroed.iter().any(|&z| z);
+    assert_eq!(want_flag, outside, "positions outside the table were drawn exactly when asked for");
 
     let dq = upload_guarded(gpu, &encode(&q, xt));
     let dk = upload_guarded(gpu, &encode(&k, xt));
