@@ -87,7 +87,7 @@ fn read_prompt(prompt: &str) -> Result<String> {
     Ok(text)
 }
 
-pub fn run(args: GenerateArgs) -> Result<ExitCode> {
+pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
     if args.device == DeviceChoice::Cuda {
         return Err(Error::NotServed {
             op: "kiln generate --device cuda",
@@ -127,7 +127,7 @@ pub fn run(args: GenerateArgs) -> Result<ExitCode> {
     let (text, add_special) = if args.chat {
         let mut messages = Vec::new();
         if let Some(system) = &args.system {
-            messages.push(ChatMessage::new("system", system.clone()));
+            messages.push(ChatMessage::new("system", system.as_str()));
         }
         messages.push(ChatMessage::new("user", prompt_text));
         (render_with(&tokenizer, &messages, true)?, false)

@@ -9,7 +9,9 @@ mod bench;
 mod bench_attention;
 mod bench_norm;
 mod doctor;
+mod generate;
 mod output;
+mod pull;
 
 use std::process::ExitCode;
 
@@ -30,6 +32,10 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Generate text from a prompt (fetches the default model on first use).
+    Generate(generate::GenerateArgs),
+    /// Fetch a known model into the cache (`--list` shows the known models).
+    Pull(pull::PullArgs),
     /// Check the CUDA driver, NVRTC, the GPUs and the kernel cache; compile and run a kernel.
     Doctor(doctor::DoctorArgs),
     /// Benchmarks against the hardware ceiling and a peer.
@@ -39,6 +45,8 @@ enum Command {
 
 fn dispatch(command: &Command) -> Result<ExitCode> {
     match command {
+        Command::Generate(args) => generate::run(args),
+        Command::Pull(args) => pull::run(args),
         Command::Doctor(args) => doctor::run(args),
         Command::Bench(args) => bench::run(args),
     }

@@ -76,7 +76,7 @@ impl Drop for BarProgress {
     }
 }
 
-pub fn run(args: PullArgs) -> Result<ExitCode> {
+pub fn run(args: &PullArgs) -> Result<ExitCode> {
     if args.list {
         for m in KNOWN_MODELS {
             println!(
