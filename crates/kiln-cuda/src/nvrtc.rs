@@ -95,13 +95,35 @@ pub(crate) fn probe() -> LibraryProbe {
     }
 }
 
-const SONAMES: [&str; 3] = ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"];
+/// NVRTC's sonames, newest first; a CUDA 12 driver gets CUDA 12's NVRTC first, since it may not
+/// load images from a newer major version.
+fn sonames() -> [&'static str; 3] {
+    if driver_cuda_major() == Some(12) {
+        ["libnvrtc.so.12", "libnvrtc.so.13", "libnvrtc.so"]
+    } else {
+        ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]
+    }
+}
+
+/// The wheel folders under a site-packages, in the same preference.
+fn wheel_folders() -> [&'static str; 2] {
+    if driver_cuda_major() == Some(12) {
+        ["nvidia/cuda_nvrtc/lib", "nvidia/cu13/lib"]
+    } else {
+        ["nvidia/cu13/lib", "nvidia/cuda_nvrtc/lib"]
+    }
+}
+
+/// The CUDA major version the installed driver supports, when the driver is there.
+fn driver_cuda_major() -> Option<i32> {
+    crate::runtime::probe_driver_version().map(|v| v / 1000)
+}
 
 /// Every place to try, in order: full paths first where the user named one, then sonames.
 fn candidates() -> Vec<PathBuf> {
     let mut out = Vec::new();
     let in_folder = |dir: &Path, out: &mut Vec<PathBuf>| {
-        for name in SONAMES {
+        for name in sonames() {
             let path = dir.join(name);
             if path.exists() {
                 out.push(path);
@@ -116,10 +138,10 @@ fn candidates() -> Vec<PathBuf> {
             out.push(path);
         }
     }
-    out.extend(SONAMES.iter().map(PathBuf::from));
+    out.extend(sonames().iter().map(PathBuf::from));
     in_folder(Path::new("/usr/local/cuda/lib64"), &mut out);
     for site in site_packages() {
-        for sub in ["nvidia/cu13/lib", "nvidia/cuda_nvrtc/lib"] {
+        for sub in wheel_folders() {
             in_folder(&site.join(sub), &mut out);
         }
     }

@@ -131,14 +131,31 @@ fn probe_libcuda() -> LibraryProbe {
 }
 
 fn driver_version_from(library: &libloading::Library) -> Option<String> {
+    driver_version_number(library).map(|v| format!("{}.{}", v / 1000, (v % 1000) / 10))
+}
+
+fn driver_version_number(library: &libloading::Library) -> Option<i32> {
     // SAFETY: cuDriverGetVersion has this signature in every CUDA release and may be called
     // before cuInit.
     unsafe {
         let get: libloading::Symbol<unsafe extern "C" fn(*mut c_int) -> c_int> =
             library.get(b"cuDriverGetVersion\0").ok()?;
         let mut version: c_int = 0;
-        (get(&mut version) == 0).then(|| format!("{}.{}", version / 1000, (version % 1000) / 10))
+        (get(&mut version) == 0).then_some(version)
     }
+}
+
+/// The driver's CUDA version as a number (13000 for 13.0), asked of `libcuda.so.1` directly;
+/// `None` without a driver. Never panics.
+pub(crate) fn probe_driver_version() -> Option<i32> {
+    static VERSION: OnceLock<Option<i32>> = OnceLock::new();
+    *VERSION.get_or_init(|| {
+        // SAFETY: as in `probe_libcuda`.
+        let library = unsafe { libloading::Library::new("libcuda.so.1") }.ok()?;
+        let version = driver_version_number(&library);
+        std::mem::forget(library);
+        version
+    })
 }
 
 /// The path of a loaded shared object whose file name starts with `prefix`, from the process's
