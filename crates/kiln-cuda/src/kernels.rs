@@ -215,5 +215,14 @@ pub const ATTENTION: KernelSource = KernelSource {
     fmad: true,
 };
 
+/// The sampler (penalties, temperature, top-k / top-p by radix selection, min-p, Philox draw in
+/// fixed point); its determinism primitives (`deterministic.cuh`) are prepended.
+pub const SAMPLE: KernelSource = KernelSource {
+    name: "sample",
+    source: concat!(include_str!("../kernels/deterministic.cuh"), include_str!("../kernels/sample.cu")),
+    define_sets: &[&[("THREADS", "1024"), ("PENALTIES", "1")], &[("THREADS", "256"), ("PENALTIES", "0")]],
+    fmad: false,
+};
+
 /// Every kernel source of Kiln.
-pub const ALL: &[KernelSource] = &[CONVERT, COPY, NORM, ROPE, EMBEDDING, LM_HEAD, ATTENTION];
+pub const ALL: &[KernelSource] = &[CONVERT, COPY, NORM, ROPE, EMBEDDING, LM_HEAD, ATTENTION, SAMPLE];

@@ -6,3 +6,4 @@ pub mod embedding;
 pub mod lm_head;
 pub mod norm;
 pub mod rope;
+pub mod sample;
