@@ -12,11 +12,14 @@
 # MODEL defaults to .models/SmolLM2-135M-Instruct.Q4_1.gguf; THREADS to the number of cores.
 # Prints the machine, then llama-bench's markdown table: pp64 and pp512 are prompt tokens/s over
 # 64 and 512-token prompts, tg128 is decode tokens/s over 128 generated tokens (5 repetitions).
+# Run it on an idle machine: llama.cpp's threads spin at barriers, so with other processes on the
+# cores its 2-thread speed collapses (it also prints the load average to show the state).
 set -eu
 bench=${1:?usage: $0 LLAMA_BENCH [MODEL] [THREADS]}
 model=${2:-.models/SmolLM2-135M-Instruct.Q4_1.gguf}
 threads=${3:-$(nproc)}
 echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
 echo "cpu: $(lscpu | sed -n 's/^Model name:[[:space:]]*//p'), $(nproc) cores"
+echo "load average: $(cut -d" " -f1-3 /proc/loadavg)"
 echo "model: $model ($(sha256sum "$model" | cut -c1-16)...)"
 "$bench" -m "$model" -p 64,512 -n 128 -t "$threads" -r 5 -o md
