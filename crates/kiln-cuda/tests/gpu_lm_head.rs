@@ -1,0 +1,205 @@
+//! GPU tests of the LM head kernel: every weight dtype, every row count 1..8 and every variant
+//! equal to the CPU reference (`kiln_core::ops::lm_head`) bit for bit, logits and block argmax
+//! statistics, on fresh random inputs with the outputs poisoned before each launch. Needs an
+//! NVIDIA GPU: `cargo test -p kiln-cuda --features gpu-tests --test gpu_lm_head`.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use kiln_core::ops::lm_head::{row_bytes, LmHead, MAX_ROWS, QUANT_BLOCK};
+use kiln_core::ops::primitives::{f32_to_bf16_bits, f32_to_f16_bits};
+use kiln_core::DType;
+use kiln_cuda::ops::lm_head::{lm_head, plan, LmHeadBuffers, LmHeadVariant, LM_HEAD_VARIANTS};
+use kiln_cuda::{DeviceMemory, Gpu};
+
+/// xorshift64*, seeded from the clock so every run draws new inputs (the seed is printed).
+struct Rng(u64);
+
+impl Rng {
+    fn fresh() -> Rng {
+        let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1);
+        let seed = nanos | 1;
+        println!("seed {seed:#x}");
+        Rng(seed)
+    }
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
+        lo + (hi - lo) * ((self.next() >> 40) as f32 / (1u64 << 24) as f32)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+fn random_weights(rng: &mut Rng, dtype: DType, vocab: usize, hidden: usize) -> Vec<u8> {
+    match dtype {
+        DType::BF16 => {
+            (0..vocab * hidden).flat_map(|_| f32_to_bf16_bits(rng.uniform(-1.0, 1.0)).to_le_bytes()).collect()
+        }
+        DType::F16 => {
+            (0..vocab * hidden).flat_map(|_| f32_to_f16_bits(rng.uniform(-1.0, 1.0)).to_le_bytes()).collect()
+        }
+        _ => {
+            let (block_bytes, header) = match dtype {
+                DType::Q8_0 => (34, 2),
+                DType::Q4_0 => (18, 2),
+                _ => (20, 4),
+            };
+            let mut out = Vec::with_capacity(vocab * hidden / QUANT_BLOCK * block_bytes);
+            for _ in 0..vocab * hidden / QUANT_BLOCK {
+                out.extend_from_slice(&f32_to_f16_bits(rng.uniform(0.001, 0.05)).to_le_bytes());
+                if header == 4 {
+                    out.extend_from_slice(&f32_to_f16_bits(rng.uniform(-0.2, 0.2)).to_le_bytes());
+                }
+                out.extend((0..block_bytes - header).map(|_| rng.next() as u8));
+            }
+            out
+        }
+    }
+}
+
+fn upload(gpu: &Gpu, bytes: &[u8]) -> DeviceMemory {
+    let memory = gpu.alloc(bytes.len().max(1)).expect("device allocation");
+    memory.copy_from_host(0, bytes).expect("host to device copy");
+    memory
+}
+
+fn poisoned(gpu: &Gpu, bytes: usize) -> DeviceMemory {
+    let memory = gpu.alloc(bytes.max(1)).expect("device allocation");
+    memory.fill_bytes(0xA7).expect("poison");
+    memory
+}
+
+fn f32s(bytes: &[u8]) -> Vec<f32> {
+    bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+fn same_bits(a: f32, b: f32) -> bool {
+    a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())
+}
+
+#[test]
+fn logits_and_statistics_equal_the_cpu_reference_for_every_dtype_row_count_and_variant() {
+    let gpu = Gpu::open(0).expect("the GPU tests need CUDA device 0");
+    let mut rng = Rng::fresh();
+    // (vocab, hidden): ragged vocabularies, partial units (576 = 2.25 units, 896 = 3.5).
+    let shapes = [(1021usize, 4096usize), (777, 576), (515, 896), (300, 2048)];
+    let dtypes = [DType::BF16, DType::F16, DType::Q8_0, DType::Q4_0, DType::Q4_1];
+    let mut checked = 0usize;
+    let mut failures = Vec::new();
+    for dtype in dtypes {
+        for rows in 1..=MAX_ROWS {
+            for (k, variant) in LM_HEAD_VARIANTS.iter().enumerate() {
+                let (vocab, hidden) = shapes[(rows + k + rng.below(shapes.len())) % shapes.len()];
+                let with_stats = rng.below(2) == 0;
+                let head = LmHead {
+                    hidden,
+                    vocab,
+                    weight: dtype,
+                    logit_scale: if rng.below(2) == 0 { 1.0 } else { rng.uniform(0.1, 2.0) },
+                    soft_cap: (rng.below(2) == 0).then(|| rng.uniform(5.0, 50.0)),
+                    stats_block: with_stats.then_some(variant.tile as usize),
+                };
+                if plan(&head, rows, *variant).is_err() {
+                    continue; // the variant carries more sums per step than 32 at this row count
+                }
+                let row_scale: Option<Vec<f32>> =
+                    (rng.below(2) == 0).then(|| (0..rows).map(|_| rng.uniform(0.2, 3.0)).collect());
+                let h: Vec<f32> = (0..rows * hidden).map(|_| rng.uniform(-2.0, 2.0)).collect();
+                let w = random_weights(&mut rng, dtype, vocab, hidden);
+                let want = head.run(&h, &w, row_scale.as_deref()).expect("CPU reference");
+
+                let h_dev = upload(&gpu, &h.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<_>>());
+                let w_dev = upload(&gpu, &w);
+                let scale_dev = row_scale
+                    .as_ref()
+                    .map(|s| upload(&gpu, &s.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<_>>()));
+                let logits_dev = poisoned(&gpu, rows * vocab * 4);
+                let stats_dev = poisoned(&gpu, rows * vocab.div_ceil(variant.tile as usize) * 8);
+                let buffers = LmHeadBuffers {
+                    h: &h_dev,
+                    weights: &w_dev,
+                    row_scale: scale_dev.as_ref(),
+                    logits: &logits_dev,
+                    stats: with_stats.then_some(&stats_dev),
+                };
+                lm_head(&gpu, &head, rows, buffers, Some(*variant)).expect("launch");
+                let got = f32s(&logits_dev.to_host_bytes().expect("copy back"));
+                assert_eq!(row_bytes(dtype, hidden).unwrap() * vocab, w.len());
+                let what = format!(
+                    "{dtype} rows {rows} {vocab}x{hidden} {variant:?} {head:?} row_scale {}",
+                    row_scale.is_some()
+                );
+                let mismatches: Vec<usize> =
+                    (0..rows * vocab).filter(|&i| !same_bits(got[i], want.logits[i])).collect();
+                if let Some(&i) = mismatches.first() {
+                    failures.push(format!(
+                        "{what}: {} logits differ; first [{}][{}] gpu {:e} ({:#x}) cpu {:e} ({:#x})",
+                        mismatches.len(),
+                        i / vocab,
+                        i % vocab,
+                        got[i],
+                        got[i].to_bits(),
+                        want.logits[i],
+                        want.logits[i].to_bits()
+                    ));
+                }
+                if with_stats {
+                    let bytes = stats_dev.to_host_bytes().expect("copy back");
+                    let stats: Vec<u64> = bytes
+                        .chunks_exact(8)
+                        .take(want.stats.len())
+                        .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+                        .collect();
+                    if stats != want.stats {
+                        failures.push(format!("{what}: block statistics differ"));
+                    }
+                }
+                checked += 1;
+            }
+        }
+    }
+    println!("{checked} cases checked");
+    assert!(failures.is_empty(), "{} of {checked} cases failed:\n{}", failures.len(), failures.join("\n"));
+    assert!(checked >= dtypes.len() * MAX_ROWS * 3, "only {checked} cases ran");
+}
+
+#[test]
+fn the_default_variant_serves_the_benchmark_shape() {
+    let gpu = Gpu::open(0).expect("the GPU tests need CUDA device 0");
+    let mut rng = Rng::fresh();
+    let (vocab, hidden) = (151_936, 4096);
+    let w = random_weights(&mut rng, DType::BF16, vocab, hidden);
+    let w_dev = upload(&gpu, &w);
+    for rows in [1, 2, 4, 8] {
+        let head = LmHead {
+            hidden,
+            vocab,
+            weight: DType::BF16,
+            logit_scale: 1.0,
+            soft_cap: None,
+            stats_block: Some(64),
+        };
+        let h: Vec<f32> = (0..rows * hidden).map(|_| rng.uniform(-1.0, 1.0)).collect();
+        let want = head.run(&h, &w, None).expect("CPU reference");
+        let h_dev = upload(&gpu, &h.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<_>>());
+        let logits_dev = poisoned(&gpu, rows * vocab * 4);
+        let stats_dev = poisoned(&gpu, rows * vocab.div_ceil(64) * 8);
+        let buffers = LmHeadBuffers {
+            h: &h_dev,
+            weights: &w_dev,
+            row_scale: None,
+            logits: &logits_dev,
+            stats: Some(&stats_dev),
+        };
+        let variant = LmHeadVariant::default_for(rows);
+        lm_head(&gpu, &head, rows, buffers, Some(variant)).expect("launch");
+        let got = f32s(&logits_dev.to_host_bytes().expect("copy back"));
+        let bad = (0..rows * vocab).filter(|&i| !same_bits(got[i], want.logits[i])).count();
+        assert_eq!(bad, 0, "{rows} rows: {bad} logits differ from the CPU reference");
+    }
+}

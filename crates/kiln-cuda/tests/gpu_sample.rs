@@ -1,0 +1,353 @@
+//! GPU tests of the sampler kernel: the same token as the CPU reference
+//! (`kiln_core::ops::sample::sample`) over thousands of random cases in every mode, greedy from
+//! the LM head's statistics, the penalty counts left at zero, and a chi-square test of the GPU's
+//! token frequencies against the exact distribution. Fresh random inputs every run (the seed is
+//! printed), outputs poisoned before each launch. Needs an NVIDIA GPU:
+//! `cargo test -p kiln-cuda --features gpu-tests --test gpu_sample`.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use kiln_core::ops::lm_head::{greedy_from_stats, LmHead};
+use kiln_core::ops::primitives::f32_to_bf16_bits;
+use kiln_core::ops::sample::{sample, SamplingParams, NO_TOKEN};
+use kiln_core::DType;
+use kiln_cuda::ops::lm_head::{lm_head, LmHeadBuffers};
+use kiln_cuda::ops::sample::{
+    encode_histories, encode_params, sample as gpu_sample, PenaltyScratch, SampleBuffers, MAX_SAMPLE_ROWS,
+};
+use kiln_cuda::{DeviceMemory, Gpu};
+
+/// xorshift64*, seeded from the clock so every run draws new inputs (the seed is printed).
+struct Rng(u64);
+
+impl Rng {
+    fn fresh() -> Rng {
+        let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1);
+        let seed = nanos | 1;
+        println!("seed {seed:#x}");
+        Rng(seed)
+    }
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
+        lo + (hi - lo) * ((self.next() >> 40) as f32 / (1u64 << 24) as f32)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+    /// Logits with ties (rounded values), some NaN and -inf.
+    fn logit(&mut self) -> f32 {
+        match self.below(40) {
+            0 => f32::NAN,
+            1 => f32::NEG_INFINITY,
+            2..=9 => (self.uniform(-4.0, 4.0)).round(),
+            _ => self.uniform(-12.0, 12.0),
+        }
+    }
+}
+
+fn upload(gpu: &Gpu, bytes: &[u8]) -> DeviceMemory {
+    let memory = gpu.alloc(bytes.len().max(1)).expect("device allocation");
+    memory.copy_from_host(0, bytes).expect("host to device copy");
+    memory
+}
+
+fn words<T: Copy>(values: &[T], bytes: impl Fn(T) -> Vec<u8>) -> Vec<u8> {
+    values.iter().flat_map(|&v| bytes(v)).collect()
+}
+
+/// Each mode: a generator of parameters.
+fn mode_params(mode: &str, rng: &mut Rng) -> SamplingParams {
+    let seed = rng.next();
+    let temperature = rng.uniform(0.1, 2.0);
+    let d = SamplingParams { temperature, seed, ..SamplingParams::default() };
+    match mode {
+        "greedy" => SamplingParams { temperature: 0.0, ..d },
+        "temperature" => d,
+        "top-k" => SamplingParams { top_k: 1 + rng.below(64) as u32, ..d },
+        "top-p" => SamplingParams { top_p: rng.uniform(0.05, 1.0), ..d },
+        "min-p" => SamplingParams { min_p: rng.uniform(0.0, 0.5), ..d },
+        "top-k + top-p" => {
+            SamplingParams { top_k: 1 + rng.below(200) as u32, top_p: rng.uniform(0.1, 0.99), ..d }
+        }
+        "penalties" => SamplingParams {
+            repetition_penalty: rng.uniform(0.8, 1.8),
+            presence_penalty: rng.uniform(-0.5, 1.0),
+            frequency_penalty: rng.uniform(-0.3, 0.6),
+            temperature: if rng.below(4) == 0 { 0.0 } else { temperature },
+            ..d
+        },
+        _ => SamplingParams {
+            top_k: rng.below(100) as u32,
+            top_p: if rng.below(2) == 0 { 1.0 } else { rng.uniform(0.1, 1.0) },
+            min_p: if rng.below(2) == 0 { 0.0 } else { rng.uniform(0.0, 0.3) },
+            repetition_penalty: rng.uniform(0.9, 1.5),
+            presence_penalty: rng.uniform(0.0, 0.5),
+            frequency_penalty: rng.uniform(0.0, 0.5),
+            ..d
+        },
+    }
+}
+
+const MODES: [&str; 8] =
+    ["greedy", "temperature", "top-k", "top-p", "min-p", "top-k + top-p", "penalties", "all"];
+
+/// Runs the sampler on the GPU for `rows` rows; returns the tokens.
+#[allow(clippy::too_many_arguments)]
+fn run_gpu(
+    gpu: &Gpu,
+    logits: &[f32],
+    vocab: usize,
+    params: &[(SamplingParams, u64)],
+    steps: &[u64],
+    histories: &[&[u32]],
+    penalty: bool,
+    stats: Option<(&DeviceMemory, usize)>,
+    logits_dev: Option<&DeviceMemory>,
+) -> (Vec<u32>, Vec<u8>) {
+    let rows = params.len();
+    let owned;
+    let logits_dev = match logits_dev {
+        Some(d) => d,
+        None => {
+            owned = upload(gpu, &words(logits, |v: f32| v.to_le_bytes().to_vec()));
+            &owned
+        }
+    };
+    let params_dev = upload(gpu, &encode_params(params).expect("valid parameters"));
+    let steps_dev = upload(gpu, &words(steps, |v: u64| v.to_le_bytes().to_vec()));
+    let (offsets, tokens) = encode_histories(histories, vocab).expect("histories");
+    let offsets_dev = upload(gpu, &words(&offsets, |v: u32| v.to_le_bytes().to_vec()));
+    let history_dev = upload(gpu, &words(&tokens, |v: u32| v.to_le_bytes().to_vec()));
+    let counts = gpu.alloc(rows * vocab * 4).expect("counts");
+    counts.fill_bytes(0).expect("zero counts");
+    let scratch = gpu.alloc(rows * vocab * 4).expect("scratch");
+    let out = gpu.alloc(rows * 4).expect("tokens");
+    out.fill_bytes(0xA7).expect("poison");
+    let buffers = SampleBuffers {
+        logits: logits_dev,
+        row_stride: vocab,
+        params: &params_dev,
+        steps: &steps_dev,
+        history_offsets: &offsets_dev,
+        history: &history_dev,
+        penalty: penalty.then_some(PenaltyScratch { counts: &counts, scratch: &scratch }),
+        stats,
+        tokens: &out,
+    };
+    gpu_sample(gpu, rows, vocab, buffers).expect("launch");
+    let bytes = out.to_host_bytes().expect("copy back");
+    let tokens = bytes.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect();
+    (tokens, counts.to_host_bytes().expect("copy back"))
+}
+
+#[test]
+fn tokens_equal_the_cpu_reference_in_every_mode() {
+    let gpu = Gpu::open(0).expect("the GPU tests need CUDA device 0");
+    let mut rng = Rng::fresh();
+    let mut failures = Vec::new();
+    let mut checked = 0usize;
+    for mode in MODES {
+        let mut mode_cases = 0;
+        for launch in 0..24 {
+            let vocab = match launch % 6 {
+                0 => 151_936,
+                1 => 1 + rng.below(40),
+                2 => 1023 + rng.below(3),
+                _ => 100 + rng.below(6000),
+            };
+            let rows = if vocab > 100_000 { 8 } else { 1 + rng.below(MAX_SAMPLE_ROWS) };
+            let logits: Vec<f32> = (0..rows * vocab).map(|_| rng.logit()).collect();
+            let params: Vec<(SamplingParams, u64)> =
+                (0..rows).map(|_| (mode_params(mode, &mut rng), rng.next())).collect();
+            let steps: Vec<u64> = (0..rows).map(|_| rng.next()).collect();
+            let histories: Vec<Vec<u32>> = (0..rows)
+                .map(|_| {
+                    {
+                        // Repeats: draw from a small range of ids most of the time.
+                        let range = vocab.min(50 + rng.below(vocab));
+                        (0..rng.below(300)).map(|_| rng.below(range) as u32).collect()
+                    }
+                })
+                .collect();
+            let history_refs: Vec<&[u32]> = histories.iter().map(Vec::as_slice).collect();
+            let (got, counts) =
+                run_gpu(&gpu, &logits, vocab, &params, &steps, &history_refs, true, None, None);
+            if counts.iter().any(|&b| b != 0) {
+                failures.push(format!("{mode}: the penalty counts were not left at zero"));
+            }
+            for r in 0..rows {
+                let row = &logits[r * vocab..(r + 1) * vocab];
+                let (p, stream) = params[r];
+                let want = sample(row, &p, &histories[r], steps[r], stream).unwrap_or(NO_TOKEN);
+                if got[r] != want {
+                    failures.push(format!(
+                        "{mode}: vocab {vocab} row {r}: gpu {} cpu {want} ({p:?}, step {}, stream {stream}, history {})",
+                        got[r],
+                        steps[r],
+                        histories[r].len()
+                    ));
+                }
+                checked += 1;
+                mode_cases += 1;
+            }
+        }
+        println!("{mode}: {mode_cases} cases");
+        assert!(mode_cases >= 1000, "{mode}: only {mode_cases} cases");
+    }
+    println!("{checked} cases checked");
+    let shown: Vec<&String> = failures.iter().take(20).collect();
+    assert!(failures.is_empty(), "{} of {checked} cases differ:\n{shown:#?}", failures.len());
+}
+
+#[test]
+fn greedy_from_the_lm_head_statistics_is_the_argmax() {
+    let gpu = Gpu::open(0).expect("the GPU tests need CUDA device 0");
+    let mut rng = Rng::fresh();
+    let (vocab, hidden, rows, block) = (50_021, 512, 4, 64);
+    let w: Vec<u8> =
+        (0..vocab * hidden).flat_map(|_| f32_to_bf16_bits(rng.uniform(-1.0, 1.0)).to_le_bytes()).collect();
+    let h: Vec<f32> = (0..rows * hidden).map(|_| rng.uniform(-1.0, 1.0)).collect();
+    let head = LmHead {
+        hidden,
+        vocab,
+        weight: DType::BF16,
+        logit_scale: 1.0,
+        soft_cap: None,
+        stats_block: Some(block),
+    };
+    let want = head.run(&h, &w, None).expect("CPU reference");
+    let h_dev = upload(&gpu, &words(&h, |v: f32| v.to_le_bytes().to_vec()));
+    let w_dev = upload(&gpu, &w);
+    let logits_dev = gpu.alloc(rows * vocab * 4).expect("logits");
+    let per_row = vocab.div_ceil(block);
+    let stats_dev = gpu.alloc(rows * per_row * 8).expect("stats");
+    let buffers = LmHeadBuffers {
+        h: &h_dev,
+        weights: &w_dev,
+        row_scale: None,
+        logits: &logits_dev,
+        stats: Some(&stats_dev),
+    };
+    lm_head(&gpu, &head, rows, buffers, None).expect("lm head");
+    let params: Vec<(SamplingParams, u64)> = (0..rows).map(|_| (SamplingParams::greedy(), 0)).collect();
+    let empty: Vec<&[u32]> = vec![&[]; rows];
+    let (got, _) = run_gpu(
+        &gpu,
+        &[],
+        vocab,
+        &params,
+        &vec![0; rows],
+        &empty,
+        false,
+        Some((&stats_dev, per_row)),
+        Some(&logits_dev),
+    );
+    for r in 0..rows {
+        let stats = &want.stats[r * per_row..(r + 1) * per_row];
+        let argmax = kiln_core::ops::sample::argmax(&want.logits[r * vocab..(r + 1) * vocab]);
+        assert_eq!(greedy_from_stats(stats), argmax);
+        assert_eq!(Some(got[r]), argmax, "row {r}");
+    }
+}
+
+/// The exact distribution of a mode in f64, from the definitions (sorting freely).
+fn exact_distribution(l: &[f32], p: &SamplingParams) -> Vec<f64> {
+    let x: Vec<f64> = l.iter().map(|&v| f64::from(v)).collect();
+    let max = x.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let mut order: Vec<usize> = (0..x.len()).collect();
+    order.sort_by(|&a, &b| x[b].partial_cmp(&x[a]).unwrap().then(a.cmp(&b)));
+    let mut prob: Vec<f64> = x.iter().map(|&v| ((v - max) / f64::from(p.temperature)).exp()).collect();
+    if p.top_k > 0 {
+        for &i in order.iter().skip(p.top_k as usize) {
+            prob[i] = 0.0;
+        }
+    }
+    let total: f64 = prob.iter().sum();
+    let mut before = 0.0;
+    for &i in &order {
+        let share = prob[i] / total;
+        if before >= f64::from(p.top_p) {
+            prob[i] = 0.0;
+        } else {
+            assert!((before - f64::from(p.top_p)).abs() > 1e-3, "top-p boundary too close to call");
+        }
+        before += share;
+    }
+    let best = prob[order[0]];
+    for v in prob.iter_mut() {
+        assert!(*v == 0.0 || (*v / best - f64::from(p.min_p)).abs() > 1e-3, "min-p boundary too close");
+        if *v / best < f64::from(p.min_p) {
+            *v = 0.0;
+        }
+    }
+    let total: f64 = prob.iter().sum();
+    prob.iter().map(|v| v / total).collect()
+}
+
+/// Chi-square critical values at significance 0.001, by degrees of freedom 1..=20.
+const CHI2_CRITICAL_0_001: [f64; 20] = [
+    10.828, 13.816, 16.266, 18.467, 20.515, 22.458, 24.322, 26.124, 27.877, 29.588, 31.264, 32.909, 34.528,
+    36.123, 37.697, 39.252, 40.790, 42.312, 43.820, 45.315,
+];
+
+/// Each mode's token frequencies over 40,960 GPU draws (fresh seed, steps 0..) match the exact
+/// distribution: chi-square at significance 0.001, and no draw outside the support.
+#[test]
+fn gpu_frequencies_match_the_exact_distribution() {
+    let gpu = Gpu::open(0).expect("the GPU tests need CUDA device 0");
+    let mut rng = Rng::fresh();
+    // Fixed logits whose top-p and min-p boundaries are far from the chosen thresholds.
+    let l: Vec<f32> =
+        vec![1.2, -0.3, 0.8, 1.9, -1.4, 0.1, 0.55, -0.9, 1.45, -0.05, 0.3, -1.9, 0.95, -0.6, 1.7, -1.1];
+    let seed = rng.next();
+    let d = SamplingParams { seed, ..SamplingParams::default() };
+    let modes: [(&str, SamplingParams); 6] = [
+        ("temperature 1", d),
+        ("temperature 0.6", SamplingParams { temperature: 0.6, ..d }),
+        ("top-k 5", SamplingParams { top_k: 5, temperature: 0.9, ..d }),
+        ("top-p 0.7", SamplingParams { top_p: 0.7, ..d }),
+        ("min-p 0.3", SamplingParams { min_p: 0.3, temperature: 1.3, ..d }),
+        ("top-k 8 + top-p 0.8", SamplingParams { top_k: 8, top_p: 0.8, temperature: 0.8, ..d }),
+    ];
+    let vocab = l.len();
+    let launches = 160;
+    let rows = MAX_SAMPLE_ROWS;
+    let logits: Vec<f32> = (0..rows).flat_map(|_| l.iter().copied()).collect();
+    let logits_dev = upload(&gpu, &words(&logits, |v: f32| v.to_le_bytes().to_vec()));
+    let empty: Vec<&[u32]> = vec![&[]; rows];
+    for (name, p) in modes {
+        let expected = exact_distribution(&l, &p);
+        let mut counts = vec![0u64; vocab];
+        for launch in 0..launches {
+            let params: Vec<(SamplingParams, u64)> = (0..rows).map(|_| (p, 0)).collect();
+            let steps: Vec<u64> = (0..rows).map(|r| (launch * rows + r) as u64).collect();
+            let (got, _) = run_gpu(&gpu, &[], vocab, &params, &steps, &empty, false, None, Some(&logits_dev));
+            for t in got {
+                assert!((t as usize) < vocab, "{name}: token {t}");
+                counts[t as usize] += 1;
+            }
+        }
+        let draws = (launches * rows) as f64;
+        let mut chi2 = 0.0;
+        let mut categories = 0;
+        for (i, (&e, &c)) in expected.iter().zip(&counts).enumerate() {
+            if e == 0.0 {
+                assert_eq!(c, 0, "{name}: token {i} is outside the support but was drawn");
+                continue;
+            }
+            chi2 += (c as f64 - e * draws).powi(2) / (e * draws);
+            categories += 1;
+        }
+        let critical = CHI2_CRITICAL_0_001[categories - 2];
+        println!(
+            "{name}: chi-square {chi2:.2} with {} degrees of freedom (critical {critical})",
+            categories - 1
+        );
+        assert!(chi2 < critical, "{name}: chi-square {chi2:.2} >= {critical}");
+    }
+}
