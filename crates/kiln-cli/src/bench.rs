@@ -25,6 +25,10 @@ pub enum BenchCommand {
     Attention(crate::bench_attention::BenchAttentionArgs),
     /// The norm kernels against the copy ceiling and PyTorch.
     Norm(crate::bench_norm::BenchNormArgs),
+    /// The LM head at 151936 x 4096 bf16 against the copy ceiling and `torch.matmul`.
+    LmHead(crate::bench_lm_head::BenchLmHeadArgs),
+    /// The sampler in each mode against PyTorch's sort-based sampling.
+    Sample(crate::bench_sample::BenchSampleArgs),
 }
 
 pub fn run(command: &BenchCommand) -> Result<ExitCode> {
@@ -32,6 +36,8 @@ pub fn run(command: &BenchCommand) -> Result<ExitCode> {
         BenchCommand::Copy(args) => copy(args),
         BenchCommand::Attention(args) => crate::bench_attention::run(args).map(|()| ExitCode::SUCCESS),
         BenchCommand::Norm(args) => crate::bench_norm::run(args).map(|()| ExitCode::SUCCESS),
+        BenchCommand::LmHead(args) => crate::bench_lm_head::run(args).map(|()| ExitCode::SUCCESS),
+        BenchCommand::Sample(args) => crate::bench_sample::run(args).map(|()| ExitCode::SUCCESS),
     }
 }
 

@@ -7,7 +7,9 @@
 
 mod bench;
 mod bench_attention;
+mod bench_lm_head;
 mod bench_norm;
+mod bench_sample;
 mod doctor;
 mod generate;
 mod output;
