@@ -71,7 +71,9 @@ pub fn probe() -> &'static Probe {
         let (mut driver_cuda_version, mut device_count, mut device_error) = (None, None, None);
         if libcuda.found {
             driver_cuda_version = libcuda.version.clone();
-            match count_devices() {
+            // Not `count_devices`: it asks `probe()` for libcuda, and a re-entrant
+            // initialisation of this OnceLock would deadlock.
+            match count_devices_loaded() {
                 Ok(n) => device_count = Some(n),
                 Err(e) => device_error = Some(e.to_string()),
             }
@@ -170,6 +172,11 @@ pub(crate) fn loaded_path(prefix: &str) -> Option<PathBuf> {
 
 fn count_devices() -> Result<usize> {
     require_libcuda()?;
+    count_devices_loaded()
+}
+
+/// The device count, once libcuda is known to be loadable.
+fn count_devices_loaded() -> Result<usize> {
     cudarc::driver::result::init().map_err(|e| driver_error("cuInit", e))?;
     let count =
         cudarc::driver::result::device::get_count().map_err(|e| driver_error("cuDeviceGetCount", e))?;
