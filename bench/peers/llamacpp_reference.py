@@ -18,7 +18,7 @@ bench/reference/smollm2-q4_1/README.md.
 import os
 import sys
 
-# bench/peers also holds scripts named like standard modules (copy.py): keep this directory off
+# bench/peers also holds scripts that may be named like standard modules: keep this directory off
 # the import path, which Python puts first when it runs a script.
 if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
     del sys.path[0]

@@ -3,7 +3,7 @@
 //!
 //! `kiln bench copy` measures that ceiling: device-to-device copy bandwidth, counting the bytes
 //! read plus the bytes written, the median of many copies after a warm-up. With `--peer` it runs
-//! `bench/peers/copy.py` (PyTorch's `Tensor.copy_`) on the same GPU and prints the ratio.
+//! `bench/peers/copy_bandwidth.py` (PyTorch's `Tensor.copy_`) on the same GPU and prints the ratio.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -56,10 +56,10 @@ pub struct CopyArgs {
     /// GPU ordinal.
     #[arg(long, default_value_t = 0)]
     gpu: usize,
-    /// Also run PyTorch's copy (`bench/peers/copy.py`) on the same GPU and print the ratio.
+    /// Also run PyTorch's copy (`bench/peers/copy_bandwidth.py`) on the same GPU and print the ratio.
     #[arg(long)]
     peer: bool,
-    /// The peer script; by default `bench/peers/copy.py` beside the `kiln` binary or under the
+    /// The peer script; by default `bench/peers/copy_bandwidth.py` beside the `kiln` binary or under the
     /// current folder.
     #[arg(long)]
     peer_script: Option<PathBuf>,
@@ -270,7 +270,7 @@ fn markdown(report: &CopyReport) -> String {
     s
 }
 
-/// What `copy.py --json` prints.
+/// What `copy_bandwidth.py --json` prints.
 #[derive(Debug, serde::Deserialize)]
 struct PeerOutput {
     torch_version: String,
@@ -282,7 +282,7 @@ struct PeerOutput {
 fn run_peer(args: &CopyArgs, bytes: usize) -> Result<CopyRow> {
     let script = match &args.peer_script {
         Some(path) => path.clone(),
-        None => find_peer_script("copy.py")?,
+        None => find_peer_script("copy_bandwidth.py")?,
     };
     tracing::info!("running the peer: {} {}", args.python, script.display());
     let output = std::process::Command::new(&args.python)

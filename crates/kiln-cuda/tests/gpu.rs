@@ -155,8 +155,11 @@ fn conversion_kernels_match_the_cpu_bit_for_bit() -> Result<()> {
             sign | 0x7C
         } else {
             let a = f64::from(v.abs());
-            let mut best = finite[0];
-            for &(c, x) in &finite {
+            // Past the largest finite value the nearest is that value (saturation); comparing
+            // distances there in f64 would round both to the same number and pick the even code.
+            let largest = finite[finite.len() - 1];
+            let mut best = if a >= largest.1 { largest } else { finite[0] };
+            for &(c, x) in finite.iter().filter(|_| a < largest.1) {
                 let (d, db) = ((x - a).abs(), (best.1 - a).abs());
                 if d < db || (d == db && c % 2 == 0) {
                     best = (c, x);

@@ -36,7 +36,7 @@ def main() -> None:
         end.synchronize()
         times_us.append(start.elapsed_time(end) * 1e3)
     if not torch.equal(dst[:4096], src[:4096]):
-        raise SystemExit("copy.py: the copy is wrong")
+        raise SystemExit("copy_bandwidth.py: the copy is wrong")
     median_us = statistics.median_low(times_us)
     print(json.dumps({
         "torch_version": torch.__version__,
