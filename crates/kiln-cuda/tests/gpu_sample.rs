@@ -269,7 +269,8 @@ fn exact_distribution(l: &[f32], p: &SamplingParams) -> Vec<f64> {
     }
     let total: f64 = prob.iter().sum();
     let mut before = 0.0;
-    for &i in &order {
+    // top-p = 1 keeps every token: no boundary to check (the last shares are tiny).
+    for &i in order.iter().filter(|_| p.top_p < 1.0) {
         let share = prob[i] / total;
         if before >= f64::from(p.top_p) {
             prob[i] = 0.0;
