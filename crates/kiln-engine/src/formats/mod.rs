@@ -11,7 +11,7 @@ pub mod safetensors;
 
 pub use self::safetensors::{HfConfig, SafetensorsFile, SafetensorsWeights};
 pub use gguf::{GgufArray, GgufFile, GgufTensorInfo, GgufValue};
-pub use quant::{dequantize_row, dot_row, matvec};
+pub use quant::{dequantize_row, dot_row, dot_rows, matvec};
 
 use kiln_core::{DType, Result, Tensor};
 

@@ -484,8 +484,27 @@ fn has_avx2() -> bool {
     })
 }
 
+/// Whether the running CPU has AVX-512F, AVX-512BW and F16C (checked once).
+#[cfg(target_arch = "x86_64")]
+fn has_avx512() -> bool {
+    use std::sync::OnceLock;
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| {
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("f16c")
+            && std::env::var_os("KILN_CPU_NO_AVX512").is_none()
+    })
+}
+
 #[inline]
 fn dot_row_dispatch(dtype: DType, bytes: &[u8], x: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if dtype == DType::Q4_1 && has_avx512() {
+        // SAFETY: the CPU was checked at run time for AVX-512F/BW and F16C, and the caller
+        // checked that `bytes` holds exactly `x.len()` elements of Q4_1.
+        return unsafe { avx512::dot_q4_1(bytes, x) };
+    }
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
         // SAFETY: the CPU was checked at run time for every feature these functions enable, and
@@ -500,6 +519,82 @@ fn dot_row_dispatch(dtype: DType, bytes: &[u8], x: &[f32]) -> f32 {
         };
     }
     dot_row_unchecked(dtype, bytes, x)
+}
+
+/// AVX-512 kernel for Q4_1, the default model's format (on this path about 1.5x the AVX2
+/// kernel; Q8_0 measured slower with AVX-512 and stays on AVX2): a block's 16 bytes widen to 16 i32
+/// lanes in one instruction, so a 32-element block is two 16-lane FMAs against `x`. The block
+/// scales are read as one 32-bit word and widened with F16C.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::Q4_1_BYTES;
+
+    /// `(d, m)` of a block whose first four bytes are two f16 values, widened and broadcast.
+    #[inline(always)]
+    unsafe fn scales(b: &[u8]) -> (__m512, __m512) {
+        let word = i32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        let both = _mm_cvtph_ps(_mm_cvtsi32_si128(word));
+        (_mm512_broadcastss_ps(both), _mm512_broadcastss_ps(_mm_movehdup_ps(both)))
+    }
+
+    /// Two rows at once: each block of `x` is loaded and summed once for both rows.
+    ///
+    /// # Safety
+    /// AVX-512F/BW and F16C are present; `a.len() == b.len() == x.len() / 32 * 20`.
+    #[target_feature(enable = "avx512f,avx512bw,f16c,fma")]
+    pub unsafe fn dot2_q4_1(a: &[u8], b: &[u8], x: &[f32]) -> (f32, f32) {
+        let (mut acc_a, mut min_a) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        let (mut acc_b, mut min_b) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        let nibble = _mm512_set1_epi32(0x0F);
+        for (i, (ba, bb)) in a.chunks_exact(Q4_1_BYTES).zip(b.chunks_exact(Q4_1_BYTES)).enumerate() {
+            let xp = x.as_ptr().add(32 * i);
+            let (x0, x1) = (_mm512_loadu_ps(xp), _mm512_loadu_ps(xp.add(16)));
+            let xsum = _mm512_add_ps(x0, x1);
+            let (da, ma) = scales(ba);
+            let qa = _mm512_cvtepu8_epi32(_mm_loadu_si128(ba.as_ptr().add(4).cast()));
+            let block_a = _mm512_fmadd_ps(
+                _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(qa)),
+                x1,
+                _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(qa, nibble)), x0),
+            );
+            acc_a = _mm512_fmadd_ps(da, block_a, acc_a);
+            min_a = _mm512_fmadd_ps(ma, xsum, min_a);
+            let (db, mb) = scales(bb);
+            let qb = _mm512_cvtepu8_epi32(_mm_loadu_si128(bb.as_ptr().add(4).cast()));
+            let block_b = _mm512_fmadd_ps(
+                _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(qb)),
+                x1,
+                _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(qb, nibble)), x0),
+            );
+            acc_b = _mm512_fmadd_ps(db, block_b, acc_b);
+            min_b = _mm512_fmadd_ps(mb, xsum, min_b);
+        }
+        (_mm512_reduce_add_ps(_mm512_add_ps(acc_a, min_a)), _mm512_reduce_add_ps(_mm512_add_ps(acc_b, min_b)))
+    }
+
+    /// # Safety
+    /// AVX-512F/BW and F16C are present; `bytes.len() == x.len() / 32 * 20`.
+    #[target_feature(enable = "avx512f,avx512bw,f16c,fma")]
+    pub unsafe fn dot_q4_1(bytes: &[u8], x: &[f32]) -> f32 {
+        let mut acc = _mm512_setzero_ps();
+        let mut acc_min = _mm512_setzero_ps();
+        let nibble = _mm512_set1_epi32(0x0F);
+        for (i, b) in bytes.chunks_exact(Q4_1_BYTES).enumerate() {
+            let (d, m) = scales(b);
+            // Byte j holds quant j (low nibble) and quant j + 16 (high nibble).
+            let q = _mm512_cvtepu8_epi32(_mm_loadu_si128(b.as_ptr().add(4).cast()));
+            let lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, nibble));
+            let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(q));
+            let xp = x.as_ptr().add(32 * i);
+            let (x0, x1) = (_mm512_loadu_ps(xp), _mm512_loadu_ps(xp.add(16)));
+            let block = _mm512_fmadd_ps(hi, x1, _mm512_mul_ps(lo, x0));
+            acc = _mm512_fmadd_ps(d, block, acc);
+            acc_min = _mm512_fmadd_ps(m, _mm512_add_ps(x0, x1), acc_min);
+        }
+        _mm512_reduce_add_ps(_mm512_add_ps(acc, acc_min))
+    }
 }
 
 /// Hand-written AVX2/FMA kernels for the formats of the default model: per block, the integer
@@ -600,6 +695,43 @@ mod avx2 {
 pub fn dot_row(dtype: DType, row_bytes: &[u8], x: &[f32]) -> Result<f32> {
     check_row("dot_row", dtype, row_bytes, x.len())?;
     Ok(dot_row_dispatch(dtype, row_bytes, x))
+}
+
+/// `out[r] = dot(row r of `rows_bytes`, x)` for consecutive rows of `dtype`, checked once for
+/// the whole run of rows (the per-row checks of [`dot_row`] cost as much as a short row's dot).
+pub fn dot_rows(dtype: DType, rows_bytes: &[u8], x: &[f32], out: &mut [f32]) -> Result<()> {
+    check_row("dot_rows", dtype, &[], 0)?;
+    let row_bytes = usize::try_from(dtype.bytes_for(x.len() as u64)?)
+        .map_err(|_| Error::SizeOverflow { shape: vec![x.len() as u64], dtype: dtype.name() })?;
+    if (row_bytes as u64).checked_mul(out.len() as u64) != Some(rows_bytes.len() as u64) {
+        return Err(Error::ByteLength {
+            what: format!("dot_rows: {} rows of {} {dtype}", out.len(), x.len()),
+            expected: (row_bytes as u64).saturating_mul(out.len() as u64),
+            got: rows_bytes.len() as u64,
+        });
+    }
+    if row_bytes == 0 {
+        out.fill(0.0);
+        return Ok(());
+    }
+    #[cfg(target_arch = "x86_64")]
+    if dtype == DType::Q4_1 && has_avx512() {
+        let mut pairs = out.chunks_exact_mut(2);
+        let mut rows = rows_bytes.chunks_exact(2 * row_bytes);
+        for (o, two) in (&mut pairs).zip(&mut rows) {
+            let (a, b) = two.split_at(row_bytes);
+            // SAFETY: AVX-512F/BW and F16C were checked; each row holds `x.len()` Q4_1 elements.
+            (o[0], o[1]) = unsafe { avx512::dot2_q4_1(a, b, x) };
+        }
+        if let ([o], row) = (pairs.into_remainder(), rows.remainder()) {
+            *o = dot_row_dispatch(dtype, row, x);
+        }
+        return Ok(());
+    }
+    for (o, row) in out.iter_mut().zip(rows_bytes.chunks_exact(row_bytes)) {
+        *o = dot_row_dispatch(dtype, row, x);
+    }
+    Ok(())
 }
 
 /// `out[r] = dot(matrix row r, x)` for a row-major `rows × cols` matrix of `dtype`, the rows

@@ -15,7 +15,7 @@ use kiln_core::ops::primitives::{silu, FloatType};
 use kiln_core::ops::rope::{rotate, RopeTable};
 use kiln_core::{DType, Error, Result};
 
-use crate::formats::quant::{dequantize_row, dot_row, matvec};
+use crate::formats::quant::{dequantize_row, dot_row, dot_rows, matvec};
 use crate::formats::WeightSource;
 use crate::models::config::ModelConfig;
 
@@ -258,9 +258,11 @@ impl LlamaModel {
 
         for (index, layer) in self.layers.iter().enumerate() {
             rms_norm_f32(&x, &layer.attn_norm, c.rms_eps, &mut h)?;
-            self.linear(&layer.q, &h, n, &mut q)?;
-            self.linear(&layer.k, &h, n, &mut k)?;
-            self.linear(&layer.v, &h, n, &mut v)?;
+            self.linears(
+                &mut [(&layer.q, &mut q[..]), (&layer.k, &mut k[..]), (&layer.v, &mut v[..])],
+                &h,
+                n,
+            )?;
             if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
                 let mut tmp = vec![0f32; c.head_dim];
                 for head in q.chunks_mut(c.head_dim) {
@@ -284,8 +286,7 @@ impl LlamaModel {
             x.iter_mut().zip(&proj).for_each(|(a, b)| *a += b);
 
             rms_norm_f32(&x, &layer.ffn_norm, c.rms_eps, &mut h)?;
-            self.linear(&layer.gate, &h, n, &mut gate)?;
-            self.linear(&layer.up, &h, n, &mut up)?;
+            self.linears(&mut [(&layer.gate, &mut gate[..]), (&layer.up, &mut up[..])], &h, n)?;
             gate.iter_mut().zip(&up).for_each(|(g, u)| *g = silu(*g) * u);
             self.linear(&layer.down, &gate, n, &mut proj)?;
             x.iter_mut().zip(&proj).for_each(|(a, b)| *a += b);
@@ -298,6 +299,46 @@ impl LlamaModel {
         let mut logits = vec![0f32; c.vocab];
         self.linear(&self.output, &normed, 1, &mut logits)?;
         Ok(logits)
+    }
+
+    /// Several linear layers of the same input. For one token they run as one parallel region
+    /// (each layer's rows split per thread), since waking the pool once per layer costs more
+    /// than the small products themselves.
+    fn linears(&self, layers: &mut [(&Linear, &mut [f32])], x: &[f32], n: usize) -> Result<()> {
+        if n != 1 {
+            for (linear, out) in layers.iter_mut() {
+                self.linear(linear, x, n, out)?;
+            }
+            return Ok(());
+        }
+        let threads = rayon::current_num_threads().max(1);
+        let mut tasks: Vec<(&Linear, &[u8], usize, &mut [f32])> = Vec::new();
+        for (linear, out) in layers.iter_mut() {
+            let linear: &Linear = linear;
+            if out.len() != linear.rows || x.len() != linear.cols {
+                return Err(Error::ShapeMismatch {
+                    op: "linear",
+                    expected: vec![linear.rows, linear.cols],
+                    got: vec![out.len(), x.len()],
+                });
+            }
+            let bytes = self.bytes(linear)?;
+            let row_bytes = linear.dtype.bytes_for(linear.cols as u64)? as usize;
+            let rows_per_task = linear.rows.div_ceil(threads).max(1);
+            for (chunk, dst) in out.chunks_mut(rows_per_task).enumerate() {
+                tasks.push((linear, bytes, chunk * rows_per_task * row_bytes, dst));
+            }
+        }
+        tasks.into_par_iter().try_for_each(|(linear, bytes, start, dst)| {
+            let row_bytes = linear.dtype.bytes_for(linear.cols as u64)? as usize;
+            dot_rows(linear.dtype, &bytes[start..start + dst.len() * row_bytes], x, dst)
+        })?;
+        for (linear, out) in layers.iter_mut() {
+            if let Some(bias) = &linear.bias {
+                out.iter_mut().zip(bias).for_each(|(o, b)| *o += b);
+            }
+        }
+        Ok(())
     }
 
     /// `out[t] = W x[t] (+ bias)` for `n` rows of `x`; the weight is read once for all rows.
@@ -360,7 +401,7 @@ fn attention(c: &ModelConfig, q: &[f32], keys: &[f32], values: &[f32], start: us
     let group = c.heads / c.kv_heads;
     let kv_width = c.kv_heads * hd;
     let scale = 1.0 / (hd as f32).sqrt();
-    out.par_chunks_mut(hd).enumerate().for_each(|(task, o)| {
+    let one = |(task, o): (usize, &mut [f32])| {
         let (t, head) = (task / c.heads, task % c.heads);
         let kv_head = head / group;
         let qh = &q[t * c.heads * hd + head * hd..][..hd];
@@ -383,7 +424,14 @@ fn attention(c: &ModelConfig, q: &[f32], keys: &[f32], values: &[f32], start: us
             let vp = &values[p * kv_width + kv_head * hd..][..hd];
             o.iter_mut().zip(vp).for_each(|(a, b)| *a += w * b);
         }
-    });
+    };
+    // Waking the pool costs more than a short decode step's attention.
+    let work = out.len() / hd * (start + out.len() / (c.heads * hd)) * hd;
+    if work < 1 << 18 {
+        out.chunks_mut(hd).enumerate().for_each(one);
+    } else {
+        out.par_chunks_mut(hd).enumerate().for_each(one);
+    }
 }
 
 /// Looks tensors up by GGUF name and checks their dtype and shape.
