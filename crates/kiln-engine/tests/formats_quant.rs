@@ -152,3 +152,47 @@ fn wrong_lengths_and_unserved_types_are_named_errors() {
         Err(Error::ShapeMismatch { .. })
     ));
 }
+
+/// `dot_rows` (which pairs Q4_1 rows on AVX-512) equals the float64 dot of each dequantized row,
+/// for even and odd row counts.
+#[test]
+fn dot_rows_matches_float64_for_every_row() {
+    use kiln_core::DType;
+    use kiln_engine::formats::{dequantize_row, dot_rows};
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let cols = 576;
+    for rows in [1usize, 2, 7, 64] {
+        // Q4_1 blocks: f16 d and m in (0.001, 0.1) and random nibbles.
+        let mut bytes = Vec::new();
+        for _ in 0..rows * cols / 32 {
+            let d = half::f16::from_f32(0.001 + (next() % 1000) as f32 / 10_000.0);
+            let m = half::f16::from_f32(-((next() % 1000) as f32) / 10_000.0);
+            bytes.extend_from_slice(&d.to_le_bytes());
+            bytes.extend_from_slice(&m.to_le_bytes());
+            bytes.extend((0..16).map(|_| next() as u8));
+        }
+        let x: Vec<f32> = (0..cols).map(|_| (next() % 2001) as f32 / 1000.0 - 1.0).collect();
+        let mut out = vec![f32::NAN; rows];
+        dot_rows(DType::Q4_1, &bytes, &x, &mut out).unwrap();
+        let row_bytes = cols / 32 * 20;
+        for r in 0..rows {
+            let mut w = vec![0f32; cols];
+            dequantize_row(DType::Q4_1, &bytes[r * row_bytes..(r + 1) * row_bytes], &mut w).unwrap();
+            let want: f64 = w.iter().zip(&x).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum();
+            let scale: f64 = w.iter().zip(&x).map(|(&a, &b)| (f64::from(a) * f64::from(b)).abs()).sum();
+            assert!(
+                (f64::from(out[r]) - want).abs() <= 1e-5 * scale.max(1.0),
+                "row {r} of {rows}: {} vs {want}",
+                out[r]
+            );
+        }
+    }
+    let mut out = vec![0f32; 3];
+    assert!(dot_rows(DType::Q4_1, &[0u8; 40], &[0f32; 32], &mut out).is_err());
+}
