@@ -18,7 +18,8 @@ fn main() -> kiln_core::Result<()> {
     let mut args = std::env::args().skip(1);
     let model_path = PathBuf::from(args.next().expect("usage: compare_reference MODEL REFERENCE_DIR"));
     let dir = PathBuf::from(args.next().expect("usage: compare_reference MODEL REFERENCE_DIR"));
-    let text = std::fs::read_to_string(dir.join("llamacpp.json")).map_err(|e| kiln_core::Error::io(&dir, e))?;
+    let text =
+        std::fs::read_to_string(dir.join("llamacpp.json")).map_err(|e| kiln_core::Error::io(&dir, e))?;
     let reference: serde_json::Value = serde_json::from_str(&text).expect("reference JSON");
     let (model, _) = load_path(&model_path)?;
     let vocab = model.config().vocab;
@@ -30,8 +31,12 @@ fn main() -> kiln_core::Result<()> {
     println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
     let prompts = reference["prompts"].as_array().expect("prompts");
     for (p, prompt) in prompts.iter().enumerate() {
-        let ids: Vec<u32> =
-            prompt["prompt_ids"].as_array().expect("ids").iter().map(|v| v.as_u64().unwrap_or(0) as u32).collect();
+        let ids: Vec<u32> = prompt["prompt_ids"]
+            .as_array()
+            .expect("ids")
+            .iter()
+            .map(|v| v.as_u64().unwrap_or(0) as u32)
+            .collect();
         let want: Vec<u32> = prompt["generated_ids"]
             .as_array()
             .expect("generated")
@@ -41,9 +46,8 @@ fn main() -> kiln_core::Result<()> {
         let mut cache = model.new_cache(ids.len() + steps + 1)?;
         let mut logits = model.forward(&ids, &mut cache)?;
         let row = |all: &[f32]| all[p * vocab..(p + 1) * vocab].to_vec();
-        let max_diff = |other: &[f32]| {
-            logits.iter().zip(other).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max)
-        };
+        let max_diff =
+            |other: &[f32]| logits.iter().zip(other).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
         let (diff_llamacpp, diff_numpy) = (max_diff(&row(&llamacpp)), max_diff(&row(&numpy)));
         let mut parted = None;
         let mut kiln_margin = f32::NAN;
