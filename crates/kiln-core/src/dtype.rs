@@ -169,7 +169,7 @@ impl DType {
     /// The bytes that `elements` elements occupy, checking block alignment and overflow.
     pub fn bytes_for(self, elements: u64) -> Result<u64> {
         let block = self.block_size();
-        if elements % block != 0 {
+        if !elements.is_multiple_of(block) {
             return Err(Error::NotBlockAligned { dtype: self.name(), elements, block_size: block });
         }
         (elements / block)

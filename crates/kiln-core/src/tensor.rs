@@ -73,7 +73,9 @@ impl fmt::Debug for HostBuffer {
 /// Reinterprets aligned bytes as a slice of plain elements.
 fn cast_slice<T: Element>(bytes: &[u8]) -> Result<&[T]> {
     let size = std::mem::size_of::<T>();
-    if bytes.len() % size != 0 || (bytes.as_ptr() as usize) % std::mem::align_of::<T>() != 0 {
+    if !bytes.len().is_multiple_of(size)
+        || !(bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>())
+    {
         return Err(Error::InvalidArgument {
             name: "bytes",
             value: format!("{} bytes at {:p}", bytes.len(), bytes.as_ptr()),
@@ -347,7 +349,8 @@ impl Tensor {
         let _ = end;
         if self.dtype.is_quantized()
             && dim + 1 == self.rank()
-            && (start as u64 % self.dtype.block_size() != 0 || len as u64 % self.dtype.block_size() != 0)
+            && (!(start as u64).is_multiple_of(self.dtype.block_size())
+                || !(len as u64).is_multiple_of(self.dtype.block_size()))
         {
             return Err(Error::NotBlockAligned {
                 dtype: self.dtype.name(),

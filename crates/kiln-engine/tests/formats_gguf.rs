@@ -132,7 +132,7 @@ impl Gguf {
             v.extend_from_slice(&t.type_id.to_le_bytes());
             v.extend_from_slice(&t.offset.to_le_bytes());
         }
-        while v.len() as u64 % self.alignment != 0 {
+        while !(v.len() as u64).is_multiple_of(self.alignment) {
             v.push(0);
         }
         v.extend_from_slice(&self.data);

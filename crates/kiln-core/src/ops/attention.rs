@@ -45,7 +45,7 @@ impl AttentionShape {
         if self.kv_heads == 0 || self.head_dim == 0 {
             return bad("kv_heads", self.kv_heads, "attention needs heads of nonzero size");
         }
-        if self.q_heads == 0 || self.q_heads % self.kv_heads != 0 {
+        if self.q_heads == 0 || !self.q_heads.is_multiple_of(self.kv_heads) {
             return bad("q_heads", self.q_heads, "must be a nonzero multiple of kv_heads");
         }
         if !self.page_tokens.is_power_of_two() {

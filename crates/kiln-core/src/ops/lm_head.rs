@@ -153,14 +153,14 @@ impl LmHead {
                 reason: "vocab and hidden must be positive".into(),
             });
         }
-        if quantized && self.hidden % QUANT_BLOCK != 0 {
+        if quantized && !self.hidden.is_multiple_of(QUANT_BLOCK) {
             return Err(Error::NotBlockAligned {
                 dtype: self.weight.name(),
                 elements: self.hidden as u64,
                 block_size: QUANT_BLOCK as u64,
             });
         }
-        if !quantized && self.hidden % 8 != 0 {
+        if !quantized && !self.hidden.is_multiple_of(8) {
             return Err(Error::NotServed {
                 op: OP,
                 reason: format!("hidden {} is not a multiple of 8 (16-byte rows)", self.hidden),
@@ -174,7 +174,7 @@ impl LmHead {
                 limit: u32::MAX as u64,
             });
         }
-        if h.is_empty() || h.len() % self.hidden != 0 || h.len() / self.hidden > MAX_ROWS {
+        if h.is_empty() || !h.len().is_multiple_of(self.hidden) || h.len() / self.hidden > MAX_ROWS {
             return Err(Error::ShapeMismatch {
                 op: OP,
                 expected: vec![MAX_ROWS, self.hidden],

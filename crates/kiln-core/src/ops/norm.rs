@@ -186,7 +186,7 @@ impl NormSpec {
         if let NormOutput::Float(dtype) = self.out {
             FloatType::of(dtype, OP)?;
         }
-        if hidden == 0 || self.groups == 0 || hidden % self.groups != 0 {
+        if hidden == 0 || self.groups == 0 || !hidden.is_multiple_of(self.groups) {
             return Err(Error::InvalidArgument {
                 name: "groups",
                 value: self.groups.to_string(),
@@ -200,7 +200,7 @@ impl NormSpec {
                 reason: "must be finite and non-negative".into(),
             });
         }
-        if inputs.x.len() % hidden != 0 {
+        if !inputs.x.len().is_multiple_of(hidden) {
             return Err(Error::ShapeMismatch {
                 op: OP,
                 expected: vec![inputs.x.len() / hidden, hidden],
@@ -328,7 +328,7 @@ impl LayerNorm {
 /// `w.len()` values, with Kiln's fixed-order sum (equal to the general op for fp32 tensors).
 pub fn rms_norm_f32(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) -> Result<()> {
     let hidden = w.len();
-    if hidden == 0 || x.len() % hidden != 0 || out.len() != x.len() {
+    if hidden == 0 || !x.len().is_multiple_of(hidden) || out.len() != x.len() {
         return Err(Error::ShapeMismatch {
             op: "rms_norm_f32",
             expected: vec![x.len(), hidden],

@@ -152,7 +152,7 @@ impl Quantizer {
     /// Checks the quantizer's arguments against a row length.
     pub fn validate(&self, row_len: usize) -> Result<()> {
         let blocked = matches!(self, Quantizer::Int8 | Quantizer::Nvfp4 { .. });
-        if blocked && row_len % QUANT_BLOCK != 0 {
+        if blocked && !row_len.is_multiple_of(QUANT_BLOCK) {
             return Err(Error::InvalidArgument {
                 name: "row length",
                 value: row_len.to_string(),

@@ -72,7 +72,7 @@ pub struct RopeSpec {
 impl RopeSpec {
     /// Checks the spec against a head size.
     pub fn validate(&self, head_dim: usize) -> Result<()> {
-        if self.rotary_dim == 0 || self.rotary_dim % 2 != 0 || self.rotary_dim > head_dim {
+        if self.rotary_dim == 0 || !self.rotary_dim.is_multiple_of(2) || self.rotary_dim > head_dim {
             return Err(Error::InvalidArgument {
                 name: "rotary_dim",
                 value: self.rotary_dim.to_string(),

@@ -236,7 +236,7 @@ impl PagePool {
         let p = self.layout.page_tokens;
         let first_position = table.len();
         let end = first_position + tokens.len();
-        let partial_last = first_position % p != 0 && !tokens.is_empty();
+        let partial_last = !first_position.is_multiple_of(p) && !tokens.is_empty();
         let copy_last = partial_last && !self.writable(table.pages[first_position / p]);
         let new_pages = end.div_ceil(p) - table.pages.len() + usize::from(copy_last);
         if new_pages > self.available_pages() {

@@ -72,7 +72,7 @@ impl ModelConfig {
                 return Err(model_error(&self.name, format!("{what} {value} is beyond any real model")));
             }
         }
-        if self.heads % self.kv_heads != 0 {
+        if !self.heads.is_multiple_of(self.kv_heads) {
             return Err(model_error(
                 &self.name,
                 format!("{} heads are not a multiple of {} KV heads", self.heads, self.kv_heads),
