@@ -73,10 +73,10 @@ impl AttentionVariant {
 
     fn validate(&self, head_dim: usize) -> Result<()> {
         let served = self.warps_m * self.warps_n <= 8
-            && self.warp_keys % 16 == 0
+            && self.warp_keys.is_multiple_of(16)
             && self.warp_keys > 0
-            && (self.keys() as usize * head_dim / 8) % self.threads() as usize == 0
-            && (self.rows() as usize * head_dim / 8) % self.threads() as usize == 0;
+            && (self.keys() as usize * head_dim / 8).is_multiple_of(self.threads() as usize)
+            && (self.rows() as usize * head_dim / 8).is_multiple_of(self.threads() as usize);
         if !served {
             return Err(Error::NotServed { op: "attention kernel", reason: format!("variant {self:?}") });
         }

@@ -85,7 +85,7 @@ impl EmbeddingCall {
         match self.table_type {
             DType::F32 => Ok(4 * self.hidden),
             DType::F16 | DType::BF16 => Ok(2 * self.hidden),
-            DType::Q8_0 if self.hidden % Q8_0_BLOCK == 0 => Ok(self.hidden / Q8_0_BLOCK * Q8_0_BLOCK_BYTES),
+            DType::Q8_0 if self.hidden.is_multiple_of(Q8_0_BLOCK) => Ok(self.hidden / Q8_0_BLOCK * Q8_0_BLOCK_BYTES),
             DType::Q8_0 => Err(Error::NotBlockAligned {
                 dtype: "Q8_0",
                 elements: self.hidden as u64,
@@ -99,7 +99,7 @@ impl EmbeddingCall {
     pub fn validate(&self, variant: EmbeddingVariant) -> Result<usize> {
         self.row_bytes()?;
         FloatType::of(self.out_type, "embedding output")?;
-        if self.hidden == 0 || self.hidden % 8 != 0 {
+        if self.hidden == 0 || !self.hidden.is_multiple_of(8) {
             return Err(not_served(format!("rows of {} elements (needs a multiple of 8)", self.hidden)));
         }
         if i32::try_from(self.hidden).is_err() || u32::try_from(self.vocab).is_err() {

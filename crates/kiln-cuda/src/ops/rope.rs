@@ -155,7 +155,7 @@ impl RopeCall {
                 });
             }
         }
-        if self.head_dim % 8 != 0 {
+        if !self.head_dim.is_multiple_of(8) {
             return Err(not_served(format!("heads of {} elements (needs a multiple of 8)", self.head_dim)));
         }
         if i32::try_from(self.q_heads + self.k_heads).is_err() {
