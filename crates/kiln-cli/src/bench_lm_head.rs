@@ -180,7 +180,7 @@ pub fn run(args: &BenchLmHeadArgs) -> Result<()> {
                 };
                 lm_head(&gpu, &head, rows, buffers, Some(variant))
             })?;
-            eprintln!("rows {rows} {variant:?}: {us:.1} us");
+            eprintln!("rows {rows} {}: {us:.1} us", variant.label());
             results.push((variant, us));
         }
         let best = results.iter().copied().min_by(|a, b| a.1.total_cmp(&b.1));
@@ -190,10 +190,8 @@ pub fn run(args: &BenchLmHeadArgs) -> Result<()> {
             let Some((variant, us)) = entry else { continue };
             let gbs = bytes / us / 1e3;
             table.push_str(&format!(
-                "| {rows} | {label} {}w/{}v/{}t | {us:.1} | {gbs:.0} | {:.1}% | {} | {} |\n",
-                variant.warps,
-                variant.vocab_rows,
-                variant.tile,
+                "| {rows} | {label} {} | {us:.1} | {gbs:.0} | {:.1}% | {} | {} |\n",
+                variant.label(),
                 100.0 * gbs / ceiling_gbs,
                 torch.map_or("-".to_owned(), |t| format!("{t:.1}")),
                 torch.map_or("-".to_owned(), |t| format!("{:.2}x", t / us)),

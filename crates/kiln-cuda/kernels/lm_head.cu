@@ -17,9 +17,19 @@
 // and writes the logit; with STATS the tile's largest logit and its lowest index, packed as
 // `kiln_core::ops::lm_head::pack_argmax`, are written per (row, tile).
 //
+// XSLOT = 1 drops the two selects per shuffle of the transposed reduction: lane L keeps in its
+// register k the sum of slot k ^ (L / (32 / SLOTS)) (it loads vocabulary row i ^ xi and holds h
+// row r ^ xr in the registers of (i, r)), so at every step each lane keeps its lower half and
+// sends its upper half, and its partner's upper half is the very slot of its own lower half.
+// The sums are the same additions in the same tree; only which register holds which slot moves.
+// PIPE = 1 issues the weight loads of the next step (next VROWS rows, or the next unit) before
+// the products of the current one, so a warp keeps loads in flight while it computes (2-byte
+// weights; quantized weights are decoded at the load either way).
+//
 // Compile-time constants: ROWS (1..8), W_T (0 bf16, 1 fp16, 2 Q8_0, 3 Q4_0, 4 Q4_1), WARPS,
-// VROWS (VROWS x next_pow2(ROWS) <= 32), ROW_SCALE, SOFT_CAP, STATS (0 / 1). Compiled with
-// --fmad=false; the one fused operation (Q4_1's d * q + m) is an explicit __fmaf_rn.
+// VROWS (VROWS x next_pow2(ROWS) <= 32), XSLOT, PIPE, ROW_SCALE, SOFT_CAP, STATS (0 / 1).
+// Compiled with --fmad=false; the one fused operation (Q4_1's d * q + m) is an explicit
+// __fmaf_rn.
 
 #ifndef ROWS
 #define ROWS 1
@@ -33,6 +43,12 @@
 #ifndef VROWS
 #define VROWS 4
 #endif
+#ifndef XSLOT
+#define XSLOT 0
+#endif
+#ifndef PIPE
+#define PIPE 0
+#endif
 #ifndef ROW_SCALE
 #define ROW_SCALE 0
 #endif
@@ -45,6 +61,7 @@
 
 #define ROWS_P2 (ROWS <= 1 ? 1 : (ROWS <= 2 ? 2 : (ROWS <= 4 ? 4 : 8)))
 #define SLOTS (VROWS * ROWS_P2)
+#define GROUP (32 / SLOTS)
 static_assert(ROWS >= 1 && ROWS <= 8, "ROWS must be 1..8");
 static_assert(SLOTS <= 32 && (SLOTS & (SLOTS - 1)) == 0, "VROWS x next_pow2(ROWS) must be a power of two <= 32");
 
@@ -115,10 +132,64 @@ __device__ __forceinline__ void lm_load_w8(const kiln_u8* row, int e0, float w[8
 #endif
 }
 
+// One step's weights of one vocabulary row for one lane: the raw 16 bytes of 2-byte weights
+// (decoded at use), or the eight decoded values of quantized ones.
+struct LmW {
+#if W_T == 0 || W_T == 1
+    uint4 q;
+#else
+    float w[8];
+#endif
+};
+
+__device__ __forceinline__ void lm_fetch(const kiln_u8* row, int e0, LmW& out) {
+#if W_T == 0 || W_T == 1
+    out.q = lm_load_stream16(row + 2 * (long long)e0);
+#else
+    lm_load_w8(row, e0, out.w);
+#endif
+}
+
+__device__ __forceinline__ void lm_zero(LmW& out) {
+#if W_T == 0 || W_T == 1
+    out.q = make_uint4(0u, 0u, 0u, 0u);
+#else
+#pragma unroll
+    for (int k = 0; k < 8; ++k) out.w[k] = 0.0f;
+#endif
+}
+
+// Elements e0 .. e0 + 8 in fp32, as `weight_element` in Rust.
+__device__ __forceinline__ void lm_decode(const LmW& in, float w[8]) {
+#if W_T == 0 || W_T == 1
+    const kiln_u32 words[4] = {in.q.x, in.q.y, in.q.z, in.q.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+#if W_T == 0
+        w[2 * k] = kiln_bf16_to_f32((kiln_u16)(words[k] & 0xFFFFu));
+        w[2 * k + 1] = kiln_bf16_to_f32((kiln_u16)(words[k] >> 16));
+#else
+        w[2 * k] = kiln_f16_to_f32((kiln_u16)(words[k] & 0xFFFFu));
+        w[2 * k + 1] = kiln_f16_to_f32((kiln_u16)(words[k] >> 16));
+#endif
+    }
+#else
+#pragma unroll
+    for (int k = 0; k < 8; ++k) w[k] = in.w[k];
+#endif
+}
+
 // One transposed step: C sums per lane become C / 2, exchanged with the lane at distance O.
 template <int C, int O>
 struct LmTransposedStep {
     static __device__ __forceinline__ void run(float* s, int lane) {
+#if XSLOT
+        // Registers hold permuted slots (see the header): keep the lower half, send the upper.
+#pragma unroll
+        for (int k = 0; k < C / 2; ++k) {
+            s[k] = s[k] + __shfl_xor_sync(KILN_FULL_MASK, s[k + C / 2], O);
+        }
+#else
         const bool upper = (lane & O) != 0;
 #pragma unroll
         for (int k = 0; k < C / 2; ++k) {
@@ -126,6 +197,7 @@ struct LmTransposedStep {
             const float keep = upper ? s[k + C / 2] : s[k];
             s[k] = keep + __shfl_xor_sync(KILN_FULL_MASK, send, O);
         }
+#endif
         LmTransposedStep<C / 2, O / 2>::run(s, lane);
     }
 };
@@ -137,7 +209,8 @@ struct LmTransposedStep<1, O> {
 // The sums of N values across the warp, each by the prelude's butterfly tree (distances 16, 8,
 // 4, 2, 1). The first log2(N) steps are transposed: a lane sends half of its sums to its partner
 // and adds the partner's half to the half it keeps, so after them each lane carries one sum,
-// number lane / (32 / N); the remaining distances are a plain butterfly. Returns that sum.
+// number lane / (32 / N) (with XSLOT, the lanes' registers start permuted so that no select is
+// needed; the slot each lane ends with is the same); the remaining distances are a plain butterfly. Returns that sum.
 template <int N>
 __device__ __forceinline__ float lm_reduce_slots(float (&s)[N], int lane) {
     LmTransposedStep<N, 16>::run(s, lane);
@@ -147,6 +220,43 @@ __device__ __forceinline__ float lm_reduce_slots(float (&s)[N], int lane) {
         v += __shfl_xor_sync(KILN_FULL_MASK, v, o);
     }
     return v;
+}
+
+// One step's weights: vocabulary rows v0 + i0 + (i ^ xi) for i < VROWS, unit u, this lane's
+// eight elements (zeros past the vocabulary or the hidden dimension).
+__device__ __forceinline__ void lm_fetch_step(const kiln_u8* __restrict__ weights, long long row_bytes,
+                                              long long vocab, int hidden, long long v0, int u, int i0,
+                                              int lane, int xi, LmW (&dst)[VROWS]) {
+    const int e0 = u * 256 + lane * 8;
+#pragma unroll
+    for (int i = 0; i < VROWS; ++i) {
+        const long long v = v0 + i0 + (i ^ xi);
+        if (e0 < hidden && v < vocab) {
+            lm_fetch(weights + v * row_bytes, e0, dst[i]);
+        } else {
+            lm_zero(dst[i]);
+        }
+    }
+}
+
+// This lane's eight h values of unit u: register row r holds h row r ^ xr (zeros past ROWS or
+// the hidden dimension).
+__device__ __forceinline__ void lm_load_h(const float* __restrict__ h, int hidden, int u, int lane, int xr,
+                                          float (&hv)[ROWS_P2][8]) {
+    const int e0 = u * 256 + lane * 8;
+#pragma unroll
+    for (int r = 0; r < ROWS_P2; ++r) {
+        const int hr = r ^ xr;
+        if (e0 < hidden && hr < ROWS) {
+            const float4* p = reinterpret_cast<const float4*>(h + (long long)hr * hidden + e0);
+            const float4 a = p[0], b = p[1];
+            hv[r][0] = a.x; hv[r][1] = a.y; hv[r][2] = a.z; hv[r][3] = a.w;
+            hv[r][4] = b.x; hv[r][5] = b.y; hv[r][6] = b.z; hv[r][7] = b.w;
+        } else {
+#pragma unroll
+            for (int k = 0; k < 8; ++k) hv[r][k] = 0.0f;
+        }
+    }
 }
 
 // Kiln's tanh, as `tanh_poly` in Rust.
@@ -172,6 +282,35 @@ __device__ __forceinline__ kiln_u32 lm_order_key(float y) {
     return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }
 
+// One step: the products of VROWS weight rows with every h row, their lane sums and the warp's
+// unit sums, written to out[r * stride + i] for the step's token i (below `left`) and row r.
+__device__ __forceinline__ void lm_step(const LmW (&cur)[VROWS], const float (&hv)[ROWS_P2][8], int lane,
+                                        float* out, int stride, int left) {
+    float s[SLOTS];
+#pragma unroll
+    for (int i = 0; i < VROWS; ++i) {
+        float wv[8];
+        lm_decode(cur[i], wv);
+#pragma unroll
+        for (int r = 0; r < ROWS_P2; ++r) {
+            if (XSLOT || r < ROWS) {
+                float prod[8];
+#pragma unroll
+                for (int k = 0; k < 8; ++k) prod[k] = hv[r][k] * wv[k];
+                s[i * ROWS_P2 + r] = kiln_lane_sum8(prod);
+            } else {
+                s[i * ROWS_P2 + r] = 0.0f;
+            }
+        }
+    }
+    const float sum = lm_reduce_slots<SLOTS>(s, lane);
+    if ((lane & (GROUP - 1)) == 0) {
+        const int j = lane / GROUP;
+        const int i = j / ROWS_P2, r = j % ROWS_P2;
+        if (r < ROWS && i < left) out[r * stride + i] = sum;
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, const float* __restrict__ row_scale,
              float* __restrict__ logits, kiln_u64* __restrict__ stats, long long vocab, int hidden,
@@ -188,62 +327,54 @@ kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, c
     const int stride = tile + 1;
     const long long tiles = (vocab + tile - 1) / tile;
 
+    // This lane's slot permutation (XSLOT): its registers of step row i and row r hold vocabulary
+    // row i ^ xi of the step and h row r ^ xr.
+    const int xs = XSLOT ? lane / GROUP : 0;
+    const int xi = xs / ROWS_P2, xr = xs % ROWS_P2;
+#if PIPE
+    const int my_units = warp < units ? (units - warp + WARPS - 1) / WARPS : 0;
+    const int steps = my_units * (tile / VROWS);
+#endif
+
     for (long long t = blockIdx.x; t < tiles; t += gridDim.x) {
         const long long v0 = t * tile;
-        for (int u = warp; u < units; u += WARPS) {
-            const int e0 = u * 256 + lane * 8;
-            const bool active = e0 < hidden;
-            float hv[ROWS][8];
+        float hv[ROWS_P2][8];
+#if PIPE
+        // Steps run over (unit, group of VROWS tokens), unit-major; each step's loads are issued
+        // before the previous step's products.
+        int u = warp, i0 = 0;
+        LmW cur[VROWS];
+        if (steps > 0) {
+            lm_load_h(h, hidden, u, lane, xr, hv);
+            lm_fetch_step(weights, row_bytes, vocab, hidden, v0, u, i0, lane, xi, cur);
+        }
+        for (int step = 0; step < steps; ++step) {
+            const int nu = i0 + VROWS < tile ? u : u + WARPS;
+            const int ni0 = i0 + VROWS < tile ? i0 + VROWS : 0;
+            LmW nxt[VROWS];
+            if (step + 1 < steps) {
+                lm_fetch_step(weights, row_bytes, vocab, hidden, v0, nu, ni0, lane, xi, nxt);
+            } else {
 #pragma unroll
-            for (int r = 0; r < ROWS; ++r) {
-                if (active) {
-                    const float4* p = reinterpret_cast<const float4*>(h + (long long)r * hidden + e0);
-                    const float4 a = p[0], b = p[1];
-                    hv[r][0] = a.x; hv[r][1] = a.y; hv[r][2] = a.z; hv[r][3] = a.w;
-                    hv[r][4] = b.x; hv[r][5] = b.y; hv[r][6] = b.z; hv[r][7] = b.w;
-                } else {
-#pragma unroll
-                    for (int k = 0; k < 8; ++k) hv[r][k] = 0.0f;
-                }
+                for (int i = 0; i < VROWS; ++i) lm_zero(nxt[i]);
             }
+            lm_step(cur, hv, lane, partial + (long long)u * ROWS * stride + i0, stride, tile - i0);
+#pragma unroll
+            for (int i = 0; i < VROWS; ++i) cur[i] = nxt[i];
+            if (nu != u && step + 1 < steps) lm_load_h(h, hidden, nu, lane, xr, hv);
+            u = nu;
+            i0 = ni0;
+        }
+#else
+        for (int u = warp; u < units; u += WARPS) {
+            lm_load_h(h, hidden, u, lane, xr, hv);
             for (int i0 = 0; i0 < tile; i0 += VROWS) {
-                float wv[VROWS][8];
-#pragma unroll
-                for (int i = 0; i < VROWS; ++i) {
-                    const long long v = v0 + i0 + i;
-                    if (active && v < vocab) {
-                        lm_load_w8(weights + v * row_bytes, e0, wv[i]);
-                    } else {
-#pragma unroll
-                        for (int k = 0; k < 8; ++k) wv[i][k] = 0.0f;
-                    }
-                }
-                float s[SLOTS];
-#pragma unroll
-                for (int i = 0; i < VROWS; ++i) {
-#pragma unroll
-                    for (int r = 0; r < ROWS_P2; ++r) {
-                        if (r < ROWS) {
-                            float prod[8];
-#pragma unroll
-                            for (int k = 0; k < 8; ++k) prod[k] = hv[r][k] * wv[i][k];
-                            s[i * ROWS_P2 + r] = kiln_lane_sum8(prod);
-                        } else {
-                            s[i * ROWS_P2 + r] = 0.0f;
-                        }
-                    }
-                }
-                const float sum = lm_reduce_slots<SLOTS>(s, lane);
-                const int group = 32 / SLOTS;
-                if ((lane & (group - 1)) == 0) {
-                    const int j = lane / group;
-                    const int i = j / ROWS_P2, r = j % ROWS_P2;
-                    if (r < ROWS && i0 + i < tile) {
-                        partial[(u * ROWS + r) * stride + i0 + i] = sum;
-                    }
-                }
+                LmW cur[VROWS];
+                lm_fetch_step(weights, row_bytes, vocab, hidden, v0, u, i0, lane, xi, cur);
+                lm_step(cur, hv, lane, partial + (long long)u * ROWS * stride + i0, stride, tile - i0);
             }
         }
+#endif
 #if STATS
         if (threadIdx.x < ROWS) tile_max[threadIdx.x] = 0ull;
 #endif
