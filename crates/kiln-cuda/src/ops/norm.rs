@@ -16,41 +16,68 @@ use crate::kernels::NORM;
 use crate::memory::DeviceMemory;
 use crate::runtime::{driver_error, Gpu};
 
-/// One shape of the norm kernel: warps that share a segment (a row or a group), and segments per
-/// thread block. Every variant computes the same bits.
+/// One shape of the norm kernel: warps that share a segment (a row or a group), segments per
+/// thread block, and whether the weight and bias are loaded with x, before the reduction (more
+/// loads in flight, more registers). Every variant computes the same bits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct NormVariant {
     pub warps_per_row: u32,
     pub rows_per_block: u32,
+    pub early_weight: bool,
+}
+
+const fn variant(warps_per_row: u32, rows_per_block: u32, early_weight: bool) -> NormVariant {
+    NormVariant { warps_per_row, rows_per_block, early_weight }
 }
 
 /// The variants, as data; the tests run every one that serves a shape.
 pub const NORM_VARIANTS: &[NormVariant] = &[
-    NormVariant { warps_per_row: 1, rows_per_block: 1 },
-    NormVariant { warps_per_row: 1, rows_per_block: 2 },
-    NormVariant { warps_per_row: 1, rows_per_block: 4 },
-    NormVariant { warps_per_row: 2, rows_per_block: 1 },
-    NormVariant { warps_per_row: 2, rows_per_block: 2 },
-    NormVariant { warps_per_row: 4, rows_per_block: 1 },
-    NormVariant { warps_per_row: 8, rows_per_block: 1 },
-    NormVariant { warps_per_row: 16, rows_per_block: 1 },
+    variant(1, 1, false),
+    variant(1, 2, false),
+    variant(1, 4, false),
+    variant(2, 1, false),
+    variant(2, 2, false),
+    variant(4, 1, false),
+    variant(8, 1, false),
+    variant(16, 1, false),
+    variant(2, 2, true),
+    variant(4, 1, true),
+    variant(4, 2, false),
+    variant(4, 2, true),
+    variant(8, 1, true),
+    variant(8, 2, false),
+    variant(8, 2, true),
+    variant(16, 1, true),
 ];
 
 /// Most units of 256 elements one warp holds in registers (16: 128 fp32 values per lane).
 pub const MAX_UNITS_PER_WARP: usize = 16;
 
+/// Most units per warp of a variant that loads the weight early (it holds the weight's units too).
+pub const MAX_UNITS_PER_WARP_EARLY: usize = 8;
+
 impl NormVariant {
     /// Units each warp holds for segments of `n` elements (a power of two), or `None` when the
-    /// variant needs more than [`MAX_UNITS_PER_WARP`].
+    /// variant needs more than [`MAX_UNITS_PER_WARP`] ([`MAX_UNITS_PER_WARP_EARLY`] when it loads
+    /// the weight early).
     pub fn units_per_warp(&self, n: usize) -> Option<usize> {
         let per_warp = n.div_ceil(UNIT).div_ceil(self.warps_per_row as usize).max(1).next_power_of_two();
-        (per_warp <= MAX_UNITS_PER_WARP).then_some(per_warp)
+        (per_warp <= self.max_units_per_warp()).then_some(per_warp)
+    }
+
+    /// Most units of 256 elements each warp of this variant holds.
+    pub fn max_units_per_warp(&self) -> usize {
+        if self.early_weight {
+            MAX_UNITS_PER_WARP_EARLY
+        } else {
+            MAX_UNITS_PER_WARP
+        }
     }
 
     /// The default variant for segments of `n` elements: at most 4 units per warp.
     pub fn default_for(n: usize) -> NormVariant {
         let warps = n.div_ceil(UNIT).div_ceil(4).next_power_of_two().clamp(1, 16) as u32;
-        NormVariant { warps_per_row: warps, rows_per_block: (4 / warps).max(1) }
+        NormVariant { warps_per_row: warps, rows_per_block: (4 / warps).max(1), early_weight: false }
     }
 }
 
@@ -155,7 +182,7 @@ impl NormCall {
             reason: format!(
                 "{} warps per row hold at most {} elements, segments have {n}",
                 variant.warps_per_row,
-                variant.warps_per_row as usize * MAX_UNITS_PER_WARP * UNIT
+                variant.warps_per_row as usize * variant.max_units_per_warp() * UNIT
             ),
         })
     }
@@ -194,6 +221,7 @@ impl NormCall {
             ("WARPS_PER_ROW", variant.warps_per_row.to_string()),
             ("ROWS_PER_BLOCK", variant.rows_per_block.to_string()),
             ("UNITS_PER_WARP", units.to_string()),
+            ("EARLY_WEIGHT", flag(variant.early_weight)),
         ])
     }
 }
@@ -306,10 +334,14 @@ mod tests {
             assert!(default.units_per_warp(n).is_some(), "default variant for {n}");
             assert!(NORM_VARIANTS.contains(&default), "default {default:?} is listed");
         }
-        let one = NormVariant { warps_per_row: 1, rows_per_block: 1 };
+        let one = variant(1, 1, false);
         assert_eq!(one.units_per_warp(4096), Some(16));
         assert_eq!(one.units_per_warp(4097), None);
-        assert_eq!(NormVariant { warps_per_row: 4, rows_per_block: 1 }.units_per_warp(1000), Some(1));
+        assert_eq!(variant(4, 1, false).units_per_warp(1000), Some(1));
+        assert_eq!(variant(4, 1, true).units_per_warp(8192), Some(8));
+        assert_eq!(variant(4, 1, true).units_per_warp(8200), None);
+        let unique: std::collections::HashSet<_> = NORM_VARIANTS.iter().collect();
+        assert_eq!(unique.len(), NORM_VARIANTS.len(), "variants are listed once");
     }
 
     #[test]
@@ -324,6 +356,7 @@ mod tests {
         assert!(matches!(call.validate(NORM_VARIANTS[0]), Err(Error::NotServed { op: "norm kernel", .. })));
         let call = NormCall { hidden: 8192, ..call };
         assert!(call.validate(NORM_VARIANTS[0]).is_err());
-        assert_eq!(call.validate(NormVariant { warps_per_row: 2, rows_per_block: 1 }).unwrap(), 16);
+        assert_eq!(call.validate(variant(2, 1, false)).unwrap(), 16);
+        assert!(call.validate(variant(2, 2, true)).is_err());
     }
 }
