@@ -39,6 +39,7 @@ pub const NORM: KernelSource = KernelSource {
             ("WARPS_PER_ROW", "1"),
             ("ROWS_PER_BLOCK", "4"),
             ("UNITS_PER_WARP", "16"),
+            ("EARLY_WEIGHT", "0"),
         ],
         &[
             ("KIND", "1"),
@@ -53,6 +54,7 @@ pub const NORM: KernelSource = KernelSource {
             ("WARPS_PER_ROW", "4"),
             ("ROWS_PER_BLOCK", "1"),
             ("UNITS_PER_WARP", "4"),
+            ("EARLY_WEIGHT", "1"),
         ],
         &[
             ("KIND", "0"),
@@ -67,6 +69,7 @@ pub const NORM: KernelSource = KernelSource {
             ("WARPS_PER_ROW", "8"),
             ("ROWS_PER_BLOCK", "1"),
             ("UNITS_PER_WARP", "2"),
+            ("EARLY_WEIGHT", "0"),
         ],
         &[
             ("KIND", "0"),
@@ -81,6 +84,7 @@ pub const NORM: KernelSource = KernelSource {
             ("WARPS_PER_ROW", "2"),
             ("ROWS_PER_BLOCK", "2"),
             ("UNITS_PER_WARP", "1"),
+            ("EARLY_WEIGHT", "0"),
         ],
     ],
     fmad: false,
