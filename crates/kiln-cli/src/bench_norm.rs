@@ -5,7 +5,8 @@
 //! Timing: CUDA events around batches of launches, warm-up first, the median of the batches;
 //! each launch reads a different input set, rotated so that the sets together exceed the L2
 //! cache twice over. Bytes counted: every input read once (x, residual, weight), every output
-//! written once (out, scales, the updated residual).
+//! written once (out, scales, the updated residual). Every variant of `NORM_VARIANTS` that serves
+//! a case is timed (each on its own line on stderr); the table shows the default and the best.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -14,10 +15,10 @@ use kiln_core::ops::norm::{LayerNorm, NormOutput, NormSpec, RmsNorm, WeightMode}
 use kiln_core::ops::primitives::f32_to_bf16_bits;
 use kiln_core::ops::quantize::Quantizer;
 use kiln_core::{DType, Error, Result};
-use kiln_cuda::cudarc::driver::sys::CUevent_flags;
-use kiln_cuda::ops::norm::{norm, NormBuffers, NormCall};
-use kiln_cuda::runtime::driver_error;
+use kiln_cuda::ops::norm::{norm, NormBuffers, NormCall, NormVariant, NORM_VARIANTS};
 use kiln_cuda::{DeviceMemory, Gpu};
+
+use crate::bench_lm_head::{copy_ceiling_gbs, timed};
 
 /// Arguments of `kiln bench norm`.
 #[derive(Debug, Clone, clap::Args)]
@@ -31,6 +32,9 @@ pub struct BenchNormArgs {
     /// Launches per batch.
     #[arg(long, default_value_t = 20)]
     pub launches: usize,
+    /// Time only the default variant of each case.
+    #[arg(long)]
+    pub default_only: bool,
 }
 
 /// The benchmarked cases: name, spec, whether the residual is added.
@@ -58,35 +62,6 @@ fn cases() -> Vec<(&'static str, NormSpec, bool)> {
 
 /// The shapes of the table (rows, hidden), bf16.
 pub const SHAPES: &[(usize, usize)] = &[(1, 4096), (2048, 4096), (8192, 8192)];
-
-fn timed(
-    gpu: &Gpu,
-    batches: usize,
-    launches: usize,
-    mut launch: impl FnMut(usize) -> Result<()>,
-) -> Result<f64> {
-    let ctx = gpu.context();
-    let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
-    for i in 0..launches.max(3) {
-        launch(i)?;
-    }
-    let mut per_launch_us = Vec::with_capacity(batches);
-    let mut counter = 0;
-    for _ in 0..batches {
-        let start = ctx.new_event(flags).map_err(|e| driver_error("cuEventCreate", e))?;
-        let end = ctx.new_event(flags).map_err(|e| driver_error("cuEventCreate", e))?;
-        start.record(gpu.stream()).map_err(|e| driver_error("cuEventRecord", e))?;
-        for _ in 0..launches {
-            launch(counter)?;
-            counter += 1;
-        }
-        end.record(gpu.stream()).map_err(|e| driver_error("cuEventRecord", e))?;
-        let ms = start.elapsed_ms(&end).map_err(|e| driver_error("cuEventElapsedTime", e))?;
-        per_launch_us.push(f64::from(ms) * 1000.0 / launches as f64);
-    }
-    per_launch_us.sort_by(f64::total_cmp);
-    Ok(per_launch_us[per_launch_us.len() / 2])
-}
 
 /// Random bf16 bytes in [-2, 2) (never zeros: they can run faster than real data).
 fn random_bf16(bytes: usize, seed: &mut u64) -> Vec<u8> {
@@ -125,15 +100,11 @@ pub fn run(args: &BenchNormArgs) -> Result<()> {
     let l2 = gpu.facts().l2_cache_bytes as usize;
 
     // The copy ceiling: a large device-to-device copy, bytes read plus bytes written.
-    let copy_bytes = 512 << 20;
-    let (src, dst) = (gpu.alloc(copy_bytes)?, gpu.alloc(copy_bytes)?);
-    src.fill_bytes(0x3C)?;
-    let copy_us = timed(&gpu, args.batches, 5, |_| dst.copy_from_device(&src))?;
-    let ceiling_gbs = 2.0 * copy_bytes as f64 / copy_us / 1e3;
+    let ceiling_gbs = copy_ceiling_gbs(&gpu, args.batches)?;
     println!("device: {} ({}), copy ceiling {:.0} GB/s", gpu.facts().name, gpu.arch(), ceiling_gbs);
     println!(
-        "{:<20} {:>12} {:>10} {:>9} {:>9} {:>10} {:>12}",
-        "case", "shape", "time_us", "GB/s", "%copy", "torch_us", "speedup"
+        "{:<20} {:>12} {:<22} {:>10} {:>9} {:>9} {:>10} {:>9}",
+        "case", "shape", "variant", "time_us", "GB/s", "%copy", "torch_us", "speedup"
     );
 
     let mut seed = std::time::SystemTime::now()
@@ -161,38 +132,72 @@ pub fn run(args: &BenchNormArgs) -> Result<()> {
             let scales = (0..sets).map(|_| gpu.alloc(scale_bytes.max(1))).collect::<Result<Vec<_>>>()?;
             let weight = device(&gpu, &random_bf16(w_bytes, &mut seed))?;
             let bias = device(&gpu, &random_bf16(w_bytes, &mut seed))?;
-            let us = timed(&gpu, args.batches, args.launches, |i| {
-                let k = i % sets;
-                let buffers = NormBuffers {
-                    x: &xs[k],
-                    residual: residuals.get(k),
-                    weight: Some(&weight),
-                    bias: spec.bias.then_some(&bias),
-                    gate: None,
-                    out: &outs[k],
-                    scales: (scale_bytes > 0).then_some(&scales[k]),
-                };
-                norm(&gpu, &call, buffers, None)
-            })?;
             let moved = x_bytes
                 + w_bytes * if spec.bias { 2 } else { 1 }
                 + out_bytes
                 + scale_bytes
                 + if residual { 2 * x_bytes } else { 0 };
-            let gbs = moved as f64 / us / 1e3;
             let shape = format!("{rows}x{hidden}");
+            let default = NormVariant::default_for(call.segment_len());
+            let candidates: Vec<NormVariant> = if args.default_only {
+                vec![default]
+            } else {
+                std::iter::once(default)
+                    .chain(NORM_VARIANTS.iter().copied().filter(|v| *v != default))
+                    .filter(|v| call.validate(*v).is_ok())
+                    .collect()
+            };
+            let mut results: Vec<(NormVariant, f64)> = Vec::with_capacity(candidates.len());
+            for variant in candidates {
+                let us = timed(&gpu, args.batches, args.launches, |i| {
+                    let k = i % sets;
+                    let buffers = NormBuffers {
+                        x: &xs[k],
+                        residual: residuals.get(k),
+                        weight: Some(&weight),
+                        bias: spec.bias.then_some(&bias),
+                        gate: None,
+                        out: &outs[k],
+                        scales: (scale_bytes > 0).then_some(&scales[k]),
+                    };
+                    norm(&gpu, &call, buffers, Some(variant))
+                })?;
+                eprintln!(
+                    "{name} {shape} {}: {us:.2} us, {:.1}% copy",
+                    label(variant),
+                    100.0 * moved as f64 / us / 1e3 / ceiling_gbs
+                );
+                results.push((variant, us));
+            }
+            let best = results.iter().copied().min_by(|a, b| a.1.total_cmp(&b.1));
+            let default_time = results.iter().find(|(v, _)| *v == default).copied();
             let torch = peer.get(name).and_then(|m| m.get(&shape)).copied();
-            println!(
-                "{:<20} {:>12} {:>10.2} {:>9.0} {:>8.1}% {:>10} {:>12}",
-                name,
-                shape,
-                us,
-                gbs,
-                100.0 * gbs / ceiling_gbs,
-                torch.map_or("-".to_owned(), |t| format!("{t:.2}")),
-                torch.map_or("-".to_owned(), |t| format!("{:.2}x", t / us)),
-            );
+            let rows_to_print: Vec<(&str, (NormVariant, f64))> = match (default_time, best) {
+                (Some(d), Some(b)) if b.0 != d.0 => vec![("default", d), ("best", b)],
+                (Some(d), _) => vec![("default=best", d)],
+                (None, Some(b)) => vec![("best", b)],
+                (None, None) => Vec::new(),
+            };
+            for (which, (variant, us)) in rows_to_print {
+                let gbs = moved as f64 / us / 1e3;
+                println!(
+                    "{:<20} {:>12} {:<22} {:>10.2} {:>9.0} {:>8.1}% {:>10} {:>9}",
+                    name,
+                    shape,
+                    format!("{which} {}", label(variant)),
+                    us,
+                    gbs,
+                    100.0 * gbs / ceiling_gbs,
+                    torch.map_or("-".to_owned(), |t| format!("{t:.2}")),
+                    torch.map_or("-".to_owned(), |t| format!("{:.2}x", t / us)),
+                );
+            }
         }
     }
     Ok(())
+}
+
+/// A variant as `4w1r` (warps per row, rows per block), `+e` when it loads the weight early.
+fn label(v: NormVariant) -> String {
+    format!("{}w{}r{}", v.warps_per_row, v.rows_per_block, if v.early_weight { "+e" } else { "" })
 }

@@ -73,7 +73,7 @@ fn check(gpu: &Gpu, rng: &mut Rng, call: NormCall, variant: NormVariant) {
     let weight = rng.values(hidden, 0.25, 1.75, wt);
     let bias = rng.values(hidden, -0.5, 0.5, wt);
     let gate = rng.values(rows * hidden, -6.0, 6.0, xt);
-    let with_residual = rng.next() % 2 == 0;
+    let with_residual = rng.next().is_multiple_of(2);
     let inputs = NormInputs {
         x: &x,
         x_type: call.x_type,
@@ -159,6 +159,27 @@ fn every_variant_matches_the_reference() {
         }
     }
     assert!(tested >= NORM_VARIANTS.len() * 3, "only {tested} variant/shape pairs served");
+
+    // Every variant once more with fp32 and fp16 x (fp32 x holds two 16-byte vectors per unit):
+    // LayerNorm with a bias (the weight and bias loaded early where the variant does) and INT8
+    // RMSNorm outputs.
+    let layer: NormSpec = LayerNorm {
+        eps: 1e-5,
+        weight: WeightMode::Plain,
+        bias: true,
+        groups: 1,
+        out: NormOutput::Float(DType::F16),
+    }
+    .into();
+    let int8: NormSpec =
+        RmsNorm { out: NormOutput::Quantized(Quantizer::Int8), ..RmsNorm::llama(1e-6, DType::F16) }.into();
+    for &variant in NORM_VARIANTS {
+        for (spec, x_type, weight_type) in [(layer, DType::F32, DType::F16), (int8, DType::F16, DType::F32)] {
+            let call = NormCall { spec, rows: 17, hidden: 2064, x_type, weight_type };
+            call.validate(variant).unwrap_or_else(|e| panic!("{variant:?} serves 2064: {e}"));
+            check(&gpu, &mut rng, call, variant);
+        }
+    }
 }
 
 fn flavors() -> Vec<NormSpec> {

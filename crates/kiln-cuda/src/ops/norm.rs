@@ -147,7 +147,7 @@ impl NormCall {
     /// Checks what the kernel serves beyond the reference's own rules.
     pub fn validate(&self, variant: NormVariant) -> Result<usize> {
         let n = self.segment_len();
-        if self.spec.groups == 0 || self.hidden % self.spec.groups != 0 || n % 8 != 0 {
+        if self.spec.groups == 0 || !self.hidden.is_multiple_of(self.spec.groups) || !n.is_multiple_of(8) {
             return Err(Error::NotServed {
                 op: "norm kernel",
                 reason: format!(
@@ -157,7 +157,7 @@ impl NormCall {
             });
         }
         if matches!(self.spec.out, NormOutput::Quantized(Quantizer::Int8 | Quantizer::Nvfp4 { .. }))
-            && n % QUANT_BLOCK != 0
+            && !n.is_multiple_of(QUANT_BLOCK)
         {
             return Err(Error::NotServed {
                 op: "norm kernel",
