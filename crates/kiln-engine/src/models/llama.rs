@@ -15,7 +15,7 @@ use kiln_core::ops::primitives::{silu, FloatType};
 use kiln_core::ops::rope::{rotate, RopeTable};
 use kiln_core::{DType, Error, Result};
 
-use crate::formats::quant::{dequantize_row, dot_row, dot_rows, matvec};
+use crate::formats::quant::{dequantize_row, dot_rows, matvec};
 use crate::formats::WeightSource;
 use crate::models::config::ModelConfig;
 
@@ -349,24 +349,25 @@ impl LlamaModel {
             matvec(linear.dtype, bytes, rows, cols, x, out)?;
         } else {
             let row_bytes = linear.dtype.bytes_for(cols as u64)? as usize;
-            let threads = rayon::current_num_threads().max(1);
-            let rows_per_chunk = rows.div_ceil(threads * 4).max(1);
-            // Transposed result [rows][n], so each task owns whole weight rows.
-            let mut transposed = vec![0f32; rows * n];
-            transposed.par_chunks_mut(rows_per_chunk * n).enumerate().try_for_each(|(chunk, dst)| {
+            // A task takes a slice of rows small enough to stay in L2 (about 32 KiB) and runs
+            // every token over it, so the weights come from memory once for all tokens.
+            let rows_per_chunk = (32 * 1024 / row_bytes.max(1)).clamp(2, rows.max(2)) & !1;
+            // Result [chunk][token][row in chunk], so each task owns a contiguous block.
+            let mut blocked = vec![0f32; rows * n];
+            blocked.par_chunks_mut(rows_per_chunk * n).enumerate().try_for_each(|(chunk, dst)| {
                 let first = chunk * rows_per_chunk;
-                for (i, row_out) in dst.chunks_mut(n).enumerate() {
-                    let start = (first + i) * row_bytes;
-                    let row = &bytes[start..start + row_bytes];
-                    for (t, o) in row_out.iter_mut().enumerate() {
-                        *o = dot_row(linear.dtype, row, &x[t * cols..(t + 1) * cols])?;
-                    }
+                let count = dst.len() / n;
+                let weights = &bytes[first * row_bytes..(first + count) * row_bytes];
+                for (t, token_out) in dst.chunks_mut(count).enumerate() {
+                    dot_rows(linear.dtype, weights, &x[t * cols..(t + 1) * cols], token_out)?;
                 }
                 Ok::<(), Error>(())
             })?;
-            for t in 0..n {
-                for r in 0..rows {
-                    out[t * rows + r] = transposed[r * n + t];
+            for (chunk, block) in blocked.chunks(rows_per_chunk * n).enumerate() {
+                let first = chunk * rows_per_chunk;
+                let count = block.len() / n;
+                for (t, token_out) in block.chunks(count).enumerate() {
+                    out[t * rows + first..t * rows + first + count].copy_from_slice(token_out);
                 }
             }
         }

@@ -1,0 +1,33 @@
+//! Prints Kiln's CPU logits for a token sequence, as JSON, for comparison with another
+//! implementation (`bench/peers/hf_tiny_reference.py` compares them with transformers').
+//!
+//! `hf_logits MODEL PREFIX_LEN ID ID ...`: runs the first PREFIX_LEN ids as one prefill, then
+//! each remaining id as a decode step, and prints `{"logits": [[...], ...]}`: the logits after
+//! the prefill and after every decode step.
+
+use kiln_engine::models::load_path;
+
+fn main() -> kiln_core::Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let usage = || kiln_core::Error::InvalidArgument {
+        name: "arguments",
+        value: args.join(" "),
+        reason: "usage: hf_logits MODEL PREFIX_LEN ID ID ...".into(),
+    };
+    let model_path = args.first().ok_or_else(usage)?;
+    let prefix: usize = args.get(1).and_then(|v| v.parse().ok()).ok_or_else(usage)?;
+    let ids: Vec<u32> = args[2..].iter().map(|v| v.parse().map_err(|_| usage())).collect::<Result<_, _>>()?;
+    if prefix == 0 || prefix > ids.len() {
+        return Err(usage());
+    }
+    let (model, _) = load_path(std::path::Path::new(model_path))?;
+    let mut cache = model.new_cache(ids.len())?;
+    let mut rows = vec![model.forward(&ids[..prefix], &mut cache)?];
+    for &id in &ids[prefix..] {
+        rows.push(model.forward(&[id], &mut cache)?);
+    }
+    let json =
+        serde_json::json!({ "architecture": format!("{:?}", model.config().architecture), "logits": rows });
+    println!("{json}");
+    Ok(())
+}
