@@ -107,15 +107,15 @@ __device__ __forceinline__ float kiln_silu(float z) { return z / (1.0f + kiln_ex
 
 // E4M3 encode / decode: the prelude's kiln_f32_to_e4m3 / kiln_e4m3_to_f32.
 
+// The Rust `f32_to_e2m1` without branches: its rounding of each range (ties to even) equals
+// counting the thresholds the magnitude passes, strictly where the tie rounds down, inclusively
+// where it rounds up (checked equal for all 2^32 floats).
 __device__ __forceinline__ unsigned int kiln_f32_to_e2m1(float x) {
     if (x != x) return 0;
-    unsigned int sign = (__float_as_uint(x) >> 28) & 0x8u;
-    float a = fabsf(x);
-    float m;
-    if (a >= 6.0f) m = 7.0f;
-    else if (a < 1.0f) m = rintf(a * 2.0f);
-    else if (a < 2.0f) m = 2.0f + rintf((a - 1.0f) * 2.0f);
-    else if (a < 4.0f) m = 4.0f + rintf(a - 2.0f);
-    else m = 6.0f + rintf((a - 4.0f) * 0.5f);
-    return sign | (unsigned int)m;
+    const unsigned int sign = (__float_as_uint(x) >> 28) & 0x8u;
+    const float a = fabsf(x);
+    const unsigned int m = (unsigned int)(a > 0.25f) + (unsigned int)(a >= 0.75f) + (unsigned int)(a > 1.25f) +
+                           (unsigned int)(a >= 1.75f) + (unsigned int)(a > 2.5f) + (unsigned int)(a >= 3.5f) +
+                           (unsigned int)(a > 5.0f);
+    return sign | m;
 }

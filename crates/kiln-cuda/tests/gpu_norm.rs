@@ -11,8 +11,9 @@ use kiln_core::ops::norm::{
 use kiln_core::ops::primitives::FloatType;
 use kiln_core::ops::quantize::{Quantized, Quantizer};
 use kiln_core::DType;
+use kiln_cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
 use kiln_cuda::ops::norm::{norm, NormBuffers, NormCall, NormVariant, NORM_VARIANTS};
-use kiln_cuda::{DeviceMemory, Gpu};
+use kiln_cuda::{DeviceMemory, Gpu, KernelSource};
 
 /// xorshift64*, seeded from the clock so every run draws new inputs (the seed is printed).
 struct Rng(u64);
@@ -232,5 +233,58 @@ fn every_flavor_and_dtype_matches_the_reference() {
                 }
             }
         }
+    }
+}
+
+/// The kernel's E2M1 encoder on its own, one code per input float.
+static E2M1_PROBE: KernelSource = KernelSource {
+    name: "e2m1_probe",
+    source: concat!(
+        include_str!("../kernels/deterministic.cuh"),
+        "extern \"C\" __global__ void e2m1_probe(const unsigned int* in, unsigned char* out, long long n) {\n",
+        "    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;\n",
+        "    if (i < n) out[i] = (unsigned char)kiln_f32_to_e2m1(__uint_as_float(in[i]));\n",
+        "}\n"
+    ),
+    define_sets: &[&[]],
+    fmad: false,
+};
+
+#[test]
+fn e2m1_matches_the_reference_around_every_threshold_and_on_random_floats() {
+    let gpu = gpu();
+    let mut rng = Rng::fresh();
+    let mut bits: Vec<u32> =
+        vec![0x7F80_0000, 0xFF80_0000, 0x7FC0_0000, 0xFFC0_0000, 0x7F7F_FFFF, 0x0000_0001];
+    for t in [0.0f32, 0.25, 0.5, 0.75, 1.0, 1.25, 1.75, 2.0, 2.5, 3.5, 4.0, 5.0, 6.0] {
+        for signed in [t, -t] {
+            let b = signed.to_bits() as i64;
+            bits.extend((-4096..=4096).map(|d| (b + d).clamp(0, u32::MAX as i64) as u32));
+        }
+    }
+    bits.extend((0..1 << 22).map(|_| (rng.next() >> 32) as u32));
+    let want: Vec<u8> =
+        bits.iter().map(|&b| kiln_core::ops::quantize::f32_to_e2m1(f32::from_bits(b))).collect();
+
+    let input = upload(&gpu, &bits.iter().flat_map(|b| b.to_le_bytes()).collect::<Vec<u8>>());
+    let out = poisoned(&gpu, bits.len());
+    let function = gpu.function(&E2M1_PROBE, "e2m1_probe", &[]).expect("compile the probe");
+    let n = bits.len() as i64;
+    let (pin, pout) = (input.device_ptr(), out.device_ptr());
+    let config = LaunchConfig {
+        grid_dim: (bits.len().div_ceil(256) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let stream = gpu.stream();
+    let mut launch = stream.launch_builder(&function);
+    launch.arg(&pin).arg(&pout).arg(&n);
+    // SAFETY: two device pointers and an i64 as the probe declares; `input` holds n u32 and `out`
+    // n bytes.
+    unsafe { launch.launch(config) }.expect("launch the probe");
+    gpu.synchronize().expect("run the probe");
+    let got = out.to_host_bytes().unwrap();
+    for (i, (&w, &g)) in want.iter().zip(&got).enumerate() {
+        assert_eq!(w, g, "E2M1 of {:#010x} ({}): want {w:#x}, got {g:#x}", bits[i], f32::from_bits(bits[i]));
     }
 }
