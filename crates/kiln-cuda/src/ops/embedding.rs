@@ -85,7 +85,9 @@ impl EmbeddingCall {
         match self.table_type {
             DType::F32 => Ok(4 * self.hidden),
             DType::F16 | DType::BF16 => Ok(2 * self.hidden),
-            DType::Q8_0 if self.hidden.is_multiple_of(Q8_0_BLOCK) => Ok(self.hidden / Q8_0_BLOCK * Q8_0_BLOCK_BYTES),
+            DType::Q8_0 if self.hidden.is_multiple_of(Q8_0_BLOCK) => {
+                Ok(self.hidden / Q8_0_BLOCK * Q8_0_BLOCK_BYTES)
+            }
             DType::Q8_0 => Err(Error::NotBlockAligned {
                 dtype: "Q8_0",
                 elements: self.hidden as u64,
