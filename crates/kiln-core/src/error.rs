@@ -116,6 +116,9 @@ pub enum Error {
     /// A certificate or certificate index that is malformed.
     #[error("tuning store {path}: {reason}")]
     TuningStore { path: PathBuf, reason: String },
+    /// A tuning run in which no candidate gave a correct result, so none may be chosen.
+    #[error("no correct candidate for key {key}: {candidates} tried, each wrong or failed")]
+    NoCorrectCandidate { key: String, candidates: usize },
 
     // ---- memory planning and KV cache ----------------------------------------------------
     /// The KV page pool has too few free pages.

@@ -16,6 +16,7 @@ pub mod dtype;
 pub mod error;
 pub mod ops;
 pub mod tensor;
+pub mod tuning;
 
 pub use dtype::DType;
 pub use error::{Error, GgufErrorKind, Result, ResultExt};
