@@ -14,6 +14,7 @@ mod doctor;
 mod generate;
 mod output;
 mod pull;
+mod tune;
 
 use std::process::ExitCode;
 
@@ -43,6 +44,9 @@ enum Command {
     /// Benchmarks against the hardware ceiling and a peer.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// Tuning certificates: which configuration each kernel runs, and the proof.
+    #[command(subcommand)]
+    Tune(tune::TuneCommand),
 }
 
 fn dispatch(command: &Command) -> Result<ExitCode> {
@@ -51,6 +55,7 @@ fn dispatch(command: &Command) -> Result<ExitCode> {
         Command::Pull(args) => pull::run(args),
         Command::Doctor(args) => doctor::run(args),
         Command::Bench(args) => bench::run(args),
+        Command::Tune(args) => tune::run(args),
     }
 }
 

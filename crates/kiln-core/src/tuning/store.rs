@@ -76,7 +76,10 @@ impl TuningStore {
             winners.insert(certificate.key.to_string(), certificate.winner);
         }
         let bytes = index::encode(&winners)?;
-        write_atomically(&index_path, &bytes)?;
+        // A cache that cannot be written costs a rebuild next time, not the run.
+        if let Err(e) = write_atomically(&index_path, &bytes) {
+            tracing::warn!("cannot write the tuning index: {e}");
+        }
         Ok(TuningStore { mode, index_path, winners })
     }
 
