@@ -766,14 +766,10 @@ pub fn matvec(
     }
     let threads = rayon::current_num_threads().max(1);
     let rows_per_chunk = rows.div_ceil(threads);
-    out.par_chunks_mut(rows_per_chunk).enumerate().for_each(|(chunk, out)| {
-        let first = chunk * rows_per_chunk;
-        for (i, o) in out.iter_mut().enumerate() {
-            let start = (first + i) * row_bytes;
-            *o = dot_row_dispatch(dtype, &matrix_bytes[start..start + row_bytes], x);
-        }
-    });
-    Ok(())
+    out.par_chunks_mut(rows_per_chunk).enumerate().try_for_each(|(chunk, out)| {
+        let first = chunk * rows_per_chunk * row_bytes;
+        dot_rows(dtype, &matrix_bytes[first..first + out.len() * row_bytes], x, out)
+    })
 }
 
 #[cfg(test)]
