@@ -152,17 +152,6 @@ fn float_code(t: FloatType) -> u32 {
     }
 }
 
-fn check_len(what: &'static str, got: usize, want: usize) -> Result<()> {
-    if got < want {
-        return Err(Error::ByteLength {
-            what: format!("embedding {what} buffer"),
-            expected: want as u64,
-            got: got as u64,
-        });
-    }
-    Ok(())
-}
-
 /// Whether a kernel has set the u32 `flag` (out of vocabulary, position outside the RoPE table);
 /// waits for the work queued before it.
 pub fn read_flag(flag: &DeviceMemory) -> Result<bool> {
@@ -182,10 +171,10 @@ pub fn embedding(
     let defines = call.defines(variant)?;
     let shared = call.validate(variant)?;
     let (table_bytes, out_bytes, sum_bytes) = call.buffer_bytes()?;
-    check_len("ids", buffers.ids.len_bytes(), 4 * call.rows)?;
-    check_len("table", buffers.table.len_bytes(), table_bytes)?;
-    check_len("out", buffers.out.len_bytes(), out_bytes)?;
-    check_len("flag", buffers.flag.len_bytes(), 4)?;
+    super::check_buffer("embedding", "ids", buffers.ids.len_bytes(), 4 * call.rows)?;
+    super::check_buffer("embedding", "table", buffers.table.len_bytes(), table_bytes)?;
+    super::check_buffer("embedding", "out", buffers.out.len_bytes(), out_bytes)?;
+    super::check_buffer("embedding", "flag", buffers.flag.len_bytes(), 4)?;
     if buffers.sum_squares.is_some() != call.sum_squares {
         return Err(Error::InvalidArgument {
             name: "sum_squares",
@@ -193,7 +182,12 @@ pub fn embedding(
             reason: format!("the call {} it", if call.sum_squares { "needs" } else { "does not use" }),
         });
     }
-    check_len("sum_squares", buffers.sum_squares.map_or(0, DeviceMemory::len_bytes), sum_bytes)?;
+    super::check_buffer(
+        "embedding",
+        "sum_squares",
+        buffers.sum_squares.map_or(0, DeviceMemory::len_bytes),
+        sum_bytes,
+    )?;
 
     let define_refs: Vec<(&str, &str)> = defines.iter().map(|(k, v)| (*k, v.as_str())).collect();
     let function = gpu.function(&EMBEDDING, "kiln_embedding", &define_refs)?;

@@ -159,17 +159,6 @@ pub fn plan(head: &LmHead, rows: usize, variant: LmHeadVariant) -> Result<LmHead
     })
 }
 
-fn check_len(what: &'static str, got: usize, want: usize) -> Result<()> {
-    if got < want {
-        return Err(Error::ByteLength {
-            what: format!("lm_head {what} buffer"),
-            expected: want as u64,
-            got: got as u64,
-        });
-    }
-    Ok(())
-}
-
 /// Runs `head` over `rows` rows on `gpu`'s stream with `variant` (or the default).
 pub fn lm_head(
     gpu: &Gpu,
@@ -181,15 +170,17 @@ pub fn lm_head(
     let variant = variant.unwrap_or_else(|| LmHeadVariant::default_for(rows));
     let mut plan = plan(head, rows, variant)?;
     let row = row_bytes(head.weight, head.hidden)?;
-    check_len("h", buffers.h.len_bytes(), rows * head.hidden * 4)?;
-    check_len("weights", buffers.weights.len_bytes(), head.vocab * row)?;
-    check_len("logits", buffers.logits.len_bytes(), rows * head.vocab * 4)?;
+    super::check_buffer("lm_head", "h", buffers.h.len_bytes(), rows * head.hidden * 4)?;
+    super::check_buffer("lm_head", "weights", buffers.weights.len_bytes(), head.vocab * row)?;
+    super::check_buffer("lm_head", "logits", buffers.logits.len_bytes(), rows * head.vocab * 4)?;
     if let Some(scale) = buffers.row_scale {
-        check_len("row_scale", scale.len_bytes(), rows * 4)?;
+        super::check_buffer("lm_head", "row_scale", scale.len_bytes(), rows * 4)?;
         plan.defines.iter_mut().filter(|(k, _)| *k == "ROW_SCALE").for_each(|(_, v)| *v = "1".to_owned());
     }
     match (head.stats_block.is_some(), buffers.stats) {
-        (true, Some(stats)) => check_len("stats", stats.len_bytes(), rows * plan.tiles * 8)?,
+        (true, Some(stats)) => {
+            super::check_buffer("lm_head", "stats", stats.len_bytes(), rows * plan.tiles * 8)?
+        }
         (false, None) => {}
         (wanted, _) => {
             return Err(Error::InvalidArgument {

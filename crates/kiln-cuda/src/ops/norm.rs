@@ -226,28 +226,6 @@ impl NormCall {
     }
 }
 
-fn check_len(what: &'static str, got: usize, want: usize) -> Result<()> {
-    if got < want {
-        return Err(Error::ByteLength {
-            what: format!("norm {what} buffer"),
-            expected: want as u64,
-            got: got as u64,
-        });
-    }
-    Ok(())
-}
-
-fn check_presence(what: &'static str, present: bool, wanted: bool) -> Result<()> {
-    if present != wanted {
-        return Err(Error::InvalidArgument {
-            name: what,
-            value: if present { "given" } else { "missing" }.to_owned(),
-            reason: format!("the norm spec {} it", if wanted { "needs" } else { "does not use" }),
-        });
-    }
-    Ok(())
-}
-
 /// Runs the norm `call` on `gpu`'s stream with `variant` (or the default for the shape).
 pub fn norm(
     gpu: &Gpu,
@@ -260,18 +238,23 @@ pub fn norm(
     let (x_bytes, w_bytes, out_bytes, scale_bytes) = call.buffer_bytes()?;
     let s = &call.spec;
     let len = |m: Option<&DeviceMemory>| m.map_or(0, DeviceMemory::len_bytes);
-    check_len("x", buffers.x.len_bytes(), x_bytes)?;
-    check_len("out", buffers.out.len_bytes(), out_bytes)?;
-    check_presence("weight", buffers.weight.is_some(), s.weight != WeightMode::None)?;
-    check_presence("bias", buffers.bias.is_some(), s.bias)?;
-    check_presence("gate", buffers.gate.is_some(), s.gate.is_some())?;
-    check_presence("scales", buffers.scales.is_some(), scale_bytes > 0)?;
-    check_len("weight", len(buffers.weight), if buffers.weight.is_some() { w_bytes } else { 0 })?;
-    check_len("bias", len(buffers.bias), if s.bias { w_bytes } else { 0 })?;
-    check_len("gate", len(buffers.gate), if s.gate.is_some() { x_bytes } else { 0 })?;
-    check_len("scales", len(buffers.scales), scale_bytes)?;
+    super::check_buffer("norm", "x", buffers.x.len_bytes(), x_bytes)?;
+    super::check_buffer("norm", "out", buffers.out.len_bytes(), out_bytes)?;
+    super::check_presence("norm spec", "weight", buffers.weight.is_some(), s.weight != WeightMode::None)?;
+    super::check_presence("norm spec", "bias", buffers.bias.is_some(), s.bias)?;
+    super::check_presence("norm spec", "gate", buffers.gate.is_some(), s.gate.is_some())?;
+    super::check_presence("norm spec", "scales", buffers.scales.is_some(), scale_bytes > 0)?;
+    super::check_buffer(
+        "norm",
+        "weight",
+        len(buffers.weight),
+        if buffers.weight.is_some() { w_bytes } else { 0 },
+    )?;
+    super::check_buffer("norm", "bias", len(buffers.bias), if s.bias { w_bytes } else { 0 })?;
+    super::check_buffer("norm", "gate", len(buffers.gate), if s.gate.is_some() { x_bytes } else { 0 })?;
+    super::check_buffer("norm", "scales", len(buffers.scales), scale_bytes)?;
     if buffers.residual.is_some() {
-        check_len("residual", len(buffers.residual), x_bytes)?;
+        super::check_buffer("norm", "residual", len(buffers.residual), x_bytes)?;
         defines.iter_mut().filter(|(k, _)| *k == "HAS_RESIDUAL").for_each(|(_, v)| *v = "1".to_owned());
     }
     let define_refs: Vec<(&str, &str)> = defines.iter().map(|(k, v)| (*k, v.as_str())).collect();

@@ -193,28 +193,6 @@ impl RopeCall {
     }
 }
 
-fn check_len(what: &'static str, got: usize, want: usize) -> Result<()> {
-    if got < want {
-        return Err(Error::ByteLength {
-            what: format!("rope {what} buffer"),
-            expected: want as u64,
-            got: got as u64,
-        });
-    }
-    Ok(())
-}
-
-fn check_presence(what: &'static str, present: bool, wanted: bool) -> Result<()> {
-    if present != wanted {
-        return Err(Error::InvalidArgument {
-            name: what,
-            value: if present { "given" } else { "missing" }.to_owned(),
-            reason: format!("the rope call {} it", if wanted { "needs" } else { "does not use" }),
-        });
-    }
-    Ok(())
-}
-
 /// Runs the RoPE `call` on `gpu`'s stream with `variant` (or the default for the head size).
 pub fn rope(
     gpu: &Gpu,
@@ -233,27 +211,38 @@ pub fn rope(
         });
     }
     let half = call.spec.rotary_dim / 2;
-    check_len("cos", table.cos.len_bytes(), table.positions * half * 4)?;
-    check_len("sin", table.sin.len_bytes(), table.positions * half * 4)?;
+    super::check_buffer("rope", "cos", table.cos.len_bytes(), table.positions * half * 4)?;
+    super::check_buffer("rope", "sin", table.sin.len_bytes(), table.positions * half * 4)?;
     let (q_bytes, k_bytes) = call.buffer_bytes()?;
     let w_bytes = match call.qk_norm {
         Some(n) => call.head_dim * FloatType::of(n.weight_type, "rope")?.bytes(),
         None => 0,
     };
     let len = |m: Option<&DeviceMemory>| m.map_or(0, DeviceMemory::len_bytes);
-    check_len("q", buffers.q.len_bytes(), q_bytes)?;
-    check_presence("k", buffers.k.is_some(), call.k_heads > 0)?;
-    check_len("k", len(buffers.k), k_bytes)?;
-    check_len("positions", buffers.positions.len_bytes(), call.tokens * 4)?;
-    check_presence("q norm weight", buffers.q_norm_weight.is_some(), call.qk_norm.is_some())?;
-    check_presence(
+    super::check_buffer("rope", "q", buffers.q.len_bytes(), q_bytes)?;
+    super::check_presence("rope call", "k", buffers.k.is_some(), call.k_heads > 0)?;
+    super::check_buffer("rope", "k", len(buffers.k), k_bytes)?;
+    super::check_buffer("rope", "positions", buffers.positions.len_bytes(), call.tokens * 4)?;
+    super::check_presence(
+        "rope call",
+        "q norm weight",
+        buffers.q_norm_weight.is_some(),
+        call.qk_norm.is_some(),
+    )?;
+    super::check_presence(
+        "rope call",
         "k norm weight",
         buffers.k_norm_weight.is_some(),
         call.qk_norm.is_some() && call.k_heads > 0,
     )?;
-    check_len("q norm weight", len(buffers.q_norm_weight), w_bytes)?;
-    check_len("k norm weight", len(buffers.k_norm_weight), if call.k_heads > 0 { w_bytes } else { 0 })?;
-    check_len("flag", buffers.flag.len_bytes(), 4)?;
+    super::check_buffer("rope", "q norm weight", len(buffers.q_norm_weight), w_bytes)?;
+    super::check_buffer(
+        "rope",
+        "k norm weight",
+        len(buffers.k_norm_weight),
+        if call.k_heads > 0 { w_bytes } else { 0 },
+    )?;
+    super::check_buffer("rope", "flag", buffers.flag.len_bytes(), 4)?;
     let table_positions = u32::try_from(table.positions)
         .map_err(|_| not_served(format!("a table of {} positions", table.positions)))?;
 

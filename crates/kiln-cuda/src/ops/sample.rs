@@ -147,17 +147,6 @@ pub struct SampleBuffers<'a> {
 /// Threads per block of the sampler.
 pub const SAMPLE_THREADS: u32 = 1024;
 
-fn check_len(what: &'static str, got: usize, want: usize) -> Result<()> {
-    if got < want {
-        return Err(Error::ByteLength {
-            what: format!("sample {what} buffer"),
-            expected: want as u64,
-            got: got as u64,
-        });
-    }
-    Ok(())
-}
-
 /// Samples one token for each of `rows` rows of `vocab` logits on `gpu`'s stream.
 pub fn sample(gpu: &Gpu, rows: usize, vocab: usize, buffers: SampleBuffers<'_>) -> Result<()> {
     if rows == 0 || rows > MAX_SAMPLE_ROWS {
@@ -172,18 +161,23 @@ pub fn sample(gpu: &Gpu, rows: usize, vocab: usize, buffers: SampleBuffers<'_>) 
             reason: format!("vocab {vocab} with row stride {}", buffers.row_stride),
         });
     }
-    check_len("logits", buffers.logits.len_bytes(), ((rows - 1) * buffers.row_stride + vocab) * 4)?;
-    check_len("params", buffers.params.len_bytes(), rows * PARAMS_BYTES)?;
-    check_len("steps", buffers.steps.len_bytes(), rows * 8)?;
-    check_len("history_offsets", buffers.history_offsets.len_bytes(), (rows + 1) * 4)?;
-    check_len("tokens", buffers.tokens.len_bytes(), rows * 4)?;
+    super::check_buffer(
+        "sample",
+        "logits",
+        buffers.logits.len_bytes(),
+        ((rows - 1) * buffers.row_stride + vocab) * 4,
+    )?;
+    super::check_buffer("sample", "params", buffers.params.len_bytes(), rows * PARAMS_BYTES)?;
+    super::check_buffer("sample", "steps", buffers.steps.len_bytes(), rows * 8)?;
+    super::check_buffer("sample", "history_offsets", buffers.history_offsets.len_bytes(), (rows + 1) * 4)?;
+    super::check_buffer("sample", "tokens", buffers.tokens.len_bytes(), rows * 4)?;
     if let Some(p) = buffers.penalty {
-        check_len("counts", p.counts.len_bytes(), rows * vocab * 4)?;
-        check_len("scratch", p.scratch.len_bytes(), rows * vocab * 4)?;
+        super::check_buffer("sample", "counts", p.counts.len_bytes(), rows * vocab * 4)?;
+        super::check_buffer("sample", "scratch", p.scratch.len_bytes(), rows * vocab * 4)?;
     }
     let (stats, stats_per_row) = match buffers.stats {
         Some((m, per_row)) => {
-            check_len("stats", m.len_bytes(), rows * per_row * 8)?;
+            super::check_buffer("sample", "stats", m.len_bytes(), rows * per_row * 8)?;
             (
                 m.device_ptr(),
                 i32::try_from(per_row).map_err(|_| Error::NotServed {
