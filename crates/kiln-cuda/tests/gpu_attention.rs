@@ -6,8 +6,6 @@
 //! byte for byte. Needs an NVIDIA GPU: `cargo test -p kiln-cuda --features gpu-tests --test
 //! gpu_attention -- --test-threads 1`.
 
-use std::time::{SystemTime, UNIX_EPOCH};
-
 use kiln_core::ops::attention::{paged_attention, AttentionSequence, AttentionShape};
 use kiln_core::ops::primitives::{bf16_bits_to_f32, f32_to_bf16_bits};
 use kiln_cuda::ops::attention::{
@@ -15,21 +13,10 @@ use kiln_cuda::ops::attention::{
 };
 use kiln_cuda::{DeviceMemory, Gpu};
 
-/// xorshift64*, seeded from the clock so every run draws new inputs.
-struct Rng(u64);
+mod common;
+use common::Rng;
 
 impl Rng {
-    fn fresh() -> Rng {
-        let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1);
-        println!("seed {:#x}", nanos | 1);
-        Rng(nanos | 1)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
     fn below(&mut self, n: usize) -> usize {
         (self.next() % n as u64) as usize
     }

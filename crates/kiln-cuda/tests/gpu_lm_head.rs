@@ -3,33 +3,16 @@
 //! statistics, on fresh random inputs with the outputs poisoned before each launch. Needs an
 //! NVIDIA GPU: `cargo test -p kiln-cuda --features gpu-tests --test gpu_lm_head`.
 
-use std::time::{SystemTime, UNIX_EPOCH};
-
 use kiln_core::ops::lm_head::{row_bytes, LmHead, MAX_ROWS, QUANT_BLOCK};
 use kiln_core::ops::primitives::{f32_to_bf16_bits, f32_to_f16_bits};
 use kiln_core::DType;
 use kiln_cuda::ops::lm_head::{lm_head, plan, LmHeadBuffers, LmHeadVariant, LM_HEAD_VARIANTS};
 use kiln_cuda::{DeviceMemory, Gpu};
 
-/// xorshift64*, seeded from the clock so every run draws new inputs (the seed is printed).
-struct Rng(u64);
+mod common;
+use common::Rng;
 
 impl Rng {
-    fn fresh() -> Rng {
-        let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1);
-        let seed = nanos | 1;
-        println!("seed {seed:#x}");
-        Rng(seed)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
-        lo + (hi - lo) * ((self.next() >> 40) as f32 / (1u64 << 24) as f32)
-    }
     fn below(&mut self, n: usize) -> usize {
         (self.next() % n as u64) as usize
     }

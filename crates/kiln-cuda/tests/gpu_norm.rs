@@ -3,8 +3,6 @@
 //! outputs poisoned before each launch. Needs an NVIDIA GPU: `cargo test -p kiln-cuda
 //! --features gpu-tests --test gpu_norm`.
 
-use std::time::{SystemTime, UNIX_EPOCH};
-
 use kiln_core::ops::norm::{
     Gate, LayerNorm, NormInputs, NormOutput, NormSpec, RmsNorm, RmsNormRounding, WeightMode,
 };
@@ -15,22 +13,10 @@ use kiln_cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
 use kiln_cuda::ops::norm::{norm, NormBuffers, NormCall, NormVariant, NORM_VARIANTS};
 use kiln_cuda::{DeviceMemory, Gpu, KernelSource};
 
-/// xorshift64*, seeded from the clock so every run draws new inputs (the seed is printed).
-struct Rng(u64);
+mod common;
+use common::Rng;
 
 impl Rng {
-    fn fresh() -> Rng {
-        let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1);
-        let seed = nanos | 1;
-        println!("seed {seed:#x}");
-        Rng(seed)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
     /// Uniform in [lo, hi), rounded to `ty`.
     fn values(&mut self, len: usize, lo: f32, hi: f32, ty: FloatType) -> Vec<f32> {
         (0..len)

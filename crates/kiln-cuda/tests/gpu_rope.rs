@@ -3,8 +3,6 @@
 //! on fresh random inputs over ragged shapes, with guard bytes after q and k that must stay
 //! untouched. Needs an NVIDIA GPU: `cargo test -p kiln-cuda --features gpu-tests --test gpu_rope`.
 
-use std::time::{SystemTime, UNIX_EPOCH};
-
 use kiln_core::ops::primitives::FloatType;
 use kiln_core::ops::rope::{
     apply_rope_typed, qk_norm_rope_typed, RopeLayout, RopeScaling, RopeSpec, RopeTable,
@@ -16,22 +14,10 @@ use kiln_cuda::ops::rope::{
 };
 use kiln_cuda::{DeviceMemory, Gpu};
 
-/// xorshift64*, seeded from the clock so every run draws new inputs (the seed is printed).
-struct Rng(u64);
+mod common;
+use common::Rng;
 
 impl Rng {
-    fn fresh() -> Rng {
-        let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1);
-        let seed = nanos | 1;
-        println!("seed {seed:#x}");
-        Rng(seed)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
     fn below(&mut self, n: u64) -> u64 {
         self.next() % n
     }
