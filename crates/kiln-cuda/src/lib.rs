@@ -37,7 +37,7 @@ pub mod runtime;
 
 pub use compile::{Arch, CompileOptions, CompiledKernel, KernelCache, KernelResources, KernelSource};
 pub use facts::{DeviceFacts, DeviceFile};
-pub use memory::{DeviceMemory, MemoryPool, PoolStats};
+pub use memory::{DeviceMemory, DeviceView, MemoryPool, PoolStats};
 pub use nvrtc::{compile_calls as nvrtc_compile_calls, version as nvrtc_version, LIBNVRTC_FIX};
 pub use runtime::{compile_only, device_count, probe, Gpu, LibraryProbe, Probe};
 

@@ -297,6 +297,52 @@ impl DeviceMemory {
     }
 }
 
+/// A byte range of device memory that something else owns (a tensor inside a weight arena, an
+/// activation inside a planned slab): what a launcher needs to pass an address and check a length.
+///
+/// A view does not keep its memory alive; the owner must outlive every launch that uses it
+/// (launchers document this in their SAFETY notes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceView {
+    pub ptr: u64,
+    pub len_bytes: usize,
+}
+
+impl DeviceView {
+    /// The view of `len` bytes from `offset`, `Error::OutOfBounds` past the end.
+    pub fn slice(&self, offset: usize, len: usize) -> Result<DeviceView> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len_bytes => {
+                Ok(DeviceView { ptr: self.ptr + offset as u64, len_bytes: len })
+            }
+            _ => Err(Error::OutOfBounds {
+                op: "device view",
+                what: "byte range end",
+                value: offset as u64 + len as u64,
+                limit: self.len_bytes as u64,
+            }),
+        }
+    }
+}
+
+impl DeviceMemory {
+    /// The whole block as a view.
+    pub fn view(&self) -> DeviceView {
+        DeviceView { ptr: self.ptr, len_bytes: self.len_bytes }
+    }
+
+    /// The view of `len` bytes from `offset`, `Error::OutOfBounds` past the end.
+    pub fn slice(&self, offset: usize, len: usize) -> Result<DeviceView> {
+        self.view().slice(offset, len)
+    }
+}
+
+impl From<&DeviceMemory> for DeviceView {
+    fn from(memory: &DeviceMemory) -> DeviceView {
+        memory.view()
+    }
+}
+
 impl DeviceBuffer for DeviceMemory {
     fn device_name(&self) -> String {
         format!("cuda:{}", self.pool.ordinal)
