@@ -364,5 +364,15 @@ pub const SAMPLE: KernelSource = KernelSource {
     fmad: false,
 };
 
+/// The glue of a transformer block between its matrix products: q/k norm + RoPE + the write of
+/// k and v into the paged cache, SwiGLU, 16-bit conversions, a bias add, a row gather. Defines:
+/// `FWD_WARPS` (warps a block of `kiln_qkv_prepare`), `FWD_MAX_HEAD_DIM`.
+pub const FORWARD: KernelSource = KernelSource {
+    name: "forward",
+    source: include_str!("../kernels/forward.cu"),
+    define_sets: &[&[("FWD_WARPS", "4"), ("FWD_MAX_HEAD_DIM", "256")]],
+    fmad: false,
+};
+
 /// Every kernel source of Kiln.
-pub const ALL: &[KernelSource] = &[CONVERT, COPY, NORM, ROPE, EMBEDDING, LM_HEAD, ATTENTION, SAMPLE];
+pub const ALL: &[KernelSource] = &[CONVERT, COPY, NORM, ROPE, EMBEDDING, LM_HEAD, ATTENTION, SAMPLE, FORWARD];

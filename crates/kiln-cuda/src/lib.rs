@@ -27,6 +27,7 @@
 //! # Ok::<(), kiln_core::Error>(())
 //! ```
 
+pub mod blas;
 pub mod compile;
 pub mod facts;
 pub mod kernels;

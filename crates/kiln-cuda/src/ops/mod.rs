@@ -3,6 +3,7 @@
 
 pub mod attention;
 pub mod embedding;
+pub mod forward;
 pub mod lm_head;
 pub mod norm;
 pub mod rope;
