@@ -18,7 +18,7 @@ use kiln_core::ops::attention::{validate_sequences, AttentionSequence, Attention
 use kiln_core::{Error, Result};
 
 use crate::kernels::ATTENTION;
-use crate::memory::DeviceMemory;
+use crate::memory::{DeviceMemory, DeviceView};
 use crate::runtime::{driver_error, Gpu};
 
 /// The work split of one thread block: `warps_m` warps of 16 rows each, and `warps_n` warps that
@@ -91,16 +91,18 @@ pub const HEAD_DIMS: [usize; 2] = [64, 128];
 #[derive(Debug)]
 pub struct PagedBatch {
     /// `i32 [batch + 1]`: sequence `b`'s query tokens are `[offsets[b], offsets[b + 1])`.
-    pub query_offsets: DeviceMemory,
+    pub query_offsets: DeviceView,
     /// `i32 [batch]`: positions each sequence holds (cached plus its queries).
-    pub context_lens: DeviceMemory,
+    pub context_lens: DeviceView,
     /// `i32 [batch + 1]`: sequence `b`'s pages are `page_ids[offsets[b]..offsets[b + 1]]`.
-    pub page_offsets: DeviceMemory,
+    pub page_offsets: DeviceView,
     /// `u32`: the page tables, one after another.
-    pub page_ids: DeviceMemory,
+    pub page_ids: DeviceView,
     pub batch: usize,
     pub total_queries: usize,
     pub max_query_tokens: usize,
+    /// The memory behind the views when [`PagedBatch::upload`] made them.
+    _owned: Vec<DeviceMemory>,
 }
 
 impl PagedBatch {
@@ -138,14 +140,52 @@ impl PagedBatch {
             memory.copy_from_host(0, host)?;
             Ok(memory)
         };
+        let owned = vec![
+            device(&bytes(&query_offsets))?,
+            device(&bytes(&context_lens))?,
+            device(&bytes(&page_offsets))?,
+            device(&page_bytes)?,
+        ];
         Ok(PagedBatch {
-            query_offsets: device(&bytes(&query_offsets))?,
-            context_lens: device(&bytes(&context_lens))?,
-            page_offsets: device(&bytes(&page_offsets))?,
-            page_ids: device(&page_bytes)?,
+            query_offsets: owned[0].view(),
+            context_lens: owned[1].view(),
+            page_offsets: owned[2].view(),
+            page_ids: owned[3].view(),
             batch: sequences.len(),
             total_queries,
             max_query_tokens,
+            _owned: owned,
+        })
+    }
+
+    /// A batch over metadata the caller keeps on the device (a decode step whose positions and
+    /// pages are rewritten in place between replays of a captured graph).
+    ///
+    /// The views must hold the layouts of the fields' docs for `batch` sequences, every offset and
+    /// page id in bounds for the caches the call passes, and `max_query_tokens` must bound every
+    /// sequence's queries: the kernel reads them as they are on the device at launch time and
+    /// does not check them ([`PagedBatch::upload`] is the checked way).
+    pub fn from_views(
+        query_offsets: DeviceView,
+        context_lens: DeviceView,
+        page_offsets: DeviceView,
+        page_ids: DeviceView,
+        batch: usize,
+        total_queries: usize,
+        max_query_tokens: usize,
+    ) -> Result<PagedBatch> {
+        check_len("attention query_offsets", query_offsets.len_bytes, (batch + 1) * 4)?;
+        check_len("attention context_lens", context_lens.len_bytes, batch * 4)?;
+        check_len("attention page_offsets", page_offsets.len_bytes, (batch + 1) * 4)?;
+        Ok(PagedBatch {
+            query_offsets,
+            context_lens,
+            page_offsets,
+            page_ids,
+            batch,
+            total_queries,
+            max_query_tokens,
+            _owned: Vec::new(),
         })
     }
 }
@@ -161,8 +201,13 @@ pub struct KvBuffers<'a> {
 /// Splits of the context for a call over `batch` sequences: enough blocks to fill the device about
 /// twice, from the batch and the heads alone (never the context length), at most 64.
 pub fn decode_splits(gpu: &Gpu, batch: usize, kv_heads: usize) -> u32 {
+    decode_splits_for(gpu.facts().multiprocessors, batch, kv_heads)
+}
+
+/// [`decode_splits`] on a device of `multiprocessors` (no device needed).
+pub fn decode_splits_for(multiprocessors: u32, batch: usize, kv_heads: usize) -> u32 {
     let blocks = (batch * kv_heads).max(1);
-    (2 * gpu.facts().multiprocessors as usize).div_ceil(blocks).clamp(1, 64) as u32
+    (2 * multiprocessors as usize).div_ceil(blocks).clamp(1, 64) as u32
 }
 
 /// Bytes of scratch a call with `splits > 1` needs: f32 partial outputs and log-sums per split.
@@ -306,10 +351,10 @@ pub fn attention(
         q.device_ptr(),
         cache.k.device_ptr(),
         cache.v.device_ptr(),
-        batch.query_offsets.device_ptr(),
-        batch.context_lens.device_ptr(),
-        batch.page_offsets.device_ptr(),
-        batch.page_ids.device_ptr(),
+        batch.query_offsets.ptr,
+        batch.context_lens.ptr,
+        batch.page_offsets.ptr,
+        batch.page_ids.ptr,
         out.device_ptr(),
         partial_out,
         partial_lse,
