@@ -119,6 +119,9 @@ pub enum Error {
     /// A tuning run in which no candidate gave a correct result, so none may be chosen.
     #[error("no correct candidate for key {key}: {candidates} tried, each wrong or failed")]
     NoCorrectCandidate { key: String, candidates: usize },
+    /// A certified winner that names a configuration its kernel family does not have.
+    #[error("the certificate for {key} names configuration `{config}`, which kernel {kernel} does not have")]
+    UnknownTuningConfig { kernel: String, key: String, config: String },
 
     // ---- memory planning and KV cache ----------------------------------------------------
     /// The KV page pool has too few free pages.

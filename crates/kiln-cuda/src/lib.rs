@@ -28,6 +28,7 @@
 //! ```
 
 pub mod blas;
+pub mod certify;
 pub mod compile;
 pub mod facts;
 pub mod kernels;

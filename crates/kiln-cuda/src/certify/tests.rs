@@ -1,0 +1,371 @@
+//! CPU tests of the certifier's declarations: keys from shapes, pruning by facts, configuration
+//! names, the lookup through the store, and the planted wrong candidate never winning.
+
+use std::path::PathBuf;
+
+use kiln_core::tuning::store::record_certificate;
+use kiln_core::tuning::{select_winner, TuningMode};
+
+use super::*;
+
+const SM90: Arch = Arch(90);
+
+/// The facts of an H200 as the driver reports them.
+fn h200() -> DeviceFacts {
+    DeviceFacts {
+        ordinal: 0,
+        name: "NVIDIA H200".into(),
+        compute_capability: (9, 0),
+        arch: SM90,
+        multiprocessors: 132,
+        total_memory_bytes: 150_000_000_000,
+        l2_cache_bytes: 52_428_800,
+        shared_memory_per_block_bytes: 49_152,
+        shared_memory_per_block_optin_bytes: 232_448,
+        shared_memory_per_multiprocessor_bytes: 233_472,
+        registers_per_block: 65_536,
+        registers_per_multiprocessor: 65_536,
+        max_threads_per_block: 1024,
+        max_threads_per_multiprocessor: 2048,
+        warp_size: 32,
+        memory_bus_width_bits: 6144,
+        driver_cuda_version: "13.0".into(),
+    }
+}
+
+fn keys(model: &ModelShapes, families: &[Family]) -> Vec<String> {
+    tasks(model, families, SM90).unwrap().iter().map(|t| t.key(SM90).unwrap().to_string()).collect()
+}
+
+#[test]
+fn llama3_8b_asks_for_these_keys() {
+    let keys = keys(&ModelShapes::llama3_8b(), &Family::ALL);
+    let expected = [
+        "norm/rms.res.hf.n4096.g1.rows1/bf16.bf16.bf16/sm_90",
+        "norm/rms.res.hf.n4096.g1.rows2-64/bf16.bf16.bf16/sm_90",
+        "norm/rms.res.hf.n4096.g1.rows65+/bf16.bf16.bf16/sm_90",
+        "lm_head/v128256.h4096.rows1/bf16.f32/sm_90",
+        "lm_head/v128256.h4096.rows4/bf16.f32/sm_90",
+        "attention/prefill.q32.kv8.d128.p64/bf16/sm_90",
+        "attention/decode.q32.kv8.d128.p64.b1/bf16/sm_90",
+        "attention/decode.q32.kv8.d128.p64.b2-8/bf16/sm_90",
+        "attention/decode.q32.kv8.d128.p64.b9-64/bf16/sm_90",
+    ];
+    assert_eq!(keys, expected);
+    assert_eq!(self::keys(&ModelShapes::llama3_8b(), &[Family::LmHead]), expected[3..5]);
+}
+
+#[test]
+fn keys_follow_the_model_shapes_and_types() {
+    // SmolLM2-135M as its GGUF stores it: f32 norm weights, a Q8_0 output layer, 9 / 3 heads of 64.
+    let smol = ModelShapes {
+        name: "smollm2".into(),
+        hidden: 576,
+        vocab: 49_152,
+        q_heads: 9,
+        kv_heads: 3,
+        head_dim: 64,
+        rms_eps: 1e-5,
+        qk_norm: false,
+        norm_weight: DType::F32,
+        lm_head_weight: DType::Q8_0,
+    };
+    let keys = keys(&smol, &Family::ALL);
+    assert!(keys.contains(&"norm/rms.res.hf.n576.g1.rows1/bf16.f32.bf16/sm_90".to_owned()), "{keys:?}");
+    assert!(keys.contains(&"lm_head/v49152.h576.rows4/q8_0.f32/sm_90".to_owned()), "{keys:?}");
+    assert!(keys.contains(&"attention/decode.q9.kv3.d64.p64.b1/bf16/sm_90".to_owned()), "{keys:?}");
+    // Qwen3's per-head q norm adds its own keys: 32 segments of 128, no residual.
+    let qwen3 = ModelShapes { qk_norm: true, ..ModelShapes::llama3_8b() };
+    let keys = self::keys(&qwen3, &[Family::Norm]);
+    assert_eq!(keys.len(), 6);
+    assert!(keys.contains(&"norm/rms.hf.n128.g32.rows1/bf16.bf16.bf16/sm_90".to_owned()), "{keys:?}");
+}
+
+#[test]
+fn row_and_batch_classes_have_their_boundaries() {
+    assert_eq!(
+        [1, 2, 64, 65, 8192].map(norm_rows_class),
+        ["rows1", "rows2-64", "rows2-64", "rows65+", "rows65+"]
+    );
+    assert_eq!(
+        [1, 2, 8, 9, 64, 65].map(decode_batch_class),
+        ["b1", "b2-8", "b2-8", "b9-64", "b9-64", "b65+"]
+    );
+    // A decode key never depends on the context: the grid of a step is the same at every step.
+    let task = |context| AttentionTask {
+        shape: AttentionShape { q_heads: 32, kv_heads: 8, head_dim: 128, page_tokens: 64, scale: 0.088 },
+        phase: AttentionPhase::Decode { batch: 8, context },
+    };
+    assert_eq!(task(100).key(SM90).unwrap(), task(131_072).key(SM90).unwrap());
+    // Different architectures are different keys.
+    let norm = tasks(&ModelShapes::llama3_8b(), &[Family::Norm], SM90).unwrap()[0];
+    assert_ne!(norm.key(SM90).unwrap(), norm.key(Arch(80)).unwrap());
+}
+
+#[test]
+fn candidates_start_with_the_default_and_fit_an_h200() {
+    let facts = h200();
+    for task in tasks(&ModelShapes::llama3_8b(), &Family::ALL, SM90).unwrap() {
+        let (first, kept, pruned) = match &task {
+            Task::Norm(t) => {
+                let c = norm_candidates(t, &facts);
+                (c.kept.first().map(|v| norm_label(*v)), c.kept.len(), c.pruned)
+            }
+            Task::LmHead(t) => {
+                let c = lm_head_candidates(t, &facts);
+                (c.kept.first().map(|v| v.label()), c.kept.len(), c.pruned)
+            }
+            Task::Attention(t) => {
+                let c = attention_candidates(t, &facts);
+                (c.kept.first().map(|v| v.label()), c.kept.len(), c.pruned)
+            }
+        };
+        assert_eq!(first, Some(task.default_config(&facts)), "{task:?}");
+        assert!(kept >= 2, "{task:?}: {kept} candidates");
+        // On an H200 nothing Kiln lists is too big; only shapes the kernel does not serve go.
+        assert!(pruned.iter().all(|p| p.reason.starts_with("not served")), "{task:?}: {pruned:?}");
+    }
+}
+
+#[test]
+fn a_candidate_needing_more_shared_memory_than_the_device_gives_is_pruned() {
+    // A device whose blocks may use 48 KiB of shared memory at most.
+    let small = DeviceFacts { shared_memory_per_block_optin_bytes: 48 * 1024, ..h200() };
+    let shape = AttentionShape { q_heads: 32, kv_heads: 8, head_dim: 128, page_tokens: 64, scale: 0.088 };
+    let prefill = AttentionTask { shape, phase: AttentionPhase::Prefill { tokens: 2048 } };
+    let wide = AttentionConfig { variant: AttentionVariant::PREFILL_WIDE, splits: 1 };
+    assert!(AttentionVariant::PREFILL_WIDE.shared_bytes(128) > 48 * 1024);
+    let c = attention_candidates(&prefill, &small);
+    assert!(!c.kept.contains(&wide), "{c:?}");
+    let pruned = c.pruned.iter().find(|p| p.config == wide.label()).expect("the wide variant is pruned");
+    assert!(pruned.reason.contains("shared memory") && pruned.reason.contains("49152"), "{pruned:?}");
+    assert!(attention_candidates(&prefill, &h200()).kept.contains(&wide));
+
+    // The LM head's tile of 128 over 4 rows of 4096 needs 16 units x 4 rows x 129 x 4 bytes.
+    let head = LmHead {
+        hidden: 4096,
+        vocab: 128_256,
+        weight: DType::BF16,
+        logit_scale: 1.0,
+        soft_cap: None,
+        stats_block: None,
+    };
+    let task = LmHeadTask { head, rows: 4 };
+    let tiny = DeviceFacts { shared_memory_per_block_optin_bytes: 20 * 1024, ..h200() };
+    let c = lm_head_candidates(&task, &tiny);
+    let big = c.pruned.iter().find(|p| p.config == "8w/8v/128t").expect("tile 128 pruned");
+    assert!(big.reason.contains(&(16 * 4 * 129 * 4 + 64).to_string()), "{big:?}");
+    assert!(c.kept.iter().all(|v| plan(&head, 4, *v).unwrap().shared_bytes + 64 <= 20 * 1024));
+    assert!(lm_head_candidates(&task, &h200()).kept.iter().any(|v| v.label() == "8w/8v/128t"));
+
+    // Too many threads or registers for the block prune norm variants the same way.
+    let norm = tasks(&ModelShapes::llama3_8b(), &[Family::Norm], SM90).unwrap()[0];
+    let Task::Norm(norm) = norm else { panic!("a norm task") };
+    let few_threads = DeviceFacts { max_threads_per_block: 128, ..h200() };
+    let c = norm_candidates(&norm, &few_threads);
+    assert!(c.kept.iter().all(|v| 32 * v.warps_per_row * v.rows_per_block <= 128), "{c:?}");
+    assert!(c.pruned.iter().any(|p| p.config == "16w1r" && p.reason.contains("512 threads")), "{c:?}");
+    let few_registers = DeviceFacts { registers_per_block: 8192, ..h200() };
+    let c = norm_candidates(&norm, &few_registers);
+    assert!(c.pruned.iter().any(|p| p.config == "1w4r" && p.reason.contains("registers")), "{c:?}");
+}
+
+#[test]
+fn every_configuration_name_parses_back() {
+    for &v in NORM_VARIANTS {
+        assert_eq!(parse_norm_variant(&norm_label(v)), Some(v));
+    }
+    for &v in LM_HEAD_VARIANTS {
+        assert_eq!(parse_lm_head_variant(&v.label()), Some(v));
+    }
+    for rows in 1..=MAX_ROWS {
+        let v = LmHeadVariant::default_for(rows);
+        assert_eq!(parse_lm_head_variant(&v.label()), Some(v));
+    }
+    for variant in AttentionVariant::ALL {
+        for splits in [1, 7, 64] {
+            let c = AttentionConfig { variant, splits };
+            assert_eq!(AttentionConfig::parse(&c.label()), Some(c));
+        }
+    }
+    assert_eq!(norm_label(NormVariant { warps_per_row: 4, rows_per_block: 2, early_weight: true }), "4w2r+e");
+    assert_eq!(AttentionConfig { variant: AttentionVariant::PREFILL, splits: 1 }.label(), "4x1x64.s1");
+    for bad in ["", "3w1r", "4w1r+x", "4w1r ", "planted-wrong(4w1r)"] {
+        assert_eq!(parse_norm_variant(bad), None, "{bad:?}");
+    }
+    for bad in ["16w/4v/32", "16w/4v/32tq", "99w/4v/32t"] {
+        assert_eq!(parse_lm_head_variant(bad), None, "{bad:?}");
+    }
+    for bad in ["4x1x64", "4x1x64.s0", "4x1x64.s65", "4x1x64.sx", "3x1x64.s1", "4x1x64.s1.s2"] {
+        assert_eq!(AttentionConfig::parse(bad), None, "{bad:?}");
+    }
+}
+
+/// A fresh directory under the system's temporary folder.
+fn scratch_dir(name: &str) -> PathBuf {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
+    let dir = std::env::temp_dir().join(format!("kiln-certify-{name}-{}-{nanos}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn generator_of_test() -> Generator {
+    Generator { kiln_version: "0.1.0".into(), source_sha256: "cd".repeat(32) }
+}
+
+#[test]
+fn lookups_answer_the_winner_the_default_or_a_named_error() {
+    let task = match tasks(&ModelShapes::llama3_8b(), &[Family::Norm], SM90).unwrap()[0] {
+        Task::Norm(t) => t,
+        other => panic!("{other:?}"),
+    };
+    let key = task.key(SM90).unwrap();
+    let dir = scratch_dir("lookup");
+    let (certs, index) = (dir.join("certificates"), dir.join("index"));
+    let open = |mode| TuningStore::open(std::slice::from_ref(&certs), &index, mode).unwrap();
+
+    // No certificate: the declared default, or in strict mode an error naming kernel and key.
+    assert_eq!(
+        norm_variant(&open(TuningMode::Default), &task, SM90).unwrap(),
+        NormVariant::default_for(4096)
+    );
+    match norm_variant(&open(TuningMode::Strict), &task, SM90) {
+        Err(Error::KeyNotCertified { kernel, key: named }) => {
+            assert_eq!(kernel, "norm");
+            assert_eq!(named, key.to_string());
+        }
+        other => panic!("expected KeyNotCertified, got {other:?}"),
+    }
+
+    // A certificate: its winner, in either mode.
+    let candidates = vec![CandidateResult::ok("8w1r", 5.0, 0.0), CandidateResult::ok("2w2r+e", 3.0, 0.0)];
+    let c = Certificate::new(
+        key.clone(),
+        candidates,
+        generator_of_test(),
+        "NVIDIA H200",
+        "CUDA 13.0",
+        "2026-11-30",
+    )
+    .unwrap();
+    record_certificate(&certs, c).unwrap();
+    let want = NormVariant { warps_per_row: 2, rows_per_block: 2, early_weight: true };
+    assert_eq!(norm_variant(&open(TuningMode::Strict), &task, SM90).unwrap(), want);
+
+    // A winner the family does not have is refused by name.
+    let lm = match tasks(&ModelShapes::llama3_8b(), &[Family::LmHead], SM90).unwrap()[0] {
+        Task::LmHead(t) => t,
+        other => panic!("{other:?}"),
+    };
+    let lm_key = lm.key(SM90).unwrap();
+    let c = Certificate::new(
+        lm_key.clone(),
+        vec![CandidateResult::ok("64w/4v/32t", 1.0, 0.0)],
+        generator_of_test(),
+        "NVIDIA H200",
+        "CUDA 13.0",
+        "2026-11-30",
+    )
+    .unwrap();
+    record_certificate(&certs, c).unwrap();
+    match lm_head_variant(&open(TuningMode::Default), &lm, SM90) {
+        Err(Error::UnknownTuningConfig { kernel, key, config }) => {
+            assert_eq!((kernel.as_str(), config.as_str()), ("lm_head", "64w/4v/32t"));
+            assert_eq!(key, lm_key.to_string());
+        }
+        other => panic!("expected UnknownTuningConfig, got {other:?}"),
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn the_attention_default_is_the_launchers_default() {
+    let shape = AttentionShape { q_heads: 32, kv_heads: 8, head_dim: 128, page_tokens: 64, scale: 0.088 };
+    let decode = AttentionTask { shape, phase: AttentionPhase::Decode { batch: 1, context: 4096 } };
+    let c = decode.default_config(132);
+    assert_eq!(c.variant, AttentionVariant::default_for(1));
+    assert_eq!(c.splits, decode_splits_for(132, 1, 8));
+    assert_eq!(c.splits, 33);
+    let prefill = AttentionTask { shape, phase: AttentionPhase::Prefill { tokens: 2048 } };
+    assert_eq!(
+        prefill.default_config(132),
+        AttentionConfig { variant: AttentionVariant::PREFILL, splits: 1 }
+    );
+    // The decode candidates: two variants at 1, half, once and twice the default splits.
+    let labels: Vec<String> = attention_candidates(&decode, &h200()).kept.iter().map(|c| c.label()).collect();
+    assert_eq!(labels[0], "1x4x16.s33");
+    assert_eq!(labels.len(), 8, "{labels:?}");
+    assert!(labels.contains(&"1x4x32.s64".to_owned()) && labels.contains(&"1x4x16.s1".to_owned()));
+}
+
+#[test]
+fn the_planted_wrong_candidate_never_wins() {
+    // The planted candidate runs the fastest variant, so its time is about the fastest's: here it
+    // is strictly the fastest of all, and still never chosen.
+    let key = TuningKey::new("norm", "rms.res.hf.n4096.g1.rows1", "bf16.bf16.bf16", "sm_90").unwrap();
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    for _ in 0..200 {
+        let mut results: Vec<CandidateResult> = (0..1 + rng.next() % 12)
+            .map(|i| CandidateResult::ok(format!("v{i}"), f64::from(rng.uniform(1.0, 100.0)), 0.0))
+            .collect();
+        results.push(pruned_result(&PrunedCandidate { config: "16w1r".into(), reason: "too big".into() }));
+        let fastest = select_winner(&key, &results).unwrap().clone();
+        let check = Check { error: 1.0, wrong: Some("1 bytes differ from the CPU reference".into()) };
+        let planted = run_result(planted_label(&fastest.config), Some(fastest.score_us() * 0.5), &check);
+        assert!(!planted.is_eligible());
+        results.insert((rng.next() % results.len() as u64) as usize, planted);
+        let c = Certificate::new(key.clone(), results, generator_of_test(), "GPU", "CUDA 13.0", "2026-11-30")
+            .unwrap();
+        assert_eq!(c.winner, fastest.config);
+        assert!(!c.winner.starts_with("planted-wrong"));
+        c.validate().unwrap();
+    }
+    // With only wrong, failed and pruned candidates there is no certificate.
+    let check = Check { error: 3.0, wrong: Some("3 logits differ".into()) };
+    let only_wrong = vec![
+        run_result(planted_label("16w/4v/32t"), Some(1.0), &check),
+        failed_result("8w/4v/64t".into(), &Error::NotServed { op: "lm_head kernel", reason: "x".into() }),
+    ];
+    assert!(matches!(
+        Certificate::new(key, only_wrong, generator_of_test(), "GPU", "CUDA 13.0", "2026-11-30"),
+        Err(Error::NoCorrectCandidate { candidates: 2, .. })
+    ));
+}
+
+#[test]
+fn a_correct_check_records_ok_and_zero_error() {
+    let ok = run_result("4w1r".into(), Some(2.5), &Check { error: 0.0, wrong: None });
+    assert_eq!(ok, CandidateResult::ok("4w1r", 2.5, 0.0));
+    let pruned = pruned_result(&PrunedCandidate { config: "16w1r".into(), reason: "512 threads".into() });
+    assert!(
+        matches!(&pruned.status, CandidateStatus::Failed { detail } if detail.starts_with("pruned before compile"))
+    );
+    assert_eq!(byte_differences(&[1, 2, 3], &[1, 9, 3]), (1, Some(1)));
+    assert_eq!(byte_differences(&[1, 2, 3], &[1, 2]), (1, Some(2)));
+    assert_eq!(byte_differences(&[1, 2], &[1, 2]), (0, None));
+}
+
+#[test]
+fn rotation_sets_exceed_twice_the_l2_cache() {
+    let l2 = 52_428_800u64;
+    for set in [8 << 10, 1 << 20, 30 << 20, 200 << 20] {
+        let sets = rotation_sets(set, l2);
+        assert!(sets * set >= 2 * l2 as usize || sets == MAX_SETS, "{set}: {sets}");
+        assert!(sets >= 1);
+    }
+    assert_eq!(rotation_sets(1 << 30, l2), 1);
+}
+
+#[test]
+fn families_parse_by_command_line_or_kernel_name() {
+    for family in Family::ALL {
+        assert_eq!(Family::parse(family.name()).unwrap(), family);
+        assert_eq!(Family::parse(family.kernel()).unwrap(), family);
+    }
+    assert!(matches!(Family::parse("gemm"), Err(Error::InvalidArgument { name: "--kernel", .. })));
+    // The generator names the kernel source by its hash, so an edit to the source is a new generator.
+    let g = generator(Family::Norm);
+    assert_eq!(g.source_sha256.len(), 64);
+    assert_ne!(g, generator(Family::LmHead));
+    assert_eq!(g.kiln_version, KILN_VERSION);
+}
