@@ -6,7 +6,12 @@
 //! each launch reads a different input set, rotated so that the sets together exceed the L2
 //! cache twice over. Bytes counted: every input read once (x, residual, weight), every output
 //! written once (out, scales, the updated residual). Every variant of `NORM_VARIANTS` that serves
-//! a case is timed (each on its own line on stderr); the table shows the default and the best.
+//! a case is timed (each on its own line on stderr); the table shows the certified variant (the
+//! tuning store's winner for the case's key, else the declared default; with `KILN_TUNING=strict`
+//! an uncertified key fails by name before anything is timed), the declared default and the best.
+//!
+//! The cases are the table below, or with `--model` / `--shapes` the norm calls that model makes
+//! (the keys `kiln tune certify` certifies for it).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -15,10 +20,12 @@ use kiln_core::ops::norm::{LayerNorm, NormOutput, NormSpec, RmsNorm, WeightMode}
 use kiln_core::ops::primitives::f32_to_bf16_bits;
 use kiln_core::ops::quantize::Quantizer;
 use kiln_core::{DType, Error, Result};
+use kiln_cuda::certify::{norm_label, norm_variant, tasks, Family, NormTask, Task};
 use kiln_cuda::ops::norm::{norm, NormBuffers, NormCall, NormVariant, NORM_VARIANTS};
 use kiln_cuda::{DeviceMemory, Gpu};
 
 use crate::bench_lm_head::{copy_ceiling_gbs, timed};
+use crate::tune::{model_shapes, open_store, ShapeArgs};
 
 /// Arguments of `kiln bench norm`.
 #[derive(Debug, Clone, clap::Args)]
@@ -32,9 +39,12 @@ pub struct BenchNormArgs {
     /// Launches per batch.
     #[arg(long, default_value_t = 20)]
     pub launches: usize,
-    /// Time only the default variant of each case.
+    /// Time only the certified and the declared default variant of each case.
     #[arg(long)]
     pub default_only: bool,
+    /// The norm calls of this model (or shape set) instead of the built-in cases.
+    #[command(flatten)]
+    pub shapes: ShapeArgs,
 }
 
 /// The benchmarked cases: name, spec, whether the residual is added.
@@ -103,7 +113,7 @@ pub fn run(args: &BenchNormArgs) -> Result<()> {
     let ceiling_gbs = copy_ceiling_gbs(&gpu, args.batches)?;
     println!("device: {} ({}), copy ceiling {:.0} GB/s", gpu.facts().name, gpu.arch(), ceiling_gbs);
     println!(
-        "{:<20} {:>12} {:<22} {:>10} {:>9} {:>9} {:>10} {:>9}",
+        "{:<20} {:>12} {:<32} {:>10} {:>9} {:>9} {:>10} {:>9}",
         "case", "shape", "variant", "time_us", "GB/s", "%copy", "torch_us", "speedup"
     );
 
@@ -112,86 +122,108 @@ pub fn run(args: &BenchNormArgs) -> Result<()> {
         .map(|d| d.as_nanos() as u64)
         .unwrap_or(1)
         | 1;
-    for &(rows, hidden) in SHAPES {
-        for (name, spec, residual) in cases() {
-            let call = NormCall { spec, rows, hidden, x_type: DType::BF16, weight_type: DType::BF16 };
-            let (x_bytes, w_bytes, out_bytes, scale_bytes) = call.buffer_bytes()?;
-            let set_bytes = x_bytes * if residual { 3 } else { 1 } + out_bytes + scale_bytes;
-            let sets = (2 * l2).div_ceil(set_bytes).clamp(2, 64);
-            let xs = (0..sets)
-                .map(|_| device(&gpu, &random_bf16(x_bytes, &mut seed)))
-                .collect::<Result<Vec<_>>>()?;
-            let residuals = if residual {
-                (0..sets)
-                    .map(|_| device(&gpu, &random_bf16(x_bytes, &mut seed)))
-                    .collect::<Result<Vec<_>>>()?
-            } else {
-                Vec::new()
-            };
-            let outs = (0..sets).map(|_| gpu.alloc(out_bytes)).collect::<Result<Vec<_>>>()?;
-            let scales = (0..sets).map(|_| gpu.alloc(scale_bytes.max(1))).collect::<Result<Vec<_>>>()?;
-            let weight = device(&gpu, &random_bf16(w_bytes, &mut seed))?;
-            let bias = device(&gpu, &random_bf16(w_bytes, &mut seed))?;
-            let moved = x_bytes
-                + w_bytes * if spec.bias { 2 } else { 1 }
-                + out_bytes
-                + scale_bytes
-                + if residual { 2 * x_bytes } else { 0 };
-            let shape = format!("{rows}x{hidden}");
-            let default = NormVariant::default_for(call.segment_len());
-            let candidates: Vec<NormVariant> = if args.default_only {
-                vec![default]
-            } else {
-                std::iter::once(default)
-                    .chain(NORM_VARIANTS.iter().copied().filter(|v| *v != default))
-                    .filter(|v| call.validate(*v).is_ok())
-                    .collect()
-            };
-            let mut results: Vec<(NormVariant, f64)> = Vec::with_capacity(candidates.len());
-            for variant in candidates {
-                let us = timed(&gpu, args.batches, args.launches, |i| {
-                    let k = i % sets;
-                    let buffers = NormBuffers {
-                        x: &xs[k],
-                        residual: residuals.get(k),
-                        weight: Some(&weight),
-                        bias: spec.bias.then_some(&bias),
-                        gate: None,
-                        out: &outs[k],
-                        scales: (scale_bytes > 0).then_some(&scales[k]),
-                    };
-                    norm(&gpu, &call, buffers, Some(variant))
-                })?;
-                eprintln!(
-                    "{name} {shape} {}: {us:.2} us, {:.1}% copy",
-                    label(variant),
-                    100.0 * moved as f64 / us / 1e3 / ceiling_gbs
-                );
-                results.push((variant, us));
+    let arch = gpu.arch();
+    let cases: Vec<(String, NormTask)> = if args.shapes.model.is_some() || args.shapes.shapes.is_some() {
+        let model = model_shapes(&args.shapes)?;
+        let mut cases = Vec::new();
+        for task in tasks(&model, &[Family::Norm], arch)? {
+            if let Task::Norm(t) = task {
+                cases.push((t.key(arch)?.shape_class, t));
             }
-            let best = results.iter().copied().min_by(|a, b| a.1.total_cmp(&b.1));
-            let default_time = results.iter().find(|(v, _)| *v == default).copied();
-            let torch = peer.get(name).and_then(|m| m.get(&shape)).copied();
-            let rows_to_print: Vec<(&str, (NormVariant, f64))> = match (default_time, best) {
-                (Some(d), Some(b)) if b.0 != d.0 => vec![("default", d), ("best", b)],
-                (Some(d), _) => vec![("default=best", d)],
-                (None, Some(b)) => vec![("best", b)],
-                (None, None) => Vec::new(),
-            };
-            for (which, (variant, us)) in rows_to_print {
-                let gbs = moved as f64 / us / 1e3;
-                println!(
-                    "{:<20} {:>12} {:<22} {:>10.2} {:>9.0} {:>8.1}% {:>10} {:>9}",
-                    name,
-                    shape,
-                    format!("{which} {}", label(variant)),
-                    us,
-                    gbs,
-                    100.0 * gbs / ceiling_gbs,
-                    torch.map_or("-".to_owned(), |t| format!("{t:.2}")),
-                    torch.map_or("-".to_owned(), |t| format!("{:.2}x", t / us)),
-                );
+        }
+        cases
+    } else {
+        SHAPES
+            .iter()
+            .flat_map(|&(rows, hidden)| {
+                cases().into_iter().map(move |(name, spec, residual)| {
+                    let call = NormCall { spec, rows, hidden, x_type: DType::BF16, weight_type: DType::BF16 };
+                    (name.to_owned(), NormTask { call, residual })
+                })
+            })
+            .collect()
+    };
+    // Every case's configuration is looked up before anything runs, so that a strict-mode miss
+    // fails at once, naming the key.
+    let store = open_store()?;
+    let certified = cases
+        .iter()
+        .map(|(_, task)| norm_variant(&store, task, arch))
+        .collect::<Result<Vec<NormVariant>>>()?;
+    for ((name, task), certified) in cases.iter().zip(certified) {
+        let name = name.as_str();
+        let (call, residual) = (task.call, task.residual);
+        let (rows, hidden, spec) = (call.rows, call.hidden, call.spec);
+        let (x_bytes, w_bytes, out_bytes, scale_bytes) = call.buffer_bytes()?;
+        let set_bytes = x_bytes * if residual { 3 } else { 1 } + out_bytes + scale_bytes;
+        let sets = (2 * l2).div_ceil(set_bytes).clamp(2, 64);
+        let xs =
+            (0..sets).map(|_| device(&gpu, &random_bf16(x_bytes, &mut seed))).collect::<Result<Vec<_>>>()?;
+        let residuals = if residual {
+            (0..sets).map(|_| device(&gpu, &random_bf16(x_bytes, &mut seed))).collect::<Result<Vec<_>>>()?
+        } else {
+            Vec::new()
+        };
+        let outs = (0..sets).map(|_| gpu.alloc(out_bytes)).collect::<Result<Vec<_>>>()?;
+        let scales = (0..sets).map(|_| gpu.alloc(scale_bytes.max(1))).collect::<Result<Vec<_>>>()?;
+        let weight = device(&gpu, &random_bf16(w_bytes, &mut seed))?;
+        let bias = device(&gpu, &random_bf16(w_bytes, &mut seed))?;
+        let moved = x_bytes
+            + w_bytes * if spec.bias { 2 } else { 1 }
+            + out_bytes
+            + scale_bytes
+            + if residual { 2 * x_bytes } else { 0 };
+        let shape = format!("{rows}x{hidden}");
+        let default = NormVariant::default_for(call.segment_len());
+        let mut candidates: Vec<NormVariant> = vec![certified];
+        let others: Vec<NormVariant> = if args.default_only {
+            vec![default]
+        } else {
+            std::iter::once(default).chain(NORM_VARIANTS.iter().copied()).collect()
+        };
+        for v in others {
+            if !candidates.contains(&v) && call.validate(v).is_ok() {
+                candidates.push(v);
             }
+        }
+        let mut results: Vec<(NormVariant, f64)> = Vec::with_capacity(candidates.len());
+        for variant in candidates {
+            let us = timed(&gpu, args.batches, args.launches, |i| {
+                let k = i % sets;
+                let buffers = NormBuffers {
+                    x: &xs[k],
+                    residual: residuals.get(k),
+                    weight: Some(&weight),
+                    bias: spec.bias.then_some(&bias),
+                    gate: None,
+                    out: &outs[k],
+                    scales: (scale_bytes > 0).then_some(&scales[k]),
+                };
+                norm(&gpu, &call, buffers, Some(variant))
+            })?;
+            eprintln!(
+                "{name} {shape} {}: {us:.2} us, {:.1}% copy",
+                label(variant),
+                100.0 * moved as f64 / us / 1e3 / ceiling_gbs
+            );
+            results.push((variant, us));
+        }
+        let best = results.iter().copied().min_by(|a, b| a.1.total_cmp(&b.1)).map(|r| r.0);
+        let torch = peer.get(name).and_then(|m| m.get(&shape)).copied();
+        let rows_to_print = tagged_rows(&results, certified, default, best);
+        for (which, (variant, us)) in rows_to_print {
+            let gbs = moved as f64 / us / 1e3;
+            println!(
+                "{:<20} {:>12} {:<32} {:>10.2} {:>9.0} {:>8.1}% {:>10} {:>9}",
+                name,
+                shape,
+                format!("{which} {}", label(variant)),
+                us,
+                gbs,
+                100.0 * gbs / ceiling_gbs,
+                torch.map_or("-".to_owned(), |t| format!("{t:.2}")),
+                torch.map_or("-".to_owned(), |t| format!("{:.2}x", t / us)),
+            );
         }
     }
     Ok(())
@@ -199,5 +231,49 @@ pub fn run(args: &BenchNormArgs) -> Result<()> {
 
 /// A variant as `4w1r` (warps per row, rows per block), `+e` when it loads the weight early.
 fn label(v: NormVariant) -> String {
-    format!("{}w{}r{}", v.warps_per_row, v.rows_per_block, if v.early_weight { "+e" } else { "" })
+    norm_label(v)
+}
+
+/// The certified, default and best variants' rows, each variant once, tagged with every role it
+/// has (`certified=default`, `best`).
+fn tagged_rows<V: PartialEq + Copy>(
+    results: &[(V, f64)],
+    certified: V,
+    default: V,
+    best: Option<V>,
+) -> Vec<(String, (V, f64))> {
+    let mut rows: Vec<(String, (V, f64))> = Vec::new();
+    for (role, variant) in [("certified", Some(certified)), ("default", Some(default)), ("best", best)] {
+        let Some(variant) = variant else { continue };
+        let Some(&result) = results.iter().find(|(v, _)| *v == variant) else { continue };
+        match rows.iter_mut().find(|(_, (v, _))| *v == variant) {
+            Some((tags, _)) => {
+                tags.push('=');
+                tags.push_str(role);
+            }
+            None => rows.push((role.to_owned(), result)),
+        }
+    }
+    rows
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_variant_is_printed_once_with_all_its_roles() {
+        let results = [(1, 5.0), (2, 4.0), (3, 3.0)];
+        let tags =
+            |rows: Vec<(String, (i32, f64))>| rows.into_iter().map(|(t, (v, _))| (t, v)).collect::<Vec<_>>();
+        assert_eq!(
+            tags(tagged_rows(&results, 3, 1, Some(3))),
+            [("certified=best".to_owned(), 3), ("default".to_owned(), 1)]
+        );
+        assert_eq!(
+            tags(tagged_rows(&results, 2, 2, Some(3))),
+            [("certified=default".to_owned(), 2), ("best".to_owned(), 3)]
+        );
+        assert_eq!(tags(tagged_rows(&results, 1, 1, Some(1))), [("certified=default=best".to_owned(), 1)]);
+    }
 }
