@@ -66,6 +66,71 @@ template <int T> __device__ __forceinline__ void kiln_store8(void* base, long lo
     }
 }
 
+// ---- packed conversions (sm_80 and later) ------------------------------------------------------
+
+// Two fp32 values rounded to T (KILN_F16 / KILN_BF16) to nearest even, packed as the bits
+// kiln_f32_to_bf16 / kiln_f32_to_f16 give (`lo` in the low half). A NaN gives the canonical NaN
+// 0x7FFF, as the prelude does for the canonical fp32 NaN every GPU operation returns.
+template <int T> __device__ __forceinline__ unsigned int kiln_pack2(float lo, float hi) {
+    unsigned int d;
+    if constexpr (T == KILN_BF16) {
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    } else {
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    }
+    return d;
+}
+
+// The two 16-bit values of a packed word as fp32 (exact).
+template <int T> __device__ __forceinline__ void kiln_unpack2(unsigned int w, float& lo, float& hi) {
+    if constexpr (T == KILN_BF16) {
+        lo = __uint_as_float(w << 16);
+        hi = __uint_as_float(w & 0xFFFF0000u);
+    } else {
+        lo = kiln_f16_to_f32((unsigned short)(w & 0xFFFFu));
+        hi = kiln_f16_to_f32((unsigned short)(w >> 16));
+    }
+}
+
+// a and b rounded to T and widened back (kiln_round<T> on each, two elements per conversion).
+template <int T> __device__ __forceinline__ void kiln_round2(float& a, float& b) {
+    if constexpr (T != KILN_F32) kiln_unpack2<T>(kiln_pack2<T>(a, b), a, b);
+}
+
+// Bytes 0 of a, b, c, d as one word (a lowest).
+__device__ __forceinline__ unsigned int kiln_bytes4(unsigned int a, unsigned int b, unsigned int c, unsigned int d) {
+    unsigned int ab, cd, r;
+    asm("prmt.b32 %0, %1, %2, 0x0040;" : "=r"(ab) : "r"(a), "r"(b));
+    asm("prmt.b32 %0, %1, %2, 0x0040;" : "=r"(cd) : "r"(c), "r"(d));
+    asm("prmt.b32 %0, %1, %2, 0x5410;" : "=r"(r) : "r"(ab), "r"(cd));
+    return r;
+}
+
+// E4M3 codes of two values (`lo` in the low byte): kiln_f32_to_e4m3 on each. sm_89 and later
+// convert in hardware (round to nearest even, finite overflow and infinity saturate to 448, NaN
+// to 0x7F: the prelude's results for every input but a NaN with its sign bit set, which no GPU
+// operation returns).
+__device__ __forceinline__ unsigned int kiln_e4m3x2(float lo, float hi) {
+#if __CUDA_ARCH__ >= 890
+    unsigned short d;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
+    return (unsigned int)d;
+#else
+    return (unsigned int)kiln_f32_to_e4m3(lo) | ((unsigned int)kiln_f32_to_e4m3(hi) << 8);
+#endif
+}
+
+// The value of an E4M3 code (exact), in hardware through fp16 on sm_89 and later.
+__device__ __forceinline__ float kiln_e4m3_value(unsigned int code) {
+#if __CUDA_ARCH__ >= 890
+    unsigned int h2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"((unsigned short)code));
+    return kiln_f16_to_f32((unsigned short)(h2 & 0xFFFFu));
+#else
+    return kiln_e4m3_to_f32((kiln_u8)code);
+#endif
+}
+
 // ---- fixed-order sums ----------------------------------------------------------------------
 
 // ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)), as `lane_sum8` in Rust.
@@ -107,15 +172,17 @@ __device__ __forceinline__ float kiln_silu(float z) { return z / (1.0f + kiln_ex
 
 // E4M3 encode / decode: the prelude's kiln_f32_to_e4m3 / kiln_e4m3_to_f32.
 
-// The Rust `f32_to_e2m1` without branches: its rounding of each range (ties to even) equals
-// counting the thresholds the magnitude passes, strictly where the tie rounds down, inclusively
-// where it rounds up (checked equal for all 2^32 floats).
+// The Rust `f32_to_e2m1` without branches (equal to it for all 2^32 floats, checked on the host):
+// adding 2^(22 + e), e = 0, 1, 2 for |x| below 2, below 4, and above, rounds |x| to the E2M1 grid
+// of its binade (steps 0.5, 1, 2) to nearest even, and the sum's bits past 2^(22 + e)'s count the
+// steps; past 6 the code saturates at 7; a NaN gives 0.
 __device__ __forceinline__ unsigned int kiln_f32_to_e2m1(float x) {
-    if (x != x) return 0;
-    const unsigned int sign = (__float_as_uint(x) >> 28) & 0x8u;
-    const float a = fabsf(x);
-    const unsigned int m = (unsigned int)(a > 0.25f) + (unsigned int)(a >= 0.75f) + (unsigned int)(a > 1.25f) +
-                           (unsigned int)(a >= 1.75f) + (unsigned int)(a > 2.5f) + (unsigned int)(a >= 3.5f) +
-                           (unsigned int)(a > 5.0f);
-    return sign | m;
+    const unsigned int bits = __float_as_uint(x);
+    const unsigned int sign = (bits >> 28) & 0x8u;
+    const unsigned int abs_bits = bits & 0x7FFFFFFFu;
+    const unsigned int e = min(max(abs_bits >> 23, 127u), 129u);
+    const unsigned int magic_bits = (e + 22u) << 23;
+    const float s = __uint_as_float(abs_bits) + __uint_as_float(magic_bits);
+    const unsigned int code = min(__float_as_uint(s) - magic_bits + 2u * e - 254u, 7u);
+    return abs_bits > 0x7F800000u ? 0u : (sign | code);
 }
