@@ -5,19 +5,29 @@
 //! Bytes counted: the weights once (the floor: every row shares one pass over W), h, and the
 //! logits written. Timing: CUDA events around batches of launches after a warm-up, the median of
 //! the batches. W (1.24 GB) is far larger than L2, so every launch reads it from memory; h and
-//! the logits rotate over several buffers. Every variant that serves the row count is timed, and
-//! the table shows the default and the best.
+//! the logits rotate over several buffers (and W over copies when it is smaller than twice the
+//! L2 cache). Every variant that serves the row count is timed, and the table shows the certified
+//! variant (the tuning store's winner for the case's key, else the declared default; with
+//! `KILN_TUNING=strict` an uncertified key fails by name before anything is timed), the declared
+//! default and the best. With `--model` / `--shapes` the cases are the LM head calls that model
+//! makes (its vocabulary, hidden size and output weight type).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use kiln_core::ops::lm_head::row_bytes;
 use kiln_core::ops::lm_head::LmHead;
-use kiln_core::ops::primitives::f32_to_bf16_bits;
 use kiln_core::{DType, Error, Result};
+use kiln_cuda::certify::{
+    lm_head_variant, random_lm_head_weights, rotation_sets, tasks, Family, LmHeadTask, Task,
+};
 use kiln_cuda::cudarc::driver::sys::CUevent_flags;
 use kiln_cuda::ops::lm_head::{lm_head, plan, LmHeadBuffers, LmHeadVariant, LM_HEAD_VARIANTS};
 use kiln_cuda::runtime::driver_error;
 use kiln_cuda::{DeviceMemory, Gpu};
+
+use crate::bench_norm::tagged_rows;
+use crate::tune::{model_shapes, open_store, ShapeArgs};
 
 /// Arguments of `kiln bench lm-head`.
 #[derive(Debug, Clone, clap::Args)]
@@ -40,6 +50,9 @@ pub struct BenchLmHeadArgs {
     /// Also write the table (markdown) here.
     #[arg(long)]
     pub out: Option<PathBuf>,
+    /// The LM head calls of this model (or shape set) instead of rows 1, 2, 4, 8 of `--vocab` x `--hidden`.
+    #[command(flatten)]
+    pub shapes: ShapeArgs,
 }
 
 /// The median time per launch, microseconds, of batches of `launches` calls of `launch(i)`
@@ -128,30 +141,60 @@ impl Values {
 /// Runs the benchmark and prints the table.
 pub fn run(args: &BenchLmHeadArgs) -> Result<()> {
     let gpu = Gpu::open(0)?;
+    let arch = gpu.arch();
     let peer: BTreeMap<String, f64> = read_peer(args.peer.as_deref(), "bench/peers/lm_head.py")?;
-    let ceiling_gbs = copy_ceiling_gbs(&gpu, args.batches)?;
-    let (vocab, hidden) = (args.vocab, args.hidden);
-    let mut table = format!(
-        "LM head {vocab} x {hidden} bf16 on {} ({}); copy ceiling {ceiling_gbs:.0} GB/s\n\n\
-         | rows | variant | time_us | GB/s | % copy | torch_us | torch / kiln |\n\
-         | ---: | --- | ---: | ---: | ---: | ---: | ---: |\n",
-        gpu.facts().name,
-        gpu.arch()
-    );
-    let mut values = Values::fresh();
-    let w: Vec<u8> =
-        (0..vocab * hidden).flat_map(|_| f32_to_bf16_bits(values.next()).to_le_bytes()).collect();
-    let w_dev = upload(&gpu, &w)?;
-    drop(w);
-    for rows in [1usize, 2, 4, 8] {
+    let cases: Vec<LmHeadTask> = if args.shapes.model.is_some() || args.shapes.shapes.is_some() {
+        let model = model_shapes(&args.shapes)?;
+        tasks(&model, &[Family::LmHead], arch)?
+            .into_iter()
+            .filter_map(|t| if let Task::LmHead(t) = t { Some(t) } else { None })
+            .collect()
+    } else {
         let head = LmHead {
-            hidden,
-            vocab,
+            hidden: args.hidden,
+            vocab: args.vocab,
             weight: DType::BF16,
             logit_scale: 1.0,
             soft_cap: None,
             stats_block: None,
         };
+        [1, 2, 4, 8].into_iter().map(|rows| LmHeadTask { head, rows }).collect()
+    };
+    // Every case's configuration is looked up before anything runs, so that a strict-mode miss
+    // fails at once, naming the key.
+    let store = open_store()?;
+    let certified =
+        cases.iter().map(|t| lm_head_variant(&store, t, arch)).collect::<Result<Vec<LmHeadVariant>>>()?;
+    let ceiling_gbs = copy_ceiling_gbs(&gpu, args.batches)?;
+    let mut table = format!(
+        "LM head on {} ({}); copy ceiling {ceiling_gbs:.0} GB/s\n\n\
+         | vocab x hidden | rows | variant | time_us | GB/s | % copy | torch_us | torch / kiln |\n\
+         | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |\n",
+        gpu.facts().name,
+        gpu.arch()
+    );
+    let mut values = Values::fresh();
+    let mut weights: Option<(LmHead, Vec<DeviceMemory>)> = None;
+    for (task, certified) in cases.iter().zip(certified) {
+        let (head, rows) = (task.head, task.rows);
+        let (vocab, hidden) = (head.vocab, head.hidden);
+        if weights.as_ref().is_none_or(|(h, _)| (h.vocab, h.hidden, h.weight) != (vocab, hidden, head.weight))
+        {
+            drop(weights.take()); // the old copies go back to the pool first
+            let w = random_lm_head_weights(values.0, head.weight, vocab, hidden)?;
+            values.next();
+            let first = upload(&gpu, &w)?;
+            drop(w);
+            // Copies at other addresses when W alone would stay in L2.
+            let mut copies = vec![first];
+            for _ in 1..rotation_sets(copies[0].len_bytes(), gpu.facts().l2_cache_bytes).min(8) {
+                let copy = gpu.alloc(copies[0].len_bytes())?;
+                copy.copy_from_device(&copies[0])?;
+                copies.push(copy);
+            }
+            weights = Some((head, copies));
+        }
+        let Some((_, w_dev)) = &weights else { continue };
         let sets = 4;
         let hs = (0..sets)
             .map(|_| {
@@ -162,20 +205,19 @@ pub fn run(args: &BenchLmHeadArgs) -> Result<()> {
             })
             .collect::<Result<Vec<_>>>()?;
         let outs = (0..sets).map(|_| gpu.alloc(rows * vocab * 4)).collect::<Result<Vec<_>>>()?;
-        let bytes = (vocab * hidden * 2 + rows * hidden * 4 + rows * vocab * 4) as f64;
+        let bytes = (vocab * row_bytes(head.weight, hidden)? + rows * hidden * 4 + rows * vocab * 4) as f64;
         let default = LmHeadVariant::default_for(rows);
         let mut results: Vec<(LmHeadVariant, f64)> = Vec::new();
-        for &variant in LM_HEAD_VARIANTS.iter().chain(std::iter::once(&default)) {
+        for &variant in [certified, default].iter().chain(LM_HEAD_VARIANTS) {
             if plan(&head, rows, variant).is_err() || results.iter().any(|(v, _)| *v == variant) {
                 continue;
             }
             let us = timed(&gpu, args.batches, args.launches, |i| {
-                let k = i % sets;
                 let buffers = LmHeadBuffers {
-                    h: &hs[k],
-                    weights: &w_dev,
+                    h: &hs[i % sets],
+                    weights: &w_dev[i % w_dev.len()],
                     row_scale: None,
-                    logits: &outs[k],
+                    logits: &outs[i % sets],
                     stats: None,
                 };
                 lm_head(&gpu, &head, rows, buffers, Some(variant))
@@ -183,14 +225,13 @@ pub fn run(args: &BenchLmHeadArgs) -> Result<()> {
             eprintln!("rows {rows} {}: {us:.1} us", variant.label());
             results.push((variant, us));
         }
-        let best = results.iter().copied().min_by(|a, b| a.1.total_cmp(&b.1));
-        let default_time = results.iter().find(|(v, _)| *v == default).map(|r| r.1);
+        let best = results.iter().copied().min_by(|a, b| a.1.total_cmp(&b.1)).map(|r| r.0);
         let torch = peer.get(&rows.to_string()).copied();
-        for (label, entry) in [("default", default_time.map(|t| (default, t))), ("best", best)] {
-            let Some((variant, us)) = entry else { continue };
+        for (label, (variant, us)) in tagged_rows(&results, certified, default, best) {
             let gbs = bytes / us / 1e3;
             table.push_str(&format!(
-                "| {rows} | {label} {} | {us:.1} | {gbs:.0} | {:.1}% | {} | {} |\n",
+                "| {vocab} x {hidden} {} | {rows} | {label} {} | {us:.1} | {gbs:.0} | {:.1}% | {} | {} |\n",
+                head.weight.name().to_ascii_lowercase(),
                 variant.label(),
                 100.0 * gbs / ceiling_gbs,
                 torch.map_or("-".to_owned(), |t| format!("{t:.1}")),

@@ -236,7 +236,7 @@ fn label(v: NormVariant) -> String {
 
 /// The certified, default and best variants' rows, each variant once, tagged with every role it
 /// has (`certified=default`, `best`).
-fn tagged_rows<V: PartialEq + Copy>(
+pub(crate) fn tagged_rows<V: PartialEq + Copy>(
     results: &[(V, f64)],
     certified: V,
     default: V,

@@ -1189,6 +1189,11 @@ fn random_weights(rng: &mut Rng, dtype: DType, vocab: usize, hidden: usize) -> R
     })
 }
 
+/// Random LM head weights of `dtype` (see the certifier's inputs) from `seed`, for benchmarks.
+pub fn random_lm_head_weights(seed: u64, dtype: DType, vocab: usize, hidden: usize) -> Result<Vec<u8>> {
+    random_weights(&mut Rng(seed | 1), dtype, vocab, hidden)
+}
+
 impl LmHeadHarness {
     fn new(gpu: &Gpu, task: LmHeadTask, rng: &mut Rng) -> Result<LmHeadHarness> {
         let head = task.head;
