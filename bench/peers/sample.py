@@ -22,6 +22,8 @@ MODES = {
     "top_p": dict(temperature=0.8, top_p=0.9),
     "top_k_top_p": dict(temperature=0.8, top_k=50, top_p=0.9),
     "min_p": dict(temperature=0.8, min_p=0.05),
+    "top_k_min_p": dict(temperature=0.8, top_k=50, min_p=0.05),
+    "top_k_penalties": dict(temperature=0.8, top_k=50, top_p=0.9, repetition=1.1, frequency=0.2, presence=0.1),
     "penalties": dict(temperature=0.8, repetition=1.1, frequency=0.2, presence=0.1),
 }
 

@@ -3,14 +3,17 @@
 //! (`bench/peers/sample.py`, whose JSON output `--peer` reads).
 //!
 //! Logits are random (never zeros) and rotate over several sets so they do not all sit in L2;
-//! the step counters advance on every launch. Times are CUDA-event medians per launch.
+//! the step counters advance on every launch. Times are CUDA-event medians per launch. The
+//! sampler's scratch is allocated once per batch, as a decode loop (or a captured graph) does.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use kiln_core::ops::sample::SamplingParams;
 use kiln_core::{Error, Result};
-use kiln_cuda::ops::sample::{encode_histories, encode_params, sample, PenaltyScratch, SampleBuffers};
+use kiln_cuda::ops::sample::{
+    encode_histories, encode_params, sample, PenaltyScratch, SampleBuffers, SampleScratch,
+};
 use kiln_cuda::Gpu;
 
 use crate::bench_lm_head::{read_peer, timed, upload, Values};
@@ -45,6 +48,18 @@ fn modes() -> Vec<(&'static str, SamplingParams)> {
         ("top_p", SamplingParams { top_p: 0.9, ..d }),
         ("top_k_top_p", SamplingParams { top_k: 50, top_p: 0.9, ..d }),
         ("min_p", SamplingParams { min_p: 0.05, ..d }),
+        ("top_k_min_p", SamplingParams { top_k: 50, min_p: 0.05, ..d }),
+        (
+            "top_k_penalties",
+            SamplingParams {
+                top_k: 50,
+                top_p: 0.9,
+                repetition_penalty: 1.1,
+                frequency_penalty: 0.2,
+                presence_penalty: 0.1,
+                ..d
+            },
+        ),
         (
             "penalties",
             SamplingParams { repetition_penalty: 1.1, frequency_penalty: 0.2, presence_penalty: 0.1, ..d },
@@ -91,6 +106,7 @@ pub fn run(args: &BenchSampleArgs) -> Result<()> {
         counts.fill_bytes(0)?;
         let scratch = gpu.alloc(batch * vocab * 4)?;
         let out = gpu.alloc(batch * 4)?;
+        let sample_scratch = SampleScratch::new(&gpu, batch, vocab)?;
         let steps: Vec<u8> = (0..batch as u64).flat_map(|s| s.to_le_bytes()).collect();
         let steps_dev = upload(&gpu, &steps)?;
         for (name, params) in modes() {
@@ -108,6 +124,7 @@ pub fn run(args: &BenchSampleArgs) -> Result<()> {
                     penalty: penalties.then_some(PenaltyScratch { counts: &counts, scratch: &scratch }),
                     stats: None,
                     tokens: &out,
+                    scratch: Some(&sample_scratch),
                 };
                 sample(&gpu, batch, vocab, buffers)
             })?;

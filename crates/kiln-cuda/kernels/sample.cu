@@ -242,14 +242,16 @@ __device__ __forceinline__ kiln_u64 sample_select(const SampleRow row, SampleSha
     return cut;
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-kiln_sample(const float* __restrict__ logits, long long vocab, long long row_stride,
-            const KilnSampleParams* __restrict__ params, const kiln_u64* __restrict__ steps,
-            const kiln_u32* __restrict__ history_offsets, const kiln_u32* __restrict__ history,
-            kiln_u32* __restrict__ counts, float* __restrict__ scratch, const kiln_u64* __restrict__ stats,
-            int stats_per_row, kiln_u32* __restrict__ tokens) {
+// The single-block path: block (0, r) samples row r alone, with ~13 passes over its logits. It
+// serves what the multi-block path does not (top-k 0 or above FAST_KMAX at temperature > 0, and
+// greedy rows read from the LM head's statistics).
+__device__ __forceinline__ void sample_row_single(
+    int r, const float* __restrict__ logits, long long vocab, long long row_stride,
+    const KilnSampleParams* __restrict__ params, const kiln_u64* __restrict__ steps,
+    const kiln_u32* __restrict__ history_offsets, const kiln_u32* __restrict__ history,
+    kiln_u32* __restrict__ counts, float* __restrict__ scratch, const kiln_u64* __restrict__ stats,
+    int stats_per_row, kiln_u32* __restrict__ tokens) {
     __shared__ SampleShared sh;
-    const int r = blockIdx.x;
     const KilnSampleParams p = params[r];
     SampleRow row;
     row.x = logits + (long long)r * row_stride;
@@ -380,4 +382,502 @@ kiln_sample(const float* __restrict__ logits, long long vocab, long long row_str
         running += chunk;
     }
     if (threadIdx.x == 0) tokens[r] = sh.found_index;
+}
+
+// ---- The multi-block path ------------------------------------------------------------------
+//
+// Serves greedy rows and rows with 1 <= top_k <= FAST_KMAX (with any temperature, top-p, min-p
+// and penalties). The grid is (slices, rows); block (s, r) holds slice s of row r in shared
+// memory (read once from memory), applies the penalties of the history tokens that fall in its
+// slice, and writes a short list of candidates: a prefix of its slice's order that holds at
+// least its own top-k (the exact local top-k, or every token at or above a radix prefix when
+// those are at most FAST_BLOCK_CAP). The global top-k lies within the union of the local
+// top-k's, and no token after any block's last candidate in the order (for a block with at least
+// k candidates) can be in it, so the last block of the row to finish (a ticket counter) prunes
+// the union by the earliest of those cutoffs, selects the exact top-k among what is left, and
+// finishes on those k tokens alone: the weights (from the greedy token, the first of the order),
+// top-p in rank order, min-p, and the draw in index order. Every quantity is the same integer or
+// the same fp32 operation as in the reference, so the token does not depend on the slices.
+
+#define FAST_SLICE_MAX 8192                  // logits one block holds (its slice)
+#define FAST_BINS 2048                       // radix digits: 11, 11 and 10 bits of the order key
+#define FAST_KMAX 256                        // the largest top-k this path serves
+#define FAST_BLOCK_CAP 512                   // candidates one block may write
+#define FAST_SMEM_CAP (FAST_SLICE_MAX / 2)   // candidates the last block keeps in shared memory
+#if THREADS < FAST_KMAX
+#error "the multi-block path needs THREADS >= FAST_KMAX (one thread per top-k survivor)"
+#endif
+
+struct FastShared {
+    float vals[FAST_SLICE_MAX];      // the slice; in the last block, the pruned candidates
+    kiln_u32 bins[FAST_BINS];        // a radix histogram; in the last block, the blocks' offsets
+    float surv_val[FAST_KMAX];       // the top-k survivors, in index order
+    kiln_u32 surv_idx[FAST_KMAX];
+    kiln_u32 sorted_w[FAST_KMAX];    // survivors' weights in the order's rank
+    kiln_u64 warp_u64[SAMPLE_WARPS];
+    kiln_u32 warp_u32[SAMPLE_WARPS];
+    kiln_u64 value;
+    kiln_u32 sel_digit, sel_above, sel_count, top_p_rank;
+    float top_value;
+    int last;
+};
+
+// (key, lowest index) packed so that a larger value comes earlier in the order.
+__device__ __forceinline__ kiln_u64 fast_pack(kiln_u32 key, kiln_u32 index) {
+    return ((kiln_u64)key << 32) | (kiln_u64)(0xFFFFFFFFu - index);
+}
+
+// Exclusive prefix over the block's threads (thread order); the block's total in `total`.
+template <typename T> __device__ __forceinline__ T fast_scan(T v, T* warp_buf, T& total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    T x = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const T n = __shfl_up_sync(KILN_FULL_MASK, x, o);
+        if (lane >= o) x += n;
+    }
+    if (lane == 31) warp_buf[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        T w = lane < SAMPLE_WARPS ? warp_buf[lane] : (T)0;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const T n = __shfl_up_sync(KILN_FULL_MASK, w, o);
+            if (lane >= o) w += n;
+        }
+        if (lane < SAMPLE_WARPS) warp_buf[lane] = w;
+    }
+    __syncthreads();
+    const T before = warp > 0 ? warp_buf[warp - 1] : (T)0;
+    total = warp_buf[SAMPLE_WARPS - 1];
+    __syncthreads();
+    return before + x - v;
+}
+
+// The block's largest (MAX) or smallest u64.
+template <bool MAX> __device__ __forceinline__ kiln_u64 fast_extreme(kiln_u64 v, FastShared& sh) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const kiln_u64 n = __shfl_xor_sync(KILN_FULL_MASK, v, o);
+        v = MAX ? (n > v ? n : v) : (n < v ? n : v);
+    }
+    if (lane == 0) sh.warp_u64[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        kiln_u64 w = lane < SAMPLE_WARPS ? sh.warp_u64[lane] : (MAX ? 0ull : ~0ull);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const kiln_u64 n = __shfl_xor_sync(KILN_FULL_MASK, w, o);
+            w = MAX ? (n > w ? n : w) : (n < w ? n : w);
+        }
+        if (lane == 0) sh.value = w;
+    }
+    __syncthreads();
+    const kiln_u64 out = sh.value;
+    __syncthreads();
+    return out;
+}
+
+struct FastCut {
+    kiln_u32 prefix;  // the chosen key bits (lower bits 0 unless exact)
+    kiln_u32 above;   // candidates whose key is above every key with this prefix
+    bool exact;       // all 32 bits chosen: `prefix` is the key of the target-th token
+};
+
+// Radix selection over the n keys key_at(j) (0: not a candidate): the key at which the count of
+// candidates in the order reaches `target` (1 <= target <= the candidates), 11, 11, then 10 bits
+// at a time. Stops after a level whose chosen prefix has at most `cap` candidates at or above it.
+// Counts in shared memory, one atomic per group of lanes with the same digit (keys crowd into few
+// digits, and a lone atomic per token would serialize on them).
+template <class KeyAt> __device__ __forceinline__ FastCut fast_select(KeyAt key_at, int n, kiln_u32 target,
+                                                                      kiln_u32 cap, FastShared& sh) {
+    FastCut cut;
+    cut.prefix = 0u;
+    cut.above = 0u;
+    cut.exact = false;
+#pragma unroll 1
+    for (int level = 0; level < 3; ++level) {
+        const int shift = level == 0 ? 21 : (level == 1 ? 10 : 0);
+        const int nbins = level == 2 ? 1024 : 2048;
+        const kiln_u32 high = level == 0 ? 0u : (0xFFFFFFFFu << (shift + (level == 2 ? 10 : 11)));
+        for (int b = threadIdx.x; b < nbins; b += THREADS) sh.bins[b] = 0u;
+        __syncthreads();
+        for (int base = 0; base < n; base += THREADS) {
+            const int j = base + threadIdx.x;
+            const kiln_u32 key = j < n ? key_at(j) : 0u;
+            const bool match = key != 0u && (key & high) == cut.prefix;
+            const kiln_u32 digit = (key >> shift) & (kiln_u32)(nbins - 1);
+            const kiln_u32 peers = __match_any_sync(KILN_FULL_MASK, match ? digit : 0xFFFFFFFFu);
+            if (match && __ffs(peers) - 1 == (int)(threadIdx.x & 31)) atomicAdd(&sh.bins[digit], (kiln_u32)__popc(peers));
+        }
+        __syncthreads();
+        // The digit: the largest d with above + (candidates in digits >= d) >= target.
+        const int per = (nbins + THREADS - 1) / THREADS;
+        const int b0 = min(nbins, (int)threadIdx.x * per), b1 = min(nbins, b0 + per);
+        kiln_u32 mine = 0u;
+        for (int b = b0; b < b1; ++b) mine += sh.bins[b];
+        kiln_u32 total;
+        const kiln_u32 below = fast_scan(mine, sh.warp_u32, total);
+        const kiln_u32 higher = cut.above + (total - below - mine);
+        if (mine != 0u && higher < target && higher + mine >= target) {
+            kiln_u32 acc = higher;
+            for (int b = b1 - 1; b >= b0; --b) {
+                const kiln_u32 c = sh.bins[b];
+                if (acc + c >= target) {
+                    sh.sel_digit = (kiln_u32)b;
+                    sh.sel_above = acc;
+                    sh.sel_count = c;
+                    break;
+                }
+                acc += c;
+            }
+        }
+        __syncthreads();
+        cut.prefix |= sh.sel_digit << shift;
+        cut.above = sh.sel_above;
+        const kiln_u32 at_or_above = cut.above + sh.sel_count;
+        __syncthreads();
+        if (level == 2) {
+            cut.exact = true;
+        } else if (at_or_above <= cap) {
+            break;
+        }
+    }
+    return cut;
+}
+
+// Writes, in index order, the tokens j of [0, n) whose key is above `tau`, and the first `need`
+// in index order of those whose key equals it: out(position, j). Each thread takes a run of
+// consecutive j, so two block scans place every token. Returns the count; `last` gets the
+// smallest fast_pack of the tokens written (the last of them in the order), ~0 if none.
+template <class KeyAt, class IndexAt, class Out>
+__device__ __forceinline__ kiln_u32 fast_emit(KeyAt key_at, IndexAt index_at, int n, kiln_u32 tau, kiln_u32 need,
+                                              Out out, FastShared& sh, kiln_u64& last) {
+    const int per = (n + THREADS - 1) / THREADS;
+    const int j0 = min(n, (int)threadIdx.x * per), j1 = min(n, j0 + per);
+    kiln_u32 total, tie_rank = 0u;
+    if (need != 0u) {
+        kiln_u32 ties = 0u;
+        for (int j = j0; j < j1; ++j) ties += key_at(j) == tau ? 1u : 0u;
+        tie_rank = fast_scan(ties, sh.warp_u32, total);
+    }
+    kiln_u32 count = 0u;
+    {
+        kiln_u32 t = tie_rank;
+        for (int j = j0; j < j1; ++j) {
+            const kiln_u32 key = key_at(j);
+            if (key > tau || (key == tau && t < need)) ++count;
+            if (key == tau) ++t;
+        }
+    }
+    kiln_u32 position = fast_scan(count, sh.warp_u32, total);
+    kiln_u64 lowest = ~0ull;
+    {
+        kiln_u32 t = tie_rank;
+        for (int j = j0; j < j1; ++j) {
+            const kiln_u32 key = key_at(j);
+            const bool emit = key > tau || (key == tau && t < need);
+            if (key == tau) ++t;
+            if (emit) {
+                out(position++, j);
+                const kiln_u64 packed = fast_pack(key, index_at(j));
+                lowest = packed < lowest ? packed : lowest;
+            }
+        }
+    }
+    last = fast_extreme<false>(lowest, sh);
+    return total;
+}
+
+// Candidate lists of the multi-block path, in the launcher's scratch (`SampleScratch`):
+// for row r and block s, slot r * slots + s of `counts` and `cuts`, and the candidates
+// (value after the penalties, token index) at [(r * slots + s) * FAST_BLOCK_CAP, + count).
+// `overflow_*` holds a row's pruned candidates (slots * FAST_BLOCK_CAP per row) when they
+// exceed FAST_SMEM_CAP. `tickets` (one per row) is zero on entry and left zero.
+struct FastWork {
+    kiln_u32* tickets;
+    kiln_u32* counts;
+    kiln_u64* cuts;
+    float* values;
+    kiln_u32* indices;
+    float* overflow_values;
+    kiln_u32* overflow_indices;
+    int slots;
+    long long slice_len;
+};
+
+__device__ __forceinline__ void sample_row_fast(int r, kiln_u32 k, bool penalties, const float* __restrict__ x,
+                                                long long vocab, const KilnSampleParams& p,
+                                                const kiln_u64* __restrict__ steps, kiln_u32 h0, kiln_u32 h1,
+                                                const kiln_u32* __restrict__ history,
+                                                kiln_u32* __restrict__ counts, kiln_u32* __restrict__ tokens,
+                                                const FastWork& work) {
+    __shared__ FastShared sh;
+    const int s = blockIdx.x;
+    const long long lo = (long long)s * work.slice_len;
+    const long long hi_raw = lo + work.slice_len < vocab ? lo + work.slice_len : vocab;
+    const int n = hi_raw > lo ? (int)(hi_raw - lo) : 0;  // the launcher keeps n <= FAST_SLICE_MAX
+    for (int i = threadIdx.x; i < n; i += THREADS) sh.vals[i] = x[lo + i];
+    __syncthreads();
+    if (penalties) {
+        // The history tokens of this slice: counted in `counts` (zero on entry and on exit; only
+        // this block touches this slice's entries), the penalty applied by the thread that takes
+        // a token's count.
+        kiln_u32* count = counts + (long long)r * vocab;
+        for (kiln_u32 j = h0 + threadIdx.x; j < h1; j += THREADS) {
+            const kiln_u32 t = history[j];
+            if ((long long)t >= lo && (long long)t < lo + n) atomicAdd(&count[t], 1u);
+        }
+        __syncthreads();
+        for (kiln_u32 j = h0 + threadIdx.x; j < h1; j += THREADS) {
+            const kiln_u32 t = history[j];
+            if ((long long)t < lo || (long long)t >= lo + n) continue;
+            const kiln_u32 c = atomicExch(&count[t], 0u);
+            if (c) {
+                const float l = sh.vals[t - lo];
+                const float v = l > 0.0f ? l / p.repetition : l * p.repetition;
+                sh.vals[t - lo] = v - (((float)c * p.frequency) + p.presence);
+            }
+        }
+        __syncthreads();
+    }
+
+    const long long slot = (long long)r * work.slots + s;
+    float* out_values = work.values + slot * FAST_BLOCK_CAP;
+    kiln_u32* out_indices = work.indices + slot * FAST_BLOCK_CAP;
+    auto slice_key = [&](int j) { return sample_order_key(sh.vals[j]); };
+    auto slice_index = [&](int j) { return (kiln_u32)(lo + j); };
+    kiln_u32 written;
+    kiln_u64 last;
+    if (k == 1u) {
+        // The slice's first token of the order.
+        kiln_u64 best = 0ull;
+        for (int j = threadIdx.x; j < n; j += THREADS) {
+            const kiln_u32 key = slice_key(j);
+            const kiln_u64 packed = fast_pack(key, slice_index(j));
+            if (key != 0u && packed > best) best = packed;
+        }
+        best = fast_extreme<true>(best, sh);
+        written = best != 0ull ? 1u : 0u;
+        last = best;
+        if (threadIdx.x == 0 && written) {
+            const kiln_u32 index = 0xFFFFFFFFu - (kiln_u32)best;
+            out_values[0] = sh.vals[index - lo];
+            out_indices[0] = index;
+        }
+    } else {
+        kiln_u32 valid = 0u, total;
+        for (int j = threadIdx.x; j < n; j += THREADS) valid += slice_key(j) != 0u ? 1u : 0u;
+        fast_scan(valid, sh.warp_u32, total);
+        kiln_u32 tau = 0u, need = 0u;  // default: every candidate of the slice
+        if (total > FAST_BLOCK_CAP) {
+            const FastCut cut = fast_select(slice_key, n, k, FAST_BLOCK_CAP, sh);
+            if (cut.exact) {
+                tau = cut.prefix;
+                need = k - cut.above;
+            } else {
+                tau = cut.prefix - 1u;  // key >= prefix (a valid key's top 11 bits are never 0)
+            }
+        }
+        auto write = [&](kiln_u32 position, int j) {
+            out_values[position] = sh.vals[j];
+            out_indices[position] = slice_index(j);
+        };
+        written = fast_emit(slice_key, slice_index, n, tau, need, write, sh, last);
+    }
+    if (threadIdx.x == 0) {
+        work.counts[slot] = written;
+        work.cuts[slot] = written ? last : 0ull;
+    }
+
+    // The last block of the row to finish goes on; every thread fences its own writes first.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const kiln_u32 ticket = atomicAdd(&work.tickets[r], 1u);
+        sh.last = ticket == gridDim.x - 1u;
+        if (sh.last) {
+            work.tickets[r] = 0u;  // every block of the row has taken its ticket
+            __threadfence();
+        }
+    }
+    __syncthreads();
+    if (!sh.last) return;
+
+    // The blocks' lists: offsets (in sh.bins) and the earliest cutoff of a block with >= k.
+    const int blocks = (int)gridDim.x;  // <= THREADS (launcher)
+    kiln_u32 listed = 0u;
+    kiln_u64 cut = 0ull;
+    if ((int)threadIdx.x < blocks) {
+        const long long b = (long long)r * work.slots + threadIdx.x;
+        listed = __ldcg(&work.counts[b]);
+        const kiln_u64 c = __ldcg(&work.cuts[b]);
+        cut = listed >= k ? c : 0ull;
+    }
+    const kiln_u64 prune = fast_extreme<true>(cut, sh);
+    kiln_u32 all;
+    const kiln_u32 offset = fast_scan(listed, sh.warp_u32, all);
+    if ((int)threadIdx.x < blocks) sh.bins[threadIdx.x] = offset;
+    if (threadIdx.x == 0) sh.bins[blocks] = all;
+    __syncthreads();
+
+    // Pruned union, in index order (block order, then each list's order), into shared memory
+    // or, when too many, into the row's overflow lists.
+    const int per = ((int)all + THREADS - 1) / THREADS;
+    const int j0 = min((int)all, (int)threadIdx.x * per), j1 = min((int)all, j0 + per);
+    int b_start = 0;
+    if (j0 < j1) {
+        int a = 0, z = blocks - 1;
+        while (a < z) {
+            const int mid = (a + z + 1) >> 1;
+            if (sh.bins[mid] <= (kiln_u32)j0) a = mid; else z = mid - 1;
+        }
+        b_start = a;
+    }
+    const float* lists_values = work.values + (long long)r * work.slots * FAST_BLOCK_CAP;
+    const kiln_u32* lists_indices = work.indices + (long long)r * work.slots * FAST_BLOCK_CAP;
+    kiln_u32 kept = 0u;
+    {
+        int b = b_start;
+        for (int j = j0; j < j1; ++j) {
+            while (sh.bins[b + 1] <= (kiln_u32)j) ++b;
+            const long long at = (long long)b * FAST_BLOCK_CAP + (j - (int)sh.bins[b]);
+            const kiln_u32 key = sample_order_key(__ldcg(&lists_values[at]));
+            if (fast_pack(key, __ldcg(&lists_indices[at])) >= prune) ++kept;
+        }
+    }
+    kiln_u32 m_count;
+    kiln_u32 position = fast_scan(kept, sh.warp_u32, m_count);
+    const bool in_shared = m_count <= FAST_SMEM_CAP;
+    float* cand_values = in_shared ? sh.vals : work.overflow_values + (long long)r * work.slots * FAST_BLOCK_CAP;
+    kiln_u32* cand_indices = in_shared ? reinterpret_cast<kiln_u32*>(sh.vals + FAST_SMEM_CAP)
+                                       : work.overflow_indices + (long long)r * work.slots * FAST_BLOCK_CAP;
+    {
+        int b = b_start;
+        for (int j = j0; j < j1; ++j) {
+            while (sh.bins[b + 1] <= (kiln_u32)j) ++b;
+            const long long at = (long long)b * FAST_BLOCK_CAP + (j - (int)sh.bins[b]);
+            const float v = __ldcg(&lists_values[at]);
+            const kiln_u32 index = __ldcg(&lists_indices[at]);
+            if (fast_pack(sample_order_key(v), index) >= prune) {
+                cand_values[position] = v;
+                cand_indices[position] = index;
+                ++position;
+            }
+        }
+    }
+    __syncthreads();
+    const int m_n = (int)m_count;
+    auto cand_key = [&](int j) { return sample_order_key(cand_values[j]); };
+    auto cand_index = [&](int j) { return cand_indices[j]; };
+
+    if (m_n == 0 || p.temperature == 0.0f) {
+        kiln_u64 best = 0ull;
+        for (int j = threadIdx.x; j < m_n; j += THREADS) {
+            const kiln_u64 packed = fast_pack(cand_key(j), cand_index(j));
+            best = packed > best ? packed : best;
+        }
+        best = fast_extreme<true>(best, sh);
+        if (threadIdx.x == 0) tokens[r] = best != 0ull ? 0xFFFFFFFFu - (kiln_u32)best : NO_TOKEN;
+        return;
+    }
+
+    // The exact top-k among the pruned union (all of it when it holds at most k).
+    kiln_u32 tau = 0u, need = 0u;
+    if ((kiln_u32)m_n > k) {
+        const FastCut top = fast_select(cand_key, m_n, k, 0u, sh);
+        tau = top.prefix;
+        need = k - top.above;
+    }
+    auto keep = [&](kiln_u32 position, int j) {
+        sh.surv_val[position] = cand_values[j];
+        sh.surv_idx[position] = cand_indices[j];
+    };
+    kiln_u64 unused;
+    const int kk = (int)fast_emit(cand_key, cand_index, m_n, tau, need, keep, sh, unused);
+    __syncthreads();
+
+    // Survivor j (thread j) in index order; its rank in the order; the weights from the first.
+    const int j = threadIdx.x;
+    const bool mine = j < kk;
+    const float v = mine ? sh.surv_val[j] : 0.0f;
+    const kiln_u32 key = mine ? sample_order_key(v) : 0u;
+    kiln_u32 rank = 0u;
+    if (mine) {
+        for (int l = 0; l < kk; ++l) {
+            const kiln_u32 other = sample_order_key(sh.surv_val[l]);
+            rank += (other > key || (other == key && l < j)) ? 1u : 0u;
+        }
+        if (rank == 0u) sh.top_value = v;
+    }
+    __syncthreads();
+    float m = sh.top_value / p.temperature;
+    m = fminf(fmaxf(m, -3.40282347e38f), 3.40282347e38f);
+    const kiln_u32 w = mine ? sample_weight(v, p.temperature, m) : 0u;
+    bool kept_token = mine;
+    if (p.top_p_units < (1u << 24)) {
+        kiln_u64 mass;
+        fast_scan((kiln_u64)w, sh.warp_u64, mass);
+        // max(1, ceil(mass * p_units / 2^24)), exact in 128 bits.
+        const kiln_u64 lo_p = mass * (kiln_u64)p.top_p_units, hi_p = __umul64hi(mass, (kiln_u64)p.top_p_units);
+        const kiln_u64 add = lo_p + 0xFFFFFFull;
+        const kiln_u64 carry = add < lo_p ? 1ull : 0ull;
+        kiln_u64 target = (add >> 24) | ((hi_p + carry) << 40);
+        if (target == 0ull) target = 1ull;
+        if (mine) sh.sorted_w[rank] = w;
+        __syncthreads();
+        const kiln_u64 ws = j < kk ? (kiln_u64)sh.sorted_w[j] : 0ull;
+        kiln_u64 unused_total;
+        const kiln_u64 before = fast_scan(ws, sh.warp_u64, unused_total);
+        if (j < kk && before < target && before + ws >= target) sh.top_p_rank = (kiln_u32)j;
+        __syncthreads();
+        kept_token = mine && rank <= sh.top_p_rank;
+    }
+    const kiln_u64 kw = kept_token && w >= p.min_weight ? (kiln_u64)w : 0ull;
+    kiln_u64 kept_mass;
+    const kiln_u64 before = fast_scan(kw, sh.warp_u64, kept_mass);
+    const kiln_u64 u = sample_uniform(p.seed, steps[r], p.stream);
+    const kiln_u64 target = __umul64hi(u, kept_mass);
+    if (threadIdx.x == 0) tokens[r] = NO_TOKEN;
+    __syncthreads();
+    if (kw != 0ull && before <= target && before + kw > target) tokens[r] = sh.surv_idx[j];
+}
+
+// One launch serves every row: grid (slices, rows). Rows the multi-block path serves
+// (`fast_kmax` > 0) use every block of their row; the others use block 0 alone.
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+kiln_sample(const float* __restrict__ logits, long long vocab, long long row_stride,
+            const KilnSampleParams* __restrict__ params, const kiln_u64* __restrict__ steps,
+            const kiln_u32* __restrict__ history_offsets, const kiln_u32* __restrict__ history,
+            kiln_u32* __restrict__ counts, float* __restrict__ scratch, const kiln_u64* __restrict__ stats,
+            int stats_per_row, kiln_u32* __restrict__ tokens, int fast_kmax, kiln_u32* tickets,
+            kiln_u32* list_counts, kiln_u64* list_cuts, float* list_values, kiln_u32* list_indices,
+            float* overflow_values, kiln_u32* overflow_indices, int slots, long long slice_len) {
+    const int r = blockIdx.y;
+    const KilnSampleParams p = params[r];
+    const kiln_u32 h0 = history_offsets[r], h1 = history_offsets[r + 1];
+    const bool penalties = PENALTIES && counts != nullptr && h1 > h0 &&
+                           (p.repetition != 1.0f || p.presence != 0.0f || p.frequency != 0.0f);
+    const bool greedy = p.temperature == 0.0f;
+    const bool from_stats = greedy && stats != nullptr && !penalties;
+    const kiln_u32 kmax = fast_kmax < FAST_KMAX ? (kiln_u32)(fast_kmax > 0 ? fast_kmax : 0) : FAST_KMAX;
+    const bool fast = !from_stats && (greedy ? kmax > 0u : (p.top_k >= 1u && p.top_k <= kmax));
+    if (fast) {
+        FastWork work;
+        work.tickets = tickets;
+        work.counts = list_counts;
+        work.cuts = list_cuts;
+        work.values = list_values;
+        work.indices = list_indices;
+        work.overflow_values = overflow_values;
+        work.overflow_indices = overflow_indices;
+        work.slots = slots;
+        work.slice_len = slice_len;
+        sample_row_fast(r, greedy ? 1u : p.top_k, penalties, logits + (long long)r * row_stride, vocab, p, steps,
+                        h0, h1, history, counts, tokens, work);
+    } else if (blockIdx.x == 0) {
+        sample_row_single(r, logits, vocab, row_stride, params, steps, history_offsets, history, counts, scratch,
+                          stats, stats_per_row, tokens);
+    }
 }

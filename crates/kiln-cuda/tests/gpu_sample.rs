@@ -11,7 +11,8 @@ use kiln_core::ops::sample::{sample, SamplingParams, NO_TOKEN};
 use kiln_core::DType;
 use kiln_cuda::ops::lm_head::{lm_head, LmHeadBuffers};
 use kiln_cuda::ops::sample::{
-    encode_histories, encode_params, sample as gpu_sample, PenaltyScratch, SampleBuffers, MAX_SAMPLE_ROWS,
+    encode_histories, encode_params, sample_with_path, PenaltyScratch, SampleBuffers, SamplePath,
+    SampleScratch, FAST_KMAX, MAX_SAMPLE_ROWS,
 };
 use kiln_cuda::{DeviceMemory, Gpu};
 
@@ -22,13 +23,40 @@ impl Rng {
     fn below(&mut self, n: usize) -> usize {
         (self.next() % n as u64) as usize
     }
-    /// Logits with ties (rounded values), some NaN and -inf.
+    /// Logits with ties (rounded values), some NaN, -inf, +inf and -0.0.
     fn logit(&mut self) -> f32 {
-        match self.below(40) {
-            0 => f32::NAN,
-            1 => f32::NEG_INFINITY,
-            2..=9 => (self.uniform(-4.0, 4.0)).round(),
+        match self.below(400) {
+            0..=9 => f32::NAN,
+            10..=19 => f32::NEG_INFINITY,
+            20 => f32::INFINITY,
+            21 => -0.0,
+            22..=99 => (self.uniform(-4.0, 4.0)).round(),
             _ => self.uniform(-12.0, 12.0),
+        }
+    }
+    /// A row of logits in one of several shapes: mixed, all tied, few distinct values, all NaN,
+    /// a single finite value among NaN, or a peaked distribution like a model's.
+    fn row(&mut self, vocab: usize) -> Vec<f32> {
+        match self.below(24) {
+            0 => vec![self.uniform(-3.0, 3.0).round(); vocab],
+            1 => (0..vocab).map(|_| self.below(3) as f32).collect(),
+            2 => vec![f32::NAN; vocab],
+            3 => {
+                let mut row = vec![f32::NAN; vocab];
+                row[self.below(vocab)] = self.uniform(-5.0, 5.0);
+                row
+            }
+            4..=7 => (0..vocab)
+                .map(|_| {
+                    let u = self.uniform(0.0, 1.0);
+                    if u < 0.001 {
+                        self.uniform(10.0, 25.0)
+                    } else {
+                        self.uniform(-8.0, 6.0)
+                    }
+                })
+                .collect(),
+            _ => (0..vocab).map(|_| self.logit()).collect(),
         }
     }
 }
@@ -51,12 +79,32 @@ fn mode_params(mode: &str, rng: &mut Rng) -> SamplingParams {
     match mode {
         "greedy" => SamplingParams { temperature: 0.0, ..d },
         "temperature" => d,
-        "top-k" => SamplingParams { top_k: 1 + rng.below(64) as u32, ..d },
+        "top-k" => SamplingParams {
+            // Mostly within the multi-block path's reach, sometimes just beyond it.
+            top_k: match rng.below(8) {
+                0 => 1,
+                1 => FAST_KMAX - rng.below(3) as u32,
+                2 => FAST_KMAX + 1 + rng.below(100) as u32,
+                _ => 1 + rng.below(100) as u32,
+            },
+            ..d
+        },
         "top-p" => SamplingParams { top_p: rng.uniform(0.05, 1.0), ..d },
         "min-p" => SamplingParams { min_p: rng.uniform(0.0, 0.5), ..d },
         "top-k + top-p" => {
-            SamplingParams { top_k: 1 + rng.below(200) as u32, top_p: rng.uniform(0.1, 0.99), ..d }
+            SamplingParams { top_k: 1 + rng.below(300) as u32, top_p: rng.uniform(0.1, 0.99), ..d }
         }
+        "top-k + min-p" => {
+            SamplingParams { top_k: 1 + rng.below(120) as u32, min_p: rng.uniform(0.0, 0.6), ..d }
+        }
+        "top-k + penalties" => SamplingParams {
+            top_k: 1 + rng.below(80) as u32,
+            top_p: if rng.below(2) == 0 { 1.0 } else { rng.uniform(0.2, 1.0) },
+            repetition_penalty: rng.uniform(0.8, 1.8),
+            presence_penalty: rng.uniform(-0.5, 1.0),
+            frequency_penalty: rng.uniform(-0.3, 0.6),
+            ..d
+        },
         "penalties" => SamplingParams {
             repetition_penalty: rng.uniform(0.8, 1.8),
             presence_penalty: rng.uniform(-0.5, 1.0),
@@ -76,8 +124,18 @@ fn mode_params(mode: &str, rng: &mut Rng) -> SamplingParams {
     }
 }
 
-const MODES: [&str; 8] =
-    ["greedy", "temperature", "top-k", "top-p", "min-p", "top-k + top-p", "penalties", "all"];
+const MODES: [&str; 10] = [
+    "greedy",
+    "temperature",
+    "top-k",
+    "top-p",
+    "min-p",
+    "top-k + top-p",
+    "top-k + min-p",
+    "top-k + penalties",
+    "penalties",
+    "all",
+];
 
 /// Runs the sampler on the GPU for `rows` rows; returns the tokens.
 #[allow(clippy::too_many_arguments)]
@@ -91,6 +149,8 @@ fn run_gpu(
     penalty: bool,
     stats: Option<(&DeviceMemory, usize)>,
     logits_dev: Option<&DeviceMemory>,
+    path: SamplePath,
+    scratch: Option<&SampleScratch>,
 ) -> (Vec<u32>, Vec<u8>) {
     let rows = params.len();
     let owned;
@@ -108,7 +168,7 @@ fn run_gpu(
     let history_dev = upload(gpu, &words(&tokens, |v: u32| v.to_le_bytes().to_vec()));
     let counts = gpu.alloc(rows * vocab * 4).expect("counts");
     counts.fill_bytes(0).expect("zero counts");
-    let scratch = gpu.alloc(rows * vocab * 4).expect("scratch");
+    let penalized = gpu.alloc(rows * vocab * 4).expect("penalized logits");
     let out = gpu.alloc(rows * 4).expect("tokens");
     out.fill_bytes(0xA7).expect("poison");
     let buffers = SampleBuffers {
@@ -118,16 +178,20 @@ fn run_gpu(
         steps: &steps_dev,
         history_offsets: &offsets_dev,
         history: &history_dev,
-        penalty: penalty.then_some(PenaltyScratch { counts: &counts, scratch: &scratch }),
+        penalty: penalty.then_some(PenaltyScratch { counts: &counts, scratch: &penalized }),
         stats,
         tokens: &out,
+        scratch,
     };
-    gpu_sample(gpu, rows, vocab, buffers).expect("launch");
+    sample_with_path(gpu, rows, vocab, buffers, path).expect("launch");
     let bytes = out.to_host_bytes().expect("copy back");
     let tokens = bytes.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect();
     (tokens, counts.to_host_bytes().expect("copy back"))
 }
 
+/// Every mode, through both paths (the multi-block path where it serves a row, and the
+/// single-block path for every row), against the CPU reference token for token. The multi-block
+/// launches alternate between a scratch made once per shape and one allocated per launch.
 #[test]
 fn tokens_equal_the_cpu_reference_in_every_mode() {
     let gpu = Gpu::open(0).expect("the GPU tests need CUDA device 0");
@@ -137,54 +201,127 @@ fn tokens_equal_the_cpu_reference_in_every_mode() {
     for mode in MODES {
         let mut mode_cases = 0;
         for launch in 0..24 {
-            let vocab = match launch % 6 {
+            let vocab = match launch % 8 {
                 0 => 151_936,
                 1 => 1 + rng.below(40),
                 2 => 1023 + rng.below(3),
+                3 => 8191 + rng.below(3),
+                4 => 32_000 + rng.below(300),
                 _ => 100 + rng.below(6000),
             };
-            let rows = if vocab > 100_000 { 8 } else { 1 + rng.below(MAX_SAMPLE_ROWS) };
-            let logits: Vec<f32> = (0..rows * vocab).map(|_| rng.logit()).collect();
+            let rows = match vocab {
+                v if v > 100_000 => [1, 2, 8, 17][rng.below(4)],
+                v if v > 20_000 => 1 + rng.below(24),
+                _ => 1 + rng.below(MAX_SAMPLE_ROWS),
+            };
+            let logits: Vec<f32> = (0..rows).flat_map(|_| rng.row(vocab)).collect();
             let params: Vec<(SamplingParams, u64)> =
                 (0..rows).map(|_| (mode_params(mode, &mut rng), rng.next())).collect();
             let steps: Vec<u64> = (0..rows).map(|_| rng.next()).collect();
             let histories: Vec<Vec<u32>> = (0..rows)
                 .map(|_| {
-                    {
-                        // Repeats: draw from a small range of ids most of the time.
-                        let range = vocab.min(50 + rng.below(vocab));
-                        (0..rng.below(300)).map(|_| rng.below(range) as u32).collect()
-                    }
+                    // Repeats: draw from a small range of ids most of the time.
+                    let range = vocab.min(50 + rng.below(vocab));
+                    (0..rng.below(300)).map(|_| rng.below(range) as u32).collect()
                 })
                 .collect();
             let history_refs: Vec<&[u32]> = histories.iter().map(Vec::as_slice).collect();
-            let (got, counts) =
-                run_gpu(&gpu, &logits, vocab, &params, &steps, &history_refs, true, None, None);
-            if counts.iter().any(|&b| b != 0) {
-                failures.push(format!("{mode}: the penalty counts were not left at zero"));
-            }
-            for r in 0..rows {
-                let row = &logits[r * vocab..(r + 1) * vocab];
-                let (p, stream) = params[r];
-                let want = sample(row, &p, &histories[r], steps[r], stream).unwrap_or(NO_TOKEN);
-                if got[r] != want {
-                    failures.push(format!(
-                        "{mode}: vocab {vocab} row {r}: gpu {} cpu {want} ({p:?}, step {}, stream {stream}, history {})",
-                        got[r],
-                        steps[r],
-                        histories[r].len()
-                    ));
+            let want: Vec<u32> = (0..rows)
+                .map(|r| {
+                    let (p, stream) = params[r];
+                    sample(&logits[r * vocab..(r + 1) * vocab], &p, &histories[r], steps[r], stream)
+                        .unwrap_or(NO_TOKEN)
+                })
+                .collect();
+            let made = (launch % 2 == 0).then(|| SampleScratch::new(&gpu, rows, vocab).expect("scratch"));
+            for (path, scratch) in [(SamplePath::Auto, made.as_ref()), (SamplePath::SingleBlock, None)] {
+                let (got, counts) = run_gpu(
+                    &gpu,
+                    &logits,
+                    vocab,
+                    &params,
+                    &steps,
+                    &history_refs,
+                    true,
+                    None,
+                    None,
+                    path,
+                    scratch,
+                );
+                if counts.iter().any(|&b| b != 0) {
+                    failures.push(format!("{mode} {path:?}: the penalty counts were not left at zero"));
                 }
-                checked += 1;
-                mode_cases += 1;
+                for r in 0..rows {
+                    if got[r] != want[r] {
+                        let (p, stream) = params[r];
+                        failures.push(format!(
+                            "{mode} {path:?}: vocab {vocab} rows {rows} row {r}: gpu {} cpu {} ({p:?}, step {}, \
+                             stream {stream}, history {})",
+                            got[r],
+                            want[r],
+                            steps[r],
+                            histories[r].len()
+                        ));
+                    }
+                    checked += 1;
+                }
             }
+            mode_cases += rows;
         }
-        println!("{mode}: {mode_cases} cases");
+        println!("{mode}: {mode_cases} cases per path");
         assert!(mode_cases >= 1000, "{mode}: only {mode_cases} cases");
     }
     println!("{checked} cases checked");
     let shown: Vec<&String> = failures.iter().take(20).collect();
     assert!(failures.is_empty(), "{} of {checked} cases differ:\n{shown:#?}", failures.len());
+}
+
+/// One scratch serves many launches (its tickets are left at zero): the same logits sampled
+/// again and again give the reference's token every time, at vocab 151936 for batches 1 and 64.
+#[test]
+fn a_scratch_is_reused_across_launches() {
+    let gpu = Gpu::open(0).expect("the GPU tests need CUDA device 0");
+    let mut rng = Rng::fresh();
+    let vocab = 151_936;
+    for rows in [1usize, 64] {
+        let scratch = SampleScratch::new(&gpu, rows, vocab).expect("scratch");
+        let logits: Vec<f32> = (0..rows).flat_map(|_| rng.row(vocab)).collect();
+        let logits_dev = upload(&gpu, &words(&logits, |v: f32| v.to_le_bytes().to_vec()));
+        let empty: Vec<&[u32]> = vec![&[]; rows];
+        let mut failures = 0;
+        for launch in 0..20 {
+            let params: Vec<(SamplingParams, u64)> = (0..rows)
+                .map(|_| {
+                    let mode = ["greedy", "top-k", "top-k + top-p", "top-k + min-p"][launch % 4];
+                    (mode_params(mode, &mut rng), rng.next())
+                })
+                .collect();
+            let steps: Vec<u64> = (0..rows).map(|_| rng.next()).collect();
+            let (got, _) = run_gpu(
+                &gpu,
+                &[],
+                vocab,
+                &params,
+                &steps,
+                &empty,
+                false,
+                None,
+                Some(&logits_dev),
+                SamplePath::Auto,
+                Some(&scratch),
+            );
+            for r in 0..rows {
+                let (p, stream) = params[r];
+                let want = sample(&logits[r * vocab..(r + 1) * vocab], &p, &[], steps[r], stream)
+                    .unwrap_or(NO_TOKEN);
+                if got[r] != want {
+                    failures += 1;
+                    println!("rows {rows} launch {launch} row {r}: gpu {} cpu {want} ({p:?})", got[r]);
+                }
+            }
+        }
+        assert_eq!(failures, 0, "rows {rows}: {failures} tokens differ");
+    }
 }
 
 #[test]
@@ -229,6 +366,8 @@ fn greedy_from_the_lm_head_statistics_is_the_argmax() {
         false,
         Some((&stats_dev, per_row)),
         Some(&logits_dev),
+        SamplePath::Auto,
+        None,
     );
     for (r, &token) in got.iter().enumerate() {
         let stats = &want.stats[r * per_row..(r + 1) * per_row];
@@ -310,7 +449,20 @@ fn gpu_frequencies_match_the_exact_distribution() {
         for launch in 0..launches {
             let params: Vec<(SamplingParams, u64)> = (0..rows).map(|_| (p, 0)).collect();
             let steps: Vec<u64> = (0..rows).map(|r| (launch * rows + r) as u64).collect();
-            let (got, _) = run_gpu(&gpu, &[], vocab, &params, &steps, &empty, false, None, Some(&logits_dev));
+            let path = if launch % 2 == 0 { SamplePath::Auto } else { SamplePath::SingleBlock };
+            let (got, _) = run_gpu(
+                &gpu,
+                &[],
+                vocab,
+                &params,
+                &steps,
+                &empty,
+                false,
+                None,
+                Some(&logits_dev),
+                path,
+                None,
+            );
             for t in got {
                 assert!((t as usize) < vocab, "{name}: token {t}");
                 counts[t as usize] += 1;

@@ -11,7 +11,15 @@
 //!   zero) and a `scratch` block of `rows x vocab` fp32; without it the penalties are not applied;
 //! - `stats`: the LM head's packed block maxima, `stats_per_row` per row, for greedy rows
 //!   without penalties;
-//! - `tokens`: `rows` `u32` outputs ([`NO_TOKEN`] for a row whose logits are all NaN).
+//! - `tokens`: `rows` `u32` outputs ([`NO_TOKEN`] for a row whose logits are all NaN);
+//! - `scratch`: the multi-block path's [`SampleScratch`] (allocated per launch when absent, which
+//!   a captured graph cannot do: allocate it once with [`SampleScratch::new`]).
+//!
+//! Two paths, chosen per row on the device (the parameters live in device memory): greedy rows
+//! and rows with `1 <= top_k <=` [`FAST_KMAX`] run on many blocks per row (a grid of
+//! [`slices`] x rows, fixed for a given (rows, vocab, device), so the launch can be captured);
+//! the others (top-k 0 or above [`FAST_KMAX`] at temperature > 0, greedy rows read from the LM
+//! head's statistics) run on one block per row. Both give the reference's token.
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use kiln_core::ops::sample::{SamplingParams, NO_TOKEN, PROBABILITY_BITS, WEIGHT_BITS};
@@ -142,6 +150,120 @@ pub struct SampleBuffers<'a> {
     /// The LM head's statistics and how many there are per row.
     pub stats: Option<(&'a DeviceMemory, usize)>,
     pub tokens: &'a DeviceMemory,
+    /// The multi-block path's workspace; allocated (and zeroed) for this launch when `None`.
+    pub scratch: Option<&'a SampleScratch>,
+}
+
+/// The largest `top_k` the multi-block path serves (`FAST_KMAX` in `sample.cu`).
+pub const FAST_KMAX: u32 = 256;
+/// Logits one block of the multi-block path holds (`FAST_SLICE_MAX`).
+const FAST_SLICE_MAX: usize = 8192;
+/// Candidates one block may list (`FAST_BLOCK_CAP`).
+const FAST_BLOCK_CAP: usize = 512;
+/// The shortest slice worth a block of its own: bounds the slices per row, hence the scratch.
+const MIN_SLICE: usize = 2048;
+
+/// Which rows may take the multi-block path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SamplePath {
+    /// Every row the multi-block path serves takes it (the default).
+    Auto,
+    /// Every row runs on one block (the reference path of the GPU tests and benchmarks).
+    SingleBlock,
+}
+
+/// Slices per row the scratch is laid out for: an upper bound of [`slices`].
+fn slots(vocab: usize) -> usize {
+    vocab.div_ceil(MIN_SLICE).max(1)
+}
+
+/// The multi-block grid for `rows` rows of `vocab` logits on a device of `multiprocessors`:
+/// (slices per row, logits per slice). About two blocks per multiprocessor in all, each slice
+/// between [`MIN_SLICE`] and `FAST_SLICE_MAX` logits (fewer when the vocabulary is small);
+/// `None` when the vocabulary needs more slices than a block of the kernel can combine.
+pub fn slices(rows: usize, vocab: usize, multiprocessors: usize) -> Option<(usize, usize)> {
+    if rows == 0 || vocab == 0 {
+        return None;
+    }
+    let fewest = vocab.div_ceil(FAST_SLICE_MAX);
+    let wanted = (2 * multiprocessors.max(1)).div_ceil(rows);
+    let count = wanted.clamp(fewest, slots(vocab).max(fewest));
+    if count > SAMPLE_THREADS as usize {
+        return None;
+    }
+    let slice_len = vocab.div_ceil(count);
+    Some((vocab.div_ceil(slice_len), slice_len))
+}
+
+/// Byte offsets of the regions of a [`SampleScratch`] for (rows, vocab), and its size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct ScratchLayout {
+    slots: usize,
+    tickets: usize,
+    counts: usize,
+    cuts: usize,
+    values: usize,
+    indices: usize,
+    overflow_values: usize,
+    overflow_indices: usize,
+    bytes: usize,
+}
+
+impl ScratchLayout {
+    fn new(rows: usize, vocab: usize) -> ScratchLayout {
+        let slots = slots(vocab);
+        let align = |n: usize| n.next_multiple_of(256);
+        let lists = rows * slots * FAST_BLOCK_CAP * 4;
+        let tickets = 0;
+        let counts = align(tickets + rows * 4);
+        let cuts = align(counts + rows * slots * 4);
+        let values = align(cuts + rows * slots * 8);
+        let indices = align(values + lists);
+        let overflow_values = align(indices + lists);
+        let overflow_indices = align(overflow_values + lists);
+        let bytes = align(overflow_indices + lists);
+        ScratchLayout {
+            slots,
+            tickets,
+            counts,
+            cuts,
+            values,
+            indices,
+            overflow_values,
+            overflow_indices,
+            bytes,
+        }
+    }
+}
+
+/// Bytes of the [`SampleScratch`] of `rows` rows of `vocab` logits
+/// (`rows * ceil(vocab / 2048) * 8 KiB` and a little).
+pub fn scratch_bytes(rows: usize, vocab: usize) -> usize {
+    ScratchLayout::new(rows, vocab).bytes
+}
+
+/// The multi-block path's workspace for up to `rows` rows of `vocab` logits: per-row tickets
+/// (zero between launches: the kernel leaves them zero) and the blocks' candidate lists.
+/// Allocate it once (outside a graph capture) and pass it to every launch.
+#[derive(Debug)]
+pub struct SampleScratch {
+    memory: DeviceMemory,
+    rows: usize,
+    vocab: usize,
+}
+
+impl SampleScratch {
+    /// Allocates and zeroes the scratch on `gpu`'s stream.
+    pub fn new(gpu: &Gpu, rows: usize, vocab: usize) -> Result<SampleScratch> {
+        let memory = gpu.alloc(scratch_bytes(rows, vocab))?;
+        memory.fill_bytes(0)?;
+        Ok(SampleScratch { memory, rows, vocab })
+    }
+
+    /// The rows and vocabulary it was made for.
+    pub fn shape(&self) -> (usize, usize) {
+        (self.rows, self.vocab)
+    }
 }
 
 /// Threads per block of the sampler.
@@ -149,6 +271,17 @@ pub const SAMPLE_THREADS: u32 = 1024;
 
 /// Samples one token for each of `rows` rows of `vocab` logits on `gpu`'s stream.
 pub fn sample(gpu: &Gpu, rows: usize, vocab: usize, buffers: SampleBuffers<'_>) -> Result<()> {
+    sample_with_path(gpu, rows, vocab, buffers, SamplePath::Auto)
+}
+
+/// [`sample`], with the rows allowed on the multi-block path chosen by `path`.
+pub fn sample_with_path(
+    gpu: &Gpu,
+    rows: usize,
+    vocab: usize,
+    buffers: SampleBuffers<'_>,
+    path: SamplePath,
+) -> Result<()> {
     if rows == 0 || rows > MAX_SAMPLE_ROWS {
         return Err(Error::NotServed {
             op: "sample kernel",
@@ -188,12 +321,48 @@ pub fn sample(gpu: &Gpu, rows: usize, vocab: usize, buffers: SampleBuffers<'_>) 
         }
         None => (0u64, 0i32),
     };
+    let grid = match path {
+        SamplePath::Auto => slices(rows, vocab, gpu.facts().multiprocessors as usize),
+        SamplePath::SingleBlock => None,
+    };
+    let owned;
+    let scratch = match (grid, buffers.scratch) {
+        (None, _) => None,
+        (Some(_), Some(scratch)) => {
+            if scratch.rows < rows || scratch.vocab != vocab {
+                return Err(Error::NotServed {
+                    op: "sample kernel",
+                    reason: format!(
+                        "a scratch made for {} rows of vocab {} used for {rows} rows of vocab {vocab}",
+                        scratch.rows, scratch.vocab
+                    ),
+                });
+            }
+            Some(scratch)
+        }
+        (Some(_), None) => {
+            owned = SampleScratch::new(gpu, rows, vocab)?;
+            Some(&owned)
+        }
+    };
+    let (slice_count, slice_len) = grid.unwrap_or((1, vocab));
+    let fast_kmax: i32 = if scratch.is_some() { FAST_KMAX as i32 } else { 0 };
+    let (layout, base) = match scratch {
+        Some(s) => (ScratchLayout::new(s.rows, s.vocab), s.memory.device_ptr()),
+        None => (ScratchLayout::new(0, 1), 0u64),
+    };
+    let at = |offset: usize| if base == 0 { 0u64 } else { base + offset as u64 };
+    let (tickets, list_counts, list_cuts) = (at(layout.tickets), at(layout.counts), at(layout.cuts));
+    let (list_values, list_indices) = (at(layout.values), at(layout.indices));
+    let (overflow_values, overflow_indices) = (at(layout.overflow_values), at(layout.overflow_indices));
+    let slots = layout.slots as i32;
+    let slice_len = slice_len as i64;
     let threads = SAMPLE_THREADS.to_string();
     let penalties = if buffers.penalty.is_some() { "1" } else { "0" };
     let function =
         gpu.function(&SAMPLE, "kiln_sample", &[("THREADS", &threads), ("PENALTIES", penalties)])?;
     let config = LaunchConfig {
-        grid_dim: (rows as u32, 1, 1),
+        grid_dim: (slice_count as u32, rows as u32, 1),
         block_dim: (SAMPLE_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
@@ -217,13 +386,28 @@ pub fn sample(gpu: &Gpu, rows: usize, vocab: usize, buffers: SampleBuffers<'_>) 
         .arg(&scratch)
         .arg(&stats)
         .arg(&stats_per_row)
-        .arg(&tokens);
+        .arg(&tokens)
+        .arg(&fast_kmax)
+        .arg(&tickets)
+        .arg(&list_counts)
+        .arg(&list_cuts)
+        .arg(&list_values)
+        .arg(&list_indices)
+        .arg(&overflow_values)
+        .arg(&overflow_indices)
+        .arg(&slots)
+        .arg(&slice_len);
     // SAFETY: the arguments match `kiln_sample`'s signature (pointer, i64, i64, 7 pointers, i32,
-    // pointer); every buffer was checked above to hold what `rows` blocks touch; `counts` and
-    // `scratch` are null only with PENALTIES=0, `stats` only with zero statistics per row; the
-    // history words are read within `history_offsets`' ranges, which the caller built with
-    // `encode_histories` (the kernel also skips a token beyond the vocabulary); the blocks come
-    // from this device's pool, which reuses memory only in this stream's order.
+    // pointer, i32, 7 pointers, i32, i64); every buffer was checked above to hold what `rows`
+    // rows touch; `counts` and `scratch` are null only with PENALTIES=0, `stats` only with zero
+    // statistics per row; the history words are read within `history_offsets`' ranges, which the
+    // caller built with `encode_histories` (the kernel also skips a token beyond the vocabulary).
+    // The multi-block path runs only with `fast_kmax > 0`, which needs a scratch laid out by
+    // `ScratchLayout` for at least `rows` rows of this vocabulary (checked above), whose tickets
+    // are zero (zeroed at allocation, left zero by every launch), and a grid of `slices`: each
+    // slice at most FAST_SLICE_MAX logits, at most `slots` and SAMPLE_THREADS slices per row. The
+    // blocks come from this device's pool, which reuses memory only in this stream's order (an
+    // internal scratch is freed after the launch is queued, in stream order).
     unsafe { launch.launch(config) }.map_err(|e| driver_error("cuLaunchKernel(kiln_sample)", e))?;
     Ok(())
 }
@@ -253,6 +437,31 @@ mod tests {
         let off = DeviceSamplingParams::new(&SamplingParams::default(), 0).unwrap();
         assert_eq!(off.top_p_units, 1 << 24);
         assert!(DeviceSamplingParams::new(&SamplingParams { top_p: 2.0, ..p }, 0).is_err());
+    }
+
+    #[test]
+    fn slices_fit_the_kernel_and_the_scratch() {
+        for vocab in [1usize, 7, 1000, 2048, 2049, 8192, 32_000, 50_257, 128_256, 151_936, 262_144] {
+            for rows in [1usize, 2, 8, 64, 256] {
+                for sms in [1usize, 108, 132] {
+                    let (count, len) = slices(rows, vocab, sms).unwrap();
+                    assert!(len <= FAST_SLICE_MAX && count <= SAMPLE_THREADS as usize, "{vocab} {rows}");
+                    assert!(count <= slots(vocab), "{vocab} {rows}: {count} slices");
+                    // Every slice non-empty, together exactly the vocabulary.
+                    assert!((count - 1) * len < vocab && count * len >= vocab, "{vocab} {rows}");
+                }
+            }
+        }
+        assert_eq!(slices(1, 151_936, 132), Some((75, 2026)));
+        assert_eq!(slices(64, 151_936, 132), Some((19, 7997)));
+        assert_eq!(slices(1, SAMPLE_THREADS as usize * FAST_SLICE_MAX + 1, 132), None);
+        let layout = ScratchLayout::new(3, 151_936);
+        let lists = 3 * 75 * FAST_BLOCK_CAP * 4;
+        assert!(layout.counts >= 3 * 4 && layout.cuts >= layout.counts + 3 * 75 * 4);
+        assert!(layout.values >= layout.cuts + 3 * 75 * 8 && layout.indices >= layout.values + lists);
+        assert!(layout.overflow_values >= layout.indices + lists);
+        assert!(layout.overflow_indices >= layout.overflow_values + lists);
+        assert!(layout.bytes >= layout.overflow_indices + lists && layout.cuts % 8 == 0);
     }
 
     #[test]
