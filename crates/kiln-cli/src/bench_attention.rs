@@ -5,7 +5,14 @@
 //!   triangle) for every prefill variant.
 //! - Decode: batch 1, 8 and 64 at contexts 1k to 128k, as the fraction of the device-to-device copy
 //!   ceiling measured in the same run (bytes: every sequence's K and V read once, q read and out
-//!   written once), with the splits of [`decode_splits`].
+//!   written once), with the splits of [`decode_splits`](kiln_cuda::ops::attention::decode_splits).
+//!
+//! Each case runs the certified configuration (the tuning store's winner for its key: the prefill
+//! key, or the decode key of the batch's class; else the declared default; with
+//! `KILN_TUNING=strict` an uncertified key fails by name before anything is timed). The shapes are
+//! Llama-3-8B's, so `kiln tune certify --shapes llama3-8b` certifies every key this benchmark asks
+//! for. Prefill also times each prefill variant; decode also times the declared default (the
+//! splits of [`decode_splits`](kiln_cuda::ops::attention::decode_splits)) when the certificate chose otherwise.
 //!
 //! Both as a ratio to PyTorch's `scaled_dot_product_attention` (flash backend) on the same shapes
 //! (unpaged), read from the JSON of `bench/peers/attention.py` (`--peer`). Timing: CUDA events,
@@ -20,12 +27,12 @@ use std::path::PathBuf;
 use kiln_core::ops::attention::{AttentionSequence, AttentionShape};
 use kiln_core::ops::primitives::f32_to_bf16_bits;
 use kiln_core::{Error, Result};
-use kiln_cuda::ops::attention::{
-    attention, decode_splits, scratch_bytes, AttentionVariant, KvBuffers, PagedBatch,
-};
+use kiln_cuda::certify::{attention_config, AttentionConfig, AttentionPhase, AttentionTask};
+use kiln_cuda::ops::attention::{attention, scratch_bytes, AttentionVariant, KvBuffers, PagedBatch};
 use kiln_cuda::{DeviceMemory, Gpu};
 
 use crate::bench::{copy_ceiling, time_us};
+use crate::tune::open_store;
 
 /// Arguments of `kiln bench attention`.
 #[derive(Debug, Clone, clap::Args)]
@@ -107,6 +114,22 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
     let gpu = Gpu::open(0)?;
     let peer = read_peer(args)?;
     let shape = shape();
+    // Every key's configuration is looked up before anything runs, so that a strict-mode miss
+    // fails at once, naming the key.
+    let (store, arch, multiprocessors) = (open_store()?, gpu.arch(), gpu.facts().multiprocessors);
+    let prefill_task = AttentionTask { shape, phase: AttentionPhase::Prefill { tokens: PREFILL_LENGTHS[0] } };
+    let prefill_config = attention_config(&store, &prefill_task, arch, multiprocessors)?;
+    let decode_tasks: Vec<AttentionTask> = DECODE_BATCHES
+        .iter()
+        .map(|&batch| AttentionTask {
+            shape,
+            phase: AttentionPhase::Decode { batch, context: DECODE_CONTEXTS[0] },
+        })
+        .collect();
+    let decode_configs = decode_tasks
+        .iter()
+        .map(|t| attention_config(&store, t, arch, multiprocessors))
+        .collect::<Result<Vec<AttentionConfig>>>()?;
     let mut seed = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos() as u64)
@@ -138,15 +161,22 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
         let out = gpu.alloc(len * Q_HEADS * HEAD_DIM * 2)?;
         let cache = KvBuffers { k: &k, v: &v, pages: pages.len() };
         let flops = 4.0 * (Q_HEADS * HEAD_DIM) as f64 * (len * (len + 1) / 2) as f64;
+        let mut configs = vec![prefill_config];
         for variant in [AttentionVariant::PREFILL, AttentionVariant::PREFILL_WIDE] {
+            if !configs.iter().any(|c| c.variant == variant && c.splits == 1) {
+                configs.push(AttentionConfig { variant, splits: 1 });
+            }
+        }
+        for config in configs {
+            let scratch = gpu.alloc(scratch_bytes(&shape, len, config.splits).max(16))?;
             let (us, _) = time_us(&gpu, 3, args.iterations, || {
-                attention(&gpu, &shape, &batch, &q, cache, &out, None, 1, Some(variant))
+                let splits = config.splits;
+                attention(&gpu, &shape, &batch, &q, cache, &out, Some(&scratch), splits, Some(config.variant))
             })?;
+            let tag = if config == prefill_config { "certified " } else { "" };
             let line = format!(
-                "| {len} | {}x{}x{} | {us:.1} | {:.1} | {} |",
-                variant.warps_m,
-                variant.warps_n,
-                variant.warp_keys,
+                "| {len} | {tag}{} | {us:.1} | {:.1} | {} |",
+                config.label(),
                 flops / us / 1e6,
                 ratio(&peer, "prefill", &len.to_string(), us)
             );
@@ -156,12 +186,15 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
     }
 
     let header = "\n## Decode (GQA 32/8, head dim 128, page 64; % of the copy ceiling)\n\n\
-                  | batch | context | splits | time_us | GB/s | % copy | torch_us / speedup |\n|---|---|---|---|---|---|---|";
+                  | batch | context | configuration | time_us | GB/s | % copy | torch_us / speedup |\n|---|---|---|---|---|---|---|";
     println!("{header}");
     let _ = writeln!(report, "{header}");
     let l2 = gpu.facts().l2_cache_bytes as usize;
     let token_bytes = KV_HEADS * HEAD_DIM * 2 * 2;
-    for &batch_size in &DECODE_BATCHES {
+    for (&batch_size, (task, &certified)) in
+        DECODE_BATCHES.iter().zip(decode_tasks.iter().zip(&decode_configs))
+    {
+        let default = task.default_config(multiprocessors);
         for &context in &DECODE_CONTEXTS {
             let case_bytes = batch_size * context * token_bytes;
             let rotations = (2 * l2).div_ceil(case_bytes).clamp(1, 64);
@@ -193,22 +226,41 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
                 .collect::<Result<Vec<_>>>()?;
             let q = random_device(&gpu, batch_size * Q_HEADS * HEAD_DIM * 2, &mut seed)?;
             let out = gpu.alloc(batch_size * Q_HEADS * HEAD_DIM * 2)?;
-            let splits = decode_splits(&gpu, batch_size, KV_HEADS);
-            let scratch = gpu.alloc(scratch_bytes(&shape, batch_size, splits).max(16))?;
-            let mut turn = 0;
-            let (us, _) = time_us(&gpu, 3, args.iterations, || {
-                turn = (turn + 1) % batches.len();
-                attention(&gpu, &shape, &batches[turn], &q, cache, &out, Some(&scratch), splits, None)
-            })?;
-            let bytes = case_bytes + 2 * batch_size * Q_HEADS * HEAD_DIM * 2;
-            let gb_per_s = bytes as f64 / us / 1e3;
-            let line = format!(
-                "| {batch_size} | {context} | {splits} | {us:.1} | {gb_per_s:.0} | {:.1} | {} |",
-                100.0 * gb_per_s / copy.gb_per_s,
-                ratio(&peer, "decode", &format!("{batch_size}x{context}"), us)
-            );
-            println!("{line}");
-            let _ = writeln!(report, "{line}");
+            let configs: Vec<(&str, AttentionConfig)> = if default == certified {
+                vec![("certified=default", certified)]
+            } else {
+                vec![("certified", certified), ("default", default)]
+            };
+            for (tag, config) in configs {
+                let splits = config.splits;
+                let scratch = gpu.alloc(scratch_bytes(&shape, batch_size, splits).max(16))?;
+                let mut turn = 0;
+                let (us, _) = time_us(&gpu, 3, args.iterations, || {
+                    turn = (turn + 1) % batches.len();
+                    let batch = &batches[turn];
+                    attention(
+                        &gpu,
+                        &shape,
+                        batch,
+                        &q,
+                        cache,
+                        &out,
+                        Some(&scratch),
+                        splits,
+                        Some(config.variant),
+                    )
+                })?;
+                let bytes = case_bytes + 2 * batch_size * Q_HEADS * HEAD_DIM * 2;
+                let gb_per_s = bytes as f64 / us / 1e3;
+                let line = format!(
+                    "| {batch_size} | {context} | {tag} {} | {us:.1} | {gb_per_s:.0} | {:.1} | {} |",
+                    config.label(),
+                    100.0 * gb_per_s / copy.gb_per_s,
+                    ratio(&peer, "decode", &format!("{batch_size}x{context}"), us)
+                );
+                println!("{line}");
+                let _ = writeln!(report, "{line}");
+            }
         }
     }
     if let Some(path) = &args.out {
