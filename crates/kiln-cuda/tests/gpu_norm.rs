@@ -274,3 +274,106 @@ fn e2m1_matches_the_reference_around_every_threshold_and_on_random_floats() {
         assert_eq!(w, g, "E2M1 of {:#010x} ({}): want {w:#x}, got {g:#x}", bits[i], f32::from_bits(bits[i]));
     }
 }
+
+/// The kernels' packed hardware conversions on their own: per input float, its bf16 and fp16
+/// bits (`kiln_pack2`) and its E4M3 code (`kiln_e4m3x2`), and the value of every E4M3 code
+/// (`kiln_e4m3_value`).
+static CONVERT_PROBE: KernelSource = KernelSource {
+    name: "convert_probe",
+    source: concat!(
+        include_str!("../kernels/deterministic.cuh"),
+        "extern \"C\" __global__ void convert_probe(const unsigned int* in, unsigned int* halves,\n",
+        "                                          unsigned char* e4m3, float* e4m3_values, long long n) {\n",
+        "    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;\n",
+        "    if (i < n) {\n",
+        "        float v = __uint_as_float(in[i]);\n",
+        "        unsigned int b = kiln_pack2<KILN_BF16>(v, 1.0f), h = kiln_pack2<KILN_F16>(1.0f, v);\n",
+        "        halves[i] = (b & 0xFFFFu) | (h & 0xFFFF0000u);\n",
+        "        e4m3[i] = (unsigned char)(kiln_e4m3x2(v, 1.0f) & 0xFFu);\n",
+        "    }\n",
+        "    if (i < 256) e4m3_values[i] = kiln_e4m3_value((unsigned int)i);\n",
+        "}\n"
+    ),
+    define_sets: &[&[]],
+    fmad: false,
+};
+
+#[test]
+fn packed_conversions_match_the_reference() {
+    use kiln_core::ops::primitives::{f32_to_bf16_bits, f32_to_f16_bits};
+    use kiln_core::ops::quantize::{e4m3_to_f32, f32_to_e4m3};
+    let gpu = gpu();
+    let mut rng = Rng::fresh();
+    // Specials, subnormals of every format, and the neighbourhood of every fp16 / bf16 / E4M3
+    // rounding boundary near 1, the largest finite values and the overflow thresholds.
+    let mut bits: Vec<u32> = vec![
+        0x0000_0000,
+        0x8000_0000,
+        0x7F80_0000,
+        0xFF80_0000,
+        0x7F7F_FFFF,
+        0xFF7F_FFFF,
+        0x0000_0001,
+        0x8000_0001,
+        0x007F_FFFF,
+        0x0080_0000,
+    ];
+    for v in
+        [1.0f32, 1.5, 448.0, 464.0, 480.0, 65504.0, 65520.0, 2f32.powi(-9), 2f32.powi(-10), 2f32.powi(-14)]
+    {
+        for signed in [v, -v] {
+            let b = signed.to_bits() as i64;
+            bits.extend((-70_000..=70_000).step_by(7).map(|d| (b + d).clamp(0, u32::MAX as i64) as u32));
+        }
+    }
+    bits.extend((0..1 << 22).map(|_| (rng.next() >> 32) as u32));
+    let n = bits.len();
+
+    let input = upload(&gpu, &bits.iter().flat_map(|b| b.to_le_bytes()).collect::<Vec<u8>>());
+    let halves = poisoned(&gpu, 4 * n);
+    let e4m3 = poisoned(&gpu, n);
+    let values = poisoned(&gpu, 4 * 256);
+    let function = gpu.function(&CONVERT_PROBE, "convert_probe", &[]).expect("compile the probe");
+    let (pin, phalves, pe4m3, pvalues, count) =
+        (input.device_ptr(), halves.device_ptr(), e4m3.device_ptr(), values.device_ptr(), n as i64);
+    let config = LaunchConfig {
+        grid_dim: (n.div_ceil(256) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let stream = gpu.stream();
+    let mut launch = stream.launch_builder(&function);
+    launch.arg(&pin).arg(&phalves).arg(&pe4m3).arg(&pvalues).arg(&count);
+    // SAFETY: four device pointers and an i64 as the probe declares; `input` holds n u32,
+    // `halves` n u32, `e4m3` n bytes, `values` 256 f32 (n > 256).
+    unsafe { launch.launch(config) }.expect("launch the probe");
+    gpu.synchronize().expect("run the probe");
+
+    let got_halves = halves.to_host_bytes().unwrap();
+    let got_e4m3 = e4m3.to_host_bytes().unwrap();
+    for (i, &b) in bits.iter().enumerate() {
+        let v = f32::from_bits(b);
+        let word = u32::from_le_bytes(got_halves[4 * i..4 * i + 4].try_into().unwrap());
+        let (bf16, f16) = ((word & 0xFFFF) as u16, (word >> 16) as u16);
+        if v.is_nan() {
+            // The hardware returns the canonical NaN, as every GPU operation does; only NaN-ness counts.
+            assert!(bf16 & 0x7F80 == 0x7F80 && bf16 & 0x7F != 0, "bf16 of NaN {b:#010x}: {bf16:#06x}");
+            assert!(f16 & 0x7C00 == 0x7C00 && f16 & 0x3FF != 0, "fp16 of NaN {b:#010x}: {f16:#06x}");
+            assert_eq!(got_e4m3[i] & 0x7F, 0x7F, "E4M3 of NaN {b:#010x}");
+            continue;
+        }
+        assert_eq!(bf16, f32_to_bf16_bits(v), "bf16 of {b:#010x} ({v})");
+        assert_eq!(f16, f32_to_f16_bits(v), "fp16 of {b:#010x} ({v})");
+        assert_eq!(got_e4m3[i], f32_to_e4m3(v), "E4M3 of {b:#010x} ({v})");
+    }
+    let got_values = values.to_host_bytes().unwrap();
+    for code in 0..=255u8 {
+        let c = usize::from(code);
+        let got = f32::from_le_bytes(got_values[4 * c..4 * c + 4].try_into().unwrap());
+        let want = e4m3_to_f32(code);
+        assert!(
+            got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+            "value of E4M3 {code:#04x}: want {want}, got {got}"
+        );
+    }
+}
