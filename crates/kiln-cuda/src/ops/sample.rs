@@ -461,7 +461,7 @@ mod tests {
         assert!(layout.values >= layout.cuts + 3 * 75 * 8 && layout.indices >= layout.values + lists);
         assert!(layout.overflow_values >= layout.indices + lists);
         assert!(layout.overflow_indices >= layout.overflow_values + lists);
-        assert!(layout.bytes >= layout.overflow_indices + lists && layout.cuts % 8 == 0);
+        assert!(layout.bytes >= layout.overflow_indices + lists && layout.cuts.is_multiple_of(8));
     }
 
     #[test]
