@@ -29,6 +29,8 @@ pub enum BenchCommand {
     LmHead(crate::bench_lm_head::BenchLmHeadArgs),
     /// The sampler in each mode against PyTorch's sort-based sampling.
     Sample(crate::bench_sample::BenchSampleArgs),
+    /// Generation on the GPU: prompt and decode tokens/s against the memory floor and llama.cpp.
+    Generate(crate::bench_generate::BenchGenerateArgs),
 }
 
 pub fn run(command: &BenchCommand) -> Result<ExitCode> {
@@ -38,6 +40,7 @@ pub fn run(command: &BenchCommand) -> Result<ExitCode> {
         BenchCommand::Norm(args) => crate::bench_norm::run(args).map(|()| ExitCode::SUCCESS),
         BenchCommand::LmHead(args) => crate::bench_lm_head::run(args).map(|()| ExitCode::SUCCESS),
         BenchCommand::Sample(args) => crate::bench_sample::run(args).map(|()| ExitCode::SUCCESS),
+        BenchCommand::Generate(args) => crate::bench_generate::run(args).map(|()| ExitCode::SUCCESS),
     }
 }
 

@@ -10,7 +10,8 @@ use kiln_core::ops::sample::SamplingParams;
 use kiln_core::{Error, Result};
 use kiln_engine::chat::{render_with, ChatMessage};
 use kiln_engine::fetch::{self, DEFAULT_MODEL};
-use kiln_engine::generate::{generate, GenerateOptions, StopReason};
+use kiln_engine::generate::{generate, generate_gpu, GenerateOptions, StopReason};
+use kiln_engine::models::gpu::{GpuEngine, GpuOptions};
 use kiln_engine::models::load_path;
 
 use crate::pull::BarProgress;
@@ -18,9 +19,11 @@ use crate::pull::BarProgress;
 /// Where the model runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum DeviceChoice {
+    /// The first CUDA GPU when one works (driver, NVRTC and a device found), else the CPU.
+    Auto,
     /// The CPU, every core (rayon).
     Cpu,
-    /// The first CUDA GPU.
+    /// The first CUDA GPU (an error names what is missing when none works).
     Cuda,
 }
 
@@ -66,9 +69,15 @@ pub struct GenerateArgs {
     /// Seed of the sampler: the same seed, prompt and flags give the same tokens.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Where to run.
-    #[arg(long, value_enum, default_value_t = DeviceChoice::Cpu)]
+    /// Where to run: `auto` takes the GPU when one works.
+    #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
     pub device: DeviceChoice,
+    /// KV positions the GPU engine holds (default: the prompt plus --max-tokens).
+    #[arg(long)]
+    pub context: Option<usize>,
+    /// Run the GPU decode steps one launch at a time instead of replaying a captured graph.
+    #[arg(long)]
+    pub no_graphs: bool,
     /// CPU threads (default: every core).
     #[arg(long)]
     pub threads: Option<usize>,
@@ -88,12 +97,14 @@ fn read_prompt(prompt: &str) -> Result<String> {
 }
 
 pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
-    if args.device == DeviceChoice::Cuda {
-        return Err(Error::NotServed {
-            op: "kiln generate --device cuda",
-            reason: "generation on the GPU is not served yet; use --device cpu".into(),
-        });
-    }
+    let use_gpu = match args.device {
+        DeviceChoice::Cpu => false,
+        DeviceChoice::Cuda => {
+            kiln_cuda::runtime::require_libcuda()?;
+            true
+        }
+        DeviceChoice::Auto => kiln_cuda::probe().cuda_works(),
+    };
     if let Some(threads) = args.threads {
         if threads == 0 {
             return Err(Error::InvalidArgument {
@@ -146,7 +157,26 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
     let mut out = stdout.lock();
     let mut stream = tokenizer.stream();
     let mut broken_pipe = false;
-    let generation = generate(&model, &prompt, &options, &mut |token| {
+    let mut engine = if use_gpu {
+        let gpu = kiln_cuda::Gpu::open(0)?;
+        let context = args
+            .context
+            .unwrap_or(prompt.len() + args.max_tokens + 1)
+            .min(model.config().context_length.max(1));
+        let gpu_options =
+            GpuOptions { max_context: context, graphs: !args.no_graphs, ..GpuOptions::default() };
+        let engine = GpuEngine::new(gpu, &model, gpu_options)?;
+        let load = engine.load_report();
+        tracing::info!(
+            weights_gb = load.weight_bytes as f64 / 1e9,
+            gb_per_s = load.gigabytes_per_second(),
+            "weights on the GPU"
+        );
+        Some(engine)
+    } else {
+        None
+    };
+    let mut on_token = |token| {
         let piece = stream.step(token)?;
         match out.write_all(piece.as_bytes()).and_then(|()| out.flush()) {
             Ok(()) => Ok(true),
@@ -156,7 +186,11 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
             }
             Err(e) => Err(Error::io(PathBuf::from("<stdout>"), e)),
         }
-    })?;
+    };
+    let generation = match engine.as_mut() {
+        Some(engine) => generate_gpu(engine, &prompt, &options, &mut on_token)?,
+        None => generate(&model, &prompt, &options, &mut on_token)?,
+    };
     if broken_pipe {
         return Ok(ExitCode::SUCCESS);
     }
@@ -172,8 +206,9 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
         StopReason::ContextFull => "context full".into(),
         StopReason::Caller => "stopped".into(),
     };
+    let device = if engine.is_some() { "cuda:0" } else { "cpu" };
     eprintln!(
-        "kiln: {} | load {:.2} s | prompt {} tokens, {:.1} tok/s | decode {} tokens, {:.1} tok/s | {stop}",
+        "kiln: {} on {device} | load {:.2} s | prompt {} tokens, {:.1} tok/s | decode {} tokens, {:.1} tok/s | {stop}",
         path.display(),
         load_time.as_secs_f64(),
         generation.prompt_tokens,

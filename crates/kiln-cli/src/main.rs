@@ -7,12 +7,14 @@
 
 mod bench;
 mod bench_attention;
+mod bench_generate;
 mod bench_lm_head;
 mod bench_norm;
 mod bench_sample;
 mod doctor;
 mod generate;
 mod output;
+mod plan;
 mod pull;
 mod tune;
 
@@ -41,6 +43,8 @@ enum Command {
     Pull(pull::PullArgs),
     /// Check the CUDA driver, NVRTC, the GPUs and the kernel cache; compile and run a kernel.
     Doctor(doctor::DoctorArgs),
+    /// The GPU memory a model takes (weights, activations, KV cache), before anything runs.
+    Plan(plan::PlanArgs),
     /// Benchmarks against the hardware ceiling and a peer.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -54,6 +58,7 @@ fn dispatch(command: &Command) -> Result<ExitCode> {
         Command::Generate(args) => generate::run(args),
         Command::Pull(args) => pull::run(args),
         Command::Doctor(args) => doctor::run(args),
+        Command::Plan(args) => plan::run(args),
         Command::Bench(args) => bench::run(args),
         Command::Tune(args) => tune::run(args),
     }

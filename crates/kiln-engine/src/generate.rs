@@ -120,3 +120,81 @@ pub fn generate(
         decode_time: decode_started.elapsed(),
     })
 }
+
+/// As [`generate`], on the GPU engine: prefill in chunks of at most the engine's step size, then
+/// one decode step a token (a captured graph after the first). The sampler runs on the device with
+/// the same parameters, seed and steps as the CPU path.
+pub fn generate_gpu(
+    engine: &mut crate::models::gpu::GpuEngine,
+    prompt: &[u32],
+    options: &GenerateOptions,
+    on_token: &mut dyn FnMut(u32) -> Result<bool>,
+) -> Result<Generation> {
+    if prompt.is_empty() {
+        return Err(Error::InvalidArgument {
+            name: "prompt",
+            value: "0 tokens".into(),
+            reason: "a generation needs at least one prompt token".into(),
+        });
+    }
+    let max_context = engine.options().max_context;
+    if prompt.len() >= max_context {
+        return Err(Error::InvalidArgument {
+            name: "prompt",
+            value: format!("{} tokens", prompt.len()),
+            reason: format!("the engine holds {max_context} positions a sequence"),
+        });
+    }
+    let mut sequence = engine.new_sequence(options.sampling)?;
+    let result = run_gpu(engine, &mut sequence, prompt, options, on_token);
+    engine.release(sequence);
+    result
+}
+
+fn run_gpu(
+    engine: &mut crate::models::gpu::GpuEngine,
+    sequence: &mut crate::models::gpu::GpuSequence,
+    prompt: &[u32],
+    options: &GenerateOptions,
+    on_token: &mut dyn FnMut(u32) -> Result<bool>,
+) -> Result<Generation> {
+    let chunk = options.prefill_chunk.clamp(1, engine.options().max_step_tokens);
+    let max_context = engine.options().max_context;
+    let started = Instant::now();
+    let mut token = 0;
+    for part in prompt.chunks(chunk) {
+        sequence.step = 0;
+        token = engine.step(&mut [(&mut *sequence, part)])?[0];
+    }
+    let prompt_time = started.elapsed();
+    let decode_started = Instant::now();
+    let mut tokens = Vec::new();
+    let mut stop = StopReason::MaxTokens;
+    for step in 0..options.max_tokens {
+        if options.stop_tokens.contains(&token) {
+            stop = StopReason::StopToken(token);
+            break;
+        }
+        tokens.push(token);
+        if !on_token(token)? {
+            stop = StopReason::Caller;
+            break;
+        }
+        if tokens.len() == options.max_tokens {
+            break;
+        }
+        if sequence.len() + 1 > max_context {
+            stop = StopReason::ContextFull;
+            break;
+        }
+        sequence.step = step as u64 + 1;
+        token = engine.step(&mut [(&mut *sequence, &[token])])?[0];
+    }
+    Ok(Generation {
+        tokens,
+        stop,
+        prompt_tokens: prompt.len(),
+        prompt_time,
+        decode_time: decode_started.elapsed(),
+    })
+}

@@ -89,7 +89,11 @@ pub struct QkvBuffers {
 /// q/k RMSNorm per head, RoPE at each token's position, q to bf16, k and v into the cache.
 pub fn qkv_prepare(gpu: &Gpu, shape: &QkvShape, b: QkvBuffers) -> Result<()> {
     let s = shape;
-    if s.head_dim == 0 || s.head_dim > MAX_HEAD_DIM || s.rotary_dim > s.head_dim || s.rotary_dim % 2 != 0 {
+    if s.head_dim == 0
+        || s.head_dim > MAX_HEAD_DIM
+        || s.rotary_dim > s.head_dim
+        || !s.rotary_dim.is_multiple_of(2)
+    {
         return Err(Error::NotServed {
             op: "qkv_prepare kernel",
             reason: format!("head_dim {} with rotary_dim {}", s.head_dim, s.rotary_dim),

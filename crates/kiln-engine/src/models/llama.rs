@@ -29,19 +29,20 @@ pub struct Linear {
     pub bias: Option<Vec<f32>>,
 }
 
+/// One transformer block's weights (norms widened to fp32, matrices left in the source).
 #[derive(Debug)]
-struct Layer {
-    attn_norm: Vec<f32>,
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    o: Linear,
-    q_norm: Option<Vec<f32>>,
-    k_norm: Option<Vec<f32>>,
-    ffn_norm: Vec<f32>,
-    gate: Linear,
-    up: Linear,
-    down: Linear,
+pub(crate) struct Layer {
+    pub(crate) attn_norm: Vec<f32>,
+    pub(crate) q: Linear,
+    pub(crate) k: Linear,
+    pub(crate) v: Linear,
+    pub(crate) o: Linear,
+    pub(crate) q_norm: Option<Vec<f32>>,
+    pub(crate) k_norm: Option<Vec<f32>>,
+    pub(crate) ffn_norm: Vec<f32>,
+    pub(crate) gate: Linear,
+    pub(crate) up: Linear,
+    pub(crate) down: Linear,
 }
 
 /// Maps a GGUF tensor name of the Llama family to its Hugging Face name.
@@ -198,8 +199,25 @@ impl LlamaModel {
         })
     }
 
-    fn bytes(&self, linear: &Linear) -> Result<&[u8]> {
+    /// A matrix's bytes as its source holds them.
+    pub(crate) fn bytes(&self, linear: &Linear) -> Result<&[u8]> {
         self.source.tensor_bytes(&(self.naming)(&linear.name))
+    }
+
+    pub(crate) fn layers(&self) -> &[Layer] {
+        &self.layers
+    }
+
+    pub(crate) fn embedding(&self) -> &Linear {
+        &self.embed
+    }
+
+    pub(crate) fn output(&self) -> &Linear {
+        &self.output
+    }
+
+    pub(crate) fn output_norm(&self) -> &[f32] {
+        &self.output_norm
     }
 
     /// Runs `tokens` (at the cache's next positions) through the model, appends their keys and

@@ -1,6 +1,7 @@
 //! Models: configuration, loading from GGUF or safetensors, and the CPU forward pass.
 
 pub mod config;
+pub mod gpu;
 pub mod llama;
 
 use std::path::Path;

@@ -1,0 +1,1265 @@
+//! The Llama family on CUDA: the whole forward pass on the device, with no host round trip per
+//! layer.
+//!
+//! - **Weights** live in one arena: every matrix in its file's format (bf16, fp16, fp32, Q8_0,
+//!   Q4_0, Q4_1, Q4_K, Q6_K), q|k|v and gate|up placed back to back so that one launch serves
+//!   each pair when their formats agree; biases and q/k norm weights as fp32. The norms' weights
+//!   are fp32 blocks of their own (the norm kernel takes whole blocks).
+//! - **Activations** are blocks sized by the [`GpuPlan`] once, before the first token; a step
+//!   allocates nothing, so a decode step can be captured as a CUDA graph and replayed.
+//! - **KV cache**: bf16 pages (`kiln_engine::kv` bookkeeping, `[page][kv_head][slot][head_dim]`),
+//!   as many as the plan leaves room for.
+//!
+//! A step runs each sequence's new tokens: embedding, then per layer RMSNorm, q|k|v, q/k norm +
+//! RoPE + the K/V write into the pages, paged attention, the output projection added into the
+//! residual stream, RMSNorm, gate|up with SwiGLU, the down projection added into the residual
+//! stream; then the final norm of each sequence's last token, the LM head and the sampler.
+//! Steps of at most 8 tokens use Kiln's matrix-vector kernels (weights read once for all
+//! tokens); longer ones use cuBLAS on 16-bit copies of the activations (quantized weights are
+//! expanded to bf16 one matrix at a time).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use kiln_core::ops::attention::AttentionShape;
+use kiln_core::ops::norm::RmsNorm;
+use kiln_core::ops::rope::{RopeLayout, RopeTable};
+use kiln_core::ops::sample::SamplingParams;
+use kiln_core::{DType, Error, Result};
+use kiln_cuda::blas::Blas;
+use kiln_cuda::cudarc::driver::{sys as cu, CudaGraph};
+use kiln_cuda::memory::size_class;
+use kiln_cuda::ops::attention::{self, decode_splits, scratch_bytes, KvBuffers, PagedBatch};
+use kiln_cuda::ops::forward::{self, QkvBuffers, QkvShape};
+use kiln_cuda::ops::linear::{self, Epilogue, LinearCall};
+use kiln_cuda::ops::norm::{self as norm_op, NormBuffers, NormCall};
+use kiln_cuda::ops::sample::{self as sample_op, DeviceSamplingParams, SampleBuffers, PARAMS_BYTES};
+use kiln_cuda::{DeviceMemory, DeviceView, Gpu};
+
+use crate::kv::{KvFormat, KvLayout, PagePool, PageTable};
+use crate::models::config::ModelConfig;
+use crate::models::llama::{Layer, Linear, LlamaModel};
+
+/// Tokens a launch of the matrix-vector kernels takes; longer steps use the matrix-product path.
+pub const MATVEC_TOKENS: usize = 8;
+/// Alignment of every tensor in the weight arena.
+const ARENA_ALIGN: usize = 256;
+
+/// What the engine is sized for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GpuOptions {
+    /// Sequences one step serves (at most 256, the sampler's rows).
+    pub max_batch: usize,
+    /// Tokens one step runs, over all its sequences (a prefill chunk).
+    pub max_step_tokens: usize,
+    /// Positions a sequence may reach (prompt plus generated).
+    pub max_context: usize,
+    /// Positions per KV page (a power of two).
+    pub page_tokens: usize,
+    /// KV pages; `None` gives every sequence of the batch room for `max_context`.
+    pub kv_pages: Option<usize>,
+    /// Capture pure decode steps as CUDA graphs and replay them.
+    pub graphs: bool,
+}
+
+impl Default for GpuOptions {
+    fn default() -> Self {
+        GpuOptions {
+            max_batch: 1,
+            max_step_tokens: 512,
+            max_context: 4096,
+            page_tokens: 32,
+            kv_pages: None,
+            graphs: true,
+        }
+    }
+}
+
+/// One matrix in the arena.
+#[derive(Debug, Clone, Copy)]
+struct DeviceLinear {
+    weight: DeviceView,
+    bias: Option<DeviceView>,
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+}
+
+#[derive(Debug)]
+struct DeviceLayer {
+    attn_norm: DeviceMemory,
+    ffn_norm: DeviceMemory,
+    /// q|k|v as one matrix when their formats agree, else each on its own.
+    qkv: Vec<DeviceLinear>,
+    q_norm: Option<DeviceView>,
+    k_norm: Option<DeviceView>,
+    o: DeviceLinear,
+    /// gate|up as one matrix (SwiGLU epilogue) when their formats agree, else each on its own.
+    gate_up: Vec<DeviceLinear>,
+    down: DeviceLinear,
+}
+
+/// The memory a model and its engine take on the device, known before anything is allocated.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct GpuPlan {
+    /// The weight arena (matrices, biases, q/k norms).
+    pub weight_bytes: u64,
+    /// The norms' fp32 weight blocks and the RoPE tables.
+    pub small_bytes: u64,
+    /// Activations, per-step metadata, sampler buffers.
+    pub activation_bytes: u64,
+    /// bf16 copies of one quantized matrix for the matrix-product path, and attention partials.
+    pub scratch_bytes: u64,
+    pub kv_pages: u64,
+    pub kv_bytes: u64,
+    /// Everything above, in the pool's block sizes.
+    pub total_bytes: u64,
+    /// What cuBLAS is expected to add on its own (its workspace), not counted in `total_bytes`.
+    pub cublas_workspace_bytes: u64,
+}
+
+/// Bytes of `count` elements of `dtype`.
+fn bytes_of(dtype: DType, count: usize) -> Result<usize> {
+    Ok(dtype.bytes_for(count as u64)? as usize)
+}
+
+fn align(n: usize) -> usize {
+    n.div_ceil(ARENA_ALIGN) * ARENA_ALIGN
+}
+
+/// The activation blocks of an engine, by name and bytes, in allocation order.
+fn activation_sizes(c: &ModelConfig, o: &GpuOptions) -> Vec<(&'static str, usize)> {
+    let t = o.max_step_tokens;
+    let b = o.max_batch;
+    let qkv = (c.heads + 2 * c.kv_heads) * c.head_dim;
+    let q = c.heads * c.head_dim;
+    let pages_per_seq = o.max_context.div_ceil(o.page_tokens);
+    vec![
+        ("x", t * c.hidden * 4),
+        ("h", t * c.hidden * 4),
+        ("h16", t * c.hidden * 2),
+        ("qkv", t * qkv * 4),
+        ("q16", t * q * 2),
+        ("attn16", t * q * 2),
+        ("attn_f16", t * q * 2),
+        ("mlp", t * 2 * c.ffn * 4),
+        ("mlp16", t * c.ffn * 2),
+        ("last", b * c.hidden * 4),
+        ("last_normed", b * c.hidden * 4),
+        ("logits", b * c.vocab * 4),
+        ("meta", meta_words(t, b, pages_per_seq) * 4),
+        ("params", b * PARAMS_BYTES),
+        ("steps", b * 8),
+        ("history_offsets", (b + 1) * 4),
+        ("tokens", b * 4),
+    ]
+}
+
+/// Words of the per-step metadata block: ids, positions, slots `[t]`; last rows `[b]`; query
+/// offsets `[b + 1]`; context lengths `[b]`; page offsets `[b + 1]`; page ids `[b][pages]`.
+fn meta_words(t: usize, b: usize, pages_per_seq: usize) -> usize {
+    3 * t + 3 * b + 2 + b * pages_per_seq
+}
+
+/// The matrices of a layer that share one launch.
+fn fused_groups(layer: &Layer) -> (Vec<&Linear>, Vec<&Linear>) {
+    (vec![&layer.q, &layer.k, &layer.v], vec![&layer.gate, &layer.up])
+}
+
+/// Bytes of the weight arena: every matrix aligned, biases and q/k norms as fp32.
+fn arena_bytes(model: &LlamaModel) -> Result<usize> {
+    let c = model.config();
+    let mut total = 0;
+    let mut add = |bytes: usize| total += align(bytes);
+    for layer in model.layers() {
+        let (qkv, gate_up) = fused_groups(layer);
+        for l in qkv.iter().chain(&gate_up).chain([&&layer.o, &&layer.down]) {
+            // Matrices of a fused group are placed back to back; their row bytes are whole blocks,
+            // so no padding goes between them (the group is aligned as a whole).
+            add(bytes_of(l.dtype, l.rows * l.cols)?);
+            if let Some(bias) = &l.bias {
+                add(bias.len() * 4);
+            }
+        }
+        if c.qk_norm {
+            add(c.head_dim * 4);
+            add(c.head_dim * 4);
+        }
+    }
+    add(bytes_of(model.embedding().dtype, c.vocab * c.hidden)?);
+    if model.output().name != model.embedding().name {
+        add(bytes_of(model.output().dtype, c.vocab * c.hidden)?);
+    }
+    Ok(total + 4 * ARENA_ALIGN)
+}
+
+/// The largest bf16 copy the matrix-product path makes of a non-16-bit matrix (0 when every
+/// matrix is bf16 or fp16).
+fn expand_scratch_bytes(model: &LlamaModel) -> usize {
+    let mut most = 0;
+    for layer in model.layers() {
+        let (qkv, gate_up) = fused_groups(layer);
+        for group in [qkv, gate_up, vec![&layer.o], vec![&layer.down]] {
+            if group.iter().all(|l| matches!(l.dtype, DType::BF16 | DType::F16)) && fusable(&group) {
+                continue;
+            }
+            let rows: usize = group.iter().map(|l| l.rows).sum();
+            most = most.max(rows * group[0].cols * 2);
+        }
+    }
+    most
+}
+
+impl GpuPlan {
+    /// The plan of `model` under `options`.
+    pub fn new(model: &LlamaModel, options: &GpuOptions) -> Result<GpuPlan> {
+        let c = model.config();
+        validate_options(c, options)?;
+        let weight_bytes = size_class(arena_bytes(model)?) as u64;
+        let rope_positions = options.max_context;
+        let rotary = c.rope.rotary_dim;
+        let small = 2 * c.layers * size_class(c.hidden * 4)
+            + size_class(c.hidden * 4)
+            + 2 * size_class(rope_positions * rotary / 2 * 4);
+        let activations: usize =
+            activation_sizes(c, options).iter().map(|(_, bytes)| size_class((*bytes).max(4))).sum();
+        let shape = attention_shape(c, options.page_tokens);
+        let splits = 64; // the most `decode_splits` gives
+        let attn_scratch = scratch_bytes(&shape, options.max_batch, splits).max(4);
+        let expand = expand_scratch_bytes(model);
+        let scratch = size_class(attn_scratch)
+            + if expand > 0 { size_class(expand) } else { 0 }
+            + size_class(sample_op::scratch_bytes(options.max_batch, c.vocab));
+        let kv_pages =
+            options.kv_pages.unwrap_or(options.max_batch * options.max_context.div_ceil(options.page_tokens));
+        let page_bytes = c.kv_heads * options.page_tokens * c.head_dim * 2;
+        let kv_block = size_class(kv_pages * page_bytes);
+        let kv_bytes = (2 * c.layers * kv_block) as u64;
+        let total = weight_bytes + (small + activations + scratch) as u64 + kv_bytes;
+        Ok(GpuPlan {
+            weight_bytes,
+            small_bytes: small as u64,
+            activation_bytes: activations as u64,
+            scratch_bytes: scratch as u64,
+            kv_pages: kv_pages as u64,
+            kv_bytes,
+            total_bytes: total,
+            cublas_workspace_bytes: 32 << 20,
+        })
+    }
+}
+
+fn validate_options(c: &ModelConfig, o: &GpuOptions) -> Result<()> {
+    let bad = |name: &'static str, value: usize, reason: &str| Error::InvalidArgument {
+        name,
+        value: value.to_string(),
+        reason: reason.to_string(),
+    };
+    if o.max_batch == 0 || o.max_batch > sample_op::MAX_SAMPLE_ROWS {
+        return Err(bad("max_batch", o.max_batch, "between 1 and 256 (the sampler's rows)"));
+    }
+    if o.max_step_tokens < o.max_batch {
+        return Err(bad("max_step_tokens", o.max_step_tokens, "at least max_batch (one token a sequence)"));
+    }
+    if o.max_step_tokens > 65_535 {
+        return Err(bad("max_step_tokens", o.max_step_tokens, "at most 65535"));
+    }
+    if !o.page_tokens.is_power_of_two() || o.page_tokens > 1024 {
+        return Err(bad("page_tokens", o.page_tokens, "a power of two up to 1024"));
+    }
+    if o.max_context == 0 || o.max_context > c.context_length.max(1) {
+        return Err(bad(
+            "max_context",
+            o.max_context,
+            &format!("between 1 and the model's context, {}", c.context_length),
+        ));
+    }
+    if !attention::HEAD_DIMS.contains(&c.head_dim) {
+        return Err(Error::NotServed {
+            op: "CUDA attention",
+            reason: format!("head size {} (served: {:?})", c.head_dim, attention::HEAD_DIMS),
+        });
+    }
+    Ok(())
+}
+
+fn attention_shape(c: &ModelConfig, page_tokens: usize) -> AttentionShape {
+    AttentionShape {
+        q_heads: c.heads,
+        kv_heads: c.kv_heads,
+        head_dim: c.head_dim,
+        page_tokens,
+        scale: 1.0 / (c.head_dim as f32).sqrt(),
+    }
+}
+
+/// Load figures of a model's weights.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct LoadReport {
+    pub weight_bytes: u64,
+    pub seconds: f64,
+}
+
+impl LoadReport {
+    pub fn gigabytes_per_second(&self) -> f64 {
+        self.weight_bytes as f64 / self.seconds.max(1e-9) / 1e9
+    }
+}
+
+/// The activation blocks (see [`activation_sizes`]).
+#[derive(Debug)]
+struct Workspace {
+    x: DeviceMemory,
+    h: DeviceMemory,
+    h16: DeviceMemory,
+    qkv: DeviceMemory,
+    q16: DeviceMemory,
+    attn16: DeviceMemory,
+    attn_f16: DeviceMemory,
+    mlp: DeviceMemory,
+    mlp16: DeviceMemory,
+    last: DeviceMemory,
+    last_normed: DeviceMemory,
+    logits: DeviceMemory,
+    meta: DeviceMemory,
+    params: DeviceMemory,
+    steps: DeviceMemory,
+    history_offsets: DeviceMemory,
+    history: DeviceMemory,
+    tokens: DeviceMemory,
+    attn_scratch: DeviceMemory,
+    expand: Option<DeviceMemory>,
+    sample_scratch: sample_op::SampleScratch,
+}
+
+/// A sequence the engine serves: its pages, sampling parameters and sample counter.
+#[derive(Debug)]
+pub struct GpuSequence {
+    table: PageTable,
+    pub params: SamplingParams,
+    /// The step of the next sample (the sampler's counter; the caller advances it, so that
+    /// prompt chunks before the first sample do not count).
+    pub step: u64,
+    /// Tokens seen (prompt and generated), for the penalties.
+    pub history: Vec<u32>,
+}
+
+impl GpuSequence {
+    /// Positions held in the cache.
+    pub fn len(&self) -> usize {
+        self.table.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.table.is_empty()
+    }
+}
+
+/// The model on one GPU with its KV pages, workspace and captured decode steps.
+pub struct GpuEngine {
+    gpu: Arc<Gpu>,
+    config: ModelConfig,
+    options: GpuOptions,
+    plan: GpuPlan,
+    _arena: DeviceMemory,
+    embed: DeviceLinear,
+    output: DeviceLinear,
+    output_norm: DeviceMemory,
+    layers: Vec<DeviceLayer>,
+    rope_cos: DeviceMemory,
+    rope_sin: DeviceMemory,
+    kv: Vec<(DeviceMemory, DeviceMemory)>,
+    pool: PagePool,
+    ws: Workspace,
+    blas: Option<Blas>,
+    graphs: HashMap<usize, CudaGraph>,
+    load: LoadReport,
+    launches_per_step: HashMap<usize, usize>,
+}
+
+impl std::fmt::Debug for GpuEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuEngine").field("config", &self.config).field("plan", &self.plan).finish()
+    }
+}
+
+/// Copies host bytes into the arena and hands out views.
+struct ArenaWriter<'a> {
+    arena: &'a DeviceMemory,
+    offset: usize,
+}
+
+impl ArenaWriter<'_> {
+    fn put(&mut self, bytes: &[u8]) -> Result<DeviceView> {
+        let view = self.arena.slice(self.offset, bytes.len())?;
+        self.arena.copy_from_host(self.offset, bytes)?;
+        self.offset += align(bytes.len());
+        Ok(view)
+    }
+
+    fn put_f32(&mut self, values: &[f32]) -> Result<DeviceView> {
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        self.put(&bytes)
+    }
+
+    /// A group's matrices: back to back when one launch can serve them (same format and width),
+    /// else each aligned on its own; their biases (fp32) back to back after them.
+    fn put_group(&mut self, model: &LlamaModel, group: &[&Linear]) -> Result<Vec<DeviceLinear>> {
+        let contiguous = fusable(group);
+        let mut offset = self.offset;
+        let mut out = Vec::with_capacity(group.len());
+        for l in group {
+            let bytes = model.bytes(l)?;
+            let view = self.arena.slice(offset, bytes.len())?;
+            self.arena.copy_from_host(offset, bytes)?;
+            offset += if contiguous { bytes.len() } else { align(bytes.len()) };
+            out.push(DeviceLinear { weight: view, bias: None, dtype: l.dtype, rows: l.rows, cols: l.cols });
+        }
+        self.offset = align(offset);
+        if group.iter().any(|l| l.bias.is_some()) {
+            let mut host = Vec::new();
+            let mut spans = Vec::with_capacity(group.len());
+            for l in group {
+                spans.push(l.bias.as_ref().map(|b| (host.len(), b.len() * 4)));
+                if let Some(b) = &l.bias {
+                    host.extend(b.iter().flat_map(|v| v.to_le_bytes()));
+                }
+            }
+            let view = self.put(&host)?;
+            for (d, span) in out.iter_mut().zip(spans) {
+                if let Some((at, len)) = span {
+                    d.bias = Some(view.slice(at, len)?);
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Whether one launch can serve a group: one format and one width.
+fn fusable(group: &[&Linear]) -> bool {
+    group.windows(2).all(|w| w[0].dtype == w[1].dtype && w[0].cols == w[1].cols)
+}
+
+/// One matrix over a group [`ArenaWriter::put_group`] placed back to back, with its biases
+/// (all or none) back to back too; otherwise the parts as they are.
+fn fuse(parts: Vec<DeviceLinear>) -> Vec<DeviceLinear> {
+    let contiguous = parts.windows(2).all(|w| {
+        w[0].dtype == w[1].dtype
+            && w[0].cols == w[1].cols
+            && w[0].weight.ptr + w[0].weight.len_bytes as u64 == w[1].weight.ptr
+    });
+    if parts.len() < 2 || !contiguous {
+        return parts;
+    }
+    let with_bias = parts.iter().filter(|p| p.bias.is_some()).count();
+    if with_bias != 0 && with_bias != parts.len() {
+        return parts;
+    }
+    let (first, last) = (parts[0], parts[parts.len() - 1]);
+    let span = |a: DeviceView, b: DeviceView| DeviceView {
+        ptr: a.ptr,
+        len_bytes: (b.ptr - a.ptr) as usize + b.len_bytes,
+    };
+    let bias = match (first.bias, last.bias) {
+        (Some(a), Some(b)) => Some(span(a, b)),
+        _ => None,
+    };
+    vec![DeviceLinear {
+        weight: span(first.weight, last.weight),
+        bias,
+        dtype: first.dtype,
+        rows: parts.iter().map(|p| p.rows).sum(),
+        cols: first.cols,
+    }]
+}
+
+fn device_f32(gpu: &Gpu, values: &[f32]) -> Result<DeviceMemory> {
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let memory = gpu.alloc(bytes.len().max(4))?;
+    memory.copy_from_host(0, &bytes)?;
+    Ok(memory)
+}
+
+impl GpuEngine {
+    /// Uploads `model` to `gpu` and sizes the engine by `options`.
+    pub fn new(gpu: Arc<Gpu>, model: &LlamaModel, options: GpuOptions) -> Result<GpuEngine> {
+        let c = model.config().clone();
+        let plan = GpuPlan::new(model, &options)?;
+        if c.qkv_bias && c.qk_norm {
+            return Err(Error::NotServed {
+                op: "CUDA forward",
+                reason: "q/k/v biases with q/k norms".into(),
+            });
+        }
+        let started = Instant::now();
+        let arena = gpu.alloc(arena_bytes(model)?)?;
+        let mut w = ArenaWriter { arena: &arena, offset: 0 };
+        let mut layers = Vec::with_capacity(c.layers);
+        for layer in model.layers() {
+            let (qkv, gate_up) = fused_groups(layer);
+            let qkv = fuse(w.put_group(model, &qkv)?);
+            let gate_up = fuse(w.put_group(model, &gate_up)?);
+            let o = w.put_group(model, &[&layer.o])?[0];
+            let down = w.put_group(model, &[&layer.down])?[0];
+            let (q_norm, k_norm) = match (&layer.q_norm, &layer.k_norm) {
+                (Some(q), Some(k)) => (Some(w.put_f32(q)?), Some(w.put_f32(k)?)),
+                _ => (None, None),
+            };
+            layers.push(DeviceLayer {
+                attn_norm: device_f32(&gpu, &layer.attn_norm)?,
+                ffn_norm: device_f32(&gpu, &layer.ffn_norm)?,
+                qkv,
+                q_norm,
+                k_norm,
+                o,
+                gate_up,
+                down,
+            });
+        }
+        let embed = w.put_group(model, &[model.embedding()])?[0];
+        let output = if model.output().name == model.embedding().name {
+            embed
+        } else {
+            w.put_group(model, &[model.output()])?[0]
+        };
+        let output_norm = device_f32(&gpu, model.output_norm())?;
+        gpu.synchronize()?;
+        let load = LoadReport { weight_bytes: w.offset as u64, seconds: started.elapsed().as_secs_f64() };
+
+        let table = RopeTable::new(c.rope, c.head_dim, options.max_context)?;
+        let rope_cos = device_f32(&gpu, &table.cos)?;
+        let rope_sin = device_f32(&gpu, &table.sin)?;
+
+        let kv_pages = plan.kv_pages as usize;
+        let layout = KvLayout::new(c.layers, c.kv_heads, c.head_dim, options.page_tokens, KvFormat::Bf16)?;
+        let page_bytes = c.kv_heads * options.page_tokens * c.head_dim * 2;
+        let mut kv = Vec::with_capacity(c.layers);
+        for _ in 0..c.layers {
+            kv.push((gpu.alloc(kv_pages * page_bytes)?, gpu.alloc(kv_pages * page_bytes)?));
+        }
+        let pool = PagePool::new(layout, kv_pages)?;
+
+        let sizes = activation_sizes(&c, &options);
+        let mut blocks: Vec<DeviceMemory> = Vec::with_capacity(sizes.len());
+        for (_, bytes) in &sizes {
+            blocks.push(gpu.alloc((*bytes).max(4))?);
+        }
+        let mut it = blocks.into_iter();
+        let mut next =
+            || it.next().ok_or_else(|| Error::NotServed { op: "workspace", reason: "sizes".into() });
+        let shape = attention_shape(&c, options.page_tokens);
+        let expand = expand_scratch_bytes(model);
+        let ws = Workspace {
+            x: next()?,
+            h: next()?,
+            h16: next()?,
+            qkv: next()?,
+            q16: next()?,
+            attn16: next()?,
+            attn_f16: next()?,
+            mlp: next()?,
+            mlp16: next()?,
+            last: next()?,
+            last_normed: next()?,
+            logits: next()?,
+            meta: next()?,
+            params: next()?,
+            steps: next()?,
+            history_offsets: next()?,
+            tokens: next()?,
+            history: gpu.alloc(4)?,
+            attn_scratch: gpu.alloc(scratch_bytes(&shape, options.max_batch, 64).max(4))?,
+            expand: if expand > 0 { Some(gpu.alloc(expand)?) } else { None },
+            sample_scratch: sample_op::SampleScratch::new(&gpu, options.max_batch, c.vocab)?,
+        };
+        ws.history_offsets.fill_bytes(0)?;
+        let blas = if Blas::available() { Some(Blas::new(&gpu)?) } else { None };
+        Ok(GpuEngine {
+            gpu,
+            config: c,
+            options,
+            plan,
+            _arena: arena,
+            embed,
+            output,
+            output_norm,
+            layers,
+            rope_cos,
+            rope_sin,
+            kv,
+            pool,
+            ws,
+            blas,
+            graphs: HashMap::new(),
+            load,
+            launches_per_step: HashMap::new(),
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+    pub fn plan(&self) -> &GpuPlan {
+        &self.plan
+    }
+    pub fn options(&self) -> &GpuOptions {
+        &self.options
+    }
+    pub fn load_report(&self) -> LoadReport {
+        self.load
+    }
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+    /// Kernel launches of the last step of each batch size that was measured (graph capture
+    /// counts them).
+    pub fn launches_per_step(&self, batch: usize) -> Option<usize> {
+        self.launches_per_step.get(&batch).copied()
+    }
+    /// KV pages not in use.
+    pub fn free_pages(&self) -> usize {
+        self.pool.available_pages()
+    }
+
+    /// A new, empty sequence.
+    pub fn new_sequence(&self, params: SamplingParams) -> Result<GpuSequence> {
+        params.validate()?;
+        Ok(GpuSequence { table: self.pool.new_table(), params, step: 0, history: Vec::new() })
+    }
+
+    /// Gives a sequence's pages back.
+    pub fn release(&mut self, sequence: GpuSequence) {
+        self.pool.release(sequence.table);
+    }
+
+    /// Runs each sequence's new tokens and samples one token for each at the sequence's `step`;
+    /// returns the tokens. The new tokens join the sequences' caches and histories. On an error
+    /// the caches are as before the step.
+    pub fn step(&mut self, work: &mut [(&mut GpuSequence, &[u32])]) -> Result<Vec<u32>> {
+        self.run_step(work)
+    }
+
+    /// As [`GpuEngine::step`], and also returns each sequence's logits of its last token.
+    pub fn step_with_logits(
+        &mut self,
+        work: &mut [(&mut GpuSequence, &[u32])],
+    ) -> Result<(Vec<u32>, Vec<Vec<f32>>)> {
+        let tokens = self.run_step(work)?;
+        let vocab = self.config.vocab;
+        let bytes = self.ws.logits.to_host_bytes()?;
+        let all: Vec<f32> =
+            bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+        let logits = (0..work.len()).map(|i| all[i * vocab..(i + 1) * vocab].to_vec()).collect();
+        Ok((tokens, logits))
+    }
+
+    fn run_step(&mut self, work: &mut [(&mut GpuSequence, &[u32])]) -> Result<Vec<u32>> {
+        let b = work.len();
+        let t: usize = work.iter().map(|(_, tokens)| tokens.len()).sum();
+        let o = self.options;
+        if b == 0 || b > o.max_batch {
+            return Err(Error::InvalidArgument {
+                name: "sequences",
+                value: b.to_string(),
+                reason: format!("a step serves 1 to {} sequences (the engine's max_batch)", o.max_batch),
+            });
+        }
+        if work.iter().any(|(_, tokens)| tokens.is_empty()) || t > o.max_step_tokens {
+            return Err(Error::InvalidArgument {
+                name: "step tokens",
+                value: t.to_string(),
+                reason: format!(
+                    "every sequence needs at least one new token, {} in all at most",
+                    o.max_step_tokens
+                ),
+            });
+        }
+        let vocab = self.config.vocab;
+        for (seq, tokens) in work.iter() {
+            if seq.len() + tokens.len() > o.max_context {
+                return Err(Error::InvalidArgument {
+                    name: "positions",
+                    value: (seq.len() + tokens.len()).to_string(),
+                    reason: format!("the engine holds at most {} positions a sequence", o.max_context),
+                });
+            }
+            if let Some(&id) = tokens.iter().find(|&&id| id as usize >= vocab) {
+                return Err(Error::OutOfBounds {
+                    op: "embedding",
+                    what: "token id",
+                    value: id.into(),
+                    limit: vocab as u64,
+                });
+            }
+        }
+        // Pages for the new positions: all or nothing over the batch.
+        let mut plans = Vec::with_capacity(b);
+        for (seq, tokens) in work.iter_mut() {
+            match self.pool.append(&mut seq.table, tokens) {
+                Ok(plan) if plan.copies.is_empty() => plans.push(plan),
+                Ok(_) => {
+                    return Err(Error::NotServed {
+                        op: "CUDA forward",
+                        reason: "copy-on-write of shared pages".into(),
+                    })
+                }
+                Err(e) => {
+                    // Undo the appends already made in this step.
+                    for ((seq, tokens), _) in work.iter_mut().zip(&plans) {
+                        let len = seq.table.len() - tokens.len();
+                        self.pool.truncate(&mut seq.table, len);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        let result = self.run_planned(work, &plans, t);
+        if result.is_err() {
+            for ((seq, tokens), _) in work.iter_mut().zip(&plans) {
+                let len = seq.table.len() - tokens.len();
+                self.pool.truncate(&mut seq.table, len);
+            }
+        }
+        result
+    }
+
+    fn run_planned(
+        &mut self,
+        work: &mut [(&mut GpuSequence, &[u32])],
+        plans: &[crate::kv::AppendPlan],
+        t: usize,
+    ) -> Result<Vec<u32>> {
+        let b = work.len();
+        let o = self.options;
+        let pages_per_seq = o.max_context.div_ceil(o.page_tokens);
+        // The metadata block (see `meta_words`), in capacity-strided sections.
+        let cap_t = o.max_step_tokens;
+        let cap_b = o.max_batch;
+        let mut meta = vec![0u32; meta_words(cap_t, cap_b, pages_per_seq)];
+        let (ids_at, pos_at, slot_at) = (0, cap_t, 2 * cap_t);
+        let last_at = 3 * cap_t;
+        let qoff_at = last_at + cap_b;
+        let ctx_at = qoff_at + cap_b + 1;
+        let poff_at = ctx_at + cap_b;
+        let pid_at = poff_at + cap_b + 1;
+        let mut row = 0usize;
+        let mut max_query = 0;
+        for (i, ((seq, tokens), plan)) in work.iter().zip(plans).enumerate() {
+            for (j, &id) in tokens.iter().enumerate() {
+                meta[ids_at + row + j] = id;
+                meta[pos_at + row + j] = (plan.first_position + j) as u32;
+                meta[slot_at + row + j] = plan.slots[j];
+            }
+            meta[qoff_at + i] = row as u32;
+            row += tokens.len();
+            meta[last_at + i] = (row - 1) as u32;
+            meta[ctx_at + i] = seq.table.len() as u32;
+            meta[poff_at + i] = (i * pages_per_seq) as u32;
+            for (k, &page) in seq.table.pages().iter().enumerate() {
+                meta[pid_at + i * pages_per_seq + k] = page;
+            }
+            max_query = max_query.max(tokens.len());
+        }
+        meta[qoff_at + b] = row as u32;
+        meta[poff_at + b] = (b * pages_per_seq) as u32;
+        let meta_bytes: Vec<u8> = meta.iter().flat_map(|w| w.to_le_bytes()).collect();
+        self.ws.meta.copy_from_host(0, &meta_bytes)?;
+        let mut params = Vec::with_capacity(b * PARAMS_BYTES);
+        let mut steps = Vec::with_capacity(b * 8);
+        for (seq, _) in work.iter() {
+            params.extend_from_slice(&DeviceSamplingParams::new(&seq.params, 0)?.to_bytes());
+            steps.extend_from_slice(&seq.step.to_le_bytes());
+        }
+        self.ws.params.copy_from_host(0, &params)?;
+        self.ws.steps.copy_from_host(0, &steps)?;
+
+        let penalties = work.iter().any(|(seq, _)| {
+            seq.params.repetition_penalty != 1.0
+                || seq.params.presence_penalty != 0.0
+                || seq.params.frequency_penalty != 0.0
+        });
+        let histories: Vec<Vec<u32>> = work
+            .iter()
+            .map(|(seq, tokens)| seq.history.iter().chain(tokens.iter()).copied().collect())
+            .collect();
+        let decode = max_query == 1;
+        let graph_ok = o.graphs && decode && !penalties;
+        if graph_ok {
+            if let Some(graph) = self.graphs.get(&b) {
+                graph.launch().map_err(|e| kiln_cuda::runtime::driver_error("cuGraphLaunch", e))?;
+            } else {
+                // The first step of this size runs plainly (it compiles every kernel), the next
+                // one is captured.
+                let warmed = self.launches_per_step.contains_key(&b);
+                if warmed {
+                    let stream = self.gpu.stream().clone();
+                    stream
+                        .begin_capture(cu::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+                        .map_err(|e| kiln_cuda::runtime::driver_error("cuStreamBeginCapture", e))?;
+                    let launched = self.launch_step(b, t, max_query, None);
+                    let graph = stream
+                        .end_capture(cu::CUgraphInstantiate_flags(0))
+                        .map_err(|e| kiln_cuda::runtime::driver_error("cuStreamEndCapture", e))?;
+                    launched?;
+                    let graph = graph.ok_or_else(|| Error::NotServed {
+                        op: "CUDA graph",
+                        reason: "the capture recorded no work".into(),
+                    })?;
+                    graph.launch().map_err(|e| kiln_cuda::runtime::driver_error("cuGraphLaunch", e))?;
+                    self.graphs.insert(b, graph);
+                } else {
+                    let launches = self.launch_step(b, t, max_query, None)?;
+                    self.launches_per_step.insert(b, launches);
+                }
+            }
+        } else {
+            let history = if penalties { Some(histories.as_slice()) } else { None };
+            let launches = self.launch_step(b, t, max_query, history)?;
+            if decode {
+                self.launches_per_step.insert(b, launches);
+            }
+        }
+        let mut token_bytes = vec![0u8; b * 4];
+        self.ws.tokens.copy_to_host(0, &mut token_bytes)?;
+        let tokens: Vec<u32> =
+            token_bytes.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        for (i, (seq, new)) in work.iter_mut().enumerate() {
+            seq.history.extend_from_slice(new);
+            self.pool.commit(&mut seq.table);
+            if tokens[i] as usize >= self.config.vocab {
+                return Err(Error::NotServed {
+                    op: "sampler",
+                    reason: format!("row {i} gave no token (its logits are all NaN)"),
+                });
+            }
+        }
+        Ok(tokens)
+    }
+
+    /// Queues the whole step on the stream; returns the number of kernel launches.
+    fn launch_step(
+        &self,
+        b: usize,
+        t: usize,
+        max_query: usize,
+        histories: Option<&[Vec<u32>]>,
+    ) -> Result<usize> {
+        let c = &self.config;
+        let o = &self.options;
+        let gpu = &*self.gpu;
+        let ws = &self.ws;
+        let mut launches = 0usize;
+        let pages_per_seq = o.max_context.div_ceil(o.page_tokens);
+        let cap_t = o.max_step_tokens;
+        let cap_b = o.max_batch;
+        let meta = ws.meta.view();
+        let word = |at: usize, count: usize| meta.slice(at * 4, count * 4);
+        let ids = word(0, t)?;
+        let positions = word(cap_t, t)?;
+        let slots = word(2 * cap_t, t)?;
+        let last_rows = word(3 * cap_t, b)?;
+        let qoff_at = 3 * cap_t + cap_b;
+        let ctx_at = qoff_at + cap_b + 1;
+        let poff_at = ctx_at + cap_b;
+        let pid_at = poff_at + cap_b + 1;
+        let batch = PagedBatch::from_views(
+            word(qoff_at, b + 1)?,
+            word(ctx_at, b)?,
+            word(poff_at, b + 1)?,
+            word(pid_at, cap_b * pages_per_seq)?,
+            b,
+            t,
+            max_query,
+        )?;
+        let shape = attention_shape(c, o.page_tokens);
+        let splits = if max_query == 1 { decode_splits(gpu, b, c.kv_heads) } else { 1 };
+        let matvec = t <= MATVEC_TOKENS || self.blas.is_none();
+
+        linear::embed_rows(gpu, self.embed.dtype, self.embed.weight, c.vocab, c.hidden, ids, t, ws.x.view())?;
+        launches += 1;
+        let norm_call = |rows: usize, out: DType| NormCall {
+            spec: RmsNorm::llama(c.rms_eps, out).into(),
+            rows,
+            hidden: c.hidden,
+            x_type: DType::F32,
+            weight_type: DType::F32,
+        };
+        let q_width = c.heads * c.head_dim;
+        let qkv_width = (c.heads + 2 * c.kv_heads) * c.head_dim;
+        for (index, layer) in self.layers.iter().enumerate() {
+            // Attention.
+            let half = if matvec { DType::F32 } else { self.gemm_type(&layer.qkv) };
+            let h = if matvec { &ws.h } else { &ws.h16 };
+            norm_op::norm(gpu, &norm_call(t, half), self.norm_buffers(&ws.x, &layer.attn_norm, h), None)?;
+            launches += 1;
+            launches +=
+                self.linear_group(&layer.qkv, h.view(), half, t, ws.qkv.view(), Epilogue::Store, matvec)?;
+            let (k_cache, v_cache) = &self.kv[index];
+            forward::qkv_prepare(
+                gpu,
+                &QkvShape {
+                    tokens: t,
+                    heads: c.heads,
+                    kv_heads: c.kv_heads,
+                    head_dim: c.head_dim,
+                    rotary_dim: c.rope.rotary_dim,
+                    interleaved: c.rope.layout == RopeLayout::Interleaved,
+                    table_positions: o.max_context,
+                    page_tokens: o.page_tokens,
+                    cache_pages: self.plan.kv_pages as usize,
+                    eps: c.rms_eps,
+                },
+                QkvBuffers {
+                    qkv: ws.qkv.slice(0, t * qkv_width * 4)?,
+                    q_norm: layer.q_norm,
+                    k_norm: layer.k_norm,
+                    cos: self.rope_cos.view(),
+                    sin: self.rope_sin.view(),
+                    positions,
+                    slots,
+                    q_out: ws.q16.view(),
+                    k_cache: k_cache.view(),
+                    v_cache: v_cache.view(),
+                },
+            )?;
+            launches += 1;
+            attention::attention(
+                gpu,
+                &shape,
+                &batch,
+                &ws.q16,
+                KvBuffers { k: k_cache, v: v_cache, pages: self.plan.kv_pages as usize },
+                &ws.attn16,
+                Some(&ws.attn_scratch),
+                splits,
+                None,
+            )?;
+            launches += if splits > 1 { 2 } else { 1 };
+            let o_half = if matvec { DType::BF16 } else { self.gemm_type(std::slice::from_ref(&layer.o)) };
+            let attn_in = if o_half == DType::F16 {
+                forward::bf16_to_f16(gpu, ws.attn16.view(), t * q_width, ws.attn_f16.view())?;
+                launches += 1;
+                ws.attn_f16.view()
+            } else {
+                ws.attn16.view()
+            };
+            launches += self.linear_group(
+                std::slice::from_ref(&layer.o),
+                attn_in,
+                o_half,
+                t,
+                ws.x.view(),
+                Epilogue::Accumulate,
+                matvec,
+            )?;
+            // MLP.
+            let half = if matvec { DType::F32 } else { self.gemm_type(&layer.gate_up) };
+            norm_op::norm(gpu, &norm_call(t, half), self.norm_buffers(&ws.x, &layer.ffn_norm, h), None)?;
+            launches += 1;
+            launches += self.mlp(layer, h.view(), half, t, matvec)?;
+        }
+        // The last token of each sequence: final norm, LM head, sampler.
+        forward::gather_rows(gpu, ws.x.view(), t, last_rows, b, c.hidden, ws.last.view())?;
+        norm_op::norm(
+            gpu,
+            &norm_call(b, DType::F32),
+            self.norm_buffers(&ws.last, &self.output_norm, &ws.last_normed),
+            None,
+        )?;
+        launches += 2;
+        for start in (0..b).step_by(MATVEC_TOKENS) {
+            let rows = (b - start).min(MATVEC_TOKENS);
+            linear::linear(
+                gpu,
+                &LinearCall {
+                    weight: self.output.dtype,
+                    rows: c.vocab,
+                    cols: c.hidden,
+                    tokens: rows,
+                    input: DType::F32,
+                    epilogue: Epilogue::Store,
+                },
+                self.output.weight,
+                None,
+                ws.last_normed.slice(start * c.hidden * 4, rows * c.hidden * 4)?,
+                ws.logits.slice(start * c.vocab * 4, rows * c.vocab * 4)?,
+                None,
+            )?;
+            launches += 1;
+        }
+        // Penalties need the histories and a zeroed count block (allocated here: such steps are
+        // never captured).
+        let (offsets, history, counts, scratch);
+        let mut penalty = None;
+        if let Some(histories) = histories {
+            let refs: Vec<&[u32]> = histories.iter().map(Vec::as_slice).collect();
+            let (off, tokens) = sample_op::encode_histories(&refs, c.vocab)?;
+            offsets = gpu.alloc(off.len() * 4)?;
+            offsets.copy_from_host(0, &off.iter().flat_map(|w| w.to_le_bytes()).collect::<Vec<u8>>())?;
+            history = gpu.alloc((tokens.len() * 4).max(4))?;
+            history.copy_from_host(0, &tokens.iter().flat_map(|w| w.to_le_bytes()).collect::<Vec<u8>>())?;
+            counts = gpu.alloc(b * c.vocab * 4)?;
+            counts.fill_bytes(0)?;
+            scratch = gpu.alloc(b * c.vocab * 4)?;
+            penalty = Some(sample_op::PenaltyScratch { counts: &counts, scratch: &scratch });
+            sample_op::sample(
+                gpu,
+                b,
+                c.vocab,
+                SampleBuffers {
+                    logits: &ws.logits,
+                    row_stride: c.vocab,
+                    params: &ws.params,
+                    steps: &ws.steps,
+                    history_offsets: &offsets,
+                    history: &history,
+                    penalty,
+                    stats: None,
+                    tokens: &ws.tokens,
+                    scratch: Some(&ws.sample_scratch),
+                },
+            )?;
+        } else {
+            let _ = &mut penalty;
+            sample_op::sample(
+                gpu,
+                b,
+                c.vocab,
+                SampleBuffers {
+                    logits: &ws.logits,
+                    row_stride: c.vocab,
+                    params: &ws.params,
+                    steps: &ws.steps,
+                    history_offsets: &ws.history_offsets,
+                    history: &ws.history,
+                    penalty: None,
+                    stats: None,
+                    tokens: &ws.tokens,
+                    scratch: Some(&ws.sample_scratch),
+                },
+            )?;
+        }
+        launches += 1;
+        Ok(launches)
+    }
+
+    fn norm_buffers<'a>(
+        &self,
+        x: &'a DeviceMemory,
+        weight: &'a DeviceMemory,
+        out: &'a DeviceMemory,
+    ) -> NormBuffers<'a> {
+        NormBuffers { x, residual: None, weight: Some(weight), bias: None, gate: None, out, scales: None }
+    }
+
+    /// The 16-bit type the matrix-product path hands cuBLAS for `group`: fp16 for fp16 weights,
+    /// bf16 otherwise (other formats are expanded to bf16).
+    fn gemm_type(&self, group: &[DeviceLinear]) -> DType {
+        if group.iter().all(|l| l.dtype == DType::F16) {
+            DType::F16
+        } else {
+            DType::BF16
+        }
+    }
+
+    /// `out (+)= x · W^T` for each matrix of `group`, outputs side by side (`out` rows hold every
+    /// matrix's outputs in turn). Returns the launches.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_group(
+        &self,
+        group: &[DeviceLinear],
+        x: DeviceView,
+        x_type: DType,
+        t: usize,
+        out: DeviceView,
+        epilogue: Epilogue,
+        matvec: bool,
+    ) -> Result<usize> {
+        let width: usize = group.iter().map(|l| l.rows).sum();
+        let mut launches = 0;
+        if matvec {
+            if group.len() > 1 && (t > 1 || !matches!(epilogue, Epilogue::Store)) {
+                // Unfused groups write into a scratch layout only for one token; the engine
+                // fuses every group whose formats agree, so this is the rare mixed case.
+                return self.linear_group_mixed(group, x, x_type, t, out, epilogue);
+            }
+            let mut column = 0;
+            for l in group {
+                for start in (0..t).step_by(MATVEC_TOKENS) {
+                    let n = (t - start).min(MATVEC_TOKENS);
+                    let x_bytes = bytes_of(x_type, l.cols)?;
+                    linear::linear(
+                        &self.gpu,
+                        &LinearCall {
+                            weight: l.dtype,
+                            rows: l.rows,
+                            cols: l.cols,
+                            tokens: n,
+                            input: x_type,
+                            epilogue,
+                        },
+                        l.weight,
+                        l.bias,
+                        x.slice(start * x_bytes, n * x_bytes)?,
+                        out.slice((start * width + column) * 4, (n * width - column) * 4)?,
+                        None,
+                    )?;
+                    launches += 1;
+                }
+                column += l.rows;
+            }
+            return Ok(launches);
+        }
+        let blas = self.blas.as_ref().ok_or_else(|| Error::NotServed {
+            op: "matrix product",
+            reason: "cuBLAS is not loaded".into(),
+        })?;
+        if group.len() > 1 {
+            return self.linear_group_mixed(group, x, x_type, t, out, epilogue);
+        }
+        let l = &group[0];
+        let w = self.gemm_weight(l, x_type)?;
+        launches += usize::from(w.1);
+        let accumulate = matches!(epilogue, Epilogue::Accumulate);
+        if l.bias.is_some() && accumulate {
+            return Err(Error::NotServed { op: "matrix product", reason: "a bias with accumulation".into() });
+        }
+        blas.gemm(
+            x_type,
+            w.0,
+            x.slice(0, t * l.cols * 2)?,
+            out.slice(0, t * l.rows * 4)?,
+            l.rows,
+            t,
+            l.cols,
+            accumulate,
+        )?;
+        launches += 1;
+        if let Some(bias) = l.bias {
+            forward::add_bias(&self.gpu, out, bias, t, l.rows)?;
+            launches += 1;
+        }
+        Ok(launches)
+    }
+
+    /// Matrices of one group in different formats: each into its own columns, one token row at
+    /// a time (the output rows interleave the matrices).
+    fn linear_group_mixed(
+        &self,
+        group: &[DeviceLinear],
+        x: DeviceView,
+        x_type: DType,
+        t: usize,
+        out: DeviceView,
+        epilogue: Epilogue,
+    ) -> Result<usize> {
+        let width: usize = group.iter().map(|l| l.rows).sum();
+        let x_bytes = bytes_of(x_type, group[0].cols)?;
+        let mut launches = 0;
+        for token in 0..t {
+            let mut column = 0;
+            for l in group {
+                linear::linear(
+                    &self.gpu,
+                    &LinearCall {
+                        weight: l.dtype,
+                        rows: l.rows,
+                        cols: l.cols,
+                        tokens: 1,
+                        input: x_type,
+                        epilogue,
+                    },
+                    l.weight,
+                    l.bias,
+                    x.slice(token * x_bytes, x_bytes)?,
+                    out.slice((token * width + column) * 4, l.rows * 4)?,
+                    None,
+                )?;
+                launches += 1;
+                column += l.rows;
+            }
+        }
+        Ok(launches)
+    }
+
+    /// The weight as cuBLAS takes it: itself when already of `x_type`, else expanded to bf16 in
+    /// the scratch (the bool says whether an expansion was launched).
+    fn gemm_weight(&self, l: &DeviceLinear, x_type: DType) -> Result<(DeviceView, bool)> {
+        if l.dtype == x_type {
+            return Ok((l.weight, false));
+        }
+        let scratch = self.ws.expand.as_ref().ok_or_else(|| Error::NotServed {
+            op: "matrix product",
+            reason: format!("{} weights need an expansion scratch", l.dtype),
+        })?;
+        let view = scratch.slice(0, l.rows * l.cols * 2)?;
+        linear::to_bf16_weights(&self.gpu, l.dtype, l.weight, l.rows, l.cols, view)?;
+        Ok((view, true))
+    }
+
+    /// gate|up with SwiGLU, then the down projection added into the residual stream.
+    fn mlp(&self, layer: &DeviceLayer, h: DeviceView, half: DType, t: usize, matvec: bool) -> Result<usize> {
+        let c = &self.config;
+        let ws = &self.ws;
+        let mut launches = 0;
+        let down_in_type;
+        if matvec && layer.gate_up.len() == 1 {
+            let l = &layer.gate_up[0];
+            for start in (0..t).step_by(MATVEC_TOKENS) {
+                let n = (t - start).min(MATVEC_TOKENS);
+                linear::linear(
+                    &self.gpu,
+                    &LinearCall {
+                        weight: l.dtype,
+                        rows: c.ffn,
+                        cols: l.cols,
+                        tokens: n,
+                        input: half,
+                        epilogue: Epilogue::SwiGlu,
+                    },
+                    l.weight,
+                    None,
+                    h.slice(start * c.hidden * 4, n * c.hidden * 4)?,
+                    ws.mlp.slice(start * c.ffn * 4, n * c.ffn * 4)?,
+                    None,
+                )?;
+                launches += 1;
+            }
+            down_in_type = DType::F32;
+            launches += self.linear_group(
+                std::slice::from_ref(&layer.down),
+                ws.mlp.view(),
+                down_in_type,
+                t,
+                ws.x.view(),
+                Epilogue::Accumulate,
+                true,
+            )?;
+            return Ok(launches);
+        }
+        // gate and up side by side into `mlp` ([t][2 ffn]), SwiGLU into the down product's type.
+        launches += self.linear_group(&layer.gate_up, h, half, t, ws.mlp.view(), Epilogue::Store, matvec)?;
+        down_in_type = if matvec { DType::F32 } else { self.gemm_type(std::slice::from_ref(&layer.down)) };
+        let (down_in, out_type) = if matvec { (&ws.h, DType::F32) } else { (&ws.mlp16, down_in_type) };
+        // In the matvec path the SwiGLU output (fp32) goes to `h`, free at this point, when it
+        // is large enough; otherwise to mlp16 as bf16.
+        let (down_in, out_type) = if matvec && down_in.len_bytes() < t * c.ffn * 4 {
+            (&ws.mlp16, DType::BF16)
+        } else {
+            (down_in, out_type)
+        };
+        forward::swiglu(&self.gpu, ws.mlp.view(), t, c.ffn, down_in.view(), out_type)?;
+        launches += 1;
+        launches += self.linear_group(
+            std::slice::from_ref(&layer.down),
+            down_in.view(),
+            out_type,
+            t,
+            ws.x.view(),
+            Epilogue::Accumulate,
+            matvec,
+        )?;
+        Ok(launches)
+    }
+}
