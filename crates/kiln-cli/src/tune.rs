@@ -46,7 +46,7 @@ pub struct ShapeArgs {
     /// A GGUF file, a Hugging Face folder, a known model name, or `default`.
     #[arg(long, conflicts_with = "shapes")]
     pub model: Option<String>,
-    /// A built-in shape set instead of a model: `llama3-8b`.
+    /// A built-in shape set instead of a model: `llama3-8b`, `smollm2-135m` (the default model's).
     #[arg(long)]
     pub shapes: Option<String>,
 }
@@ -487,6 +487,16 @@ mod tests {
         );
         let plain = report("heading", &[summarize(Family::Norm, "x", &certified_for_test(false))]);
         assert!(!plain.contains("Planted"), "{plain}");
+    }
+
+    /// The built-in `smollm2-135m` set is what the default model's GGUF says.
+    #[test]
+    #[ignore = "needs KILN_TEST_MODEL (the default model's GGUF)"]
+    fn the_smollm2_shape_set_matches_the_default_model() {
+        let path = std::env::var("KILN_TEST_MODEL").expect("KILN_TEST_MODEL names the default model's GGUF");
+        let from_file = model_shapes(&ShapeArgs { model: Some(path), shapes: None }).unwrap();
+        let built_in = ModelShapes::named("smollm2-135m").unwrap();
+        assert_eq!(ModelShapes { name: built_in.name.clone(), ..from_file }, built_in);
     }
 
     #[test]

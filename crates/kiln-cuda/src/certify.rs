@@ -175,14 +175,33 @@ impl ModelShapes {
         }
     }
 
-    /// The built-in shape sets by name (`llama3-8b`).
+    /// SmolLM2-135M-Instruct as Kiln's default model (the Q4_1 GGUF) stores it: hidden 576,
+    /// vocabulary 49152, 9 heads over 3 KV heads of 64, f32 norm weights, a Q8_0 output layer (the
+    /// token embedding, tied).
+    pub fn smollm2_135m() -> ModelShapes {
+        ModelShapes {
+            name: "smollm2-135m".into(),
+            hidden: 576,
+            vocab: 49_152,
+            q_heads: 9,
+            kv_heads: 3,
+            head_dim: 64,
+            rms_eps: 1e-5,
+            qk_norm: false,
+            norm_weight: DType::F32,
+            lm_head_weight: DType::Q8_0,
+        }
+    }
+
+    /// The built-in shape sets by name: `llama3-8b`, `smollm2-135m`.
     pub fn named(name: &str) -> Result<ModelShapes> {
         match name {
             "llama3-8b" | "llama-3-8b" | "Meta-Llama-3-8B" => Ok(ModelShapes::llama3_8b()),
+            "smollm2-135m" | "smollm2" => Ok(ModelShapes::smollm2_135m()),
             other => Err(Error::InvalidArgument {
                 name: "--shapes",
                 value: other.to_owned(),
-                reason: "the known shape sets are: llama3-8b".into(),
+                reason: "the known shape sets are: llama3-8b, smollm2-135m".into(),
             }),
         }
     }

@@ -58,19 +58,7 @@ fn llama3_8b_asks_for_these_keys() {
 #[test]
 fn keys_follow_the_model_shapes_and_types() {
     // SmolLM2-135M as its GGUF stores it: f32 norm weights, a Q8_0 output layer, 9 / 3 heads of 64.
-    let smol = ModelShapes {
-        name: "smollm2".into(),
-        hidden: 576,
-        vocab: 49_152,
-        q_heads: 9,
-        kv_heads: 3,
-        head_dim: 64,
-        rms_eps: 1e-5,
-        qk_norm: false,
-        norm_weight: DType::F32,
-        lm_head_weight: DType::Q8_0,
-    };
-    let keys = keys(&smol, &Family::ALL);
+    let keys = keys(&ModelShapes::named("smollm2-135m").unwrap(), &Family::ALL);
     assert!(keys.contains(&"norm/rms.res.hf.n576.g1.rows1/bf16.f32.bf16/sm_90".to_owned()), "{keys:?}");
     assert!(keys.contains(&"lm_head/v49152.h576.rows4/q8_0.f32/sm_90".to_owned()), "{keys:?}");
     assert!(keys.contains(&"attention/decode.q9.kv3.d64.p64.b1/bf16/sm_90".to_owned()), "{keys:?}");
