@@ -374,5 +374,118 @@ pub const FORWARD: KernelSource = KernelSource {
     fmad: false,
 };
 
+/// The decode-side linear layer (1..8 tokens, f32 / bf16 / f16 / Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K
+/// weights dequantized in registers, store / residual-add / SwiGLU epilogues), the embedding-row
+/// gather, weights to bf16 and fp32 -> bf16. Defines: `W_T`, `X_T`, `TOKENS`, `EPI`, `HAS_BIAS`,
+/// `WARPS`, `ROWS`, `UNROLL`.
+pub const LINEAR: KernelSource = KernelSource {
+    name: "linear",
+    source: include_str!("../kernels/linear.cu"),
+    define_sets: &[
+        &[
+            ("W_T", "0"),
+            ("X_T", "0"),
+            ("TOKENS", "1"),
+            ("EPI", "0"),
+            ("HAS_BIAS", "1"),
+            ("WARPS", "4"),
+            ("ROWS", "1"),
+            ("UNROLL", "4"),
+        ],
+        &[
+            ("W_T", "1"),
+            ("X_T", "1"),
+            ("TOKENS", "1"),
+            ("EPI", "2"),
+            ("HAS_BIAS", "0"),
+            ("WARPS", "4"),
+            ("ROWS", "1"),
+            ("UNROLL", "2"),
+        ],
+        &[
+            ("W_T", "2"),
+            ("X_T", "0"),
+            ("TOKENS", "1"),
+            ("EPI", "1"),
+            ("HAS_BIAS", "0"),
+            ("WARPS", "4"),
+            ("ROWS", "1"),
+            ("UNROLL", "4"),
+        ],
+        &[
+            ("W_T", "2"),
+            ("X_T", "0"),
+            ("TOKENS", "8"),
+            ("EPI", "2"),
+            ("HAS_BIAS", "0"),
+            ("WARPS", "4"),
+            ("ROWS", "2"),
+            ("UNROLL", "1"),
+        ],
+        &[
+            ("W_T", "3"),
+            ("X_T", "0"),
+            ("TOKENS", "4"),
+            ("EPI", "0"),
+            ("HAS_BIAS", "1"),
+            ("WARPS", "2"),
+            ("ROWS", "2"),
+            ("UNROLL", "2"),
+        ],
+        &[
+            ("W_T", "4"),
+            ("X_T", "1"),
+            ("TOKENS", "1"),
+            ("EPI", "2"),
+            ("HAS_BIAS", "0"),
+            ("WARPS", "1"),
+            ("ROWS", "1"),
+            ("UNROLL", "4"),
+        ],
+        &[
+            ("W_T", "5"),
+            ("X_T", "0"),
+            ("TOKENS", "8"),
+            ("EPI", "1"),
+            ("HAS_BIAS", "0"),
+            ("WARPS", "4"),
+            ("ROWS", "4"),
+            ("UNROLL", "1"),
+        ],
+        &[
+            ("W_T", "6"),
+            ("X_T", "0"),
+            ("TOKENS", "2"),
+            ("EPI", "0"),
+            ("HAS_BIAS", "0"),
+            ("WARPS", "4"),
+            ("ROWS", "1"),
+            ("UNROLL", "2"),
+        ],
+        &[
+            ("W_T", "7"),
+            ("X_T", "1"),
+            ("TOKENS", "1"),
+            ("EPI", "2"),
+            ("HAS_BIAS", "0"),
+            ("WARPS", "4"),
+            ("ROWS", "1"),
+            ("UNROLL", "2"),
+        ],
+        &[
+            ("W_T", "7"),
+            ("X_T", "0"),
+            ("TOKENS", "8"),
+            ("EPI", "1"),
+            ("HAS_BIAS", "1"),
+            ("WARPS", "4"),
+            ("ROWS", "4"),
+            ("UNROLL", "1"),
+        ],
+    ],
+    fmad: true,
+};
+
 /// Every kernel source of Kiln.
-pub const ALL: &[KernelSource] = &[CONVERT, COPY, NORM, ROPE, EMBEDDING, LM_HEAD, ATTENTION, SAMPLE, FORWARD];
+pub const ALL: &[KernelSource] =
+    &[CONVERT, COPY, NORM, ROPE, EMBEDDING, LM_HEAD, ATTENTION, SAMPLE, FORWARD, LINEAR];

@@ -4,6 +4,7 @@
 pub mod attention;
 pub mod embedding;
 pub mod forward;
+pub mod linear;
 pub mod lm_head;
 pub mod norm;
 pub mod rope;

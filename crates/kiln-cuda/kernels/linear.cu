@@ -1,0 +1,551 @@
+// The decode-side linear layer: out[t][r] = epilogue(sum_c W[r][c] * x[t][c] (+ bias[r])) for
+// TOKENS (1..8) tokens at once, W in f32, bf16, f16 or a GGUF block format (Q8_0, Q4_0, Q4_1,
+// Q4_K, Q6_K), dequantized in registers; fp32 accumulation. Beside it: the gather of embedding
+// rows, the conversion of weights to bf16 (the prefill path's cuBLAS input) and fp32 -> bf16.
+//
+// Memory floor: W read once for all tokens (rows x row_bytes); x (at most 8 x cols fp32) stays in
+// L1/L2. A 4096 x 4096 f16 layer is 33.5 MB, 8 us at 4.2 TB/s.
+//
+// Shape: a block owns ROWS output rows (2 x ROWS weight rows for SwiGLU: the gate row r and the up
+// row rows + r). Its WARPS x 32 threads split the columns in "pieces" (8 values of f32 / bf16 /
+// f16, 16 of Q8_0, 32 of the 4-bit and 6-bit formats), thread i taking pieces i, i + THREADS, ...;
+// each step issues the loads of UNROLL pieces of every weight row before decoding any, so
+// UNROLL x rows loads are in flight per thread. Decoded values are consumed 8 at a time: for each
+// token the 8 matching x values are loaded once (read-only path, L1) and used for every weight row
+// of the block, so x traffic falls with the rows per block. Accumulators (rows x tokens) stay in
+// registers; the warp's sums are reduced by a transposed butterfly (each shuffle step halves the
+// sums a lane carries), the warps' partial sums are added in warp order in shared memory. No
+// atomics: the result depends only on the variant (WARPS, ROWS, UNROLL) and the shape.
+//
+// Loads: 16-byte streaming loads (no L1 allocation) for f32 / bf16 / f16 rows (16-byte aligned when
+// cols is a multiple of 8) and Q4_K's quants (its 144-byte blocks keep 16-byte alignment);
+// Q4_1's 20-byte blocks are 4-byte aligned (4-byte loads); Q8_0, Q4_0 (34, 18 bytes) and Q6_K
+// (210) are only 2-byte aligned: their bytes come from aligned 4-byte loads joined by byte
+// permutes. Such a load may read up to 2 bytes past the bytes it needs, never past the aligned
+// 4-byte word that holds the last of them.
+//
+// Dequantization equals `dequantize_row` of the CPU reference bit for bit: small integers become
+// floats exactly by the 2^23 bias trick (or'ing them into the mantissa of 2^23 and subtracting),
+// and every rounding of the reference is an explicit __fmul_rn / __fadd_rn / __fsub_rn, which the
+// compiler never contracts. The dot products use explicit FMAs.
+//
+// Compile-time constants: W_T (0 f32, 1 bf16, 2 f16, 3 Q8_0, 4 Q4_0, 5 Q4_1, 6 Q4_K, 7 Q6_K),
+// X_T (0 f32, 1 bf16), TOKENS (1..8), EPI (0 store, 1 accumulate, 2 SwiGLU), HAS_BIAS, WARPS,
+// ROWS, UNROLL.
+
+#include "kiln_prelude.cuh"
+
+#ifndef W_T
+#define W_T 1
+#endif
+#ifndef X_T
+#define X_T 0
+#endif
+#ifndef TOKENS
+#define TOKENS 1
+#endif
+#ifndef EPI
+#define EPI 0
+#endif
+#ifndef HAS_BIAS
+#define HAS_BIAS 0
+#endif
+#ifndef WARPS
+#define WARPS 4
+#endif
+#ifndef ROWS
+#define ROWS 1
+#endif
+#ifndef UNROLL
+#define UNROLL 2
+#endif
+
+#define THREADS (WARPS * 32)
+#define GATES (EPI == 2 ? 2 : 1)
+#define WROWS (ROWS * GATES)
+#define SLOTS (WROWS * TOKENS)
+#define SLOTS_P2 (SLOTS <= 1 ? 1 : SLOTS <= 2 ? 2 : SLOTS <= 4 ? 4 : SLOTS <= 8 ? 8 : SLOTS <= 16 ? 16 : SLOTS <= 32 ? 32 : 64)
+#define GROUP_SLOTS (SLOTS_P2 < 32 ? SLOTS_P2 : 32)
+static_assert(TOKENS >= 1 && TOKENS <= 8, "TOKENS must be 1..8");
+static_assert(SLOTS <= 64, "ROWS x (2 for SwiGLU) x TOKENS must be at most 64");
+static_assert(EPI != 2 || HAS_BIAS == 0, "SwiGLU takes no bias");
+
+// Values per piece, 8-value groups per piece, 32-bit words of a piece's raw bytes.
+#if W_T == 0
+#define PIECE 8
+#define RAW_WORDS 8
+#elif W_T == 1 || W_T == 2
+#define PIECE 8
+#define RAW_WORDS 4
+#elif W_T == 3
+#define PIECE 16
+#define RAW_WORDS 5
+#elif W_T == 4
+#define PIECE 32
+#define RAW_WORDS 5
+#elif W_T == 5
+#define PIECE 32
+#define RAW_WORDS 5
+#elif W_T == 6
+#define PIECE 32
+#define RAW_WORDS 8
+#elif W_T == 7
+#define PIECE 32
+#define RAW_WORDS 9
+#else
+#error "W_T must be 0..7"
+#endif
+#define SUBS (PIECE / 8)
+
+// ---- loads -----------------------------------------------------------------------------------
+
+__device__ __forceinline__ uint4 lin_load_stream16(const void* p) {
+    uint4 r;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ kiln_u32 lin_load32(const void* p) {
+    kiln_u32 r;
+    asm("ld.global.nc.u32 %0, [%1];" : "=r"(r) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ kiln_u32 lin_load16(const void* p) {
+    unsigned short r;
+    asm("ld.global.nc.u16 %0, [%1];" : "=h"(r) : "l"(p));
+    return (kiln_u32)r;
+}
+
+__device__ __forceinline__ float4 lin_load_x4(const float* p) {
+    float4 r;
+    asm("ld.global.nc.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ uint4 lin_load_xb(const void* p) {
+    uint4 r;
+    asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
+// N little-endian words of the bytes at p (2-byte aligned): aligned 4-byte loads, joined by byte
+// permutes when p is not 4-byte aligned (the extra word is loaded only then).
+template <int N>
+__device__ __forceinline__ void lin_load_words(const kiln_u8* p, kiln_u32* out) {
+    const kiln_u64 address = (kiln_u64)p;
+    const kiln_u32* w = reinterpret_cast<const kiln_u32*>(address & ~3ull);
+    const bool odd = (address & 2ull) != 0;
+    kiln_u32 raw[N + 1];
+#pragma unroll
+    for (int k = 0; k < N; ++k) raw[k] = lin_load32(w + k);
+    raw[N] = odd ? lin_load32(w + N) : 0u;
+    const kiln_u32 selector = odd ? 0x5432u : 0x3210u;
+#pragma unroll
+    for (int k = 0; k < N; ++k) out[k] = __byte_perm(raw[k], raw[k + 1], selector);
+}
+
+// ---- pieces ----------------------------------------------------------------------------------
+// A piece is PIECE values of one row, loaded as RAW_WORDS words; group s (0..SUBS) of a piece is
+// 8 consecutive values of the row starting at lin_piece_element(p, s).
+
+struct LinRaw {
+    kiln_u32 v[RAW_WORDS];
+};
+
+__device__ __forceinline__ int lin_piece_element(int p, int s) {
+#if W_T <= 2
+    return 8 * p + 8 * s;
+#elif W_T == 3
+    return 16 * p + 8 * s;
+#elif W_T == 4 || W_T == 5
+    return 32 * p + 8 * s;
+#elif W_T == 6
+    // Piece q of a super-block: quant bytes 16q .. 16q + 16 (chunk q / 2, half q % 2); groups 0, 1
+    // are their low nibbles, groups 2, 3 their high nibbles.
+    const int q = p & 7;
+    return 256 * (p >> 3) + 64 * (q >> 1) + 16 * (q & 1) + 8 * (s & 1) + 32 * (s >> 1);
+#else
+    // Piece q of a super-block: half q / 4, l0 = 8 (q % 4); group s holds values 32 s + l0 .. + 8
+    // of the half.
+    const int q = p & 7;
+    return 256 * (p >> 3) + 128 * (q >> 2) + 32 * s + 8 * (q & 3);
+#endif
+}
+
+__device__ __forceinline__ void lin_load_piece(const kiln_u8* row, int p, LinRaw& r) {
+#if W_T == 0
+    const uint4 a = lin_load_stream16(row + 32ll * p);
+    const uint4 b = lin_load_stream16(row + 32ll * p + 16);
+    r.v[0] = a.x; r.v[1] = a.y; r.v[2] = a.z; r.v[3] = a.w;
+    r.v[4] = b.x; r.v[5] = b.y; r.v[6] = b.z; r.v[7] = b.w;
+#elif W_T == 1 || W_T == 2
+    const uint4 a = lin_load_stream16(row + 16ll * p);
+    r.v[0] = a.x; r.v[1] = a.y; r.v[2] = a.z; r.v[3] = a.w;
+#elif W_T == 3
+    const kiln_u8* block = row + 34ll * (p >> 1);
+    r.v[0] = lin_load16(block);
+    lin_load_words<4>(block + 2 + 16 * (p & 1), r.v + 1);
+#elif W_T == 4
+    const kiln_u8* block = row + 18ll * p;
+    r.v[0] = lin_load16(block);
+    lin_load_words<4>(block + 2, r.v + 1);
+#elif W_T == 5
+    const kiln_u32* block = reinterpret_cast<const kiln_u32*>(row + 20ll * p);
+#pragma unroll
+    for (int k = 0; k < 5; ++k) r.v[k] = lin_load32(block + k);
+#elif W_T == 6
+    const kiln_u8* block = row + 144ll * (p >> 3);
+    const kiln_u32* head = reinterpret_cast<const kiln_u32*>(block);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) r.v[k] = lin_load32(head + k);  // d, dmin | scales[12]
+    const uint4 q = lin_load_stream16(block + 16 + 16 * (p & 7));
+    r.v[4] = q.x; r.v[5] = q.y; r.v[6] = q.z; r.v[7] = q.w;
+#else
+    const kiln_u8* block = row + 210ll * (p >> 3);
+    const int q = p & 7, half = q >> 2, l0 = 8 * (q & 3);
+    lin_load_words<2>(block + 64 * half + l0, r.v);            // ql[l0 ..]
+    lin_load_words<2>(block + 64 * half + 32 + l0, r.v + 2);   // ql[l0 + 32 ..]
+    lin_load_words<2>(block + 128 + 32 * half + l0, r.v + 4);  // qh[l0 ..]
+    lin_load_words<2>(block + 192 + 8 * half, r.v + 6);        // scales of the half
+    r.v[8] = lin_load16(block + 208);                          // d
+#endif
+}
+
+// x = the integer in the low bits of `bits` (below 2^23) plus 2^23, as a float: exact.
+__device__ __forceinline__ float lin_biased(kiln_u32 bits) { return __uint_as_float(0x4B000000u | bits); }
+
+// Byte k of `word` (k a compile-time constant after unrolling) plus 2^23, as a float.
+__device__ __forceinline__ float lin_biased_byte(kiln_u32 word, int k) {
+    return __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7440u | (kiln_u32)k));
+}
+
+__device__ __forceinline__ kiln_u32 lin_byte(kiln_u32 word, int k) { return (word >> (8 * k)) & 0xFFu; }
+
+__device__ __forceinline__ kiln_u32 lin_byte3(kiln_u32 a, kiln_u32 b, kiln_u32 c, int i) {
+    const kiln_u32 word = i < 4 ? a : (i < 8 ? b : c);
+    return lin_byte(word, i & 3);
+}
+
+// The 8 values of group s of piece p (the piece's raw words r), as `dequantize_row` gives them.
+__device__ __forceinline__ void lin_decode(const LinRaw& r, int p, int s, float w[8]) {
+#if W_T == 0
+#pragma unroll
+    for (int k = 0; k < 8; ++k) w[k] = __uint_as_float(r.v[k]);
+#elif W_T == 1 || W_T == 2
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+#if W_T == 1
+        w[2 * k] = __uint_as_float(r.v[k] << 16);
+        w[2 * k + 1] = __uint_as_float(r.v[k] & 0xFFFF0000u);
+#else
+        w[2 * k] = kiln_f16_to_f32((kiln_u16)(r.v[k] & 0xFFFFu));
+        w[2 * k + 1] = kiln_f16_to_f32((kiln_u16)(r.v[k] >> 16));
+#endif
+    }
+#elif W_T == 3
+    // y = q * d, q the signed byte (its top bit flipped gives q + 128).
+    const float d = kiln_f16_to_f32((kiln_u16)r.v[0]);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const kiln_u32 word = r.v[1 + 2 * s + j] ^ 0x80808080u;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const float q = __fsub_rn(lin_biased_byte(word, k), 8388736.0f);
+            w[4 * j + k] = __fmul_rn(q, d);
+        }
+    }
+#elif W_T == 4 || W_T == 5
+#if W_T == 4
+    const float d = kiln_f16_to_f32((kiln_u16)r.v[0]);
+    const float offset = 8388616.0f;  // 2^23 + 8: y = d * (q - 8)
+#else
+    const float d = kiln_f16_to_f32((kiln_u16)(r.v[0] & 0xFFFFu));
+    const float m = kiln_f16_to_f32((kiln_u16)(r.v[0] >> 16));
+    const float offset = 8388608.0f;  // y = d * q + m
+#endif
+    // Group s: quant bytes 8 (s % 2) .. + 8, low nibbles for s < 2, high nibbles after.
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const kiln_u32 word = r.v[1 + 2 * (s & 1) + j];
+        const kiln_u32 nibbles = (s >> 1) ? (word >> 4) & 0x0F0F0F0Fu : word & 0x0F0F0F0Fu;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const float q = __fsub_rn(lin_biased_byte(nibbles, k), offset);
+#if W_T == 4
+            w[4 * j + k] = __fmul_rn(d, q);
+#else
+            w[4 * j + k] = __fadd_rn(__fmul_rn(d, q), m);
+#endif
+        }
+    }
+#elif W_T == 6
+    // Sub-block j = 2 (chunk) + (s >= 2): y = (d * sc_j) * q - dmin * m_j (get_scale_min_k4).
+    const float d = kiln_f16_to_f32((kiln_u16)(r.v[0] & 0xFFFFu));
+    const float dmin = kiln_f16_to_f32((kiln_u16)(r.v[0] >> 16));
+    const int j = 2 * ((p & 7) >> 1) + (s >> 1);
+    kiln_u32 sc, mn;
+    if (j < 4) {
+        sc = lin_byte3(r.v[1], r.v[2], r.v[3], j) & 63u;
+        mn = lin_byte3(r.v[1], r.v[2], r.v[3], j + 4) & 63u;
+    } else {
+        const kiln_u32 b = lin_byte3(r.v[1], r.v[2], r.v[3], j + 4);
+        sc = (b & 0x0Fu) | ((lin_byte3(r.v[1], r.v[2], r.v[3], j - 4) >> 6) << 4);
+        mn = (b >> 4) | ((lin_byte3(r.v[1], r.v[2], r.v[3], j) >> 6) << 4);
+    }
+    const float d1 = __fmul_rn(d, __fsub_rn(lin_biased(sc), 8388608.0f));
+    const float m1 = __fmul_rn(dmin, __fsub_rn(lin_biased(mn), 8388608.0f));
+#pragma unroll
+    for (int jj = 0; jj < 2; ++jj) {
+        const kiln_u32 word = r.v[4 + 2 * (s & 1) + jj];
+        const kiln_u32 nibbles = (s >> 1) ? (word >> 4) & 0x0F0F0F0Fu : word & 0x0F0F0F0Fu;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const float q = __fsub_rn(lin_biased_byte(nibbles, k), 8388608.0f);
+            w[4 * jj + k] = __fsub_rn(__fmul_rn(d1, q), m1);
+        }
+    }
+#else
+    // y = (d * sc) * (q - 32), q = 4 bits of ql | 2 bits of qh << 4; group s takes ql[l0 + 32 (s % 2)],
+    // its low nibbles for s < 2, and bits 2s, 2s + 1 of qh.
+    const float d = kiln_f16_to_f32((kiln_u16)r.v[8]);
+    const int index = ((p & 3) >> 1) + 2 * s;  // scale byte of the half: l0 / 16 + 2 s
+    const int sc = (int)(signed char)lin_byte(index < 4 ? r.v[6] : r.v[7], index & 3);
+    const float scale = __fmul_rn(d, (float)sc);
+#pragma unroll
+    for (int jj = 0; jj < 2; ++jj) {
+        const kiln_u32 ql = r.v[2 * (s & 1) + jj];
+        const kiln_u32 low = (s >> 1) ? (ql >> 4) & 0x0F0F0F0Fu : ql & 0x0F0F0F0Fu;
+        const kiln_u32 high = ((r.v[4 + jj] >> (2 * s)) & 0x03030303u) << 4;
+        const kiln_u32 q6 = low | high;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const float q = __fsub_rn(lin_biased_byte(q6, k), 8388640.0f);
+            w[4 * jj + k] = __fmul_rn(scale, q);
+        }
+    }
+#endif
+}
+
+// ---- the matrix-vector product ---------------------------------------------------------------
+
+// 8 x values of token row `x` from element e.
+__device__ __forceinline__ void lin_load_x8(const void* x, long long offset, float xv[8]) {
+#if X_T == 0
+    const float* p = reinterpret_cast<const float*>(x) + offset;
+    const float4 a = lin_load_x4(p), b = lin_load_x4(p + 4);
+    xv[0] = a.x; xv[1] = a.y; xv[2] = a.z; xv[3] = a.w;
+    xv[4] = b.x; xv[5] = b.y; xv[6] = b.z; xv[7] = b.w;
+#else
+    const uint4 q = lin_load_xb(reinterpret_cast<const kiln_u16*>(x) + offset);
+    const kiln_u32 words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        xv[2 * k] = __uint_as_float(words[k] << 16);
+        xv[2 * k + 1] = __uint_as_float(words[k] & 0xFFFF0000u);
+    }
+#endif
+}
+
+// One transposed step of the warp reduction: C sums per lane become C / 2, the lane keeping the
+// lower or upper half by its bit O and adding its partner's copy of that half.
+template <int C, int O>
+struct LinReduceStep {
+    static __device__ __forceinline__ void run(float* s, int lane) {
+        const bool upper = (lane & O) != 0;
+#pragma unroll
+        for (int k = 0; k < C / 2; ++k) {
+            const float send = upper ? s[k] : s[k + C / 2];
+            const float keep = upper ? s[k + C / 2] : s[k];
+            s[k] = keep + __shfl_xor_sync(KILN_FULL_MASK, send, O);
+        }
+        LinReduceStep<C / 2, O / 2>::run(s, lane);
+    }
+};
+template <int O>
+struct LinReduceStep<1, O> {
+    static __device__ __forceinline__ void run(float*, int) {}
+};
+
+// The warp sums of N slots: afterwards lane L holds the sum of slot L / (32 / N) (complete in the
+// lanes with L % (32 / N) == 0).
+template <int N>
+__device__ __forceinline__ float lin_reduce_slots(float* s, int lane) {
+    LinReduceStep<N, 16>::run(s, lane);
+    float v = s[0];
+#pragma unroll
+    for (int o = 16 / N; o > 0; o >>= 1) v += __shfl_xor_sync(KILN_FULL_MASK, v, o);
+    return v;
+}
+
+// silu(g) * u, with the accurate expf.
+__device__ __forceinline__ float lin_swiglu(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+kiln_linear(const kiln_u8* __restrict__ weight, const float* __restrict__ bias, const void* __restrict__ x,
+            float* __restrict__ out, int rows, int cols, long long row_bytes) {
+    __shared__ float partial[WARPS][SLOTS_P2];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const long long r0 = (long long)blockIdx.x * ROWS;
+    const int pieces = cols / PIECE;
+
+    // Weight row of slot i: gate rows first (i < ROWS), then up rows; rows past the end repeat
+    // the last one (their sums are dropped).
+    const kiln_u8* wrow[WROWS];
+#pragma unroll
+    for (int i = 0; i < WROWS; ++i) {
+        long long o = r0 + (i % ROWS);
+        o = o < rows ? o : rows - 1;
+        wrow[i] = weight + ((long long)(i / ROWS) * rows + o) * row_bytes;
+    }
+
+    float acc[WROWS][TOKENS];
+#pragma unroll
+    for (int i = 0; i < WROWS; ++i)
+#pragma unroll
+        for (int t = 0; t < TOKENS; ++t) acc[i][t] = 0.0f;
+
+    for (int base = threadIdx.x; base < pieces; base += UNROLL * THREADS) {
+        LinRaw raw[UNROLL][WROWS];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int p = base + u * THREADS;
+#pragma unroll
+            for (int i = 0; i < WROWS; ++i) {
+                if (p < pieces) {
+                    lin_load_piece(wrow[i], p, raw[u][i]);
+                } else {
+#pragma unroll
+                    for (int k = 0; k < RAW_WORDS; ++k) raw[u][i].v[k] = 0u;
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int p = base + u * THREADS;
+            if (p < pieces) {
+#pragma unroll
+                for (int s = 0; s < SUBS; ++s) {
+                    float w[WROWS][8];
+#pragma unroll
+                    for (int i = 0; i < WROWS; ++i) lin_decode(raw[u][i], p, s, w[i]);
+                    const long long e = lin_piece_element(p, s);
+#pragma unroll
+                    for (int t = 0; t < TOKENS; ++t) {
+                        float xv[8];
+                        lin_load_x8(x, (long long)t * cols + e, xv);
+#pragma unroll
+                        for (int i = 0; i < WROWS; ++i)
+#pragma unroll
+                            for (int k = 0; k < 8; ++k) acc[i][t] = __fmaf_rn(w[i][k], xv[k], acc[i][t]);
+                    }
+                }
+            }
+        }
+    }
+
+    // Warp sums, slot = i * TOKENS + t, in groups of at most 32 slots.
+    float s[SLOTS_P2];
+#pragma unroll
+    for (int k = 0; k < SLOTS_P2; ++k) s[k] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < WROWS; ++i)
+#pragma unroll
+        for (int t = 0; t < TOKENS; ++t) s[i * TOKENS + t] = acc[i][t];
+#pragma unroll
+    for (int g = 0; g < SLOTS_P2 / GROUP_SLOTS; ++g) {
+        const float v = lin_reduce_slots<GROUP_SLOTS>(s + g * GROUP_SLOTS, lane);
+        const int per = 32 / GROUP_SLOTS;
+        if ((lane & (per - 1)) == 0) partial[warp][g * GROUP_SLOTS + lane / per] = v;
+    }
+    __syncthreads();
+
+    for (int j = threadIdx.x; j < ROWS * TOKENS; j += THREADS) {
+        const int i = j / TOKENS, t = j % TOKENS;
+        const long long o = r0 + i;
+        if (o >= rows) continue;
+        float y = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) y += partial[w][i * TOKENS + t];
+        float* dst = out + (long long)t * rows + o;
+#if EPI == 2
+        float up = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) up += partial[w][(ROWS + i) * TOKENS + t];
+        *dst = lin_swiglu(y, up);
+#else
+#if HAS_BIAS
+        y += bias[o];
+#endif
+#if EPI == 1
+        *dst = *dst + y;
+#else
+        *dst = y;
+#endif
+#endif
+    }
+}
+
+// ---- embedding rows, bf16 weights, fp32 -> bf16 ----------------------------------------------
+
+// out[t] = row ids[t] of the table in fp32 (zeros for an id >= vocab); one thread per piece.
+extern "C" __global__ void kiln_linear_embed(const kiln_u8* __restrict__ table, const kiln_u32* __restrict__ ids,
+                                             float* __restrict__ out, long long vocab, int cols,
+                                             long long row_bytes, long long tokens) {
+    const long long pieces = cols / PIECE;
+    for (long long n = kiln_global_index(); n < tokens * pieces; n += kiln_grid_stride()) {
+        const long long t = n / pieces;
+        const int p = (int)(n - t * pieces);
+        const kiln_u32 id = ids[t];
+        float* row = out + t * cols;
+        LinRaw raw;
+        if (id < vocab) lin_load_piece(table + (long long)id * row_bytes, p, raw);
+#pragma unroll
+        for (int s = 0; s < SUBS; ++s) {
+            float w[8];
+            if (id < vocab) {
+                lin_decode(raw, p, s, w);
+            } else {
+#pragma unroll
+                for (int k = 0; k < 8; ++k) w[k] = 0.0f;
+            }
+            float4* dst = reinterpret_cast<float4*>(row + lin_piece_element(p, s));
+            dst[0] = make_float4(w[0], w[1], w[2], w[3]);
+            dst[1] = make_float4(w[4], w[5], w[6], w[7]);
+        }
+    }
+}
+
+// out (rows x cols bf16) = the weights rounded to nearest even; one thread per piece.
+extern "C" __global__ void kiln_linear_to_bf16(const kiln_u8* __restrict__ src, kiln_u16* __restrict__ out,
+                                               long long rows, int cols, long long row_bytes) {
+    const long long pieces = cols / PIECE;
+    for (long long n = kiln_global_index(); n < rows * pieces; n += kiln_grid_stride()) {
+        const long long r = n / pieces;
+        const int p = (int)(n - r * pieces);
+        LinRaw raw;
+        lin_load_piece(src + r * row_bytes, p, raw);
+#pragma unroll
+        for (int s = 0; s < SUBS; ++s) {
+            float w[8];
+            lin_decode(raw, p, s, w);
+            kiln_u32 packed[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                packed[k] = (kiln_u32)kiln_f32_to_bf16(w[2 * k]) | ((kiln_u32)kiln_f32_to_bf16(w[2 * k + 1]) << 16);
+            }
+            *reinterpret_cast<uint4*>(out + r * cols + lin_piece_element(p, s)) =
+                make_uint4(packed[0], packed[1], packed[2], packed[3]);
+        }
+    }
+}
+
+// out[i] = bf16(src[i]), rounded to nearest even.
+extern "C" __global__ void kiln_linear_f32_to_bf16(const float* __restrict__ src, kiln_u16* __restrict__ out,
+                                                   long long count) {
+    for (long long i = kiln_global_index(); i < count; i += kiln_grid_stride()) {
+        out[i] = kiln_f32_to_bf16(src[i]);
+    }
+}

@@ -1,0 +1,478 @@
+//! Launcher of `kernels/linear.cu`: the decode-side linear layer (a matrix-vector product for 1 to
+//! 8 tokens over f32, bf16, f16, Q8_0, Q4_0, Q4_1, Q4_K or Q6_K weights, dequantized in registers,
+//! with a store, residual-add or SwiGLU epilogue), the gather of embedding rows, the conversion of
+//! weights to bf16 for the prefill path, and fp32 -> bf16.
+//!
+//! Buffers are [`DeviceView`]s, row-major: the weights `rows` (2 x `rows` for SwiGLU: gate rows,
+//! then up rows) rows of `dtype.bytes_for(cols)` bytes, 16-byte aligned at the start; x `tokens x
+//! cols` of the input dtype, 16-byte aligned; out `tokens x rows` fp32; bias `rows` fp32.
+//!
+//! The products accumulate in fp32 in an order fixed by the variant and the shape (no atomics): a
+//! run repeats bit for bit; against a float64 reference the error stays within a few units of
+//! fp32 rounding of `sum |w| |x|`. The dequantized values equal `dequantize_row` of the CPU
+//! reference bit for bit, so [`embed_rows`] and [`to_bf16_weights`] are exact.
+
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+use kiln_core::{DType, Error, Result};
+
+use crate::kernels::LINEAR;
+use crate::memory::DeviceView;
+use crate::runtime::{driver_error, Gpu};
+
+/// Most tokens one [`linear`] call serves.
+pub const MAX_TOKENS: usize = 8;
+
+/// What happens to a sum `acc` (the dot product plus the bias) at the output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Epilogue {
+    /// `out = acc`.
+    Store,
+    /// `out += acc` (the residual add).
+    Accumulate,
+    /// `out = silu(acc_gate) * acc_up`: the weight holds `2 x rows` rows, gate rows then up rows;
+    /// no bias.
+    SwiGlu,
+}
+
+impl Epilogue {
+    fn code(self) -> u32 {
+        match self {
+            Epilogue::Store => 0,
+            Epilogue::Accumulate => 1,
+            Epilogue::SwiGlu => 2,
+        }
+    }
+
+    /// Weight rows per output row.
+    pub fn weight_rows_per_output(self) -> usize {
+        if self == Epilogue::SwiGlu {
+            2
+        } else {
+            1
+        }
+    }
+}
+
+/// The shape and types of one linear call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct LinearCall {
+    /// F32, BF16, F16, Q8_0, Q4_0, Q4_1, Q4_K or Q6_K.
+    pub weight: DType,
+    /// Outputs per token (for SwiGlu the weight holds `2 x rows` rows).
+    pub rows: usize,
+    /// Inputs per token.
+    pub cols: usize,
+    /// 1..=8.
+    pub tokens: usize,
+    /// x's dtype: F32 or BF16.
+    pub input: DType,
+    pub epilogue: Epilogue,
+}
+
+/// One shape of the kernel: warps per block (splitting a row's columns), output rows per block
+/// (their weight rows share each load of x), and pieces of a row each thread loads before it
+/// decodes any (loads in flight per thread: `unroll x rows`, twice that for SwiGLU).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct LinearVariant {
+    pub warps: u32,
+    pub rows: u32,
+    pub unroll: u32,
+}
+
+const fn variant(warps: u32, rows: u32, unroll: u32) -> LinearVariant {
+    LinearVariant { warps, rows, unroll }
+}
+
+/// The variants, as data; the tests run every one, the benchmark times every one.
+pub const LINEAR_VARIANTS: &[LinearVariant] = &[
+    variant(4, 1, 2),
+    variant(4, 1, 4),
+    variant(8, 1, 2),
+    variant(2, 1, 4),
+    variant(1, 1, 4),
+    variant(4, 2, 2),
+    variant(2, 2, 2),
+    variant(8, 2, 1),
+    variant(4, 4, 1),
+    variant(1, 4, 2),
+];
+
+/// Most sums (output rows x weight rows per output x tokens) one thread of a block carries.
+pub const MAX_SLOTS: usize = 64;
+
+impl LinearVariant {
+    /// A short label: `4w/1r/2u`.
+    pub fn label(&self) -> String {
+        format!("{}w/{}r/{}u", self.warps, self.rows, self.unroll)
+    }
+
+    /// The default for `call` (not yet measured; a starting point for the tuner): one output row
+    /// per block up to 2 tokens (x is reused across rows from L1), 2 up to 4 tokens and 4 beyond,
+    /// as long as that leaves two blocks per SM of an H200; enough warps that each thread loads
+    /// about `unroll` pieces of a row, 1 to 8; at most 2 pieces in flight for the K formats.
+    pub fn default_for(call: &LinearCall) -> LinearVariant {
+        let mut rows: u32 = match call.tokens {
+            0..=2 => 1,
+            3..=4 => 2,
+            _ => 4,
+        };
+        while rows > 1 && call.rows.div_ceil(rows as usize) < 264 {
+            rows /= 2;
+        }
+        let weight_rows = rows as usize * call.epilogue.weight_rows_per_output();
+        let unroll: u32 = match weight_rows {
+            1 => 4,
+            2 => 2,
+            _ => 1,
+        };
+        // The K formats' pieces carry 8 words or more: 4 of them per row spill on sm_80 .. sm_90.
+        let unroll = if matches!(call.weight, DType::Q4_K | DType::Q6_K) { unroll.min(2) } else { unroll };
+        let pieces = piece_values(call.weight).map_or(1, |p| (call.cols / p).max(1));
+        let per_warp = 32 * unroll as usize;
+        let warps = (pieces / per_warp).clamp(1, 8);
+        let warps = 1u32 << warps.ilog2();
+        LinearVariant { warps, rows, unroll }
+    }
+}
+
+/// The kernel's code of a weight dtype.
+fn weight_code(dtype: DType) -> Result<u32> {
+    Ok(match dtype {
+        DType::F32 => 0,
+        DType::BF16 => 1,
+        DType::F16 => 2,
+        DType::Q8_0 => 3,
+        DType::Q4_0 => 4,
+        DType::Q4_1 => 5,
+        DType::Q4_K => 6,
+        DType::Q6_K => 7,
+        other => return Err(Error::DTypeNotServed { dtype: other.name(), op: "linear kernel weights" }),
+    })
+}
+
+/// Values of one thread's piece of a row (the column multiple the kernels need).
+fn piece_values(dtype: DType) -> Result<usize> {
+    Ok(match weight_code(dtype)? {
+        0..=2 => 8,
+        3 => 16,
+        4 | 5 => 32,
+        _ => 256, // a piece is 32 values, but the K formats come in super-blocks of 256
+    })
+}
+
+fn not_served(reason: String) -> Error {
+    Error::NotServed { op: "linear kernel", reason }
+}
+
+fn flag(b: bool) -> String {
+    if b { "1" } else { "0" }.to_owned()
+}
+
+/// Checks `cols` against `dtype`'s column multiple and returns the bytes of one row.
+fn row_bytes(dtype: DType, cols: usize) -> Result<usize> {
+    let multiple = piece_values(dtype)?;
+    if cols == 0 || !cols.is_multiple_of(multiple) || i32::try_from(cols).is_err() {
+        return Err(not_served(format!(
+            "{cols} columns of {dtype} (needs a positive multiple of {multiple})"
+        )));
+    }
+    Ok(dtype.bytes_for(cols as u64)? as usize)
+}
+
+fn check_alignment(what: &'static str, view: DeviceView, bytes: u64) -> Result<()> {
+    if !view.ptr.is_multiple_of(bytes) {
+        return Err(Error::InvalidArgument {
+            name: what,
+            value: format!("device address {:#x}", view.ptr),
+            reason: format!("the linear kernels need it {bytes}-byte aligned"),
+        });
+    }
+    Ok(())
+}
+
+impl LinearCall {
+    /// Checks what the kernel serves for this call on `variant` and returns its compile-time
+    /// constants.
+    pub fn defines(&self, variant: LinearVariant, has_bias: bool) -> Result<Vec<(&'static str, String)>> {
+        let w_t = weight_code(self.weight)?;
+        let x_t = match self.input {
+            DType::F32 => 0,
+            DType::BF16 => 1,
+            other => return Err(Error::DTypeNotServed { dtype: other.name(), op: "linear kernel input" }),
+        };
+        if self.tokens == 0 || self.tokens > MAX_TOKENS {
+            return Err(not_served(format!("{} tokens (1 to {MAX_TOKENS})", self.tokens)));
+        }
+        if self.rows == 0 || i32::try_from(self.rows * self.epilogue.weight_rows_per_output()).is_err() {
+            return Err(not_served(format!("{} rows", self.rows)));
+        }
+        row_bytes(self.weight, self.cols)?;
+        if has_bias && self.epilogue == Epilogue::SwiGlu {
+            return Err(Error::InvalidArgument {
+                name: "bias",
+                value: "given".to_owned(),
+                reason: "the SwiGLU epilogue takes no bias".to_owned(),
+            });
+        }
+        let slots = variant.rows as usize * self.epilogue.weight_rows_per_output() * self.tokens;
+        if ![1, 2, 4, 8, 16].contains(&variant.warps)
+            || ![1, 2, 4, 8].contains(&variant.rows)
+            || ![1, 2, 4].contains(&variant.unroll)
+            || slots > MAX_SLOTS
+        {
+            return Err(not_served(format!(
+                "variant {} for {} tokens, {:?} ({slots} sums per thread, at most {MAX_SLOTS})",
+                variant.label(),
+                self.tokens,
+                self.epilogue
+            )));
+        }
+        Ok(vec![
+            ("W_T", w_t.to_string()),
+            ("X_T", x_t.to_string()),
+            ("TOKENS", self.tokens.to_string()),
+            ("EPI", self.epilogue.code().to_string()),
+            ("HAS_BIAS", flag(has_bias)),
+            ("WARPS", variant.warps.to_string()),
+            ("ROWS", variant.rows.to_string()),
+            ("UNROLL", variant.unroll.to_string()),
+        ])
+    }
+
+    /// Bytes of the weights, x and out.
+    pub fn buffer_bytes(&self) -> Result<(usize, usize, usize)> {
+        let row = row_bytes(self.weight, self.cols)?;
+        let x = self.input.size_in_bytes().unwrap_or(4);
+        Ok((
+            self.rows * self.epilogue.weight_rows_per_output() * row,
+            self.tokens * self.cols * x,
+            self.tokens * self.rows * 4,
+        ))
+    }
+}
+
+fn define_refs<'a>(defines: &'a [(&'static str, String)]) -> Vec<(&'static str, &'a str)> {
+    defines.iter().map(|(k, v)| (*k, v.as_str())).collect()
+}
+
+/// `out[t][r]` (fp32, row stride `rows`) for `t < tokens`, `r < rows`:
+/// `acc = sum_c W[r][c] * x[t][c] (+ bias[r])`; Store: `out = acc`; Accumulate: `out += acc`;
+/// SwiGlu: `out = silu(acc_gate) * acc_up` (no bias). Runs on `gpu`'s stream with `variant` (or
+/// [`LinearVariant::default_for`]).
+pub fn linear(
+    gpu: &Gpu,
+    call: &LinearCall,
+    weight: DeviceView,
+    bias: Option<DeviceView>,
+    x: DeviceView,
+    out: DeviceView,
+    variant: Option<LinearVariant>,
+) -> Result<()> {
+    let variant = variant.unwrap_or_else(|| LinearVariant::default_for(call));
+    let defines = call.defines(variant, bias.is_some())?;
+    let (w_bytes, x_bytes, out_bytes) = call.buffer_bytes()?;
+    super::check_buffer("linear", "weight", weight.len_bytes, w_bytes)?;
+    super::check_buffer("linear", "x", x.len_bytes, x_bytes)?;
+    super::check_buffer("linear", "out", out.len_bytes, out_bytes)?;
+    if let Some(bias) = bias {
+        super::check_buffer("linear", "bias", bias.len_bytes, call.rows * 4)?;
+        check_alignment("bias", bias, 4)?;
+    }
+    check_alignment("weight", weight, 16)?;
+    check_alignment("x", x, 16)?;
+    check_alignment("out", out, 4)?;
+
+    let function = gpu.function(&LINEAR, "kiln_linear", &define_refs(&defines))?;
+    let blocks = u32::try_from(call.rows.div_ceil(variant.rows as usize))
+        .map_err(|_| not_served(format!("{} rows", call.rows)))?;
+    let config =
+        LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (variant.warps * 32, 1, 1), shared_mem_bytes: 0 };
+    let rows = call.rows as i32; // checked by `defines`
+    let cols = call.cols as i32;
+    let row_bytes = (w_bytes / (call.rows * call.epilogue.weight_rows_per_output())) as i64;
+    let bias_ptr = bias.map_or(0u64, |b| b.ptr);
+    let mut launch = gpu.stream().launch_builder(&function);
+    launch.arg(&weight.ptr).arg(&bias_ptr).arg(&x.ptr).arg(&out.ptr).arg(&rows).arg(&cols).arg(&row_bytes);
+    // SAFETY: the arguments match `kiln_linear`'s signature (4 pointers, i32, i32, i64); the
+    // weight, x, out and bias views were checked above to hold what the kernel touches for this
+    // call (rows x weight rows per output rows of `row_bytes`, tokens x cols inputs, tokens x rows
+    // outputs, rows biases) and to have the alignment of its vector loads; `bias` is null only when
+    // HAS_BIAS = 0 makes the kernel ignore it; the views' owners keep the memory alive until the
+    // stream has run the kernel (the `DeviceView` contract).
+    unsafe { launch.launch(config) }.map_err(|e| driver_error("cuLaunchKernel(kiln_linear)", e))?;
+    Ok(())
+}
+
+/// A grid-stride launch of `total` threads' work: 256 threads a block, at most 65536 blocks.
+fn stride_config(total: usize) -> LaunchConfig {
+    let blocks = total.div_ceil(256).clamp(1, 1 << 16) as u32;
+    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// Rows of an embedding table of any dtype [`linear`] serves, gathered and widened to fp32:
+/// `out[t] = row ids[t]` (`tokens x cols` fp32, 16-byte aligned); an id >= `vocab` gives a zero
+/// row. `ids`: u32 `[tokens]` on the device (so a captured graph can replay it).
+#[allow(clippy::too_many_arguments)]
+pub fn embed_rows(
+    gpu: &Gpu,
+    dtype: DType,
+    table: DeviceView,
+    vocab: usize,
+    cols: usize,
+    ids: DeviceView,
+    tokens: usize,
+    out: DeviceView,
+) -> Result<()> {
+    let code = weight_code(dtype)?;
+    let row = row_bytes(dtype, cols)?;
+    if tokens == 0 {
+        return Ok(());
+    }
+    super::check_buffer("embed_rows", "table", table.len_bytes, vocab * row)?;
+    super::check_buffer("embed_rows", "ids", ids.len_bytes, tokens * 4)?;
+    super::check_buffer("embed_rows", "out", out.len_bytes, tokens * cols * 4)?;
+    check_alignment("table", table, 16)?;
+    check_alignment("ids", ids, 4)?;
+    check_alignment("out", out, 16)?;
+    let code = code.to_string();
+    let function = gpu.function(&LINEAR, "kiln_linear_embed", &[("W_T", code.as_str())])?;
+    let pieces = cols / piece_size(dtype)?;
+    let (vocab, cols, row_bytes, tokens_arg) = (vocab as i64, cols as i32, row as i64, tokens as i64);
+    let mut launch = gpu.stream().launch_builder(&function);
+    launch
+        .arg(&table.ptr)
+        .arg(&ids.ptr)
+        .arg(&out.ptr)
+        .arg(&vocab)
+        .arg(&cols)
+        .arg(&row_bytes)
+        .arg(&tokens_arg);
+    // SAFETY: the arguments match `kiln_linear_embed`'s signature (3 pointers, i64, i32, i64, i64);
+    // the table holds `vocab` rows of `row_bytes` and the kernel reads only rows of ids below
+    // `vocab`; ids holds `tokens` u32 and out `tokens x cols` fp32, 16-byte aligned, as checked
+    // above; the views' owners keep the memory alive until the stream has run the kernel.
+    unsafe { launch.launch(stride_config(tokens * pieces)) }
+        .map_err(|e| driver_error("cuLaunchKernel(kiln_linear_embed)", e))?;
+    Ok(())
+}
+
+/// Values one thread of the gather / conversion kernels handles (a piece).
+fn piece_size(dtype: DType) -> Result<usize> {
+    Ok(match weight_code(dtype)? {
+        0..=2 => 8,
+        3 => 16,
+        _ => 32,
+    })
+}
+
+/// Dequantizes / converts `rows x cols` weights of any dtype [`linear`] serves to bf16 (round to
+/// nearest even; `out` 16-byte aligned), for the prefill path that hands bf16 weights to cuBLAS.
+pub fn to_bf16_weights(
+    gpu: &Gpu,
+    dtype: DType,
+    src: DeviceView,
+    rows: usize,
+    cols: usize,
+    out: DeviceView,
+) -> Result<()> {
+    let code = weight_code(dtype)?;
+    let row = row_bytes(dtype, cols)?;
+    if rows == 0 {
+        return Ok(());
+    }
+    super::check_buffer("to_bf16_weights", "src", src.len_bytes, rows * row)?;
+    super::check_buffer("to_bf16_weights", "out", out.len_bytes, rows * cols * 2)?;
+    check_alignment("src", src, 16)?;
+    check_alignment("out", out, 16)?;
+    let code = code.to_string();
+    let function = gpu.function(&LINEAR, "kiln_linear_to_bf16", &[("W_T", code.as_str())])?;
+    let pieces = cols / piece_size(dtype)?;
+    let (rows_arg, cols_arg, row_bytes) = (rows as i64, cols as i32, row as i64);
+    let mut launch = gpu.stream().launch_builder(&function);
+    launch.arg(&src.ptr).arg(&out.ptr).arg(&rows_arg).arg(&cols_arg).arg(&row_bytes);
+    // SAFETY: the arguments match `kiln_linear_to_bf16`'s signature (2 pointers, i64, i32, i64);
+    // src holds `rows` rows of `row_bytes` and out `rows x cols` bf16, 16-byte aligned, as checked
+    // above; the views' owners keep the memory alive until the stream has run the kernel.
+    unsafe { launch.launch(stride_config(rows * pieces)) }
+        .map_err(|e| driver_error("cuLaunchKernel(kiln_linear_to_bf16)", e))?;
+    Ok(())
+}
+
+/// fp32 -> bf16 (round to nearest even) of `count` values.
+pub fn f32_to_bf16(gpu: &Gpu, src: DeviceView, count: usize, out: DeviceView) -> Result<()> {
+    if count == 0 {
+        return Ok(());
+    }
+    super::check_buffer("f32_to_bf16", "src", src.len_bytes, count * 4)?;
+    super::check_buffer("f32_to_bf16", "out", out.len_bytes, count * 2)?;
+    check_alignment("src", src, 4)?;
+    check_alignment("out", out, 2)?;
+    let function = gpu.function(&LINEAR, "kiln_linear_f32_to_bf16", &[])?;
+    let count_arg = count as i64;
+    let mut launch = gpu.stream().launch_builder(&function);
+    launch.arg(&src.ptr).arg(&out.ptr).arg(&count_arg);
+    // SAFETY: the arguments match `kiln_linear_f32_to_bf16`'s signature (2 pointers, i64); src
+    // holds `count` fp32 and out `count` bf16, aligned, as checked above; the views' owners keep
+    // the memory alive until the stream has run the kernel.
+    unsafe { launch.launch(stride_config(count)) }
+        .map_err(|e| driver_error("cuLaunchKernel(kiln_linear_f32_to_bf16)", e))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn call(weight: DType, rows: usize, cols: usize, tokens: usize, epilogue: Epilogue) -> LinearCall {
+        LinearCall { weight, rows, cols, tokens, input: DType::F32, epilogue }
+    }
+
+    #[test]
+    fn every_default_variant_is_served() {
+        for dtype in [DType::F32, DType::BF16, DType::F16, DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+            for epilogue in [Epilogue::Store, Epilogue::Accumulate, Epilogue::SwiGlu] {
+                for tokens in 1..=MAX_TOKENS {
+                    for (rows, cols) in [(1, 32), (2048, 2048), (14336, 4096), (4096, 14336)] {
+                        let c = call(dtype, rows, cols, tokens, epilogue);
+                        let v = LinearVariant::default_for(&c);
+                        c.defines(v, false).unwrap_or_else(|e| panic!("{c:?} {v:?}: {e}"));
+                    }
+                }
+            }
+        }
+        let k = call(DType::Q6_K, 4096, 4096, 8, Epilogue::SwiGlu);
+        k.defines(LinearVariant::default_for(&k), false).unwrap();
+    }
+
+    #[test]
+    fn unserved_calls_are_named() {
+        let v = variant(4, 1, 2);
+        let ok = call(DType::BF16, 64, 64, 1, Epilogue::Store);
+        assert!(ok.defines(v, true).is_ok());
+        let q5 = LinearCall { weight: DType::Q5_K, ..ok };
+        assert!(matches!(q5.defines(v, false), Err(Error::DTypeNotServed { .. })));
+        let f16_x = LinearCall { input: DType::F16, ..ok };
+        assert!(matches!(f16_x.defines(v, false), Err(Error::DTypeNotServed { .. })));
+        for tokens in [0, 9] {
+            let c = LinearCall { tokens, ..ok };
+            assert!(matches!(c.defines(v, false), Err(Error::NotServed { .. })));
+        }
+        let ragged = LinearCall { cols: 60, ..ok };
+        assert!(matches!(ragged.defines(v, false), Err(Error::NotServed { .. })));
+        let k_576 = LinearCall { weight: DType::Q4_K, cols: 576, ..ok };
+        assert!(matches!(k_576.defines(v, false), Err(Error::NotServed { .. })));
+        let swiglu = LinearCall { epilogue: Epilogue::SwiGlu, ..ok };
+        assert!(matches!(swiglu.defines(v, true), Err(Error::InvalidArgument { name: "bias", .. })));
+        let wide = LinearCall { tokens: 8, epilogue: Epilogue::SwiGlu, ..ok };
+        assert!(matches!(wide.defines(variant(4, 8, 1), false), Err(Error::NotServed { .. })));
+        assert!(matches!(ok.defines(variant(3, 1, 1), false), Err(Error::NotServed { .. })));
+    }
+
+    #[test]
+    fn buffer_bytes_follow_the_block_layouts() {
+        let c = call(DType::Q6_K, 3, 512, 2, Epilogue::SwiGlu);
+        assert_eq!(c.buffer_bytes().unwrap(), (6 * 420, 2 * 512 * 4, 2 * 3 * 4));
+        let c = LinearCall { input: DType::BF16, ..call(DType::Q4_0, 5, 64, 3, Epilogue::Store) };
+        assert_eq!(c.buffer_bytes().unwrap(), (5 * 36, 3 * 64 * 2, 3 * 5 * 4));
+    }
+}

@@ -1,0 +1,487 @@
+//! GPU tests of the linear kernels (`kiln_cuda::ops::linear`) against the CPU reference of the
+//! GGUF formats (`kiln_engine::formats::quant::dequantize_row`):
+//! - `linear`: every weight dtype, ragged shapes, 1..8 tokens, f32 and bf16 inputs, every epilogue
+//!   and every variant (and the default), with and without bias, against a float64 product of the
+//!   dequantized rows within `2e-6 sum |w| |x| + 1e-6`; outputs poisoned (NaN) or, for the residual
+//!   add, filled with random values; guard bytes after each output must stay untouched; a second
+//!   launch must give the same bits;
+//! - `embed_rows`, `to_bf16_weights` and `f32_to_bf16`: equal to the reference bit for bit.
+//!
+//! Fresh random inputs every run (the seed is printed). Needs an NVIDIA GPU:
+//! `cargo test --release -p kiln-engine --features gpu-tests --test gpu_linear`
+//! (and `-- --ignored --nocapture` for the bandwidth table).
+
+use std::time::Instant;
+
+use half::{bf16, f16};
+use kiln_core::DType;
+use kiln_cuda::ops::linear::{
+    embed_rows, f32_to_bf16, linear, to_bf16_weights, Epilogue, LinearCall, LinearVariant, LINEAR_VARIANTS,
+};
+use kiln_cuda::{DeviceMemory, Gpu};
+use kiln_engine::formats::quant::dequantize_row;
+use rayon::prelude::*;
+
+#[path = "../../kiln-cuda/tests/common/mod.rs"]
+mod common;
+use common::Rng;
+
+impl Rng {
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+
+    fn f16_bytes(&mut self, lo: f32, hi: f32) -> [u8; 2] {
+        f16::from_f32(self.uniform(lo, hi)).to_bits().to_le_bytes()
+    }
+
+    fn bytes(&mut self, n: usize) -> Vec<u8> {
+        (0..n).map(|_| self.next() as u8).collect()
+    }
+}
+
+const DTYPES: [DType; 8] =
+    [DType::F32, DType::BF16, DType::F16, DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q4_K, DType::Q6_K];
+
+const GUARD_BYTES: usize = 256;
+
+fn is_k(dtype: DType) -> bool {
+    matches!(dtype, DType::Q4_K | DType::Q6_K)
+}
+
+/// (rows, cols): one row, odd rows, 2048 + 3 rows, 576 and 1536 columns, and one 14336.
+fn shapes(dtype: DType) -> Vec<(usize, usize)> {
+    if is_k(dtype) {
+        vec![(1, 256), (37, 1536), (576, 512), (2051, 4096), (64, 14336), (5, 768)]
+    } else {
+        vec![(1, 32), (37, 1536), (576, 576), (2051, 4096), (64, 14336), (5, 96)]
+    }
+}
+
+/// `rows` random rows of `dtype`: random floats for the float types; random quants with sane f16
+/// scales (random signs) for the block formats.
+fn random_weights(rng: &mut Rng, dtype: DType, rows: usize, cols: usize) -> Vec<u8> {
+    let n = rows * cols;
+    let mut out = Vec::new();
+    match dtype {
+        DType::F32 => (0..n).for_each(|_| out.extend(rng.uniform(-1.0, 1.0).to_le_bytes())),
+        DType::BF16 => {
+            (0..n).for_each(|_| out.extend(bf16::from_f32(rng.uniform(-1.0, 1.0)).to_bits().to_le_bytes()))
+        }
+        DType::F16 => {
+            (0..n).for_each(|_| out.extend(f16::from_f32(rng.uniform(-1.0, 1.0)).to_bits().to_le_bytes()))
+        }
+        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => {
+            for _ in 0..n / 32 {
+                out.extend(rng.f16_bytes(-0.05, 0.05));
+                if dtype == DType::Q4_1 {
+                    out.extend(rng.f16_bytes(-0.2, 0.2));
+                }
+                let quants = if dtype == DType::Q8_0 { 32 } else { 16 };
+                out.extend(rng.bytes(quants));
+            }
+        }
+        DType::Q4_K => {
+            for _ in 0..n / 256 {
+                out.extend(rng.f16_bytes(-0.01, 0.01));
+                out.extend(rng.f16_bytes(-0.01, 0.01));
+                out.extend(rng.bytes(12 + 128));
+            }
+        }
+        DType::Q6_K => {
+            for _ in 0..n / 256 {
+                out.extend(rng.bytes(128 + 64 + 16));
+                out.extend(rng.f16_bytes(-0.002, 0.002));
+            }
+        }
+        other => panic!("no generator for {other}"),
+    }
+    assert_eq!(out.len() as u64, dtype.bytes_for(n as u64).unwrap());
+    out
+}
+
+fn dequantize(dtype: DType, bytes: &[u8], rows: usize, cols: usize) -> Vec<f32> {
+    let row_bytes = bytes.len() / rows;
+    let mut out = vec![0f32; rows * cols];
+    for (r, values) in out.chunks_exact_mut(cols).enumerate() {
+        dequantize_row(dtype, &bytes[r * row_bytes..(r + 1) * row_bytes], values).expect("CPU dequantizer");
+    }
+    out
+}
+
+fn upload(gpu: &Gpu, bytes: &[u8]) -> DeviceMemory {
+    let memory = gpu.alloc(bytes.len().max(1)).expect("device allocation");
+    memory.copy_from_host(0, bytes).expect("host to device copy");
+    memory
+}
+
+/// A buffer of `bytes` + guard bytes, all 0xFF (NaN as f32).
+fn poisoned(gpu: &Gpu, bytes: usize) -> DeviceMemory {
+    let memory = gpu.alloc(bytes + GUARD_BYTES).expect("device allocation");
+    memory.fill_bytes(0xFF).expect("poison");
+    memory
+}
+
+fn f32s(bytes: &[u8]) -> Vec<f32> {
+    bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+fn to_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// The guard bytes after the first `bytes` of `memory` are still 0xFF.
+fn guard_intact(host: &[u8], bytes: usize) -> bool {
+    host[bytes..bytes + GUARD_BYTES].iter().all(|&b| b == 0xFF)
+}
+
+/// One weight matrix of a shape: `2 x rows` rows (SwiGLU uses them all, the others the first
+/// `rows`), on the host dequantized, on the device as stored.
+struct Weights {
+    rows: usize,
+    cols: usize,
+    values: Vec<f32>,
+    device: DeviceMemory,
+    row_bytes: usize,
+}
+
+/// `(sum w x, sum |w| |x|)` of weight row `row` and token `t`, in float64.
+fn dot(w: &Weights, x: &[f32], row: usize, t: usize) -> (f64, f64) {
+    let wr = &w.values[row * w.cols..(row + 1) * w.cols];
+    let xr = &x[t * w.cols..(t + 1) * w.cols];
+    wr.iter().zip(xr).fold((0.0, 0.0), |(s, m), (&a, &b)| {
+        let p = f64::from(a) * f64::from(b);
+        (s + p, m + p.abs())
+    })
+}
+
+fn silu(g: f64) -> f64 {
+    g / (1.0 + (-g).exp())
+}
+
+struct Case {
+    call: LinearCall,
+    variant: Option<LinearVariant>,
+    bias: bool,
+}
+
+/// Runs `case` on `w` with fresh x, bias and initial output; returns the failures.
+fn check_case(gpu: &Gpu, rng: &mut Rng, w: &Weights, case: &Case) -> Vec<String> {
+    let call = &case.call;
+    let (rows, cols, tokens) = (call.rows, call.cols, call.tokens);
+    let gates = call.epilogue.weight_rows_per_output();
+    let mut x: Vec<f32> = (0..tokens * cols).map(|_| rng.uniform(-1.0, 1.0)).collect();
+    let x_bytes: Vec<u8> = if call.input == DType::BF16 {
+        let bits: Vec<u16> = x.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+        x.iter_mut().zip(&bits).for_each(|(v, &b)| *v = bf16::from_bits(b).to_f32());
+        bits.iter().flat_map(|b| b.to_le_bytes()).collect()
+    } else {
+        to_bytes(&x)
+    };
+    let bias: Option<Vec<f32>> = case.bias.then(|| (0..rows).map(|_| rng.uniform(-1.0, 1.0)).collect());
+    let initial: Vec<f32> = (0..tokens * rows).map(|_| rng.uniform(-4.0, 4.0)).collect();
+
+    let x_dev = upload(gpu, &x_bytes);
+    let bias_dev = bias.as_ref().map(|b| upload(gpu, &to_bytes(b)));
+    let out_bytes = tokens * rows * 4;
+    let run = || {
+        let out = poisoned(gpu, out_bytes);
+        if call.epilogue == Epilogue::Accumulate {
+            out.copy_from_host(0, &to_bytes(&initial)).expect("initial output");
+        }
+        let weight = w.device.slice(0, rows * gates * w.row_bytes).expect("weight view");
+        linear(
+            gpu,
+            call,
+            weight,
+            bias_dev.as_ref().map(DeviceMemory::view),
+            x_dev.view(),
+            out.slice(0, out_bytes).expect("out view"),
+            case.variant,
+        )
+        .expect("launch");
+        out.to_host_bytes().expect("copy back")
+    };
+    let host = run();
+    let again = run();
+    let what = format!(
+        "{} {rows}x{cols} tokens {tokens} x {} {:?} bias {} variant {}",
+        call.weight,
+        call.input,
+        call.epilogue,
+        case.bias,
+        case.variant.map_or("default".to_owned(), |v| v.label())
+    );
+    let mut failures = Vec::new();
+    if !guard_intact(&host, out_bytes) {
+        failures.push(format!("{what}: the guard bytes after the output were written"));
+    }
+    if host[..out_bytes] != again[..out_bytes] {
+        failures.push(format!("{what}: a second launch gave different bits"));
+    }
+    let got = f32s(&host[..out_bytes]);
+    let expected: Vec<(f64, f64)> = (0..tokens * rows)
+        .into_par_iter()
+        .map(|j| {
+            let (t, r) = (j / rows, j % rows);
+            let (g, tg) = dot(w, &x, r, t);
+            let tg = 2e-6 * tg + 1e-6;
+            match call.epilogue {
+                Epilogue::SwiGlu => {
+                    let (u, tu) = dot(w, &x, rows + r, t);
+                    let tu = 2e-6 * tu + 1e-6;
+                    let want = silu(g) * u;
+                    (want, 1.1 * tg * u.abs() + silu(g).abs() * tu + tg * tu + 1e-6 * want.abs())
+                }
+                epilogue => {
+                    let b = bias.as_ref().map_or(0.0, |b| f64::from(b[r]));
+                    let old = if epilogue == Epilogue::Accumulate { f64::from(initial[j]) } else { 0.0 };
+                    let want = old + g + b;
+                    (want, tg + 2.4e-7 * (old.abs() + b.abs() + want.abs()))
+                }
+            }
+        })
+        .collect();
+    let bad: Vec<usize> = (0..tokens * rows)
+        .filter(|&j| {
+            let (want, tol) = expected[j];
+            !got[j].is_finite() || (f64::from(got[j]) - want).abs() > tol
+        })
+        .collect();
+    if let Some(&j) = bad.first() {
+        let (want, tol) = expected[j];
+        failures.push(format!(
+            "{what}: {} of {} outputs off; first [token {}][row {}] gpu {:e} want {want:e} (tolerance {tol:e})",
+            bad.len(),
+            tokens * rows,
+            j / rows,
+            j % rows,
+            got[j]
+        ));
+    }
+    failures
+}
+
+#[test]
+fn linear_matches_a_float64_reference_for_every_dtype_epilogue_token_count_and_variant() {
+    let gpu = Gpu::open(0).expect("the GPU tests need CUDA device 0");
+    let mut rng = Rng::fresh();
+    let epilogues = [Epilogue::Store, Epilogue::Accumulate, Epilogue::SwiGlu];
+    // Each dtype runs 24 configurations (every token count with every epilogue), going round the
+    // variants and the default, alternating the input dtype and the bias; each on every shape.
+    let options = LINEAR_VARIANTS.len() + 1;
+    let mut checked = 0usize;
+    let mut failures = Vec::new();
+    for (d, dtype) in DTYPES.into_iter().enumerate() {
+        let weights: Vec<Weights> = shapes(dtype)
+            .into_iter()
+            .map(|(rows, cols)| {
+                let bytes = random_weights(&mut rng, dtype, 2 * rows, cols);
+                Weights {
+                    rows,
+                    cols,
+                    values: dequantize(dtype, &bytes, 2 * rows, cols),
+                    device: upload(&gpu, &bytes),
+                    row_bytes: bytes.len() / (2 * rows),
+                }
+            })
+            .collect();
+        let mut k = d;
+        for tokens in 1..=8 {
+            for epilogue in epilogues {
+                k += 1;
+                let variant = LINEAR_VARIANTS.get(k % options).copied();
+                let input = if k % 2 == 0 { DType::F32 } else { DType::BF16 };
+                let bias = epilogue != Epilogue::SwiGlu && (k / 2) % 2 == 0;
+                for w in &weights {
+                    let call =
+                        LinearCall { weight: dtype, rows: w.rows, cols: w.cols, tokens, input, epilogue };
+                    failures.extend(check_case(&gpu, &mut rng, w, &Case { call, variant, bias }));
+                    checked += 1;
+                }
+            }
+        }
+    }
+    println!("{checked} linear cases checked");
+    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+}
+
+#[test]
+fn every_variant_serves_the_largest_configurations() {
+    // The test above gives each variant some configurations; here every variant runs the widest
+    // ones (8 tokens, SwiGLU and the residual add) on the 4-bit and 16-bit formats.
+    let gpu = Gpu::open(0).expect("the GPU tests need CUDA device 0");
+    let mut rng = Rng::fresh();
+    let mut failures = Vec::new();
+    for dtype in [DType::F16, DType::Q4_K, DType::Q4_1] {
+        let (rows, cols) = if is_k(dtype) { (133, 1536) } else { (133, 576) };
+        let bytes = random_weights(&mut rng, dtype, 2 * rows, cols);
+        let w = Weights {
+            rows,
+            cols,
+            values: dequantize(dtype, &bytes, 2 * rows, cols),
+            device: upload(&gpu, &bytes),
+            row_bytes: bytes.len() / (2 * rows),
+        };
+        for variant in LINEAR_VARIANTS {
+            for (epilogue, bias) in [(Epilogue::SwiGlu, false), (Epilogue::Accumulate, true)] {
+                let call = LinearCall { weight: dtype, rows, cols, tokens: 8, input: DType::F32, epilogue };
+                failures.extend(check_case(
+                    &gpu,
+                    &mut rng,
+                    &w,
+                    &Case { call, variant: Some(*variant), bias },
+                ));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+}
+
+#[test]
+fn embed_rows_equal_the_dequantized_rows_and_zeros_past_the_vocabulary() {
+    let gpu = Gpu::open(0).expect("the GPU tests need CUDA device 0");
+    let mut rng = Rng::fresh();
+    for dtype in DTYPES {
+        let (vocab, cols) = if is_k(dtype) { (300, 1536) } else { (300, 576) };
+        let bytes = random_weights(&mut rng, dtype, vocab, cols);
+        let values = dequantize(dtype, &bytes, vocab, cols);
+        let mut ids: Vec<u32> = (0..9).map(|_| rng.below(vocab) as u32).collect();
+        ids[2] = vocab as u32; // first id past the vocabulary
+        ids[6] = u32::MAX;
+        ids[7] = (vocab - 1) as u32;
+        let tokens = ids.len();
+        let table = upload(&gpu, &bytes);
+        let ids_dev = upload(&gpu, &ids.iter().flat_map(|i| i.to_le_bytes()).collect::<Vec<_>>());
+        let out = poisoned(&gpu, tokens * cols * 4);
+        let out_view = out.slice(0, tokens * cols * 4).expect("out view");
+        embed_rows(&gpu, dtype, table.view(), vocab, cols, ids_dev.view(), tokens, out_view).expect("launch");
+        let host = out.to_host_bytes().expect("copy back");
+        assert!(guard_intact(&host, tokens * cols * 4), "{dtype}: guard bytes written");
+        let got = f32s(&host[..tokens * cols * 4]);
+        for (t, &id) in ids.iter().enumerate() {
+            let row = &got[t * cols..(t + 1) * cols];
+            if (id as usize) < vocab {
+                let want = &values[id as usize * cols..(id as usize + 1) * cols];
+                let bad = (0..cols).find(|&c| row[c].to_bits() != want[c].to_bits());
+                assert!(
+                    bad.is_none(),
+                    "{dtype} token {t} id {id}: column {bad:?} differs: {row:?} vs {want:?}"
+                );
+            } else {
+                assert!(row.iter().all(|v| v.to_bits() == 0), "{dtype} token {t} id {id}: not a zero row");
+            }
+        }
+    }
+}
+
+#[test]
+fn bf16_weights_equal_the_rounded_dequantized_rows() {
+    let gpu = Gpu::open(0).expect("the GPU tests need CUDA device 0");
+    let mut rng = Rng::fresh();
+    for dtype in DTYPES {
+        for (rows, cols) in shapes(dtype).into_iter().filter(|&(r, _)| r < 1000) {
+            let bytes = random_weights(&mut rng, dtype, rows, cols);
+            let want: Vec<u16> =
+                dequantize(dtype, &bytes, rows, cols).iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+            let src = upload(&gpu, &bytes);
+            let out = poisoned(&gpu, rows * cols * 2);
+            let out_view = out.slice(0, rows * cols * 2).expect("out view");
+            to_bf16_weights(&gpu, dtype, src.view(), rows, cols, out_view).expect("launch");
+            let host = out.to_host_bytes().expect("copy back");
+            assert!(guard_intact(&host, rows * cols * 2), "{dtype} {rows}x{cols}: guard bytes written");
+            let got: Vec<u16> =
+                host[..rows * cols * 2].chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
+            let bad: Vec<usize> = (0..rows * cols).filter(|&i| got[i] != want[i]).collect();
+            assert!(
+                bad.is_empty(),
+                "{dtype} {rows}x{cols}: {} values differ; first {} gpu {:#06x} want {:#06x}",
+                bad.len(),
+                bad[0],
+                got[bad[0]],
+                want[bad[0]]
+            );
+        }
+    }
+}
+
+#[test]
+fn f32_to_bf16_rounds_to_nearest_even_like_the_half_crate() {
+    let gpu = Gpu::open(0).expect("the GPU tests need CUDA device 0");
+    let mut rng = Rng::fresh();
+    let count = 100_003;
+    let mut values: Vec<f32> = (0..count)
+        .map(|i| if i % 2 == 0 { f32::from_bits(rng.next() as u32) } else { rng.uniform(-100.0, 100.0) })
+        .collect();
+    // Ties to even, the carry into the exponent, overflow to infinity, subnormals, infinities.
+    let edges = [
+        0x3F80_8000u32,
+        0x3F81_8000,
+        0x3F80_7FFF,
+        0x3FFF_8000,
+        0x7F7F_FFFF,
+        0x0000_8000,
+        0x8001_8000,
+        0x7F80_0000,
+    ];
+    for (i, bits) in edges.into_iter().enumerate() {
+        values[i * 7] = f32::from_bits(bits);
+    }
+    let src = upload(&gpu, &to_bytes(&values));
+    let out = poisoned(&gpu, count * 2);
+    f32_to_bf16(&gpu, src.view(), count, out.slice(0, count * 2).expect("out view")).expect("launch");
+    let host = out.to_host_bytes().expect("copy back");
+    assert!(guard_intact(&host, count * 2), "guard bytes written");
+    for (i, &v) in values.iter().enumerate() {
+        let got = u16::from_le_bytes([host[2 * i], host[2 * i + 1]]);
+        let want = bf16::from_f32(v);
+        let same = got == want.to_bits() || (v.is_nan() && bf16::from_bits(got).is_nan());
+        assert!(same, "value {i} {v:e} ({:#010x}): gpu {got:#06x} want {:#06x}", v.to_bits(), want.to_bits());
+    }
+}
+
+/// Weight bandwidth of one-token products (the decode case) at 4096 x 4096 and 14336 x 4096, for
+/// the default and every variant: 50 launches between two synchronizations, the weights rotated
+/// over copies that together exceed the L2 cache.
+#[test]
+#[ignore = "prints a bandwidth table; run with --ignored --nocapture"]
+fn bandwidth_of_one_token_products() {
+    let gpu = Gpu::open(0).expect("the GPU tests need CUDA device 0");
+    let mut rng = Rng::fresh();
+    let launches = 50;
+    for dtype in DTYPES {
+        for (rows, cols) in [(4096usize, 4096usize), (14336, 4096)] {
+            let bytes = random_weights(&mut rng, dtype, rows, cols);
+            let copies = (256usize << 20).div_ceil(bytes.len()).max(2);
+            let weights: Vec<DeviceMemory> = (0..copies).map(|_| upload(&gpu, &bytes)).collect();
+            let x = upload(&gpu, &to_bytes(&(0..cols).map(|_| rng.uniform(-1.0, 1.0)).collect::<Vec<_>>()));
+            let out = gpu.alloc(rows * 4).expect("device allocation");
+            let call = LinearCall {
+                weight: dtype,
+                rows,
+                cols,
+                tokens: 1,
+                input: DType::F32,
+                epilogue: Epilogue::Store,
+            };
+            let mut line = format!("{dtype:>5} {rows:>5}x{cols}:");
+            let default = LinearVariant::default_for(&call);
+            for variant in std::iter::once(default).chain(LINEAR_VARIANTS.iter().copied()) {
+                let launch = |i: usize| {
+                    linear(&gpu, &call, weights[i % copies].view(), None, x.view(), out.view(), Some(variant))
+                        .expect("launch")
+                };
+                (0..5).for_each(launch);
+                gpu.synchronize().expect("synchronize");
+                let started = Instant::now();
+                (0..launches).for_each(launch);
+                gpu.synchronize().expect("synchronize");
+                let seconds = started.elapsed().as_secs_f64();
+                let gbps = (bytes.len() * launches) as f64 / seconds / 1e9;
+                line +=
+                    &format!(" {}{} {gbps:.0}", variant.label(), if variant == default { "*" } else { "" });
+            }
+            println!("{line}  (GB/s; * the default)");
+        }
+    }
+}
