@@ -927,6 +927,11 @@ pub fn median_launch_us(
     Ok(per_launch_us[per_launch_us.len() / 2])
 }
 
+/// Launches [`median_launch_us`] makes with `options` (warm-up included).
+fn launches_of(options: &CertifyOptions) -> usize {
+    options.launches.max(3) + options.batches.max(1) * options.launches.max(1)
+}
+
 /// Input sets to rotate over so that together they exceed twice the L2 cache (at least 1).
 pub fn rotation_sets(set_bytes: usize, l2_bytes: u64) -> usize {
     (2 * l2_bytes as usize).div_ceil(set_bytes.max(1)).clamp(1, MAX_SETS)
@@ -1024,6 +1029,9 @@ struct NormHarness {
     want_scales: Vec<u8>,
     want_residual: Option<Vec<u8>>,
     sets: Vec<NormSet>,
+    /// The next input set: each timing continues where the last one stopped, so no candidate
+    /// finds the sets the previous one left in L2.
+    turn: usize,
 }
 
 impl NormHarness {
@@ -1096,6 +1104,7 @@ impl NormHarness {
             want_scales,
             want_residual,
             sets: timing,
+            turn: 0,
         })
     }
 }
@@ -1150,9 +1159,10 @@ impl Harness for NormHarness {
 
     fn time_us(&mut self, gpu: &Gpu, variant: NormVariant, options: &CertifyOptions) -> Result<f64> {
         let call = self.task.call;
-        let sets = &self.sets;
+        let (sets, turn) = (&self.sets, self.turn);
+        self.turn += launches_of(options);
         median_launch_us(gpu, options.batches, options.launches, |i| {
-            let set = &sets[i % sets.len()];
+            let set = &sets[(turn + i) % sets.len()];
             let buffers = NormBuffers {
                 x: &set.x,
                 residual: set.residual.as_ref(),
@@ -1175,6 +1185,8 @@ struct LmHeadHarness {
     h: Vec<DeviceMemory>,
     logits: Vec<DeviceMemory>,
     want: Vec<f32>,
+    /// The next input set (see [`NormHarness`]'s).
+    turn: usize,
 }
 
 /// Random weights of `dtype`: floats in [-1, 1), or blocks with small positive scales (and
@@ -1240,7 +1252,7 @@ impl LmHeadHarness {
         let h_bytes: Vec<u8> = h.iter().flat_map(|v| v.to_le_bytes()).collect();
         let hs = (0..4).map(|_| upload(gpu, &h_bytes)).collect::<Result<Vec<_>>>()?;
         let logits = (0..4).map(|_| gpu.alloc(rows * head.vocab * 4)).collect::<Result<Vec<_>>>()?;
-        Ok(LmHeadHarness { task, weights, h: hs, logits, want })
+        Ok(LmHeadHarness { task, weights, h: hs, logits, want, turn: 0 })
     }
 }
 
@@ -1286,7 +1298,10 @@ impl Harness for LmHeadHarness {
     fn time_us(&mut self, gpu: &Gpu, variant: LmHeadVariant, options: &CertifyOptions) -> Result<f64> {
         let (head, rows) = (self.task.head, self.task.rows);
         let (weights, h, logits) = (&self.weights, &self.h, &self.logits);
+        let turn = self.turn;
+        self.turn += launches_of(options);
         median_launch_us(gpu, options.batches, options.launches, |i| {
+            let i = turn + i;
             let buffers = LmHeadBuffers {
                 h: &h[i % h.len()],
                 weights: &weights[i % weights.len()],
@@ -1317,6 +1332,8 @@ struct AttentionHarness {
     check: AttentionCase,
     want: Vec<f64>,
     timing: AttentionCase,
+    /// The next input set (see [`NormHarness`]'s).
+    turn: usize,
 }
 
 /// bf16 values in [-amplitude, amplitude), as f32.
@@ -1430,7 +1447,7 @@ impl AttentionHarness {
             out: gpu.alloc(q_bytes)?,
             total_queries: batch * query_tokens,
         };
-        Ok(AttentionHarness { task, check, want, timing })
+        Ok(AttentionHarness { task, check, want, timing, turn: 0 })
     }
 }
 
@@ -1511,8 +1528,12 @@ impl Harness for AttentionHarness {
         let shape = self.task.shape;
         let case = &self.timing;
         let scratch = gpu.alloc(scratch_bytes(&shape, case.total_queries, config.splits).max(16))?;
-        // Attention launches are long: a batch of launches is one launch per input set.
-        median_launch_us(gpu, options.batches, 1, |i| run_attention(gpu, &shape, case, &scratch, i, config))
+        // Attention launches are long: a batch is one launch.
+        let turn = self.turn;
+        self.turn += launches_of(&CertifyOptions { launches: 1, ..options.clone() });
+        median_launch_us(gpu, options.batches, 1, |i| {
+            run_attention(gpu, &shape, case, &scratch, turn + i, config)
+        })
     }
 }
 
