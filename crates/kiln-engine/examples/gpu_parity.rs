@@ -12,7 +12,8 @@
 //! two tokens exceeds twice that step's largest logit difference (a parting not explained by
 //! rounding).
 //!
-//! `gpu_parity MODEL REFERENCE_DIR [--steps N] [--tolerance T] [--no-graphs]`
+//! `gpu_parity MODEL REFERENCE_DIR|- [--steps N] [--tolerance T] [--no-graphs]` (`-`: five prompts of
+//! random ids instead of the reference's)
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -47,24 +48,37 @@ fn run() -> Result<bool> {
     let tolerance: f32 = flag("--tolerance").map_or(Ok(0.05), |v| v.parse().map_err(|_| usage()))?;
     let graphs = !args.iter().any(|a| a == "--no-graphs");
 
-    let text = std::fs::read_to_string(dir.join("llamacpp.json")).map_err(|e| Error::io(&dir, e))?;
-    let reference: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::InvalidArgument {
-        name: "reference",
-        value: dir.display().to_string(),
-        reason: e.to_string(),
-    })?;
-    let prompts: Vec<Vec<u32>> = reference["prompts"]
-        .as_array()
-        .ok_or_else(usage)?
-        .iter()
-        .map(|p| {
-            p["prompt_ids"].as_array().map_or_else(Vec::new, |ids| {
-                ids.iter().filter_map(|v| v.as_u64()).map(|v| v as u32).collect()
-            })
-        })
-        .collect();
-
     let (model, _) = load_path(&model_path)?;
+    let prompts: Vec<Vec<u32>> = if dir.as_os_str() == "-" {
+        // Five prompts of random ids (a fixed xorshift), 8 to 40 tokens.
+        let vocab = model.config().vocab as u64;
+        let mut s = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        (0..5).map(|p| (0..8 + 8 * p).map(|_| (next() % vocab) as u32).collect()).collect()
+    } else {
+        let text = std::fs::read_to_string(dir.join("llamacpp.json")).map_err(|e| Error::io(&dir, e))?;
+        let reference: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| Error::InvalidArgument {
+                name: "reference",
+                value: dir.display().to_string(),
+                reason: e.to_string(),
+            })?;
+        reference["prompts"]
+            .as_array()
+            .ok_or_else(usage)?
+            .iter()
+            .map(|p| {
+                p["prompt_ids"].as_array().map_or_else(Vec::new, |ids| {
+                    ids.iter().filter_map(|v| v.as_u64()).map(|v| v as u32).collect()
+                })
+            })
+            .collect()
+    };
     let vocab = model.config().vocab;
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let gpu = kiln_cuda::Gpu::open(0)?;
