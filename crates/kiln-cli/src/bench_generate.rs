@@ -9,7 +9,7 @@ use kiln_core::ops::sample::SamplingParams;
 use kiln_core::{Error, Result};
 use kiln_engine::fetch;
 use kiln_engine::models::gpu::{GpuEngine, GpuOptions};
-use kiln_engine::models::load_path;
+use kiln_engine::models::load_model;
 use serde::Serialize;
 
 use crate::pull::BarProgress;
@@ -108,7 +108,7 @@ fn prompt_ids(seed: u64, len: usize, vocab: usize) -> Vec<u32> {
 
 pub fn run(args: &BenchGenerateArgs) -> Result<()> {
     let path = fetch::resolve_model(&args.model, &mut BarProgress::new())?;
-    let (model, _) = load_path(&path)?;
+    let model = load_model(&path)?;
     let gpu = kiln_cuda::Gpu::open(0)?;
     let copy = crate::bench::copy_ceiling(&gpu, 1 << 30, 5, 30)?;
     let peer = args.peer_llamacpp.as_ref().map(read_peer).transpose()?;
@@ -121,16 +121,20 @@ pub fn run(args: &BenchGenerateArgs) -> Result<()> {
     );
     println!("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
     for &depth in &args.depth {
-        for &batch in &args.batch {
-            let context = depth + args.prompt + args.decode + 1;
-            let options = GpuOptions {
-                max_batch: batch,
-                max_step_tokens: args.chunk.max(batch),
-                max_context: context.min(model.config().context_length),
-                graphs: !args.no_graphs,
-                ..GpuOptions::default()
-            };
-            let mut engine = GpuEngine::new(gpu.clone(), &model, options)?;
+        // Decode at depth is a one-sequence figure (as llama-bench's): the KV cache of a full
+        // batch at long depth would not fit.
+        let batches: Vec<usize> = if depth == 0 { args.batch.clone() } else { vec![1] };
+        let max_batch = batches.iter().copied().max().unwrap_or(1);
+        let context = depth + args.prompt + args.decode + 1;
+        let options = GpuOptions {
+            max_batch,
+            max_step_tokens: args.chunk.max(max_batch),
+            max_context: context.min(model.config().context_length),
+            graphs: !args.no_graphs,
+            ..GpuOptions::default()
+        };
+        let mut engine = GpuEngine::new(gpu.clone(), &model, options)?;
+        for &batch in &batches {
             let load = engine.load_report();
             weight_bytes = load.weight_bytes;
             load_gb_per_s = load.gigabytes_per_second();

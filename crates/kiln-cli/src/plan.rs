@@ -8,7 +8,7 @@ use kiln_core::ops::sample::SamplingParams;
 use kiln_core::{Error, Result};
 use kiln_engine::fetch;
 use kiln_engine::models::gpu::{GpuEngine, GpuOptions, GpuPlan};
-use kiln_engine::models::load_path;
+use kiln_engine::models::load_model;
 
 use crate::pull::BarProgress;
 
@@ -42,7 +42,7 @@ fn mib(bytes: u64) -> String {
 
 pub fn run(args: &PlanArgs) -> Result<ExitCode> {
     let path = fetch::resolve_model(&args.model, &mut BarProgress::new())?;
-    let (model, _) = load_path(&path)?;
+    let model = load_model(&path)?;
     let options = GpuOptions {
         max_batch: args.batch,
         max_step_tokens: args.chunk.max(args.batch),

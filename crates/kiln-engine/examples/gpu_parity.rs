@@ -21,7 +21,7 @@ use std::process::ExitCode;
 use kiln_core::ops::sample::{argmax, SamplingParams};
 use kiln_core::{Error, Result};
 use kiln_engine::models::gpu::{GpuEngine, GpuOptions};
-use kiln_engine::models::load_path;
+use kiln_engine::models::load_model;
 
 fn main() -> ExitCode {
     match run() {
@@ -48,7 +48,7 @@ fn run() -> Result<bool> {
     let tolerance: f32 = flag("--tolerance").map_or(Ok(0.05), |v| v.parse().map_err(|_| usage()))?;
     let graphs = !args.iter().any(|a| a == "--no-graphs");
 
-    let (model, _) = load_path(&model_path)?;
+    let model = load_model(&model_path)?;
     let prompts: Vec<Vec<u32>> = if dir.as_os_str() == "-" {
         // Five prompts of random ids (a fixed xorshift), 8 to 40 tokens.
         let vocab = model.config().vocab as u64;

@@ -5,7 +5,7 @@
 //! then each remaining id as a decode step, and prints `{"logits": [[...], ...]}`: the logits
 //! after the prefill and after every decode step. `--cuda` runs the GPU engine instead of the CPU.
 
-use kiln_engine::models::load_path;
+use kiln_engine::models::load_model;
 
 fn main() -> kiln_core::Result<()> {
     let mut args: Vec<String> = std::env::args().skip(1).collect();
@@ -24,7 +24,7 @@ fn main() -> kiln_core::Result<()> {
     if prefix == 0 || prefix > ids.len() {
         return Err(usage());
     }
-    let (model, _) = load_path(std::path::Path::new(model_path))?;
+    let model = load_model(std::path::Path::new(model_path))?;
     let rows = if cuda {
         use kiln_engine::models::gpu::{GpuEngine, GpuOptions};
         let options = GpuOptions { max_context: ids.len() + 1, ..GpuOptions::default() };

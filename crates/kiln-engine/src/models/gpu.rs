@@ -159,7 +159,7 @@ fn activation_sizes(c: &ModelConfig, o: &GpuOptions) -> Vec<(&'static str, usize
 /// Words of the per-step metadata block: ids, positions, slots `[t]`; last rows `[b]`; query
 /// offsets `[b + 1]`; context lengths `[b]`; page offsets `[b + 1]`; page ids `[b][pages]`.
 fn meta_words(t: usize, b: usize, pages_per_seq: usize) -> usize {
-    3 * t + 3 * b + 2 + b * pages_per_seq
+    3 * t + 4 * b + 2 + b * pages_per_seq
 }
 
 /// The matrices of a layer that share one launch.

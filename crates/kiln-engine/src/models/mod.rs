@@ -53,6 +53,25 @@ fn check_vocab(model: &LlamaModel, tokenizer: &Tokenizer) -> Result<()> {
     Ok(())
 }
 
+/// Loads a model alone (no tokenizer) from a `.gguf` file or a Hugging Face folder whose
+/// `tokenizer.json` may be missing: for tools that feed token ids.
+pub fn load_model(path: &Path) -> Result<LlamaModel> {
+    if path.is_dir() {
+        let config_path = path.join("config.json");
+        let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
+        let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Model {
+            model: path.display().to_string(),
+            reason: format!("config.json: {e}"),
+        })?;
+        let name = path
+            .file_name()
+            .map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned());
+        let config = ModelConfig::from_hf_json(&json, &name)?;
+        return LlamaModel::load(config, Box::new(SafetensorsWeights::open(path)?), hf_tensor_name);
+    }
+    load_gguf(GgufFile::open(path)?)
+}
+
 /// Loads a model and its tokenizer from a path: a `.gguf` file (tokenizer from its metadata), or
 /// a Hugging Face folder (`config.json`, `tokenizer.json`, safetensors).
 pub fn load_path(path: &Path) -> Result<(LlamaModel, Tokenizer)> {
