@@ -191,8 +191,16 @@ impl ModelConfig {
         let heads = required("num_attention_heads")?;
         let kv_heads = usize_field("num_key_value_heads")?.unwrap_or(heads);
         let head_dim = usize_field("head_dim")?.unwrap_or(hidden.checked_div(heads).unwrap_or(0));
-        let theta = f64_field("rope_theta")?.unwrap_or(10_000.0);
-        let scaling = match field("rope_scaling") {
+        // transformers 5 writes `rope_parameters` (theta and scaling together); earlier versions
+        // a top-level `rope_theta` and an optional `rope_scaling`.
+        let parameters = field("rope_parameters").filter(|p| p.is_object());
+        let theta = match parameters.and_then(|p| p.get("rope_theta")) {
+            Some(v) => v.as_f64().ok_or_else(|| {
+                model_error(name, format!("config.json: rope_parameters.rope_theta is {v}, expected a number"))
+            })?,
+            None => f64_field("rope_theta")?.unwrap_or(10_000.0),
+        };
+        let scaling = match field("rope_scaling").filter(|s| !s.is_null()).or(parameters) {
             None => RopeScaling::None,
             Some(s) => {
                 let kind =
@@ -203,6 +211,7 @@ impl ModelConfig {
                     })
                 };
                 match kind {
+                    "default" | "" if s.get("factor").is_none() => RopeScaling::None,
                     "default" => RopeScaling::None,
                     "linear" => RopeScaling::Linear { factor: num("factor", None)? },
                     "llama3" => RopeScaling::Llama3 {
@@ -298,5 +307,31 @@ mod tests {
         let mut j = llama_json();
         j["num_attention_heads"] = serde_json::json!(0);
         assert!(ModelConfig::from_hf_json(&j, "l").unwrap_err().to_string().contains("head count is 0"));
+    }
+
+    #[test]
+    fn hf_config_reads_transformers_5_rope_parameters() {
+        // transformers 5 keeps theta and scaling in `rope_parameters`, with no `rope_theta`.
+        let mut j = llama_json();
+        let o = j.as_object_mut().unwrap();
+        o.remove("rope_theta");
+        o.remove("rope_scaling");
+        o.insert("rope_parameters".into(), serde_json::json!({"rope_type": "default", "rope_theta": 1000000.0}));
+        let c = ModelConfig::from_hf_json(&j, "q").unwrap();
+        assert_eq!(c.rope.theta, 1_000_000.0);
+        assert!(matches!(c.rope.scaling, RopeScaling::None));
+        let o = j.as_object_mut().unwrap();
+        o.insert(
+            "rope_parameters".into(),
+            serde_json::json!({"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 8192}),
+        );
+        let c = ModelConfig::from_hf_json(&j, "l").unwrap();
+        assert_eq!(c.rope.theta, 500_000.0);
+        assert!(matches!(c.rope.scaling, RopeScaling::Llama3 { factor, .. } if factor == 8.0));
+        j["rope_parameters"] = serde_json::json!({"rope_theta": "big"});
+        let e = ModelConfig::from_hf_json(&j, "l").unwrap_err().to_string();
+        assert!(e.contains("rope_parameters.rope_theta"), "{e}");
     }
 }
