@@ -38,6 +38,9 @@ pub struct BenchGenerateArgs {
     /// Run decode steps one launch at a time instead of replaying captured graphs.
     #[arg(long)]
     no_graphs: bool,
+    /// Steps of at most this many tokens use Kiln's matrix-vector kernels, longer ones cuBLAS.
+    #[arg(long, default_value_t = kiln_engine::models::gpu::MATVEC_TOKENS)]
+    matvec_tokens: usize,
     /// llama.cpp's `llama-bench -o json` output on the same model file, for the ratio columns.
     #[arg(long)]
     peer_llamacpp: Option<PathBuf>,
@@ -131,9 +134,33 @@ pub fn run(args: &BenchGenerateArgs) -> Result<()> {
             max_step_tokens: args.chunk.max(max_batch),
             max_context: context.min(model.config().context_length),
             graphs: !args.no_graphs,
+            matvec_tokens: args.matvec_tokens,
             ..GpuOptions::default()
         };
         let mut engine = GpuEngine::new(gpu.clone(), &model, options)?;
+        // Warm-up: one prefill chunk and decode steps at every batch size, so that the kernels
+        // are compiled (or read from the disk cache) before anything is timed.
+        {
+            let params = SamplingParams { temperature: 0.0, ..SamplingParams::default() };
+            let mut warm: Vec<_> = Vec::new();
+            for b in 0..max_batch {
+                let mut seq = engine.new_sequence(params)?;
+                let ids = prompt_ids(1000 + b as u64, args.chunk.min(args.prompt).max(1), vocab);
+                engine.step(&mut [(&mut seq, &ids[..])])?;
+                warm.push(seq);
+            }
+            for &batch in &batches {
+                for _ in 0..3 {
+                    let inputs = vec![[1u32]; batch];
+                    let mut work: Vec<_> =
+                        warm.iter_mut().take(batch).zip(&inputs).map(|(s, i)| (s, &i[..])).collect();
+                    engine.step(&mut work)?;
+                }
+            }
+            for seq in warm {
+                engine.release(seq);
+            }
+        }
         for &batch in &batches {
             let load = engine.load_report();
             weight_bytes = load.weight_bytes;

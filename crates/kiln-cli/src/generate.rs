@@ -10,7 +10,9 @@ use kiln_core::ops::sample::SamplingParams;
 use kiln_core::{Error, Result};
 use kiln_engine::chat::{render_with, ChatMessage};
 use kiln_engine::fetch::{self, DEFAULT_MODEL};
-use kiln_engine::generate::{generate, generate_gpu, GenerateOptions, StopReason};
+use kiln_engine::generate::{
+    generate, generate_batch_gpu, generate_gpu, GenerateOptions, Request, StopReason,
+};
 use kiln_engine::models::gpu::{GpuEngine, GpuOptions};
 use kiln_engine::models::load_path;
 
@@ -34,7 +36,7 @@ pub struct GenerateArgs {
     #[arg(long, short, default_value = DEFAULT_MODEL)]
     pub model: String,
     /// The prompt; `-` reads it from standard input.
-    #[arg(long, short)]
+    #[arg(long, short, required_unless_present = "prompts_file", default_value = "")]
     pub prompt: String,
     /// Wrap the prompt as a user message in the model's chat template.
     #[arg(long)]
@@ -69,6 +71,13 @@ pub struct GenerateArgs {
     /// Seed of the sampler: the same seed, prompt and flags give the same tokens.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// A file of prompts, one per line, generated together on the GPU with continuous batching
+    /// (each completion printed after all finish); `--prompt` is then not needed.
+    #[arg(long, conflicts_with = "prompt")]
+    pub prompts_file: Option<PathBuf>,
+    /// Sequences running together with `--prompts-file`.
+    #[arg(long, default_value_t = 8)]
+    pub batch: usize,
     /// Where to run: `auto` takes the GPU when one works.
     #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
     pub device: DeviceChoice,
@@ -127,6 +136,9 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
         seed: args.seed,
     };
     sampling.validate()?;
+    if let Some(file) = &args.prompts_file {
+        return run_batch(args, file, use_gpu, sampling);
+    }
     let prompt_text = read_prompt(&args.prompt)?;
 
     let path = fetch::resolve_model(&args.model, &mut BarProgress::new())?;
@@ -215,6 +227,93 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
         generation.prompt_tokens_per_second(),
         generation.tokens.len(),
         generation.decode_tokens_per_second(),
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `--prompts-file`: every line a prompt, generated together on the GPU.
+fn run_batch(
+    args: &GenerateArgs,
+    file: &std::path::Path,
+    use_gpu: bool,
+    sampling: SamplingParams,
+) -> Result<ExitCode> {
+    if !use_gpu {
+        return Err(Error::NotServed {
+            op: "kiln generate --prompts-file",
+            reason: "batched generation runs on the GPU; no working GPU was found (see `kiln doctor`)".into(),
+        });
+    }
+    if args.batch == 0 {
+        return Err(Error::InvalidArgument {
+            name: "--batch",
+            value: "0".into(),
+            reason: "at least 1".into(),
+        });
+    }
+    let text = std::fs::read_to_string(file).map_err(|e| Error::io(file, e))?;
+    let lines: Vec<&str> = text.lines().map(str::trim).filter(|l| !l.is_empty()).collect();
+    if lines.is_empty() {
+        return Err(Error::InvalidArgument {
+            name: "--prompts-file",
+            value: file.display().to_string(),
+            reason: "holds no prompt".into(),
+        });
+    }
+    let path = fetch::resolve_model(&args.model, &mut BarProgress::new())?;
+    let (model, tokenizer) = load_path(&path)?;
+    let mut requests = Vec::with_capacity(lines.len());
+    for line in &lines {
+        let (text, add_special) = if args.chat {
+            let mut messages = Vec::new();
+            if let Some(system) = &args.system {
+                messages.push(ChatMessage::new("system", system.as_str()));
+            }
+            messages.push(ChatMessage::new("user", *line));
+            (render_with(&tokenizer, &messages, true)?, false)
+        } else {
+            (line.to_string(), true)
+        };
+        requests.push(Request {
+            prompt: tokenizer.encode(&text, add_special)?,
+            options: GenerateOptions {
+                max_tokens: args.max_tokens,
+                sampling,
+                stop_tokens: tokenizer.eos_ids().to_vec(),
+                prefill_chunk: 256,
+            },
+        });
+    }
+    let longest = requests.iter().map(|r| r.prompt.len()).max().unwrap_or(0);
+    let context =
+        args.context.unwrap_or(longest + args.max_tokens + 1).min(model.config().context_length.max(1));
+    let options = GpuOptions {
+        max_batch: args.batch.min(requests.len()),
+        max_step_tokens: 512.max(args.batch),
+        max_context: context,
+        graphs: !args.no_graphs,
+        ..GpuOptions::default()
+    };
+    let mut engine = GpuEngine::new(kiln_cuda::Gpu::open(0)?, &model, options)?;
+    let started = Instant::now();
+    let generations = generate_batch_gpu(&mut engine, &requests, &mut |_, _| Ok(true))?;
+    let elapsed = started.elapsed().as_secs_f64();
+    let mut out = std::io::stdout().lock();
+    let mut total = 0;
+    for (i, g) in generations.iter().enumerate() {
+        total += g.tokens.len();
+        let _ = writeln!(out, "[{i}] {}", tokenizer.decode(&g.tokens)?);
+        if args.print_ids {
+            let ids: Vec<String> = g.tokens.iter().map(u32::to_string).collect();
+            let _ = writeln!(out, "[{i}] ids: {}", ids.join(" "));
+        }
+    }
+    eprintln!(
+        "kiln: {} on cuda:0 | {} prompts, {} at a time | {total} tokens in {elapsed:.2} s ({:.1} tok/s)",
+        path.display(),
+        requests.len(),
+        options.max_batch,
+        total as f64 / elapsed.max(1e-9)
     );
     Ok(ExitCode::SUCCESS)
 }

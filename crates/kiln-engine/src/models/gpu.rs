@@ -61,6 +61,9 @@ pub struct GpuOptions {
     pub kv_pages: Option<usize>,
     /// Capture pure decode steps as CUDA graphs and replay them.
     pub graphs: bool,
+    /// Steps of at most this many tokens (1 to 8) run Kiln's matrix-vector kernels; longer ones
+    /// the matrix products (cuBLAS).
+    pub matvec_tokens: usize,
 }
 
 impl Default for GpuOptions {
@@ -72,6 +75,7 @@ impl Default for GpuOptions {
             page_tokens: 32,
             kv_pages: None,
             graphs: true,
+            matvec_tokens: MATVEC_TOKENS,
         }
     }
 }
@@ -147,6 +151,7 @@ fn activation_sizes(c: &ModelConfig, o: &GpuOptions) -> Vec<(&'static str, usize
         ("mlp16", t * c.ffn * 2),
         ("last", b * c.hidden * 4),
         ("last_normed", b * c.hidden * 4),
+        ("last16", b * c.hidden * 2),
         ("logits", b * c.vocab * 4),
         ("meta", meta_words(t, b, pages_per_seq) * 4),
         ("params", b * PARAMS_BYTES),
@@ -262,6 +267,9 @@ fn validate_options(c: &ModelConfig, o: &GpuOptions) -> Result<()> {
     if o.max_step_tokens < o.max_batch {
         return Err(bad("max_step_tokens", o.max_step_tokens, "at least max_batch (one token a sequence)"));
     }
+    if o.matvec_tokens == 0 || o.matvec_tokens > MATVEC_TOKENS {
+        return Err(bad("matvec_tokens", o.matvec_tokens, "between 1 and 8"));
+    }
     if o.max_step_tokens > 65_535 {
         return Err(bad("max_step_tokens", o.max_step_tokens, "at most 65535"));
     }
@@ -321,6 +329,7 @@ struct Workspace {
     mlp16: DeviceMemory,
     last: DeviceMemory,
     last_normed: DeviceMemory,
+    last16: DeviceMemory,
     logits: DeviceMemory,
     meta: DeviceMemory,
     params: DeviceMemory,
@@ -562,6 +571,7 @@ impl GpuEngine {
             mlp16: next()?,
             last: next()?,
             last_normed: next()?,
+            last16: next()?,
             logits: next()?,
             meta: next()?,
             params: next()?,
@@ -874,7 +884,7 @@ impl GpuEngine {
         )?;
         let shape = attention_shape(c, o.page_tokens);
         let splits = if max_query == 1 { decode_splits(gpu, b, c.kv_heads) } else { 1 };
-        let matvec = t <= MATVEC_TOKENS || self.blas.is_none();
+        let matvec = t <= o.matvec_tokens || self.blas.is_none();
 
         linear::embed_rows(gpu, self.embed.dtype, self.embed.weight, c.vocab, c.hidden, ids, t, ws.x.view())?;
         launches += 1;
@@ -959,34 +969,60 @@ impl GpuEngine {
             launches += 1;
             launches += self.mlp(layer, h.view(), half, t, matvec)?;
         }
-        // The last token of each sequence: final norm, LM head, sampler.
+        // The last token of each sequence: final norm, LM head, sampler. More rows than the
+        // matrix-vector kernels take at once go through cuBLAS when the head is 16-bit.
         forward::gather_rows(gpu, ws.x.view(), t, last_rows, b, c.hidden, ws.last.view())?;
-        norm_op::norm(
-            gpu,
-            &norm_call(b, DType::F32),
-            self.norm_buffers(&ws.last, &self.output_norm, &ws.last_normed),
-            None,
-        )?;
-        launches += 2;
-        for start in (0..b).step_by(MATVEC_TOKENS) {
-            let rows = (b - start).min(MATVEC_TOKENS);
-            linear::linear(
+        launches += 1;
+        let head_gemm = b > o.matvec_tokens
+            && matches!(self.output.dtype, DType::BF16 | DType::F16)
+            && self.blas.is_some();
+        if let (true, Some(blas)) = (head_gemm, self.blas.as_ref()) {
+            let half = self.output.dtype;
+            norm_op::norm(
                 gpu,
-                &LinearCall {
-                    weight: self.output.dtype,
-                    rows: c.vocab,
-                    cols: c.hidden,
-                    tokens: rows,
-                    input: DType::F32,
-                    epilogue: Epilogue::Store,
-                },
-                self.output.weight,
+                &norm_call(b, half),
+                self.norm_buffers(&ws.last, &self.output_norm, &ws.last16),
                 None,
-                ws.last_normed.slice(start * c.hidden * 4, rows * c.hidden * 4)?,
-                ws.logits.slice(start * c.vocab * 4, rows * c.vocab * 4)?,
+            )?;
+            blas.gemm(
+                half,
+                self.output.weight,
+                ws.last16.slice(0, b * c.hidden * 2)?,
+                ws.logits.slice(0, b * c.vocab * 4)?,
+                c.vocab,
+                b,
+                c.hidden,
+                false,
+            )?;
+            launches += 2;
+        } else {
+            norm_op::norm(
+                gpu,
+                &norm_call(b, DType::F32),
+                self.norm_buffers(&ws.last, &self.output_norm, &ws.last_normed),
                 None,
             )?;
             launches += 1;
+            for start in (0..b).step_by(MATVEC_TOKENS) {
+                let rows = (b - start).min(MATVEC_TOKENS);
+                linear::linear(
+                    gpu,
+                    &LinearCall {
+                        weight: self.output.dtype,
+                        rows: c.vocab,
+                        cols: c.hidden,
+                        tokens: rows,
+                        input: DType::F32,
+                        epilogue: Epilogue::Store,
+                    },
+                    self.output.weight,
+                    None,
+                    ws.last_normed.slice(start * c.hidden * 4, rows * c.hidden * 4)?,
+                    ws.logits.slice(start * c.vocab * 4, rows * c.vocab * 4)?,
+                    None,
+                )?;
+                launches += 1;
+            }
         }
         // Penalties need the histories and a zeroed count block (allocated here: such steps are
         // never captured).
