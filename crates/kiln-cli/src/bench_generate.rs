@@ -138,6 +138,7 @@ pub fn run(args: &BenchGenerateArgs) -> Result<()> {
             ..GpuOptions::default()
         };
         let mut engine = GpuEngine::new(gpu.clone(), &model, options)?;
+        engine.use_tuning(crate::tune::open_store()?);
         // Warm-up: one prefill chunk and decode steps at every batch size, so that the kernels
         // are compiled (or read from the disk cache) before anything is timed.
         {

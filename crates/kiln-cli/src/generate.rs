@@ -177,7 +177,8 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
             .min(model.config().context_length.max(1));
         let gpu_options =
             GpuOptions { max_context: context, graphs: !args.no_graphs, ..GpuOptions::default() };
-        let engine = GpuEngine::new(gpu, &model, gpu_options)?;
+        let mut engine = GpuEngine::new(gpu, &model, gpu_options)?;
+        engine.use_tuning(crate::tune::open_store()?);
         let load = engine.load_report();
         tracing::info!(
             weights_gb = load.weight_bytes as f64 / 1e9,
@@ -295,6 +296,7 @@ fn run_batch(
         ..GpuOptions::default()
     };
     let mut engine = GpuEngine::new(kiln_cuda::Gpu::open(0)?, &model, options)?;
+    engine.use_tuning(crate::tune::open_store()?);
     let started = Instant::now();
     let generations = generate_batch_gpu(&mut engine, &requests, &mut |_, _| Ok(true))?;
     let elapsed = started.elapsed().as_secs_f64();

@@ -305,6 +305,14 @@ pub fn tasks(model: &ModelShapes, families: &[Family], arch: Arch) -> Result<Vec
             };
             all.push(Task::Norm(NormTask { call, residual: true }));
         }
+        // The GPU engine's own norms: the fp32 residual stream (the residual is added by the
+        // matrix products' epilogues), fp32 weights, an fp32 output for its matrix-vector steps and
+        // a bf16 one for its matrix products.
+        for (rows, out) in
+            NORM_ROWS.into_iter().map(|r| (r, DType::F32)).chain([(16, DType::BF16), (2048, DType::BF16)])
+        {
+            all.push(Task::Norm(NormTask { call: engine_norm_call(model, rows, out), residual: false }));
+        }
         if model.qk_norm {
             // Qwen3's per-head norm of q: one segment per head, no residual.
             let spec: NormSpec =
@@ -361,6 +369,18 @@ pub fn tasks(model: &ModelShapes, families: &[Family], arch: Arch) -> Result<Vec
         }
     }
     Ok(distinct)
+}
+
+/// The RMSNorm call of Kiln's GPU engine over `rows` rows of `model` into `out` (fp32 input and
+/// weights, Hugging Face's rounding order).
+pub fn engine_norm_call(model: &ModelShapes, rows: usize, out: DType) -> NormCall {
+    NormCall {
+        spec: RmsNorm::llama(model.rms_eps, out).into(),
+        rows,
+        hidden: model.hidden,
+        x_type: DType::F32,
+        weight_type: DType::F32,
+    }
 }
 
 // ---- keys ----------------------------------------------------------------------------------
@@ -485,9 +505,15 @@ impl AttentionTask {
 // ---- configurations and their names ----------------------------------------------------------
 
 /// A norm variant's name: `4w1r` (warps per row, rows per block), `+e` when it loads the weight
-/// early.
+/// early, `+p` when its grid is persistent.
 pub fn norm_label(v: NormVariant) -> String {
-    format!("{}w{}r{}", v.warps_per_row, v.rows_per_block, if v.early_weight { "+e" } else { "" })
+    format!(
+        "{}w{}r{}{}",
+        v.warps_per_row,
+        v.rows_per_block,
+        if v.early_weight { "+e" } else { "" },
+        if v.persistent { "+p" } else { "" }
+    )
 }
 
 /// The listed norm variant named `label`.

@@ -44,6 +44,12 @@ fn llama3_8b_asks_for_these_keys() {
         "norm/rms.res.hf.n4096.g1.rows1/bf16.bf16.bf16/sm_90",
         "norm/rms.res.hf.n4096.g1.rows2-64/bf16.bf16.bf16/sm_90",
         "norm/rms.res.hf.n4096.g1.rows65+/bf16.bf16.bf16/sm_90",
+        // The GPU engine's norms: fp32 stream and weights, fp32 out (decode) or bf16 (prefill).
+        "norm/rms.hf.n4096.g1.rows1/f32.f32.f32/sm_90",
+        "norm/rms.hf.n4096.g1.rows2-64/f32.f32.f32/sm_90",
+        "norm/rms.hf.n4096.g1.rows65+/f32.f32.f32/sm_90",
+        "norm/rms.hf.n4096.g1.rows2-64/f32.f32.bf16/sm_90",
+        "norm/rms.hf.n4096.g1.rows65+/f32.f32.bf16/sm_90",
         "lm_head/v128256.h4096.rows1/bf16.f32/sm_90",
         "lm_head/v128256.h4096.rows4/bf16.f32/sm_90",
         "attention/prefill.q32.kv8.d128.p64/bf16/sm_90",
@@ -52,7 +58,7 @@ fn llama3_8b_asks_for_these_keys() {
         "attention/decode.q32.kv8.d128.p64.b9-64/bf16/sm_90",
     ];
     assert_eq!(keys, expected);
-    assert_eq!(self::keys(&ModelShapes::llama3_8b(), &[Family::LmHead]), expected[3..5]);
+    assert_eq!(self::keys(&ModelShapes::llama3_8b(), &[Family::LmHead]), expected[8..10]);
 }
 
 #[test]
@@ -65,7 +71,7 @@ fn keys_follow_the_model_shapes_and_types() {
     // Qwen3's per-head q norm adds its own keys: 32 segments of 128, no residual.
     let qwen3 = ModelShapes { qk_norm: true, ..ModelShapes::llama3_8b() };
     let keys = self::keys(&qwen3, &[Family::Norm]);
-    assert_eq!(keys.len(), 6);
+    assert_eq!(keys.len(), 11);
     assert!(keys.contains(&"norm/rms.hf.n128.g32.rows1/bf16.bf16.bf16/sm_90".to_owned()), "{keys:?}");
 }
 
@@ -176,7 +182,15 @@ fn every_configuration_name_parses_back() {
             assert_eq!(AttentionConfig::parse(&c.label()), Some(c));
         }
     }
-    assert_eq!(norm_label(NormVariant { warps_per_row: 4, rows_per_block: 2, early_weight: true }), "4w2r+e");
+    assert_eq!(
+        norm_label(NormVariant {
+            warps_per_row: 4,
+            rows_per_block: 2,
+            early_weight: true,
+            persistent: false
+        }),
+        "4w2r+e"
+    );
     assert_eq!(AttentionConfig { variant: AttentionVariant::PREFILL, splits: 1 }.label(), "4x1x64.s1");
     for bad in ["", "3w1r", "4w1r+x", "4w1r ", "planted-wrong(4w1r)"] {
         assert_eq!(parse_norm_variant(bad), None, "{bad:?}");
@@ -237,7 +251,7 @@ fn lookups_answer_the_winner_the_default_or_a_named_error() {
     )
     .unwrap();
     record_certificate(&certs, c).unwrap();
-    let want = NormVariant { warps_per_row: 2, rows_per_block: 2, early_weight: true };
+    let want = NormVariant { warps_per_row: 2, rows_per_block: 2, early_weight: true, persistent: false };
     assert_eq!(norm_variant(&open(TuningMode::Strict), &task, SM90).unwrap(), want);
 
     // A winner the family does not have is refused by name.

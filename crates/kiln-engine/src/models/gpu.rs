@@ -26,8 +26,10 @@ use kiln_core::ops::attention::AttentionShape;
 use kiln_core::ops::norm::RmsNorm;
 use kiln_core::ops::rope::{RopeLayout, RopeTable};
 use kiln_core::ops::sample::SamplingParams;
+use kiln_core::tuning::TuningStore;
 use kiln_core::{DType, Error, Result};
 use kiln_cuda::blas::Blas;
+use kiln_cuda::certify;
 use kiln_cuda::cudarc::driver::{sys as cu, CudaGraph};
 use kiln_cuda::memory::size_class;
 use kiln_cuda::ops::attention::{self, decode_splits, scratch_bytes, KvBuffers, PagedBatch};
@@ -72,7 +74,7 @@ impl Default for GpuOptions {
             max_batch: 1,
             max_step_tokens: 512,
             max_context: 4096,
-            page_tokens: 32,
+            page_tokens: certify::PAGE_TOKENS,
             kv_pages: None,
             graphs: true,
             matvec_tokens: MATVEC_TOKENS,
@@ -384,6 +386,8 @@ pub struct GpuEngine {
     graphs: HashMap<usize, CudaGraph>,
     load: LoadReport,
     launches_per_step: HashMap<usize, usize>,
+    /// Certified kernel configurations; without a store every kernel runs its declared default.
+    tuning: Option<TuningStore>,
 }
 
 impl std::fmt::Debug for GpuEngine {
@@ -604,6 +608,7 @@ impl GpuEngine {
             graphs: HashMap::new(),
             load,
             launches_per_step: HashMap::new(),
+            tuning: None,
         })
     }
 
@@ -630,6 +635,62 @@ impl GpuEngine {
     /// KV pages not in use.
     pub fn free_pages(&self) -> usize {
         self.pool.available_pages()
+    }
+
+    /// Runs every kernel with the configuration certified for its key in `store` (the store's
+    /// mode decides what an uncertified key does: the declared default, or in strict mode
+    /// `Error::KeyNotCertified` at the step that needs it). Captured graphs are dropped.
+    pub fn use_tuning(&mut self, store: TuningStore) {
+        self.tuning = Some(store);
+        self.graphs.clear();
+    }
+
+    fn model_shapes(&self) -> certify::ModelShapes {
+        let c = &self.config;
+        certify::ModelShapes {
+            name: c.name.clone(),
+            hidden: c.hidden,
+            vocab: c.vocab,
+            q_heads: c.heads,
+            kv_heads: c.kv_heads,
+            head_dim: c.head_dim,
+            rms_eps: c.rms_eps,
+            qk_norm: c.qk_norm,
+            norm_weight: DType::F32,
+            lm_head_weight: self.output.dtype,
+        }
+    }
+
+    /// The norm variant for `rows` rows into `out`: certified, or the declared default.
+    fn norm_variant(&self, rows: usize, out: DType) -> Result<Option<norm_op::NormVariant>> {
+        let Some(store) = &self.tuning else { return Ok(None) };
+        let task = certify::NormTask {
+            call: certify::engine_norm_call(&self.model_shapes(), rows, out),
+            residual: false,
+        };
+        certify::norm_variant(store, &task, self.gpu.arch()).map(Some)
+    }
+
+    /// The attention variant and splits of a call with `max_query` tokens a sequence over `b`
+    /// sequences: certified, or the declared default.
+    fn attention_config(
+        &self,
+        shape: &AttentionShape,
+        b: usize,
+        max_query: usize,
+    ) -> Result<(Option<attention::AttentionVariant>, u32)> {
+        let default_splits =
+            if max_query == 1 { decode_splits(&self.gpu, b, self.config.kv_heads) } else { 1 };
+        let Some(store) = &self.tuning else { return Ok((None, default_splits)) };
+        let phase = if max_query == 1 {
+            certify::AttentionPhase::Decode { batch: b, context: certify::DECODE_CONTEXT }
+        } else {
+            certify::AttentionPhase::Prefill { tokens: max_query }
+        };
+        let task = certify::AttentionTask { shape: *shape, phase };
+        let config =
+            certify::attention_config(store, &task, self.gpu.arch(), self.gpu.facts().multiprocessors)?;
+        Ok((Some(config.variant), config.splits))
     }
 
     /// A new, empty sequence.
@@ -883,7 +944,8 @@ impl GpuEngine {
             max_query,
         )?;
         let shape = attention_shape(c, o.page_tokens);
-        let splits = if max_query == 1 { decode_splits(gpu, b, c.kv_heads) } else { 1 };
+        let (attention_variant, splits) = self.attention_config(&shape, b, max_query)?;
+        let norm_t = self.norm_variant(t, if t <= o.matvec_tokens { DType::F32 } else { DType::BF16 })?;
         let matvec = t <= o.matvec_tokens || self.blas.is_none();
 
         linear::embed_rows(gpu, self.embed.dtype, self.embed.weight, c.vocab, c.hidden, ids, t, ws.x.view())?;
@@ -901,7 +963,8 @@ impl GpuEngine {
             // Attention.
             let half = if matvec { DType::F32 } else { self.gemm_type(&layer.qkv) };
             let h = if matvec { &ws.h } else { &ws.h16 };
-            norm_op::norm(gpu, &norm_call(t, half), self.norm_buffers(&ws.x, &layer.attn_norm, h), None)?;
+            let variant = if half == DType::F16 { None } else { norm_t };
+            norm_op::norm(gpu, &norm_call(t, half), self.norm_buffers(&ws.x, &layer.attn_norm, h), variant)?;
             launches += 1;
             launches +=
                 self.linear_group(&layer.qkv, h.view(), half, t, ws.qkv.view(), Epilogue::Store, matvec)?;
@@ -943,7 +1006,7 @@ impl GpuEngine {
                 &ws.attn16,
                 Some(&ws.attn_scratch),
                 splits,
-                None,
+                attention_variant,
             )?;
             launches += if splits > 1 { 2 } else { 1 };
             let o_half = if matvec { DType::BF16 } else { self.gemm_type(std::slice::from_ref(&layer.o)) };
@@ -965,7 +1028,8 @@ impl GpuEngine {
             )?;
             // MLP.
             let half = if matvec { DType::F32 } else { self.gemm_type(&layer.gate_up) };
-            norm_op::norm(gpu, &norm_call(t, half), self.norm_buffers(&ws.x, &layer.ffn_norm, h), None)?;
+            let variant = if half == DType::F16 { None } else { norm_t };
+            norm_op::norm(gpu, &norm_call(t, half), self.norm_buffers(&ws.x, &layer.ffn_norm, h), variant)?;
             launches += 1;
             launches += self.mlp(layer, h.view(), half, t, matvec)?;
         }
@@ -1000,7 +1064,7 @@ impl GpuEngine {
                 gpu,
                 &norm_call(b, DType::F32),
                 self.norm_buffers(&ws.last, &self.output_norm, &ws.last_normed),
-                None,
+                self.norm_variant(b, DType::F32)?,
             )?;
             launches += 1;
             for start in (0..b).step_by(MATVEC_TOKENS) {
