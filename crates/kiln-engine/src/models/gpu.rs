@@ -155,7 +155,7 @@ fn activation_sizes(c: &ModelConfig, o: &GpuOptions) -> Vec<(&'static str, usize
         ("last_normed", b * c.hidden * 4),
         ("last16", b * c.hidden * 2),
         ("logits", b * c.vocab * 4),
-        ("meta", meta_words(t, b, pages_per_seq) * 4),
+        ("meta", MetaLayout::new(t, b, pages_per_seq).words * 4),
         ("params", b * PARAMS_BYTES),
         ("steps", b * 8),
         ("history_offsets", (b + 1) * 4),
@@ -163,10 +163,48 @@ fn activation_sizes(c: &ModelConfig, o: &GpuOptions) -> Vec<(&'static str, usize
     ]
 }
 
-/// Words of the per-step metadata block: ids, positions, slots `[t]`; last rows `[b]`; query
-/// offsets `[b + 1]`; context lengths `[b]`; page offsets `[b + 1]`; page ids `[b][pages]`.
-fn meta_words(t: usize, b: usize, pages_per_seq: usize) -> usize {
-    3 * t + 4 * b + 2 + b * pages_per_seq
+/// Where each section of the per-step metadata block starts, in 32-bit words, for capacities of
+/// `t` tokens, `b` sequences and `pages` pages a sequence: ids, positions, slots `[t]`; last rows
+/// `[b]`; query offsets `[b + 1]`; context lengths `[b]`; page offsets `[b + 1]`; page ids
+/// `[b][pages]`. The host writes it and the kernels read it through the same layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct MetaLayout {
+    ids: usize,
+    positions: usize,
+    slots: usize,
+    last_rows: usize,
+    query_offsets: usize,
+    context_lens: usize,
+    page_offsets: usize,
+    page_ids: usize,
+    pages_per_seq: usize,
+    words: usize,
+}
+
+impl MetaLayout {
+    fn new(t: usize, b: usize, pages_per_seq: usize) -> MetaLayout {
+        let last_rows = 3 * t;
+        let query_offsets = last_rows + b;
+        let context_lens = query_offsets + b + 1;
+        let page_offsets = context_lens + b;
+        let page_ids = page_offsets + b + 1;
+        MetaLayout {
+            ids: 0,
+            positions: t,
+            slots: 2 * t,
+            last_rows,
+            query_offsets,
+            context_lens,
+            page_offsets,
+            page_ids,
+            pages_per_seq,
+            words: page_ids + b * pages_per_seq,
+        }
+    }
+
+    fn of(o: &GpuOptions) -> MetaLayout {
+        MetaLayout::new(o.max_step_tokens, o.max_batch, o.max_context.div_ceil(o.page_tokens))
+    }
 }
 
 /// The matrices of a layer that share one launch.
@@ -803,37 +841,28 @@ impl GpuEngine {
     ) -> Result<Vec<u32>> {
         let b = work.len();
         let o = self.options;
-        let pages_per_seq = o.max_context.div_ceil(o.page_tokens);
-        // The metadata block (see `meta_words`), in capacity-strided sections.
-        let cap_t = o.max_step_tokens;
-        let cap_b = o.max_batch;
-        let mut meta = vec![0u32; meta_words(cap_t, cap_b, pages_per_seq)];
-        let (ids_at, pos_at, slot_at) = (0, cap_t, 2 * cap_t);
-        let last_at = 3 * cap_t;
-        let qoff_at = last_at + cap_b;
-        let ctx_at = qoff_at + cap_b + 1;
-        let poff_at = ctx_at + cap_b;
-        let pid_at = poff_at + cap_b + 1;
+        let m = MetaLayout::of(&o);
+        let mut meta = vec![0u32; m.words];
         let mut row = 0usize;
         let mut max_query = 0;
         for (i, ((seq, tokens), plan)) in work.iter().zip(plans).enumerate() {
             for (j, &id) in tokens.iter().enumerate() {
-                meta[ids_at + row + j] = id;
-                meta[pos_at + row + j] = (plan.first_position + j) as u32;
-                meta[slot_at + row + j] = plan.slots[j];
+                meta[m.ids + row + j] = id;
+                meta[m.positions + row + j] = (plan.first_position + j) as u32;
+                meta[m.slots + row + j] = plan.slots[j];
             }
-            meta[qoff_at + i] = row as u32;
+            meta[m.query_offsets + i] = row as u32;
             row += tokens.len();
-            meta[last_at + i] = (row - 1) as u32;
-            meta[ctx_at + i] = seq.table.len() as u32;
-            meta[poff_at + i] = (i * pages_per_seq) as u32;
+            meta[m.last_rows + i] = (row - 1) as u32;
+            meta[m.context_lens + i] = seq.table.len() as u32;
+            meta[m.page_offsets + i] = (i * m.pages_per_seq) as u32;
             for (k, &page) in seq.table.pages().iter().enumerate() {
-                meta[pid_at + i * pages_per_seq + k] = page;
+                meta[m.page_ids + i * m.pages_per_seq + k] = page;
             }
             max_query = max_query.max(tokens.len());
         }
-        meta[qoff_at + b] = row as u32;
-        meta[poff_at + b] = (b * pages_per_seq) as u32;
+        meta[m.query_offsets + b] = row as u32;
+        meta[m.page_offsets + b] = (b * m.pages_per_seq) as u32;
         let meta_bytes: Vec<u8> = meta.iter().flat_map(|w| w.to_le_bytes()).collect();
         self.ws.meta.copy_from_host(0, &meta_bytes)?;
         let mut params = Vec::with_capacity(b * PARAMS_BYTES);
@@ -921,24 +950,18 @@ impl GpuEngine {
         let gpu = &*self.gpu;
         let ws = &self.ws;
         let mut launches = 0usize;
-        let pages_per_seq = o.max_context.div_ceil(o.page_tokens);
-        let cap_t = o.max_step_tokens;
-        let cap_b = o.max_batch;
+        let m = MetaLayout::of(o);
         let meta = ws.meta.view();
         let word = |at: usize, count: usize| meta.slice(at * 4, count * 4);
-        let ids = word(0, t)?;
-        let positions = word(cap_t, t)?;
-        let slots = word(2 * cap_t, t)?;
-        let last_rows = word(3 * cap_t, b)?;
-        let qoff_at = 3 * cap_t + cap_b;
-        let ctx_at = qoff_at + cap_b + 1;
-        let poff_at = ctx_at + cap_b;
-        let pid_at = poff_at + cap_b + 1;
+        let ids = word(m.ids, t)?;
+        let positions = word(m.positions, t)?;
+        let slots = word(m.slots, t)?;
+        let last_rows = word(m.last_rows, b)?;
         let batch = PagedBatch::from_views(
-            word(qoff_at, b + 1)?,
-            word(ctx_at, b)?,
-            word(poff_at, b + 1)?,
-            word(pid_at, cap_b * pages_per_seq)?,
+            word(m.query_offsets, b + 1)?,
+            word(m.context_lens, b)?,
+            word(m.page_offsets, b + 1)?,
+            word(m.page_ids, o.max_batch * m.pages_per_seq)?,
             b,
             t,
             max_query,
@@ -1361,5 +1384,169 @@ impl GpuEngine {
             matvec,
         )?;
         Ok(launches)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A tiny Llama folder (config.json + one safetensors file of bf16 weights) in a fresh
+    /// directory under the system's temporary folder.
+    fn tiny_llama(tag: &str, tied: bool) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("kiln-gpu-plan-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (hidden, heads, kv, hd, ffn, vocab, layers) =
+            (128usize, 2usize, 1usize, 64usize, 256usize, 100usize, 2usize);
+        let config = serde_json::json!({
+            "architectures": ["LlamaForCausalLM"], "hidden_size": hidden, "intermediate_size": ffn,
+            "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv,
+            "vocab_size": vocab, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": tied
+        });
+        std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+        let mut tensors: Vec<(String, Vec<usize>)> = vec![
+            ("model.embed_tokens.weight".into(), vec![vocab, hidden]),
+            ("model.norm.weight".into(), vec![hidden]),
+        ];
+        if !tied {
+            tensors.push(("lm_head.weight".into(), vec![vocab, hidden]));
+        }
+        for l in 0..layers {
+            let p = format!("model.layers.{l}.");
+            for (n, shape) in [
+                ("input_layernorm.weight", vec![hidden]),
+                ("post_attention_layernorm.weight", vec![hidden]),
+                ("self_attn.q_proj.weight", vec![heads * hd, hidden]),
+                ("self_attn.k_proj.weight", vec![kv * hd, hidden]),
+                ("self_attn.v_proj.weight", vec![kv * hd, hidden]),
+                ("self_attn.o_proj.weight", vec![hidden, heads * hd]),
+                ("mlp.gate_proj.weight", vec![ffn, hidden]),
+                ("mlp.up_proj.weight", vec![ffn, hidden]),
+                ("mlp.down_proj.weight", vec![hidden, ffn]),
+            ] {
+                tensors.push((format!("{p}{n}"), shape));
+            }
+        }
+        let data: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+            .into_iter()
+            .map(|(n, shape)| {
+                let count: usize = shape.iter().product();
+                let bytes = (0..count)
+                    .flat_map(|i| half::bf16::from_f32(((i % 7) as f32 - 3.0) * 0.01).to_le_bytes())
+                    .collect();
+                (n, shape, bytes)
+            })
+            .collect();
+        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = data
+            .iter()
+            .map(|(n, shape, bytes)| {
+                (
+                    n.clone(),
+                    safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, shape.clone(), bytes)
+                        .unwrap(),
+                )
+            })
+            .collect();
+        safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+        dir
+    }
+
+    #[test]
+    fn the_plan_adds_up_and_holds_every_tensor() {
+        let dir = tiny_llama("plan", false);
+        let model = crate::models::load_model(&dir).unwrap();
+        let options =
+            GpuOptions { max_batch: 4, max_context: 300, max_step_tokens: 64, ..GpuOptions::default() };
+        let plan = GpuPlan::new(&model, &options).unwrap();
+        // Every matrix (bf16) and the separate output fit in the arena, each at most one
+        // alignment unit of padding away.
+        let matrices = 2 * (128 * 128 + 64 * 128 * 2 + 128 * 128 + 3 * 256 * 128) + 2 * 100 * 128;
+        let arena = arena_bytes(&model).unwrap();
+        assert!(arena >= matrices * 2, "{arena} < {}", matrices * 2);
+        assert!(arena <= matrices * 2 + 64 * ARENA_ALIGN, "{arena}");
+        assert_eq!(plan.weight_bytes, size_class(arena) as u64);
+        // Pages: every sequence of the batch can reach the context.
+        assert_eq!(plan.kv_pages, 4 * 300u64.div_ceil(options.page_tokens as u64));
+        assert_eq!(
+            plan.total_bytes,
+            plan.weight_bytes + plan.small_bytes + plan.activation_bytes + plan.scratch_bytes + plan.kv_bytes
+        );
+        // bf16 everywhere: no expansion scratch for the matrix products.
+        assert_eq!(expand_scratch_bytes(&model), 0);
+        // A tied head adds no second copy.
+        let tied = crate::models::load_model(&tiny_llama("tied", true)).unwrap();
+        assert_eq!(arena_bytes(&model).unwrap() - arena_bytes(&tied).unwrap(), align(100 * 128 * 2));
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn options_outside_what_the_engine_serves_are_named() {
+        let model = crate::models::load_model(&tiny_llama("options", true)).unwrap();
+        let bad = |o: GpuOptions| match GpuPlan::new(&model, &o) {
+            Err(Error::InvalidArgument { name, .. }) => name,
+            other => panic!("expected a named argument error, got {other:?}"),
+        };
+        let ok = GpuOptions { max_context: 256, ..GpuOptions::default() };
+        assert!(GpuPlan::new(&model, &ok).is_ok());
+        assert_eq!(bad(GpuOptions { max_batch: 0, ..ok }), "max_batch");
+        assert_eq!(bad(GpuOptions { max_batch: 257, max_step_tokens: 512, ..ok }), "max_batch");
+        assert_eq!(bad(GpuOptions { max_step_tokens: 2, max_batch: 4, ..ok }), "max_step_tokens");
+        assert_eq!(bad(GpuOptions { page_tokens: 48, ..ok }), "page_tokens");
+        assert_eq!(bad(GpuOptions { max_context: 5000, ..ok }), "max_context");
+        assert_eq!(bad(GpuOptions { matvec_tokens: 9, ..ok }), "matvec_tokens");
+    }
+
+    #[test]
+    fn metadata_sections_follow_one_another_without_overlap() {
+        for (t, b, p) in [(1, 1, 1), (512, 8, 64), (64, 64, 3)] {
+            let m = MetaLayout::new(t, b, p);
+            let sections = [
+                (m.ids, t),
+                (m.positions, t),
+                (m.slots, t),
+                (m.last_rows, b),
+                (m.query_offsets, b + 1),
+                (m.context_lens, b),
+                (m.page_offsets, b + 1),
+                (m.page_ids, b * p),
+            ];
+            let mut end = 0;
+            for (start, len) in sections {
+                assert_eq!(start, end, "{t} {b} {p}");
+                end = start + len;
+            }
+            assert_eq!(end, m.words);
+        }
+    }
+
+    fn part(ptr: u64, bytes: usize, bias: Option<(u64, usize)>, dtype: DType) -> DeviceLinear {
+        DeviceLinear {
+            weight: DeviceView { ptr, len_bytes: bytes },
+            bias: bias.map(|(ptr, len_bytes)| DeviceView { ptr, len_bytes }),
+            dtype,
+            rows: bytes / 256,
+            cols: 128,
+        }
+    }
+
+    #[test]
+    fn groups_fuse_only_when_back_to_back_in_one_format() {
+        let a = part(0x1000, 512, None, DType::BF16);
+        let b = part(0x1200, 256, None, DType::BF16);
+        let fused = fuse(vec![a, b]);
+        assert_eq!(fused.len(), 1);
+        assert_eq!(fused[0].weight, DeviceView { ptr: 0x1000, len_bytes: 768 });
+        assert_eq!(fused[0].rows, a.rows + b.rows);
+        // A gap, another format, or a bias on one part only: left apart.
+        assert_eq!(fuse(vec![a, part(0x1300, 256, None, DType::BF16)]).len(), 2);
+        assert_eq!(fuse(vec![a, part(0x1200, 256, None, DType::F16)]).len(), 2);
+        assert_eq!(fuse(vec![part(0x1000, 512, Some((0x9000, 8)), DType::BF16), b]).len(), 2);
+        // Biases back to back fuse with their matrices.
+        let with = fuse(vec![
+            part(0x1000, 512, Some((0x9000, 8)), DType::BF16),
+            part(0x1200, 256, Some((0x9008, 4)), DType::BF16),
+        ]);
+        assert_eq!(with[0].bias, Some(DeviceView { ptr: 0x9000, len_bytes: 12 }));
     }
 }
