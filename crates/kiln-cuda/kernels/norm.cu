@@ -31,6 +31,12 @@
 //   WARPS_PER_ROW, ROWS_PER_BLOCK, UNITS_PER_WARP
 //   EARLY_WEIGHT  1: the weight and bias are loaded with x, before the reduction (more loads in
 //                 flight, more registers); 0: after it
+//   PERSISTENT    1: each block loops over groups of ROWS_PER_BLOCK segments (blockIdx.x, then
+//                 gridDim.x further each time) and issues the loads of its next group before
+//                 the reductions and stores of the current one, so reads and writes overlap
+//                 through the whole launch instead of a wave of reads, then a wave of writes;
+//                 with one group per segment the weight (EARLY_WEIGHT) stays in registers
+//                 across segments. 0: one group per block.
 //
 // Registers hold x as loaded (its raw bits, half the registers of fp32 values for 16-bit types)
 // unless a gate multiplies it before the norm; with more than 4 units per warp every use converts
@@ -180,84 +186,90 @@ __device__ __forceinline__ float kiln_norm_total(float (&lane_sums)[UNITS_PER_WA
 // x holds its raw bits unless a gate before the norm changes the values.
 #define KILN_NORM_RAW (GATE != 1)
 
-extern "C" __global__ void __launch_bounds__(KILN_NORM_THREADS)
-kiln_norm(const void* __restrict__ x, void* residual, const void* __restrict__ weight,
-          const void* __restrict__ bias, const void* __restrict__ gate, void* __restrict__ out,
-          void* __restrict__ scales, float eps, float qscale, long long segments, int n, int groups) {
-    __shared__ __align__(16) float shared_sums[2][ROWS_PER_BLOCK][WARPS_PER_ROW > 1 ? KILN_NORM_UNITS : 1];
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int warp_in_row = warp % WARPS_PER_ROW;
-    const int row_in_block = warp / WARPS_PER_ROW;
-    const long long seg = (long long)blockIdx.x * ROWS_PER_BLOCK + row_in_block;
-    const bool active = seg < segments;
-    const int units = (n + 255) >> 8;
-    const long long base = seg * n;
-    const long long wbase = groups == 1 ? 0 : (long long)(seg % groups) * n;
+// One group's inputs as loaded, for this warp: its units of x, the residual and the gate.
+struct KilnNormLoads {
+    KilnRaw8<X_T> x[UNITS_PER_WARP];
+    KilnRaw8<X_T> residual[HAS_RESIDUAL ? UNITS_PER_WARP : 1];
+    KilnRaw8<X_T> gate[GATE == 1 ? UNITS_PER_WARP : 1];
+};
 
-    // x as loaded (KILN_NORM_RAW), or as fp32 values after the gate.
-    KilnRaw8<X_T> xr[KILN_NORM_RAW ? UNITS_PER_WARP : 1];
-    float xv[KILN_NORM_RAW ? 1 : UNITS_PER_WARP][8];
-    KilnRaw8<W_T> wr[EARLY_WEIGHT && WEIGHT != 2 ? UNITS_PER_WARP : 1];
-    KilnRaw8<W_T> br[EARLY_WEIGHT && HAS_BIAS ? UNITS_PER_WARP : 1];
-#define KILN_NORM_X(u) xr[KILN_NORM_RAW ? (u) : 0]
-#define KILN_NORM_XV(u) xv[KILN_NORM_RAW ? 0 : (u)]
-
-    // Every load of x, the residual and the gate first (and the weight with EARLY_WEIGHT).
-    {
-        KilnRaw8<X_T> rr[HAS_RESIDUAL ? UNITS_PER_WARP : 1];
-        KilnRaw8<X_T> zr[GATE == 1 ? UNITS_PER_WARP : 1];
+// Issues every load of this warp's share of the segment at `base` (x zero where not valid).
+__device__ __forceinline__ void kiln_norm_load(KilnNormLoads& in, const void* x, const void* residual,
+                                               const void* gate, long long base, bool active, int n,
+                                               int warp_in_row, int lane) {
 #pragma unroll
-        for (int u = 0; u < UNITS_PER_WARP; ++u) {
-            const int col = (warp_in_row + u * WARPS_PER_ROW) * 256 + lane * 8;
-            const bool valid = active && col < n;
-            if (valid) {
-                xr[KILN_NORM_RAW ? u : 0] = kiln_raw8_load<X_T, true>(x, base + col);
-                if (!KILN_NORM_RAW) {
-                    // Without raw storage the loaded bits go straight to values (below).
-                    kiln_raw8_unpack<X_T>(xr[0], KILN_NORM_XV(u));
-                }
-                if (HAS_RESIDUAL) rr[HAS_RESIDUAL ? u : 0] = kiln_raw8_load<X_T, false>(residual, base + col);
-                if (GATE == 1) zr[GATE == 1 ? u : 0] = kiln_raw8_load<X_T, true>(gate, base + col);
-                if (EARLY_WEIGHT && WEIGHT != 2) wr[EARLY_WEIGHT && WEIGHT != 2 ? u : 0] = kiln_raw8_load<W_T, false>(weight, wbase + col);
-                if (EARLY_WEIGHT && HAS_BIAS) br[EARLY_WEIGHT && HAS_BIAS ? u : 0] = kiln_raw8_load<W_T, false>(bias, wbase + col);
-            } else {
-                kiln_raw8_zero<X_T>(xr[KILN_NORM_RAW ? u : 0]);
-                if (!KILN_NORM_RAW) {
-#pragma unroll
-                    for (int k = 0; k < 8; ++k) KILN_NORM_XV(u)[k] = 0.0f;
-                }
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < UNITS_PER_WARP; ++u) {
-            const int col = (warp_in_row + u * WARPS_PER_ROW) * 256 + lane * 8;
-            if (!(active && col < n)) continue;
-            if (HAS_RESIDUAL) {
-                float a[8], r[8];
-                if (KILN_NORM_RAW) kiln_raw8_unpack<X_T>(KILN_NORM_X(u), a);
-                else {
-#pragma unroll
-                    for (int k = 0; k < 8; ++k) a[k] = KILN_NORM_XV(u)[k];
-                }
-                kiln_raw8_unpack<X_T>(rr[HAS_RESIDUAL ? u : 0], r);
-#pragma unroll
-                for (int k = 0; k < 8; ++k) a[k] = a[k] + r[k];
-                KilnRaw8<X_T> packed;
-                kiln_raw8_pack<X_T>(a, packed);
-                kiln_raw8_store<X_T>(residual, base + col, packed);
-                if (KILN_NORM_RAW) KILN_NORM_X(u) = packed;
-                else kiln_raw8_unpack<X_T>(packed, KILN_NORM_XV(u));
-            }
-            if (GATE == 1) {
-                float z[8];
-                kiln_raw8_unpack<X_T>(zr[GATE == 1 ? u : 0], z);
-#pragma unroll
-                for (int k = 0; k < 8; ++k) KILN_NORM_XV(u)[k] = KILN_NORM_XV(u)[k] * kiln_silu(z[k]);
-            }
+    for (int u = 0; u < UNITS_PER_WARP; ++u) {
+        const int col = (warp_in_row + u * WARPS_PER_ROW) * 256 + lane * 8;
+        if (active && col < n) {
+            in.x[u] = kiln_raw8_load<X_T, true>(x, base + col);
+            if (HAS_RESIDUAL) in.residual[HAS_RESIDUAL ? u : 0] = kiln_raw8_load<X_T, false>(residual, base + col);
+            if (GATE == 1) in.gate[GATE == 1 ? u : 0] = kiln_raw8_load<X_T, true>(gate, base + col);
+        } else {
+            kiln_raw8_zero<X_T>(in.x[u]);
         }
     }
+}
 
+// The weight (and bias) units of the segment whose weight row starts at `wbase`.
+__device__ __forceinline__ void kiln_norm_load_weight(KilnRaw8<W_T> (&wr)[EARLY_WEIGHT && WEIGHT != 2 ? UNITS_PER_WARP : 1],
+                                                      KilnRaw8<W_T> (&br)[EARLY_WEIGHT && HAS_BIAS ? UNITS_PER_WARP : 1],
+                                                      const void* weight, const void* bias, long long wbase, int n,
+                                                      int warp_in_row, int lane) {
+#pragma unroll
+    for (int u = 0; u < UNITS_PER_WARP; ++u) {
+        const int col = (warp_in_row + u * WARPS_PER_ROW) * 256 + lane * 8;
+        if (col < n) {
+            if (EARLY_WEIGHT && WEIGHT != 2) wr[EARLY_WEIGHT && WEIGHT != 2 ? u : 0] = kiln_raw8_load<W_T, false>(weight, wbase + col);
+            if (EARLY_WEIGHT && HAS_BIAS) br[EARLY_WEIGHT && HAS_BIAS ? u : 0] = kiln_raw8_load<W_T, false>(bias, wbase + col);
+        }
+    }
+}
+
+// Normalizes one segment from its loads and writes its outputs. `sums` holds the block's two
+// rows of unit sums for this group (alternate groups use alternate pairs, so that a warp ahead
+// by one group never writes sums another warp still reads).
+__device__ __forceinline__ void kiln_norm_segment(
+    KilnNormLoads& in, KilnRaw8<W_T> (&wr)[EARLY_WEIGHT && WEIGHT != 2 ? UNITS_PER_WARP : 1],
+    KilnRaw8<W_T> (&br)[EARLY_WEIGHT && HAS_BIAS ? UNITS_PER_WARP : 1], void* residual, const void* __restrict__ weight,
+    const void* __restrict__ bias, const void* __restrict__ gate, void* __restrict__ out, void* __restrict__ scales,
+    float eps, float qscale, long long base, long long wbase, bool active, int n, int units, int warp_in_row,
+    int lane, float* mean_sums, float* square_sums) {
+    // x as loaded (KILN_NORM_RAW), or as fp32 values after the gate.
+    KilnRaw8<X_T>(&xr)[UNITS_PER_WARP] = in.x;
+    float xv[KILN_NORM_RAW ? 1 : UNITS_PER_WARP][8];
+#define KILN_NORM_X(u) xr[(u)]
+#define KILN_NORM_XV(u) xv[KILN_NORM_RAW ? 0 : (u)]
+    if (!KILN_NORM_RAW) {
+#pragma unroll
+        for (int u = 0; u < UNITS_PER_WARP; ++u) kiln_raw8_unpack<X_T>(xr[u], KILN_NORM_XV(u));
+    }
+#pragma unroll
+    for (int u = 0; u < UNITS_PER_WARP; ++u) {
+        const int col = (warp_in_row + u * WARPS_PER_ROW) * 256 + lane * 8;
+        if (!(active && col < n)) continue;
+        if (HAS_RESIDUAL) {
+            float a[8], r[8];
+            if (KILN_NORM_RAW) kiln_raw8_unpack<X_T>(KILN_NORM_X(u), a);
+            else {
+#pragma unroll
+                for (int k = 0; k < 8; ++k) a[k] = KILN_NORM_XV(u)[k];
+            }
+            kiln_raw8_unpack<X_T>(in.residual[HAS_RESIDUAL ? u : 0], r);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) a[k] = a[k] + r[k];
+            KilnRaw8<X_T> packed;
+            kiln_raw8_pack<X_T>(a, packed);
+            kiln_raw8_store<X_T>(residual, base + col, packed);
+            if (KILN_NORM_RAW) KILN_NORM_X(u) = packed;
+            else kiln_raw8_unpack<X_T>(packed, KILN_NORM_XV(u));
+        }
+        if (GATE == 1) {
+            float z[8];
+            kiln_raw8_unpack<X_T>(in.gate[GATE == 1 ? u : 0], z);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) KILN_NORM_XV(u)[k] = KILN_NORM_XV(u)[k] * kiln_silu(z[k]);
+        }
+    }
     // Unit u's values as fp32 (converted again at each use with many units, exact, so that only
     // the raw bits stay live across the reductions).
 #define KILN_NORM_VALUES(u, a)                                                   \
@@ -281,7 +293,7 @@ kiln_norm(const void* __restrict__ x, void* residual, const void* __restrict__ w
             KILN_NORM_VALUES(u, a);
             lane_sums[u] = kiln_lane_sum8(a);
         }
-        mean = kiln_norm_total(lane_sums, warp_in_row, units, shared_sums[0][row_in_block]) / (float)n;
+        mean = kiln_norm_total(lane_sums, warp_in_row, units, mean_sums) / (float)n;
         KILN_NORM_RELOAD();
     }
 #pragma unroll
@@ -296,7 +308,7 @@ kiln_norm(const void* __restrict__ x, void* residual, const void* __restrict__ w
         }
         lane_sums[u] = kiln_lane_sum8(sq);
     }
-    const float total = kiln_norm_total(lane_sums, warp_in_row, units, shared_sums[1][row_in_block]);
+    const float total = kiln_norm_total(lane_sums, warp_in_row, units, square_sums);
     const float r = 1.0f / sqrtf(total / (float)n + eps);
     KILN_NORM_RELOAD();
 
@@ -415,4 +427,54 @@ kiln_norm(const void* __restrict__ x, void* residual, const void* __restrict__ w
             }
         }
     }
+#undef KILN_NORM_X
+#undef KILN_NORM_XV
+#undef KILN_NORM_VALUES
+#undef KILN_NORM_RELOAD
 }
+
+extern "C" __global__ void __launch_bounds__(KILN_NORM_THREADS)
+kiln_norm(const void* __restrict__ x, void* residual, const void* __restrict__ weight,
+          const void* __restrict__ bias, const void* __restrict__ gate, void* __restrict__ out,
+          void* __restrict__ scales, float eps, float qscale, long long segments, int n, int groups) {
+    // [group parity][mean, squares][segment of the block][unit]
+    __shared__ __align__(16) float shared_sums[PERSISTENT ? 2 : 1][2][ROWS_PER_BLOCK]
+                                              [WARPS_PER_ROW > 1 ? KILN_NORM_UNITS : 1];
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int warp_in_row = warp % WARPS_PER_ROW;
+    const int row_in_block = warp / WARPS_PER_ROW;
+    const int units = (n + 255) >> 8;
+    const long long row_groups = (segments + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK;
+
+    long long group = blockIdx.x;
+    long long seg = group * ROWS_PER_BLOCK + row_in_block;
+    KilnNormLoads current;
+    kiln_norm_load(current, x, residual, gate, seg * n, seg < segments, n, warp_in_row, lane);
+    KilnRaw8<W_T> wr[EARLY_WEIGHT && WEIGHT != 2 ? UNITS_PER_WARP : 1];
+    KilnRaw8<W_T> br[EARLY_WEIGHT && HAS_BIAS ? UNITS_PER_WARP : 1];
+    if (EARLY_WEIGHT) {
+        kiln_norm_load_weight(wr, br, weight, bias, groups == 1 ? 0 : (seg % groups) * n, n, warp_in_row, lane);
+    }
+    int parity = 0;
+    for (;;) {
+        const long long next_group = group + gridDim.x;
+        const bool more = PERSISTENT && next_group < row_groups;
+        const long long next_seg = next_group * ROWS_PER_BLOCK + row_in_block;
+        KilnNormLoads next;
+        if (more) kiln_norm_load(next, x, residual, gate, next_seg * n, next_seg < segments, n, warp_in_row, lane);
+        float* sums = shared_sums[PERSISTENT ? parity : 0][0][row_in_block];
+        kiln_norm_segment(current, wr, br, residual, weight, bias, gate, out, scales, eps, qscale, seg * n,
+                          groups == 1 ? 0 : (seg % groups) * n, seg < segments, n, units, warp_in_row, lane, sums,
+                          shared_sums[PERSISTENT ? parity : 0][1][row_in_block]);
+        if (!more) break;
+        current = next;
+        group = next_group;
+        seg = next_seg;
+        parity ^= 1;
+        if (EARLY_WEIGHT && groups != 1) {
+            kiln_norm_load_weight(wr, br, weight, bias, (seg % groups) * n, n, warp_in_row, lane);
+        }
+    }
+}
+

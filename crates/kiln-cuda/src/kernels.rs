@@ -40,6 +40,7 @@ pub const NORM: KernelSource = KernelSource {
             ("ROWS_PER_BLOCK", "4"),
             ("UNITS_PER_WARP", "16"),
             ("EARLY_WEIGHT", "0"),
+            ("PERSISTENT", "0"),
         ],
         &[
             ("KIND", "1"),
@@ -55,6 +56,7 @@ pub const NORM: KernelSource = KernelSource {
             ("ROWS_PER_BLOCK", "1"),
             ("UNITS_PER_WARP", "4"),
             ("EARLY_WEIGHT", "1"),
+            ("PERSISTENT", "1"),
         ],
         &[
             ("KIND", "0"),
@@ -70,6 +72,7 @@ pub const NORM: KernelSource = KernelSource {
             ("ROWS_PER_BLOCK", "1"),
             ("UNITS_PER_WARP", "2"),
             ("EARLY_WEIGHT", "0"),
+            ("PERSISTENT", "0"),
         ],
         &[
             ("KIND", "0"),
@@ -85,6 +88,7 @@ pub const NORM: KernelSource = KernelSource {
             ("ROWS_PER_BLOCK", "2"),
             ("UNITS_PER_WARP", "1"),
             ("EARLY_WEIGHT", "0"),
+            ("PERSISTENT", "1"),
         ],
     ],
     fmad: false,
