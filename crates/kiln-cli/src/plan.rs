@@ -31,6 +31,10 @@ pub struct PlanArgs {
     /// and print the measured peak beside the plan.
     #[arg(long)]
     measure: bool,
+    /// With `--measure`: size the KV pool from what is left, this share of the device memory free
+    /// once the weights and the workspace are in place (the plan then shows the pages it got).
+    #[arg(long)]
+    kv_fill: Option<f32>,
     /// Print JSON.
     #[arg(long)]
     json: bool,
@@ -80,7 +84,17 @@ pub fn run(args: &PlanArgs) -> Result<ExitCode> {
     }
     let gpu = kiln_cuda::Gpu::open(0)?;
     let before = gpu.pool().stats();
-    let mut engine = GpuEngine::new(gpu.clone(), &model, options)?;
+    let mut engine = GpuEngine::new(gpu.clone(), &model, GpuOptions { kv_fill: args.kv_fill, ..options })?;
+    let plan = engine.plan().clone();
+    if args.kv_fill.is_some() {
+        println!(
+            "KV pool sized from what is left: {} pages ({}, {} positions a sequence at most {})",
+            plan.kv_pages,
+            mib(plan.kv_bytes),
+            plan.kv_pages as usize * options.page_tokens,
+            options.max_context
+        );
+    }
     let params = SamplingParams { temperature: 0.0, ..SamplingParams::default() };
     let vocab = model.config().vocab as u32;
     let mut seqs = Vec::new();

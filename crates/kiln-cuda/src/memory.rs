@@ -133,6 +133,11 @@ impl MemoryPool {
         Ok(DeviceMemory { ptr, len_bytes: bytes, class_bytes: class, pool: self.inner.clone() })
     }
 
+    /// Bytes the driver reports free on the device now (`cuMemGetInfo`), pooled blocks not counted.
+    pub fn device_free_bytes(&self) -> Result<u64> {
+        self.inner.driver_free_bytes()
+    }
+
     /// Gives every pooled block back to the driver.
     pub fn release_pooled(&self) -> Result<()> {
         let mut state = self.inner.state.lock().map_err(|_| poisoned("memory pool"))?;

@@ -49,7 +49,7 @@ pub const MATVEC_TOKENS: usize = 8;
 const ARENA_ALIGN: usize = 256;
 
 /// What the engine is sized for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct GpuOptions {
     /// Sequences one step serves (at most 256, the sampler's rows).
     pub max_batch: usize,
@@ -61,6 +61,9 @@ pub struct GpuOptions {
     pub page_tokens: usize,
     /// KV pages; `None` gives every sequence of the batch room for `max_context`.
     pub kv_pages: Option<usize>,
+    /// Size the KV pool from what is left instead: this share (0 to 1) of the device memory free
+    /// once the weights and the workspace are in place, less a reserve for cuBLAS.
+    pub kv_fill: Option<f32>,
     /// Capture pure decode steps as CUDA graphs and replay them.
     pub graphs: bool,
     /// Steps of at most this many tokens (1 to 8) run Kiln's matrix-vector kernels; longer ones
@@ -76,6 +79,7 @@ impl Default for GpuOptions {
             max_context: 4096,
             page_tokens: certify::PAGE_TOKENS,
             kv_pages: None,
+            kv_fill: None,
             graphs: true,
             matvec_tokens: MATVEC_TOKENS,
         }
@@ -306,6 +310,13 @@ fn validate_options(c: &ModelConfig, o: &GpuOptions) -> Result<()> {
     }
     if o.max_step_tokens < o.max_batch {
         return Err(bad("max_step_tokens", o.max_step_tokens, "at least max_batch (one token a sequence)"));
+    }
+    if o.kv_fill.is_some_and(|f| !(f > 0.0 && f <= 1.0)) {
+        return Err(Error::InvalidArgument {
+            name: "kv_fill",
+            value: format!("{:?}", o.kv_fill),
+            reason: "a share of the free memory in (0, 1]".into(),
+        });
     }
     if o.matvec_tokens == 0 || o.matvec_tokens > MATVEC_TOKENS {
         return Err(bad("matvec_tokens", o.matvec_tokens, "between 1 and 8"));
@@ -582,15 +593,6 @@ impl GpuEngine {
         let rope_cos = device_f32(&gpu, &table.cos)?;
         let rope_sin = device_f32(&gpu, &table.sin)?;
 
-        let kv_pages = plan.kv_pages as usize;
-        let layout = KvLayout::new(c.layers, c.kv_heads, c.head_dim, options.page_tokens, KvFormat::Bf16)?;
-        let page_bytes = c.kv_heads * options.page_tokens * c.head_dim * 2;
-        let mut kv = Vec::with_capacity(c.layers);
-        for _ in 0..c.layers {
-            kv.push((gpu.alloc(kv_pages * page_bytes)?, gpu.alloc(kv_pages * page_bytes)?));
-        }
-        let pool = PagePool::new(layout, kv_pages)?;
-
         let sizes = activation_sizes(&c, &options);
         let mut blocks: Vec<DeviceMemory> = Vec::with_capacity(sizes.len());
         for (_, bytes) in &sizes {
@@ -626,6 +628,36 @@ impl GpuEngine {
             sample_scratch: sample_op::SampleScratch::new(&gpu, options.max_batch, c.vocab)?,
         };
         ws.history_offsets.fill_bytes(0)?;
+
+        // The KV pages: as planned, or what is left of the device's memory.
+        let mut plan = plan;
+        let page_bytes = c.kv_heads * options.page_tokens * c.head_dim * 2;
+        if let Some(share) = options.kv_fill {
+            let free = gpu.pool().device_free_bytes()? as f64;
+            let reserve = plan.cublas_workspace_bytes as f64;
+            let budget = ((free * f64::from(share) - reserve) / 1.125).max(0.0);
+            let pages = (budget / (2 * c.layers * page_bytes) as f64) as usize;
+            let needed = options.max_context.div_ceil(options.page_tokens);
+            if pages < needed {
+                return Err(Error::OutOfMemory {
+                    requested_bytes: (2 * c.layers * page_bytes * needed) as u64,
+                    live_bytes: gpu.pool().stats().live_bytes,
+                    pooled_bytes: gpu.pool().stats().pooled_bytes,
+                    driver_free_bytes: free as u64,
+                });
+            }
+            plan.total_bytes -= plan.kv_bytes;
+            plan.kv_pages = pages as u64;
+            plan.kv_bytes = (2 * c.layers * size_class(pages * page_bytes)) as u64;
+            plan.total_bytes += plan.kv_bytes;
+        }
+        let kv_pages = plan.kv_pages as usize;
+        let layout = KvLayout::new(c.layers, c.kv_heads, c.head_dim, options.page_tokens, KvFormat::Bf16)?;
+        let mut kv = Vec::with_capacity(c.layers);
+        for _ in 0..c.layers {
+            kv.push((gpu.alloc(kv_pages * page_bytes)?, gpu.alloc(kv_pages * page_bytes)?));
+        }
+        let pool = PagePool::new(layout, kv_pages)?;
         let blas = if Blas::available() { Some(Blas::new(&gpu)?) } else { None };
         Ok(GpuEngine {
             gpu,
