@@ -103,31 +103,57 @@ struct SampleShared {
     int found;
 };
 
-// Block-wide inclusive scan of a u64 per thread; returns the thread's inclusive prefix and
-// writes the block's total to `total`. Exact in any order (integers).
-__device__ __forceinline__ kiln_u64 sample_block_scan(kiln_u64 v, SampleShared& sh, kiln_u64& total) {
+// The first index i of the row, in index order, at which the running sum of amount(i) (u64,
+// exact) passes `t` (inclusive sum > t), with t = target_of(total of every amount); NO_TOKEN if
+// none. Each warp sums a contiguous segment (coalesced, no block barrier per chunk), one scan of
+// the warps' sums finds the segment that holds the crossing, and that warp alone walks it 32
+// indices at a time with warp scans. Exact in any order: the sums are integers.
+template <class Amount, class TargetOf>
+__device__ __forceinline__ kiln_u32 sample_first_passing(Amount amount, TargetOf target_of, long long vocab,
+                                                          SampleShared& sh) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const long long seg = (((vocab + SAMPLE_WARPS - 1) / SAMPLE_WARPS) + 31) & ~31ll;
+    const long long s0 = (long long)warp * seg < vocab ? (long long)warp * seg : vocab;
+    const long long s1 = s0 + seg < vocab ? s0 + seg : vocab;
+    kiln_u64 sum = 0ull;
+#pragma unroll 4
+    for (long long i = s0 + lane; i < s1; i += 32) sum += amount(i);
 #pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const kiln_u64 n = __shfl_up_sync(KILN_FULL_MASK, v, o);
-        if (lane >= o) v += n;
-    }
-    if (lane == 31) sh.warp_values[warp] = v;
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(KILN_FULL_MASK, sum, o);
+    if (lane == 0) sh.warp_values[warp] = sum;
+    if (threadIdx.x == 0) sh.found_index = NO_TOKEN;
     __syncthreads();
-    if (warp == 0) {
-        kiln_u64 w = lane < SAMPLE_WARPS ? sh.warp_values[lane] : 0ull;
+    kiln_u64 before = 0ull, total = 0ull;
+    for (int w = 0; w < SAMPLE_WARPS; ++w) {
+        const kiln_u64 v = sh.warp_values[w];
+        before += w < warp ? v : 0ull;
+        total += v;
+    }
+    const kiln_u64 t = target_of(total);
+    if (sum != 0ull && before <= t && t - before < sum) {
+        // This warp's segment holds the crossing (warp-uniform condition).
+        kiln_u64 running = before;
+        for (long long base = s0; base < s1; base += 32) {
+            const long long i = base + lane;
+            const kiln_u64 a = i < s1 ? amount(i) : 0ull;
+            kiln_u64 inclusive = a;
 #pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const kiln_u64 n = __shfl_up_sync(KILN_FULL_MASK, w, o);
-            if (lane >= o) w += n;
+            for (int o = 1; o < 32; o <<= 1) {
+                const kiln_u64 n = __shfl_up_sync(KILN_FULL_MASK, inclusive, o);
+                if (lane >= o) inclusive += n;
+            }
+            const bool hit = a != 0ull && running + inclusive > t && running + inclusive - a <= t;
+            if (__ballot_sync(KILN_FULL_MASK, hit) != 0u) {
+                if (hit) sh.found_index = (kiln_u32)i;
+                break;
+            }
+            running += __shfl_sync(KILN_FULL_MASK, inclusive, 31);
         }
-        if (lane < SAMPLE_WARPS) sh.warp_values[lane] = w;
     }
     __syncthreads();
-    const kiln_u64 before = warp > 0 ? sh.warp_values[warp - 1] : 0ull;
-    total = sh.warp_values[SAMPLE_WARPS - 1];
+    const kiln_u32 found = sh.found_index;
     __syncthreads();
-    return before + v;
+    return found;
 }
 
 // The largest packed (key, lowest index) of the row: the greedy token.
@@ -172,13 +198,24 @@ __device__ __forceinline__ kiln_u64 sample_select(const SampleRow row, SampleSha
         const kiln_u32 mask = shift == 24 ? 0u : (0xFFFFFFFFu << (shift + 8));
         for (int b = threadIdx.x; b < 256; b += THREADS) sh.bins[b] = 0ull;
         __syncthreads();
-        for (long long i = threadIdx.x; i < row.vocab; i += THREADS) {
-            const float x = row.x[i];
-            const kiln_u32 key = sample_order_key(x);
-            if ((key & mask) == prefix) {
-                const kiln_u64 a = sample_amount(row, mass, x, key, (kiln_u32)i);
-                if (a) atomicAdd(&sh.bins[(key >> shift) & 0xFFu], a);
+        // Keys crowd into few digits: the lanes of a warp with the same digit add their amounts
+        // (each below 2^32, summed as two 16-bit halves) and one of them adds to the bin.
+        for (long long base = 0; base < row.vocab; base += THREADS) {
+            const long long i = base + threadIdx.x;
+            kiln_u32 a = 0u, digit = 0xFFFFFFFFu;
+            if (i < row.vocab) {
+                const float x = row.x[i];
+                const kiln_u32 key = sample_order_key(x);
+                if ((key & mask) == prefix) {
+                    a = (kiln_u32)sample_amount(row, mass, x, key, (kiln_u32)i);
+                    if (a) digit = (key >> shift) & 0xFFu;
+                }
             }
+            const kiln_u32 peers = __match_any_sync(KILN_FULL_MASK, digit);
+            const kiln_u32 low = __reduce_add_sync(peers, a & 0xFFFFu);
+            const kiln_u32 high = __reduce_add_sync(peers, a >> 16);
+            if (digit != 0xFFFFFFFFu && __ffs(peers) - 1 == (int)(threadIdx.x & 31))
+                atomicAdd(&sh.bins[digit], (kiln_u64)low + ((kiln_u64)high << 16));
         }
         __syncthreads();
         if (threadIdx.x == 0) {
@@ -214,32 +251,18 @@ __device__ __forceinline__ kiln_u64 sample_select(const SampleRow row, SampleSha
         __syncthreads();
     }
     if (!ok) return SAMPLE_NOT_FOUND;
-    // The tie at key `prefix`, in index order.
-    kiln_u64 running = sh.above;
-    if (threadIdx.x == 0) sh.found = 0;
+    // The tie at key `prefix`, in index order: the first index at which the running amount from
+    // `above` reaches the target (above < target by the digit choice).
+    const kiln_u64 above = sh.above;
     __syncthreads();
-    bool found = false;
-    for (long long base = 0; base < row.vocab && !found; base += THREADS) {
-        const long long i = base + threadIdx.x;
-        kiln_u64 a = 0ull;
-        if (i < row.vocab) {
-            const float x = row.x[i];
-            const kiln_u32 key = sample_order_key(x);
-            if (key == prefix) a = sample_amount(row, mass, x, key, (kiln_u32)i);
-        }
-        kiln_u64 chunk = 0ull;
-        const kiln_u64 inclusive = sample_block_scan(a, sh, chunk);
-        if (a && running + inclusive >= target && running + inclusive - a < target) {
-            sh.found = 1;
-            sh.found_index = (kiln_u32)i;
-        }
-        __syncthreads();
-        found = sh.found != 0;
-        running += chunk;
-    }
-    const kiln_u64 cut = found ? (((kiln_u64)prefix << 32) | sh.found_index) : SAMPLE_NOT_FOUND;
-    __syncthreads();
-    return cut;
+    auto tie_amount = [&](long long i) -> kiln_u64 {
+        const float x = row.x[i];
+        const kiln_u32 key = sample_order_key(x);
+        return key == prefix ? sample_amount(row, mass, x, key, (kiln_u32)i) : 0ull;
+    };
+    const kiln_u64 t = target - 1ull - above;
+    const kiln_u32 index = sample_first_passing(tie_amount, [&](kiln_u64) { return t; }, row.vocab, sh);
+    return index != NO_TOKEN ? (((kiln_u64)prefix << 32) | index) : SAMPLE_NOT_FOUND;
 }
 
 // The single-block path: block (0, r) samples row r alone, with ~13 passes over its logits. It
@@ -334,54 +357,19 @@ __device__ __forceinline__ void sample_row_single(
         }
     }
 
-    // The kept mass, then the draw in index order.
-    kiln_u64 mass = 0ull;
-    for (long long i = threadIdx.x; i < vocab; i += THREADS) {
+    // The kept mass and the draw in index order, in one pass over the row and a walk of one
+    // warp's segment.
+    auto kept_weight = [&](long long i) -> kiln_u64 {
         const float x = row.x[i];
         const kiln_u32 key = sample_order_key(x);
-        if (sample_within(row, key, (kiln_u32)i)) {
-            const kiln_u32 w = sample_weight(x, p.temperature, row.m);
-            if (w >= p.min_weight) mass += w;
-        }
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) mass += __shfl_xor_sync(KILN_FULL_MASK, mass, o);
-    if (threadIdx.x == 0) sh.value = 0ull;
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) atomicAdd(&sh.value, mass);
-    __syncthreads();
-    mass = sh.value;
+        if (!sample_within(row, key, (kiln_u32)i)) return 0ull;
+        const kiln_u32 w = sample_weight(x, p.temperature, row.m);
+        return w >= p.min_weight ? (kiln_u64)w : 0ull;
+    };
     const kiln_u64 u = sample_uniform(p.seed, steps[r], p.stream);
-    const kiln_u64 target = __umul64hi(u, mass);
-    if (threadIdx.x == 0) {
-        sh.found = 0;
-        sh.found_index = NO_TOKEN;
-    }
-    __syncthreads();
-    kiln_u64 running = 0ull;
-    bool found = false;
-    for (long long base = 0; base < vocab && !found; base += THREADS) {
-        const long long i = base + threadIdx.x;
-        kiln_u64 w = 0ull;
-        if (i < vocab) {
-            const float x = row.x[i];
-            const kiln_u32 key = sample_order_key(x);
-            if (sample_within(row, key, (kiln_u32)i)) {
-                const kiln_u32 wi = sample_weight(x, p.temperature, row.m);
-                if (wi >= p.min_weight) w = wi;
-            }
-        }
-        kiln_u64 chunk = 0ull;
-        const kiln_u64 inclusive = sample_block_scan(w, sh, chunk);
-        if (w && running + inclusive > target && running + inclusive - w <= target) {
-            sh.found = 1;
-            sh.found_index = (kiln_u32)i;
-        }
-        __syncthreads();
-        found = sh.found != 0;
-        running += chunk;
-    }
-    if (threadIdx.x == 0) tokens[r] = sh.found_index;
+    const kiln_u32 token =
+        sample_first_passing(kept_weight, [&](kiln_u64 mass) { return __umul64hi(u, mass); }, vocab, sh);
+    if (threadIdx.x == 0) tokens[r] = token;
 }
 
 // ---- The multi-block path ------------------------------------------------------------------
@@ -618,7 +606,20 @@ __device__ __forceinline__ void sample_row_fast(int r, kiln_u32 k, bool penaltie
     const long long lo = (long long)s * work.slice_len;
     const long long hi_raw = lo + work.slice_len < vocab ? lo + work.slice_len : vocab;
     const int n = hi_raw > lo ? (int)(hi_raw - lo) : 0;  // the launcher keeps n <= FAST_SLICE_MAX
-    for (int i = threadIdx.x; i < n; i += THREADS) sh.vals[i] = x[lo + i];
+    {
+        // Every load of the slice in flight before the first store.
+        float v[(FAST_SLICE_MAX + THREADS - 1) / THREADS];
+#pragma unroll
+        for (int u = 0; u < (FAST_SLICE_MAX + THREADS - 1) / THREADS; ++u) {
+            const int i = u * THREADS + (int)threadIdx.x;
+            v[u] = i < n ? __ldg(&x[lo + i]) : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < (FAST_SLICE_MAX + THREADS - 1) / THREADS; ++u) {
+            const int i = u * THREADS + (int)threadIdx.x;
+            if (i < n) sh.vals[i] = v[u];
+        }
+    }
     __syncthreads();
     if (penalties) {
         // The history tokens of this slice: counted in `counts` (zero on entry and on exit; only
@@ -671,8 +672,9 @@ __device__ __forceinline__ void sample_row_fast(int r, kiln_u32 k, bool penaltie
         for (int j = threadIdx.x; j < n; j += THREADS) valid += slice_key(j) != 0u ? 1u : 0u;
         fast_scan(valid, sh.warp_u32, total);
         kiln_u32 tau = 0u, need = 0u;  // default: every candidate of the slice
-        if (total > FAST_BLOCK_CAP) {
-            const FastCut cut = fast_select(slice_key, n, k, FAST_BLOCK_CAP, sh);
+        if (total > k) {
+            // The exact local top-k: short lists keep the last block's union small.
+            const FastCut cut = fast_select(slice_key, n, k, k, sh);
             if (cut.exact) {
                 tau = cut.prefix;
                 need = k - cut.above;
