@@ -59,6 +59,9 @@
 #ifndef UNROLL
 #define UNROLL 2
 #endif
+#ifndef STAGE
+#define STAGE 0
+#endif
 
 #define THREADS (WARPS * 32)
 #define GATES (EPI == 2 ? 2 : 1)
@@ -96,6 +99,21 @@ static_assert(EPI != 2 || HAS_BIAS == 0, "SwiGLU takes no bias");
 #error "W_T must be 0..7"
 #endif
 #define SUBS (PIECE / 8)
+#define QUADS (PIECE / 4)
+
+// Staged x (STAGE = 1): the block copies x, CHUNK_P pieces of every token at a time, into shared
+// memory transposed by quads: quad q (values 4q .. 4q + 4 of a piece) of local piece l of token t
+// is at xs[t * XS_TOKEN + q * XS_STRIDE + 4 l]. A warp's threads read consecutive pieces, so each
+// 16-byte read of the product covers 512 consecutive bytes (no bank conflict), where reading x
+// from global memory would touch one 128-byte line per thread (a piece's x spans 32 .. 128 bytes).
+// XS_STRIDE = 32 / QUADS words past a multiple of 32 makes the staging writes (a warp's threads
+// take consecutive quads) conflict-free too. 8192 floats of x per chunk: 32 KiB of static shared
+// memory, 6 blocks per SM.
+#define CHUNK_P ((8192 / (PIECE * TOKENS)) & ~7)
+#define XS_STRIDE (4 * CHUNK_P + 32 / QUADS)
+#define XS_TOKEN (QUADS * XS_STRIDE)
+static_assert(STAGE == 0 || STAGE == 1, "STAGE must be 0 or 1");
+static_assert(CHUNK_P >= 8, "a chunk holds at least 8 pieces");
 
 // ---- loads -----------------------------------------------------------------------------------
 
@@ -349,6 +367,54 @@ __device__ __forceinline__ void lin_load_x8(const void* x, long long offset, flo
 #endif
 }
 
+// 4 x values of token row `x` from element `offset` (a multiple of 4), as floats.
+__device__ __forceinline__ float4 lin_load_x4_any(const void* x, long long offset) {
+#if X_T == 0
+    return lin_load_x4(reinterpret_cast<const float*>(x) + offset);
+#else
+    kiln_u32 a, b;
+    asm("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(a), "=r"(b) : "l"(reinterpret_cast<const kiln_u16*>(x) + offset));
+    return make_float4(__uint_as_float(a << 16), __uint_as_float(a & 0xFFFF0000u), __uint_as_float(b << 16),
+                       __uint_as_float(b & 0xFFFF0000u));
+#endif
+}
+
+// Copies pieces c0 .. c0 + cn of every token's x into xs (the layout above CHUNK_P). Each thread
+// issues up to 8 loads before its first store, so the copy costs about one L2 round trip per 8
+// quads a thread, not one per quad.
+__device__ __forceinline__ void lin_stage_x(float* xs, const void* x, int cols, int c0, int cn) {
+    const int total = TOKENS * QUADS * cn;
+    for (int first = threadIdx.x; first < total; first += 8 * THREADS) {
+        float4 v[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const int n = first + k * THREADS;
+            if (n < total) {
+                const int q = n % QUADS, rest = n / QUADS;
+                const int l = rest % cn, t = rest / cn;
+                v[k] = lin_load_x4_any(x, (long long)t * cols + lin_piece_element(c0 + l, q >> 1) + 4 * (q & 1));
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const int n = first + k * THREADS;
+            if (n < total) {
+                const int q = n % QUADS, rest = n / QUADS;
+                const int l = rest % cn, t = rest / cn;
+                *reinterpret_cast<float4*>(xs + t * XS_TOKEN + q * XS_STRIDE + 4 * l) = v[k];
+            }
+        }
+    }
+}
+
+// The 8 x values of group s of local piece l of token t, from xs.
+__device__ __forceinline__ void lin_staged_x8(const float* xs, int t, int l, int s, float xv[8]) {
+    const float4 a = *reinterpret_cast<const float4*>(xs + t * XS_TOKEN + (2 * s) * XS_STRIDE + 4 * l);
+    const float4 b = *reinterpret_cast<const float4*>(xs + t * XS_TOKEN + (2 * s + 1) * XS_STRIDE + 4 * l);
+    xv[0] = a.x; xv[1] = a.y; xv[2] = a.z; xv[3] = a.w;
+    xv[4] = b.x; xv[5] = b.y; xv[6] = b.z; xv[7] = b.w;
+}
+
 // One transposed step of the warp reduction: C sums per lane become C / 2, the lane keeping the
 // lower or upper half by its bit O and adding its partner's copy of that half.
 template <int C, int O>
@@ -380,6 +446,76 @@ __device__ __forceinline__ float lin_reduce_slots(float* s, int lane) {
     return v;
 }
 
+// The pieces c0 + base + u THREADS (u < UNROLL) of every weight row, zeros past local piece cn.
+__device__ __forceinline__ void lin_load_round(LinRaw (&raw)[UNROLL][WROWS], const kiln_u8* const (&wrow)[WROWS],
+                                               int c0, int base, int cn) {
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const int l = base + u * THREADS;
+#pragma unroll
+        for (int i = 0; i < WROWS; ++i) {
+            if (l < cn) {
+                lin_load_piece(wrow[i], c0 + l, raw[u][i]);
+            } else {
+#pragma unroll
+                for (int k = 0; k < RAW_WORDS; ++k) raw[u][i].v[k] = 0u;
+            }
+        }
+    }
+}
+
+// acc += the products of the round's pieces (local pieces base + u THREADS below cn of the chunk
+// at piece c0) with x: from global memory at `x`, or staged at `x` (STAGE).
+__device__ __forceinline__ void lin_product_round(float (&acc)[WROWS][TOKENS], const LinRaw (&raw)[UNROLL][WROWS],
+                                                  const void* x, int cols, int c0, int base, int cn) {
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const int l = base + u * THREADS;
+        const int p = c0 + l;
+        if (l < cn) {
+#pragma unroll
+            for (int s = 0; s < SUBS; ++s) {
+#if STAGE && TOKENS <= 2
+                // x of every token first (shared-memory reads, cheap to keep), then one weight row
+                // at a time: 8 decoded values live instead of 8 per weight row.
+                float xv[TOKENS][8];
+#pragma unroll
+                for (int t = 0; t < TOKENS; ++t) lin_staged_x8(reinterpret_cast<const float*>(x), t, l, s, xv[t]);
+#pragma unroll
+                for (int i = 0; i < WROWS; ++i) {
+                    float w[8];
+                    lin_decode(raw[u][i], p, s, w);
+#pragma unroll
+                    for (int t = 0; t < TOKENS; ++t)
+#pragma unroll
+                        for (int k = 0; k < 8; ++k) acc[i][t] = __fmaf_rn(w[k], xv[t][k], acc[i][t]);
+                }
+#else
+                float w[WROWS][8];
+#pragma unroll
+                for (int i = 0; i < WROWS; ++i) lin_decode(raw[u][i], p, s, w[i]);
+#if !STAGE
+                const long long e = lin_piece_element(p, s);
+#endif
+#pragma unroll
+                for (int t = 0; t < TOKENS; ++t) {
+                    float xv[8];
+#if STAGE
+                    lin_staged_x8(reinterpret_cast<const float*>(x), t, l, s, xv);
+#else
+                    lin_load_x8(x, (long long)t * cols + e, xv);
+#endif
+#pragma unroll
+                    for (int i = 0; i < WROWS; ++i)
+#pragma unroll
+                        for (int k = 0; k < 8; ++k) acc[i][t] = __fmaf_rn(w[i][k], xv[k], acc[i][t]);
+                }
+#endif
+            }
+        }
+    }
+}
+
 // silu(g) * u, with the accurate expf.
 __device__ __forceinline__ float lin_swiglu(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
@@ -387,6 +523,9 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 kiln_linear(const kiln_u8* __restrict__ weight, const float* __restrict__ bias, const void* __restrict__ x,
             float* __restrict__ out, int rows, int cols, long long row_bytes) {
     __shared__ float partial[WARPS][SLOTS_P2];
+#if STAGE
+    __shared__ __align__(16) float xs[TOKENS * XS_TOKEN];
+#endif
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const long long r0 = (long long)blockIdx.x * ROWS;
     const int pieces = cols / PIECE;
@@ -407,44 +546,30 @@ kiln_linear(const kiln_u8* __restrict__ weight, const float* __restrict__ bias, 
 #pragma unroll
         for (int t = 0; t < TOKENS; ++t) acc[i][t] = 0.0f;
 
-    for (int base = threadIdx.x; base < pieces; base += UNROLL * THREADS) {
+#if STAGE
+    // Chunks of CHUNK_P pieces. The first round of weight loads of a chunk is issued before x is
+    // staged, so the staging overlaps their latency.
+    for (int c0 = 0; c0 < pieces; c0 += CHUNK_P) {
+        const int cn = min(CHUNK_P, pieces - c0);
+        int base = threadIdx.x;
         LinRaw raw[UNROLL][WROWS];
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const int p = base + u * THREADS;
-#pragma unroll
-            for (int i = 0; i < WROWS; ++i) {
-                if (p < pieces) {
-                    lin_load_piece(wrow[i], p, raw[u][i]);
-                } else {
-#pragma unroll
-                    for (int k = 0; k < RAW_WORDS; ++k) raw[u][i].v[k] = 0u;
-                }
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const int p = base + u * THREADS;
-            if (p < pieces) {
-#pragma unroll
-                for (int s = 0; s < SUBS; ++s) {
-                    float w[WROWS][8];
-#pragma unroll
-                    for (int i = 0; i < WROWS; ++i) lin_decode(raw[u][i], p, s, w[i]);
-                    const long long e = lin_piece_element(p, s);
-#pragma unroll
-                    for (int t = 0; t < TOKENS; ++t) {
-                        float xv[8];
-                        lin_load_x8(x, (long long)t * cols + e, xv);
-#pragma unroll
-                        for (int i = 0; i < WROWS; ++i)
-#pragma unroll
-                            for (int k = 0; k < 8; ++k) acc[i][t] = __fmaf_rn(w[i][k], xv[k], acc[i][t]);
-                    }
-                }
-            }
+        lin_load_round(raw, wrow, c0, base, cn);
+        __syncthreads();  // every thread has read the previous chunk
+        lin_stage_x(xs, x, cols, c0, cn);
+        __syncthreads();
+        while (base < cn) {
+            lin_product_round(acc, raw, xs, cols, c0, base, cn);
+            base += UNROLL * THREADS;
+            if (base < cn) lin_load_round(raw, wrow, c0, base, cn);
         }
     }
+#else
+    for (int base = threadIdx.x; base < pieces; base += UNROLL * THREADS) {
+        LinRaw raw[UNROLL][WROWS];
+        lin_load_round(raw, wrow, 0, base, pieces);
+        lin_product_round(acc, raw, x, cols, 0, base, pieces);
+    }
+#endif
 
     // Warp sums, slot = i * TOKENS + t, in groups of at most 32 slots.
     float s[SLOTS_P2];

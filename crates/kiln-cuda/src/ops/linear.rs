@@ -70,17 +70,25 @@ pub struct LinearCall {
 }
 
 /// One shape of the kernel: warps per block (splitting a row's columns), output rows per block
-/// (their weight rows share each load of x), and pieces of a row each thread loads before it
-/// decodes any (loads in flight per thread: `unroll x rows`, twice that for SwiGLU).
+/// (their weight rows share each load of x), pieces of a row each thread loads before it decodes
+/// any (loads in flight per thread: `unroll x rows`, twice that for SwiGLU), and where x comes
+/// from: read from global memory by each thread, or staged once per block in shared memory
+/// (transposed so that a warp's reads are consecutive: the quantized formats' pieces span 64 to
+/// 128 bytes of x, so direct reads touch one cache line per thread).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct LinearVariant {
     pub warps: u32,
     pub rows: u32,
     pub unroll: u32,
+    pub stage_x: bool,
 }
 
 const fn variant(warps: u32, rows: u32, unroll: u32) -> LinearVariant {
-    LinearVariant { warps, rows, unroll }
+    LinearVariant { warps, rows, unroll, stage_x: false }
+}
+
+const fn staged(warps: u32, rows: u32, unroll: u32) -> LinearVariant {
+    LinearVariant { warps, rows, unroll, stage_x: true }
 }
 
 /// The variants, as data; the tests run every one, the benchmark times every one.
@@ -95,43 +103,77 @@ pub const LINEAR_VARIANTS: &[LinearVariant] = &[
     variant(8, 2, 1),
     variant(4, 4, 1),
     variant(1, 4, 2),
+    staged(4, 4, 1),
+    staged(8, 4, 1),
+    staged(4, 2, 2),
+    staged(2, 4, 1),
+    staged(1, 4, 1),
+    staged(8, 1, 2),
 ];
+
+/// Values of x one staged chunk holds (the kernel's CHUNK_P pieces of every token).
+const STAGE_FLOATS: usize = 8192;
 
 /// Most sums (output rows x weight rows per output x tokens) one thread of a block carries.
 pub const MAX_SLOTS: usize = 64;
 
 impl LinearVariant {
-    /// A short label: `4w/1r/2u`.
+    /// A short label: `4w/1r/2u`, with `/x` when x is staged.
     pub fn label(&self) -> String {
-        format!("{}w/{}r/{}u", self.warps, self.rows, self.unroll)
+        let stage = if self.stage_x { "/x" } else { "" };
+        format!("{}w/{}r/{}u{stage}", self.warps, self.rows, self.unroll)
     }
 
-    /// The default for `call` (not yet measured; a starting point for the tuner): one output row
-    /// per block up to 2 tokens (x is reused across rows from L1), 2 up to 4 tokens and 4 beyond,
-    /// as long as that leaves two blocks per SM of an H200; enough warps that each thread loads
-    /// about `unroll` pieces of a row, 1 to 8; at most 2 pieces in flight for the K formats.
+    /// The default for `call`. The 16-bit and f32 formats read x directly: one output row per
+    /// block up to 2 tokens (x is reused across rows from L1), 2 up to 4 tokens and 4 beyond, as
+    /// long as that leaves two blocks per SM of an H200; enough warps that each thread loads about
+    /// `unroll` pieces of a row, 1 to 8. The block formats stage x: up to 8 output rows per block
+    /// (the block's x, copied once, serves them all; fewer where the registers would not hold
+    /// them), one piece per weight row in flight (about 6 loads each), warps to cover a chunk.
     pub fn default_for(call: &LinearCall) -> LinearVariant {
-        let mut rows: u32 = match call.tokens {
-            0..=2 => 1,
-            3..=4 => 2,
-            _ => 4,
+        let quantized =
+            matches!(call.weight, DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q4_K | DType::Q6_K);
+        let gates = call.epilogue.weight_rows_per_output();
+        let mut rows: u32 = match (quantized, call.tokens) {
+            (true, _) => 8,
+            (false, 0..=2) => 1,
+            (false, 3..=4) => 2,
+            (false, _) => 4,
         };
-        while rows > 1 && call.rows.div_ceil(rows as usize) < 264 {
+        // Raw 32-bit words of one piece in registers (the kernel's RAW_WORDS).
+        let raw_words = match call.weight {
+            DType::Q4_K | DType::F32 => 8,
+            DType::Q6_K => 9,
+            DType::BF16 | DType::F16 => 4,
+            _ => 5,
+        };
+        // For the block formats, at most 64 raw words and 16 sums per thread: beyond, sm_80 .. sm_90
+        // spill (the decoded values of every weight row are live at once from 3 tokens up).
+        while rows > 1
+            && (call.rows.div_ceil(rows as usize) < 264
+                || rows as usize * gates * call.tokens > MAX_SLOTS
+                || (quantized && rows as usize * gates * raw_words > 64)
+                || (quantized && rows as usize * gates * call.tokens > 16))
+        {
             rows /= 2;
         }
-        let weight_rows = rows as usize * call.epilogue.weight_rows_per_output();
+        let weight_rows = rows as usize * gates;
+        let piece = piece_size(call.weight).unwrap_or(8);
+        let pieces = (call.cols / piece).max(1);
+        if quantized {
+            let chunk = pieces.min((STAGE_FLOATS / (piece * call.tokens)) & !7);
+            let warps = (chunk / 32).clamp(1, 4);
+            return LinearVariant { warps: 1 << warps.ilog2(), rows, unroll: 1, stage_x: true };
+        }
         let unroll: u32 = match weight_rows {
             1 => 4,
             2 => 2,
             _ => 1,
         };
-        // The K formats' pieces carry 8 words or more: 4 of them per row spill on sm_80 .. sm_90.
-        let unroll = if matches!(call.weight, DType::Q4_K | DType::Q6_K) { unroll.min(2) } else { unroll };
-        let pieces = piece_values(call.weight).map_or(1, |p| (call.cols / p).max(1));
         let per_warp = 32 * unroll as usize;
         let warps = (pieces / per_warp).clamp(1, 8);
         let warps = 1u32 << warps.ilog2();
-        LinearVariant { warps, rows, unroll }
+        LinearVariant { warps, rows, unroll, stage_x: false }
     }
 }
 
@@ -236,6 +278,7 @@ impl LinearCall {
             ("WARPS", variant.warps.to_string()),
             ("ROWS", variant.rows.to_string()),
             ("UNROLL", variant.unroll.to_string()),
+            ("STAGE", flag(variant.stage_x)),
         ])
     }
 
@@ -429,10 +472,19 @@ mod tests {
 
     #[test]
     fn every_default_variant_is_served() {
-        for dtype in [DType::F32, DType::BF16, DType::F16, DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+        for dtype in [
+            DType::F32,
+            DType::BF16,
+            DType::F16,
+            DType::Q8_0,
+            DType::Q4_0,
+            DType::Q4_1,
+            DType::Q4_K,
+            DType::Q6_K,
+        ] {
             for epilogue in [Epilogue::Store, Epilogue::Accumulate, Epilogue::SwiGlu] {
                 for tokens in 1..=MAX_TOKENS {
-                    for (rows, cols) in [(1, 32), (2048, 2048), (14336, 4096), (4096, 14336)] {
+                    for (rows, cols) in [(1, 256), (2048, 2048), (14336, 4096), (4096, 14336)] {
                         let c = call(dtype, rows, cols, tokens, epilogue);
                         let v = LinearVariant::default_for(&c);
                         c.defines(v, false).unwrap_or_else(|e| panic!("{c:?} {v:?}: {e}"));
@@ -440,8 +492,31 @@ mod tests {
                 }
             }
         }
-        let k = call(DType::Q6_K, 4096, 4096, 8, Epilogue::SwiGlu);
-        k.defines(LinearVariant::default_for(&k), false).unwrap();
+    }
+
+    #[test]
+    fn block_formats_stage_x_within_the_register_budget() {
+        for (dtype, raw_words) in
+            [(DType::Q8_0, 5), (DType::Q4_0, 5), (DType::Q4_1, 5), (DType::Q4_K, 8), (DType::Q6_K, 9)]
+        {
+            for epilogue in [Epilogue::Store, Epilogue::SwiGlu] {
+                for tokens in 1..=MAX_TOKENS {
+                    let c = call(dtype, 4096, 4096, tokens, epilogue);
+                    let v = LinearVariant::default_for(&c);
+                    let weight_rows = v.rows as usize * epilogue.weight_rows_per_output();
+                    assert!(v.stage_x, "{c:?} {v:?}");
+                    assert!(weight_rows * raw_words <= 64 && weight_rows * tokens <= 16, "{c:?} {v:?}");
+                    assert!(4096usize.div_ceil(v.rows as usize) >= 264, "{c:?} {v:?}");
+                }
+            }
+        }
+        // One token of Llama-3-8B's Q4_0 projections: 8 rows a block (4 for SwiGLU), 4 warps.
+        let q = call(DType::Q4_0, 4096, 4096, 1, Epilogue::Store);
+        assert_eq!(LinearVariant::default_for(&q), staged(4, 8, 1));
+        let q = call(DType::Q4_0, 14336, 4096, 1, Epilogue::SwiGlu);
+        assert_eq!(LinearVariant::default_for(&q), staged(4, 4, 1));
+        let f = call(DType::F16, 4096, 4096, 1, Epilogue::Store);
+        assert!(!LinearVariant::default_for(&f).stage_x);
     }
 
     #[test]
