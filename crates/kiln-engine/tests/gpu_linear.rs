@@ -268,7 +268,8 @@ fn linear_matches_a_float64_reference_for_every_dtype_epilogue_token_count_and_v
     let mut rng = Rng::fresh();
     let epilogues = [Epilogue::Store, Epilogue::Accumulate, Epilogue::SwiGlu];
     // Each dtype runs 24 configurations (every token count with every epilogue), going round the
-    // variants and the default, alternating the input dtype and the bias; each on every shape.
+    // variants, alternating the input dtype and the bias, each also with the default; each on
+    // every shape.
     let options = LINEAR_VARIANTS.len() + 1;
     let mut checked = 0usize;
     let mut failures = Vec::new();
@@ -290,14 +291,17 @@ fn linear_matches_a_float64_reference_for_every_dtype_epilogue_token_count_and_v
         for tokens in 1..=8 {
             for epilogue in epilogues {
                 k += 1;
-                let variant = LINEAR_VARIANTS.get(k % options).copied();
                 let input = if k % 2 == 0 { DType::F32 } else { DType::BF16 };
                 let bias = epilogue != Epilogue::SwiGlu && (k / 2) % 2 == 0;
-                for w in &weights {
-                    let call =
-                        LinearCall { weight: dtype, rows: w.rows, cols: w.cols, tokens, input, epilogue };
-                    failures.extend(check_case(&gpu, &mut rng, w, &Case { call, variant, bias }));
-                    checked += 1;
+                // The variant in turn, and the default (what the engine runs) every time.
+                let turn = LINEAR_VARIANTS.get(k % options).copied();
+                for variant in [turn, None].into_iter().take(if turn.is_some() { 2 } else { 1 }) {
+                    for w in &weights {
+                        let call =
+                            LinearCall { weight: dtype, rows: w.rows, cols: w.cols, tokens, input, epilogue };
+                        failures.extend(check_case(&gpu, &mut rng, w, &Case { call, variant, bias }));
+                        checked += 1;
+                    }
                 }
             }
         }
@@ -440,48 +444,103 @@ fn f32_to_bf16_rounds_to_nearest_even_like_the_half_crate() {
     }
 }
 
-/// Weight bandwidth of one-token products (the decode case) at 4096 x 4096 and 14336 x 4096, for
-/// the default and every variant: 50 launches between two synchronizations, the weights rotated
-/// over copies that together exceed the L2 cache.
+/// Bytes per second of a device-to-device copy of 1 GiB (read plus written), the ceiling the
+/// products are measured against: 20 copies between two synchronizations.
+fn copy_bytes_per_second(gpu: &Gpu) -> f64 {
+    let bytes = 1usize << 30;
+    let (src, dst) =
+        (gpu.alloc(bytes).expect("device allocation"), gpu.alloc(bytes).expect("device allocation"));
+    src.fill_bytes(0x3C).expect("fill");
+    dst.copy_from_device(&src).expect("copy");
+    gpu.synchronize().expect("synchronize");
+    let copies = 20;
+    let started = Instant::now();
+    (0..copies).for_each(|_| dst.copy_from_device(&src).expect("copy"));
+    gpu.synchronize().expect("synchronize");
+    (2 * bytes * copies) as f64 / started.elapsed().as_secs_f64()
+}
+
+/// Weight bandwidth of decode products (1 and 8 tokens) at 4096 x 4096 and 14336 x 4096, for the
+/// default and every variant, in GB/s and as a share of a device copy measured in the same run:
+/// 50 launches between two synchronizations, the weights rotated over copies that together exceed
+/// the L2 cache. Per dtype and token count, a line per shape with every variant, then the default
+/// and the fastest variant over both shapes (the sum of their times).
 #[test]
 #[ignore = "prints a bandwidth table; run with --ignored --nocapture"]
 fn bandwidth_of_one_token_products() {
     let gpu = Gpu::open(0).expect("the GPU tests need CUDA device 0");
     let mut rng = Rng::fresh();
+    let copy = copy_bytes_per_second(&gpu);
+    println!("device copy: {:.0} GB/s (read + written)", copy / 1e9);
     let launches = 50;
     for dtype in DTYPES {
-        for (rows, cols) in [(4096usize, 4096usize), (14336, 4096)] {
-            let bytes = random_weights(&mut rng, dtype, rows, cols);
-            let copies = (256usize << 20).div_ceil(bytes.len()).max(2);
-            let weights: Vec<DeviceMemory> = (0..copies).map(|_| upload(&gpu, &bytes)).collect();
-            let x = upload(&gpu, &to_bytes(&(0..cols).map(|_| rng.uniform(-1.0, 1.0)).collect::<Vec<_>>()));
-            let out = gpu.alloc(rows * 4).expect("device allocation");
-            let call = LinearCall {
-                weight: dtype,
-                rows,
-                cols,
-                tokens: 1,
-                input: DType::F32,
-                epilogue: Epilogue::Store,
-            };
-            let mut line = format!("{dtype:>5} {rows:>5}x{cols}:");
-            let default = LinearVariant::default_for(&call);
-            for variant in std::iter::once(default).chain(LINEAR_VARIANTS.iter().copied()) {
-                let launch = |i: usize| {
-                    linear(&gpu, &call, weights[i % copies].view(), None, x.view(), out.view(), Some(variant))
-                        .expect("launch")
+        let shapes = [(4096usize, 4096usize), (14336, 4096)];
+        let uploaded: Vec<(Vec<DeviceMemory>, usize)> = shapes
+            .iter()
+            .map(|&(rows, cols)| {
+                let bytes = random_weights(&mut rng, dtype, rows, cols);
+                let copies = (256usize << 20).div_ceil(bytes.len()).max(2);
+                ((0..copies).map(|_| upload(&gpu, &bytes)).collect(), bytes.len())
+            })
+            .collect();
+        for tokens in [1usize, 8] {
+            // Seconds per launch of each variant on each shape; index 0 the default.
+            let mut labels: Vec<String> = Vec::new();
+            let mut seconds: Vec<Vec<f64>> = Vec::new();
+            for (s, &(rows, cols)) in shapes.iter().enumerate() {
+                let (weights, weight_bytes) = (&uploaded[s].0, uploaded[s].1);
+                let x_values: Vec<f32> = (0..tokens * cols).map(|_| rng.uniform(-1.0, 1.0)).collect();
+                let x = upload(&gpu, &to_bytes(&x_values));
+                let out = gpu.alloc(tokens * rows * 4).expect("device allocation");
+                let call = LinearCall {
+                    weight: dtype,
+                    rows,
+                    cols,
+                    tokens,
+                    input: DType::F32,
+                    epilogue: Epilogue::Store,
                 };
-                (0..5).for_each(launch);
-                gpu.synchronize().expect("synchronize");
-                let started = Instant::now();
-                (0..launches).for_each(launch);
-                gpu.synchronize().expect("synchronize");
-                let seconds = started.elapsed().as_secs_f64();
-                let gbps = (bytes.len() * launches) as f64 / seconds / 1e9;
-                line +=
-                    &format!(" {}{} {gbps:.0}", variant.label(), if variant == default { "*" } else { "" });
+                let default = LinearVariant::default_for(&call);
+                let mut line = format!("{dtype:>5} {tokens} tok {rows:>5}x{cols}:");
+                for (v, variant) in
+                    std::iter::once(default).chain(LINEAR_VARIANTS.iter().copied()).enumerate()
+                {
+                    let launch = |i: usize| {
+                        let weight = weights[i % weights.len()].view();
+                        linear(&gpu, &call, weight, None, x.view(), out.view(), Some(variant))
+                            .expect("launch")
+                    };
+                    (0..5).for_each(launch);
+                    gpu.synchronize().expect("synchronize");
+                    let started = Instant::now();
+                    (0..launches).for_each(launch);
+                    gpu.synchronize().expect("synchronize");
+                    let per_launch = started.elapsed().as_secs_f64() / launches as f64;
+                    let rate = weight_bytes as f64 / per_launch;
+                    let mark = if v == 0 { "default " } else { "" };
+                    line += &format!(
+                        " {mark}{} {:.0} ({:.0}%)",
+                        variant.label(),
+                        rate / 1e9,
+                        100.0 * rate / copy
+                    );
+                    if s == 0 {
+                        labels.push(format!("{}{}", if v == 0 { "default " } else { "" }, variant.label()));
+                        seconds.push(Vec::new());
+                    }
+                    seconds[v].push(per_launch);
+                }
+                println!("{line}");
             }
-            println!("{line}  (GB/s; * the default)");
+            let total_bytes: usize = uploaded.iter().map(|u| u.1).sum();
+            let share = |v: usize| {
+                let rate = total_bytes as f64 / seconds[v].iter().sum::<f64>();
+                format!("{} {:.0} GB/s {:.1}% of copy", labels[v], rate / 1e9, 100.0 * rate / copy)
+            };
+            let best = (1..seconds.len())
+                .min_by(|&a, &b| seconds[a].iter().sum::<f64>().total_cmp(&seconds[b].iter().sum::<f64>()))
+                .expect("variants");
+            println!("{dtype:>5} {tokens} tok  both shapes: {} | best variant {}", share(0), share(best));
         }
     }
 }
