@@ -156,13 +156,30 @@ __device__ __forceinline__ kiln_u32 sample_first_passing(Amount amount, TargetOf
     return found;
 }
 
-// The largest packed (key, lowest index) of the row: the greedy token.
+// The largest packed (key, lowest index) of the row: the greedy token. The body of the row is
+// read as float4 (four loads in flight per thread), the few logits before its first 16-byte
+// boundary and after its last one one at a time.
 __device__ __forceinline__ kiln_u64 sample_argmax(const SampleRow& row, SampleShared& sh) {
     kiln_u64 best = 0ull;
-    for (long long i = threadIdx.x; i < row.vocab; i += THREADS) {
-        const kiln_u64 packed = ((kiln_u64)sample_order_key(row.x[i]) << 32) | (kiln_u64)(0xFFFFFFFFu - (kiln_u32)i);
+    auto consider = [&](float v, long long i) {
+        const kiln_u64 packed = ((kiln_u64)sample_order_key(v) << 32) | (kiln_u64)(0xFFFFFFFFu - (kiln_u32)i);
         best = packed > best ? packed : best;
+    };
+    const long long misaligned = (long long)((16u - ((kiln_u32)(size_t)row.x & 15u)) & 15u) / 4;
+    const long long head = misaligned < row.vocab ? misaligned : row.vocab;
+    const long long quads = (row.vocab - head) / 4;
+    const float4* body = reinterpret_cast<const float4*>(row.x + head);
+    for (long long i = threadIdx.x; i < head; i += THREADS) consider(row.x[i], i);
+#pragma unroll 4
+    for (long long q = threadIdx.x; q < quads; q += THREADS) {
+        const float4 f = body[q];
+        const long long i = head + 4 * q;
+        consider(f.x, i);
+        consider(f.y, i + 1);
+        consider(f.z, i + 2);
+        consider(f.w, i + 3);
     }
+    for (long long i = head + 4 * quads + threadIdx.x; i < row.vocab; i += THREADS) consider(row.x[i], i);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
         const kiln_u64 n = __shfl_xor_sync(KILN_FULL_MASK, best, o);
@@ -853,7 +870,7 @@ kiln_sample(const float* __restrict__ logits, long long vocab, long long row_str
             const KilnSampleParams* __restrict__ params, const kiln_u64* __restrict__ steps,
             const kiln_u32* __restrict__ history_offsets, const kiln_u32* __restrict__ history,
             kiln_u32* __restrict__ counts, float* __restrict__ scratch, const kiln_u64* __restrict__ stats,
-            int stats_per_row, kiln_u32* __restrict__ tokens, int fast_kmax, kiln_u32* tickets,
+            int stats_per_row, kiln_u32* __restrict__ tokens, int fast_kmax, int greedy_single, kiln_u32* tickets,
             kiln_u32* list_counts, kiln_u64* list_cuts, float* list_values, kiln_u32* list_indices,
             float* overflow_values, kiln_u32* overflow_indices, int slots, long long slice_len) {
     const int r = blockIdx.y;
@@ -864,7 +881,10 @@ kiln_sample(const float* __restrict__ logits, long long vocab, long long row_str
     const bool greedy = p.temperature == 0.0f;
     const bool from_stats = greedy && stats != nullptr && !penalties;
     const kiln_u32 kmax = fast_kmax < FAST_KMAX ? (kiln_u32)(fast_kmax > 0 ? fast_kmax : 0) : FAST_KMAX;
-    const bool fast = !from_stats && (greedy ? kmax > 0u : (p.top_k >= 1u && p.top_k <= kmax));
+    // Greedy rows without penalties take one block each when the batch alone fills the device
+    // (`greedy_single`): a streaming argmax, with no lists and no ticket.
+    const bool fast = !from_stats && (greedy ? kmax > 0u && (penalties || !greedy_single)
+                                             : (p.top_k >= 1u && p.top_k <= kmax));
     if (fast) {
         FastWork work;
         work.tickets = tickets;

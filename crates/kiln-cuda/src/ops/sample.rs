@@ -347,6 +347,9 @@ pub fn sample_with_path(
     };
     let (slice_count, slice_len) = grid.unwrap_or((1, vocab));
     let fast_kmax: i32 = if scratch.is_some() { FAST_KMAX as i32 } else { 0 };
+    // Greedy rows without penalties stream on one block per row once the rows alone fill half
+    // the device: a block per row then reads at close to the memory's rate, with no lists.
+    let greedy_single = i32::from(2 * rows >= gpu.facts().multiprocessors as usize);
     let (layout, base) = match scratch {
         Some(s) => (ScratchLayout::new(s.rows, s.vocab), s.memory.device_ptr()),
         None => (ScratchLayout::new(0, 1), 0u64),
@@ -388,6 +391,7 @@ pub fn sample_with_path(
         .arg(&stats_per_row)
         .arg(&tokens)
         .arg(&fast_kmax)
+        .arg(&greedy_single)
         .arg(&tickets)
         .arg(&list_counts)
         .arg(&list_cuts)
@@ -398,7 +402,7 @@ pub fn sample_with_path(
         .arg(&slots)
         .arg(&slice_len);
     // SAFETY: the arguments match `kiln_sample`'s signature (pointer, i64, i64, 7 pointers, i32,
-    // pointer, i32, 7 pointers, i32, i64); every buffer was checked above to hold what `rows`
+    // pointer, i32, i32, 7 pointers, i32, i64); every buffer was checked above to hold what `rows`
     // rows touch; `counts` and `scratch` are null only with PENALTIES=0, `stats` only with zero
     // statistics per row; the history words are read within `history_offsets`' ranges, which the
     // caller built with `encode_histories` (the kernel also skips a token beyond the vocabulary).
