@@ -347,6 +347,31 @@ __device__ __forceinline__ void lin_decode(const LinRaw& r, int p, int s, float 
 #endif
 }
 
+#if W_T == 3 || W_T == 4
+// Q8_0 and Q4_0 as integers and one scale: group s of the piece is d times the 8 values
+// lin_integers gives, exactly, so a product can sum q x over the piece and multiply by d once.
+#define LIN_FACTORED 1
+__device__ __forceinline__ float lin_scale(const LinRaw& r) { return kiln_f16_to_f32((kiln_u16)r.v[0]); }
+
+__device__ __forceinline__ void lin_integers(const LinRaw& r, int s, float q[8]) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#if W_T == 3
+        const kiln_u32 word = r.v[1 + 2 * s + j] ^ 0x80808080u;  // q + 128 per byte
+#pragma unroll
+        for (int k = 0; k < 4; ++k) q[4 * j + k] = __fsub_rn(lin_biased_byte(word, k), 8388736.0f);
+#else
+        const kiln_u32 word = r.v[1 + 2 * (s & 1) + j];
+        const kiln_u32 nibbles = (s >> 1) ? (word >> 4) & 0x0F0F0F0Fu : word & 0x0F0F0F0Fu;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) q[4 * j + k] = __fsub_rn(lin_biased_byte(nibbles, k), 8388616.0f);
+#endif
+    }
+}
+#else
+#define LIN_FACTORED 0
+#endif
+
 // ---- the matrix-vector product ---------------------------------------------------------------
 
 // 8 x values of token row `x` from element e.
@@ -471,13 +496,42 @@ __device__ __forceinline__ void lin_product_round(float (&acc)[WROWS][TOKENS], c
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
         const int l = base + u * THREADS;
-        const int p = c0 + l;
         if (l < cn) {
+#if STAGE && TOKENS <= 2 && LIN_FACTORED
+            // Q8_0, Q4_0: the piece's sums of q x per weight row and token, times d once (one
+            // multiplication per value fewer). x of every token first (shared-memory reads, cheap
+            // to keep), then one weight row at a time: 8 decoded values live, not 8 per row.
+            float part[WROWS][TOKENS];
+#pragma unroll
+            for (int i = 0; i < WROWS; ++i)
+#pragma unroll
+                for (int t = 0; t < TOKENS; ++t) part[i][t] = 0.0f;
 #pragma unroll
             for (int s = 0; s < SUBS; ++s) {
-#if STAGE && TOKENS <= 2
-                // x of every token first (shared-memory reads, cheap to keep), then one weight row
-                // at a time: 8 decoded values live instead of 8 per weight row.
+                float xv[TOKENS][8];
+#pragma unroll
+                for (int t = 0; t < TOKENS; ++t) lin_staged_x8(reinterpret_cast<const float*>(x), t, l, s, xv[t]);
+#pragma unroll
+                for (int i = 0; i < WROWS; ++i) {
+                    float q[8];
+                    lin_integers(raw[u][i], s, q);
+#pragma unroll
+                    for (int t = 0; t < TOKENS; ++t)
+#pragma unroll
+                        for (int k = 0; k < 8; ++k) part[i][t] = __fmaf_rn(q[k], xv[t][k], part[i][t]);
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < WROWS; ++i) {
+                const float d = lin_scale(raw[u][i]);
+#pragma unroll
+                for (int t = 0; t < TOKENS; ++t) acc[i][t] = __fmaf_rn(d, part[i][t], acc[i][t]);
+            }
+#elif STAGE && TOKENS <= 2
+            // x of every token first, then one weight row at a time (as above).
+            const int p = c0 + l;
+#pragma unroll
+            for (int s = 0; s < SUBS; ++s) {
                 float xv[TOKENS][8];
 #pragma unroll
                 for (int t = 0; t < TOKENS; ++t) lin_staged_x8(reinterpret_cast<const float*>(x), t, l, s, xv[t]);
@@ -490,7 +544,12 @@ __device__ __forceinline__ void lin_product_round(float (&acc)[WROWS][TOKENS], c
 #pragma unroll
                         for (int k = 0; k < 8; ++k) acc[i][t] = __fmaf_rn(w[k], xv[t][k], acc[i][t]);
                 }
+            }
 #else
+            // Every weight row's 8 values first, then one token's x at a time.
+            const int p = c0 + l;
+#pragma unroll
+            for (int s = 0; s < SUBS; ++s) {
                 float w[WROWS][8];
 #pragma unroll
                 for (int i = 0; i < WROWS; ++i) lin_decode(raw[u][i], p, s, w[i]);
@@ -510,8 +569,8 @@ __device__ __forceinline__ void lin_product_round(float (&acc)[WROWS][TOKENS], c
 #pragma unroll
                         for (int k = 0; k < 8; ++k) acc[i][t] = __fmaf_rn(w[i][k], xv[k], acc[i][t]);
                 }
-#endif
             }
+#endif
         }
     }
 }
