@@ -13,9 +13,14 @@
 // UNROLL x rows loads are in flight per thread. Decoded values are consumed 8 at a time: for each
 // token the 8 matching x values are loaded once (read-only path, L1) and used for every weight row
 // of the block, so x traffic falls with the rows per block. Accumulators (rows x tokens) stay in
-// registers; the warp's sums are reduced by a transposed butterfly (each shuffle step halves the
-// sums a lane carries), the warps' partial sums are added in warp order in shared memory. No
-// atomics: the result depends only on the variant (WARPS, ROWS, UNROLL) and the shape.
+// registers. Read from global memory, a piece's x spans 32 to 128 bytes, so for the block formats
+// each 16-byte x load of a warp touches 32 cache lines (L1-bound at a fraction of the weight
+// stream); STAGE = 1 copies x once per block into shared memory, transposed so that a warp's reads
+// are 512 consecutive bytes, and the block formats' defaults use it with up to 8 rows per block
+// (Q8_0 / Q4_0 at 1-2 tokens also sum q x per piece and scale by d once). The warp's sums are
+// reduced by a transposed butterfly (each shuffle step halves the sums a lane carries), the
+// warps' partial sums are added in warp order in shared memory. No atomics: the result depends
+// only on the variant (WARPS, ROWS, UNROLL, STAGE) and the shape.
 //
 // Loads: 16-byte streaming loads (no L1 allocation) for f32 / bf16 / f16 rows (16-byte aligned when
 // cols is a multiple of 8) and Q4_K's quants (its 144-byte blocks keep 16-byte alignment);
@@ -31,7 +36,7 @@
 //
 // Compile-time constants: W_T (0 f32, 1 bf16, 2 f16, 3 Q8_0, 4 Q4_0, 5 Q4_1, 6 Q4_K, 7 Q6_K),
 // X_T (0 f32, 1 bf16), TOKENS (1..8), EPI (0 store, 1 accumulate, 2 SwiGLU), HAS_BIAS, WARPS,
-// ROWS, UNROLL.
+// ROWS, UNROLL, STAGE (0 x from global memory, 1 staged in shared memory).
 
 #include "kiln_prelude.cuh"
 
