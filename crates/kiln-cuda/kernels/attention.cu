@@ -17,7 +17,7 @@
 // Work: a thread block takes BLOCK_M = 16 * WARPS_M "rows" of one sequence and one KV head,
 // where row r is (query token r / G, query head kv_head * G + r % G) with G = q_heads / kv_heads:
 // the query heads of a group are packed into the rows, so each K/V tile is read once for all of
-// them. It walks its key range in tiles of BLOCK_N = WARPS_N * WARP_KEYS keys, double-buffered in
+// them. It walks its key range in tiles of BLOCK_N = WARPS_N * WARP_KEYS keys, STAGES deep in
 // shared memory by cp.async (16-byte copies, the page looked up per key row), S = Q K^T and
 // O += P V on bf16 tensor cores (mma.m16n8k16, operands by ldmatrix from rows padded by 16
 // bytes, so the eight row addresses of an 8x8 matrix hit distinct banks), with the online softmax
@@ -28,8 +28,16 @@
 // Grid: x = row tile (reversed, so the longest causal tiles start first), y = kv_head * splits +
 // split, z = sequence. A split s takes the keys [s * chunk, (s + 1) * chunk) with chunk = the
 // context divided by `splits`, rounded up to BLOCK_N: the grid does not depend on the context
-// length, so a captured decode step replays as the cache grows. Every sum runs in a fixed order
-// (no atomics), so the output is the same bits run to run.
+// length, so a captured decode step replays as the cache grows.
+//
+// Latency (what decode at short contexts is made of): Q and the first STAGES tiles are all in
+// flight before the first wait, the page ids of a tile are read one tile ahead of its copies, and
+// the splits are combined in the same launch: each split block writes its partial, then takes a
+// ticket (an atomic counter per (sequence, row tile, kv head), a module global that every launch
+// leaves at zero); the block that takes the last ticket combines all the partials in split order.
+// The combine reads every partial from memory in a fixed order, whichever block runs it, so the
+// output is the same bits run to run. Launches of one module run in stream order (one stream per
+// Gpu), so no two launches share a counter at the same time.
 //
 // Memory floor: K and V of the context read once per (sequence, kv head, row tile); q read and
 // out written once. Decode reaches it (one row tile); prefill re-reads K/V once per row tile from
@@ -48,6 +56,14 @@
 #ifndef WARP_KEYS
 #define WARP_KEYS 64
 #endif
+// K/V tiles in flight (shared-memory stages).
+#ifndef STAGES
+#define STAGES 2
+#endif
+// Ticket counters of the fused combine; the launcher falls back to kiln_attention_combine for a
+// grid with more (sequence, row tile, kv head) groups, or more splits than the weights of the
+// combine ((splits + 1) * BLOCK_M f32) fit in the K/V stages.
+#define KILN_ATTENTION_TICKETS 16384
 
 #define THREADS (32 * WARPS_M * WARPS_N)
 #define BLOCK_M (16 * WARPS_M)
@@ -55,6 +71,8 @@
 // A shared-memory row: HEAD_DIM bf16 plus 16 bytes of padding.
 #define ROW (HEAD_DIM + 8)
 #define CHUNKS_PER_ROW (HEAD_DIM / 8)
+// 16-byte chunks of one K (or V) tile each thread copies.
+#define TILE_CHUNKS_PER_THREAD (BLOCK_N * CHUNKS_PER_ROW / THREADS)
 #define KILN_NEG_INF (-__int_as_float(0x7f800000))
 
 static_assert(HEAD_DIM % 32 == 0, "HEAD_DIM is a multiple of 32");
@@ -62,21 +80,27 @@ static_assert(WARP_KEYS % 16 == 0, "WARP_KEYS is a multiple of 16");
 static_assert((BLOCK_N * CHUNKS_PER_ROW) % THREADS == 0, "a K/V tile splits evenly over the threads");
 static_assert((BLOCK_M * CHUNKS_PER_ROW) % THREADS == 0, "a Q tile splits evenly over the threads");
 // The merge of WARPS_N > 1 reuses the K/V buffers: WARPS_M * WARPS_N * 16 rows of HEAD_DIM + 4 f32.
-static_assert(WARPS_M * WARPS_N * 16 * (HEAD_DIM + 4) * 4 <= 4 * BLOCK_N * ROW * 2, "merge fits in K/V");
+static_assert(WARPS_M * WARPS_N * 16 * (HEAD_DIM + 4) * 4 <= 2 * STAGES * BLOCK_N * ROW * 2, "merge fits in K/V");
+static_assert(STAGES >= 2, "at least two stages");
 
 struct alignas(16) kiln_chunk16 { kiln_u32 x, y, z, w; };
 
-// Dynamic shared memory: Q [BLOCK_M][ROW], then K [2][BLOCK_N][ROW], V [2][BLOCK_N][ROW] (bf16).
+// Zero at module load; each launch's last block of a group puts its counter back to zero.
+__device__ kiln_u32 kiln_attention_tickets[KILN_ATTENTION_TICKETS];
+
+// Dynamic shared memory: Q [BLOCK_M][ROW], then K [STAGES][BLOCK_N][ROW], V [STAGES][BLOCK_N][ROW]
+// (bf16). `fused_combine`: 1 when splits > 1 and the grid's groups fit the ticket counters.
 extern "C" __global__ void __launch_bounds__(THREADS) kiln_attention(
     const kiln_u16* __restrict__ q, const kiln_u16* __restrict__ k_cache, const kiln_u16* __restrict__ v_cache,
     const kiln_i32* __restrict__ query_offsets, const kiln_i32* __restrict__ context_lens,
     const kiln_i32* __restrict__ page_offsets, const kiln_u32* __restrict__ page_ids, kiln_u16* __restrict__ out,
     float* __restrict__ partial_out, float* __restrict__ partial_lse, int q_heads, int kv_heads, int page_shift,
-    float scale_log2, int splits) {
+    float scale_log2, int splits, int fused_combine) {
     extern __shared__ kiln_chunk16 shared_chunks[];
+    __shared__ int is_last_block;
     kiln_u16* q_smem = reinterpret_cast<kiln_u16*>(shared_chunks);
     kiln_u16* k_smem = q_smem + BLOCK_M * ROW;
-    kiln_u16* v_smem = k_smem + 2 * BLOCK_N * ROW;
+    kiln_u16* v_smem = k_smem + STAGES * BLOCK_N * ROW;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int warp_m = warp / WARPS_N, warp_n = warp % WARPS_N;
@@ -102,33 +126,42 @@ extern "C" __global__ void __launch_bounds__(THREADS) kiln_attention(
     const int kv_end = min(min(context, kv_begin + chunk), first_position + last_row / heads_per_group + 1);
     const int tiles = kv_end > kv_begin ? (kv_end - kv_begin + BLOCK_N - 1) / BLOCK_N : 0;
 
-    // Q rows into shared memory (rows past the sequence are zeros).
+    // Q rows into shared memory by cp.async (rows past the sequence are zeros): its own group,
+    // issued first, so it flies beside the first K/V tiles instead of ahead of them.
 #pragma unroll
     for (int i = 0; i < BLOCK_M * CHUNKS_PER_ROW / THREADS; ++i) {
         const int index = tid + i * THREADS;
         const int r = index / CHUNKS_PER_ROW, c = index % CHUNKS_PER_ROW;
         const int row = row0 + r;
-        kiln_chunk16 value = {0u, 0u, 0u, 0u};
-        if (row < rows) {
-            const int token = row / heads_per_group, head = kv_head * heads_per_group + row % heads_per_group;
-            value = reinterpret_cast<const kiln_chunk16*>(
-                q + ((kiln_u64)(q_begin + token) * q_heads + head) * HEAD_DIM)[c];
-        }
-        *reinterpret_cast<kiln_chunk16*>(q_smem + r * ROW + c * 8) = value;
+        const bool valid = row < rows;
+        const int token = valid ? row / heads_per_group : 0;
+        const int head = kv_head * heads_per_group + (valid ? row % heads_per_group : 0);
+        const kiln_u16* source = q + ((kiln_u64)(q_begin + token) * q_heads + head) * HEAD_DIM + c * 8;
+        kiln_cp_async_16(kiln_smem_address(q_smem + r * ROW + c * 8), valid ? source : q, valid);
     }
+    kiln_cp_async_commit();
 
-    // K and V of tile `t` into buffer `stage`: 16-byte chunks, positions past kv_end zeroed.
-    auto load_tile = [&](int t, int stage) {
+    // The page of each K/V row this thread copies in tile `t` (0 past kv_end, not read). Read one
+    // tile ahead of the copies, so the page-table load does not stall the copy it feeds.
+    auto tile_pages = [&](int t, kiln_u32 (&ids)[TILE_CHUNKS_PER_THREAD]) {
         const int tile_start = kv_begin + t * BLOCK_N;
 #pragma unroll
-        for (int i = 0; i < BLOCK_N * CHUNKS_PER_ROW / THREADS; ++i) {
+        for (int i = 0; i < TILE_CHUNKS_PER_THREAD; ++i) {
+            const int position = tile_start + (tid + i * THREADS) / CHUNKS_PER_ROW;
+            ids[i] = (t < tiles && position < kv_end) ? pages[position >> page_shift] : 0u;
+        }
+    };
+    // K and V of tile `t` into buffer `stage`: 16-byte chunks, positions past kv_end zeroed.
+    auto load_tile = [&](int t, int stage, const kiln_u32 (&ids)[TILE_CHUNKS_PER_THREAD]) {
+        const int tile_start = kv_begin + t * BLOCK_N;
+#pragma unroll
+        for (int i = 0; i < TILE_CHUNKS_PER_THREAD; ++i) {
             const int index = tid + i * THREADS;
             const int r = index / CHUNKS_PER_ROW, c = index % CHUNKS_PER_ROW;
             const int position = tile_start + r;
             const bool valid = position < kv_end;
-            const kiln_u32 page = valid ? pages[position >> page_shift] : 0u;
             const kiln_u64 offset =
-                (((kiln_u64)page * kv_heads + kv_head) << page_shift | (kiln_u64)(position & ((1 << page_shift) - 1))) *
+                (((kiln_u64)ids[i] * kv_heads + kv_head) << page_shift | (kiln_u64)(position & ((1 << page_shift) - 1))) *
                     HEAD_DIM +
                 c * 8;
             const int smem_offset = (stage * BLOCK_N + r) * ROW + c * 8;
@@ -137,11 +170,25 @@ extern "C" __global__ void __launch_bounds__(THREADS) kiln_attention(
         }
     };
 
-    if (tiles > 0) load_tile(0, 0);
-    kiln_cp_async_commit();
-    __syncthreads();
+    // Tiles 0 .. STAGES - 2 in flight, one commit group each (empty groups past the last tile),
+    // and the pages of tile STAGES - 1 read.
+    kiln_u32 next_pages[TILE_CHUNKS_PER_THREAD];
+    {
+        kiln_u32 first_pages[STAGES - 1][TILE_CHUNKS_PER_THREAD];
+#pragma unroll
+        for (int t = 0; t < STAGES - 1; ++t) tile_pages(t, first_pages[t]);
+#pragma unroll
+        for (int t = 0; t < STAGES - 1; ++t) {
+            if (t < tiles) load_tile(t, t, first_pages[t]);
+            kiln_cp_async_commit();
+        }
+    }
+    tile_pages(STAGES - 1, next_pages);
 
-    // This warp's 16 rows of Q as A fragments, one per 16 columns.
+    // This warp's 16 rows of Q as A fragments, one per 16 columns (the Q group is complete when
+    // at most the STAGES - 1 tile groups are pending).
+    kiln_cp_async_wait<STAGES - 1>();
+    __syncthreads();
     kiln_u32 q_fragments[HEAD_DIM / 16][4];
     {
         const int r = warp_m * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
@@ -169,12 +216,15 @@ extern "C" __global__ void __launch_bounds__(THREADS) kiln_attention(
     float row_sum[2] = {0.0f, 0.0f};                  // this thread's columns only, until the end
 
     for (int t = 0; t < tiles; ++t) {
-        if (t + 1 < tiles) load_tile(t + 1, (t + 1) & 1);
+        // Tile t + STAGES - 1 into the stage tile t - 1 used (every warp is past it: the barrier
+        // at the end of the previous iteration), then the pages of the tile after it.
+        if (t + STAGES - 1 < tiles) load_tile(t + STAGES - 1, (t + STAGES - 1) % STAGES, next_pages);
         kiln_cp_async_commit();
-        kiln_cp_async_wait<1>();
+        tile_pages(t + STAGES, next_pages);
+        kiln_cp_async_wait<STAGES - 1>();
         __syncthreads();
 
-        const int stage = t & 1;
+        const int stage = t % STAGES;
         const int warp_key0 = warp_n * WARP_KEYS;  // within the tile
         const kiln_u16* k_tile = k_smem + stage * BLOCK_N * ROW;
         const kiln_u16* v_tile = v_smem + stage * BLOCK_N * ROW;
@@ -292,66 +342,136 @@ extern "C" __global__ void __launch_bounds__(THREADS) kiln_attention(
                 store(row, n * 8 + 2 * thread_in_group, o[n][2 * h], o[n][2 * h + 1], row_sum[h], row_max[h]);
             }
         }
-        return;
-    }
-
-    // WARPS_N > 1: merge the warps' partial rows through shared memory, in warp order.
-    float* merge = reinterpret_cast<float*>(k_smem);  // [WARPS_M][WARPS_N][16][HEAD_DIM + 4]
-    float* maxima = reinterpret_cast<float*>(q_smem);  // [WARPS_M][WARPS_N][16]
-    float* sums = maxima + WARPS_M * WARPS_N * 16;     // [WARPS_M][WARPS_N][16]
-    __syncthreads();  // every warp has read its Q fragments (the loop may not have run)
-    if (thread_in_group == 0) {
+    } else {
+        // WARPS_N > 1: merge the warps' partial rows through shared memory, in warp order.
+        float* merge = reinterpret_cast<float*>(k_smem);  // [WARPS_M][WARPS_N][16][HEAD_DIM + 4]
+        float* maxima = reinterpret_cast<float*>(q_smem);  // [WARPS_M][WARPS_N][16]
+        float* sums = maxima + WARPS_M * WARPS_N * 16;     // [WARPS_M][WARPS_N][16]
+        __syncthreads();  // every warp has read its Q fragments and its last tile
+        if (thread_in_group == 0) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                maxima[warp * 16 + group + 8 * h] = row_max[h];
+                sums[warp * 16 + group + 8 * h] = row_sum[h];
+            }
+        }
+        __syncthreads();
+        float total_sum[2], total_max[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            maxima[warp * 16 + group + 8 * h] = row_max[h];
-            sums[warp * 16 + group + 8 * h] = row_sum[h];
-        }
-    }
-    __syncthreads();
-    float total_sum[2], total_max[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = group + 8 * h;
-        float m = KILN_NEG_INF;
-        for (int w = 0; w < WARPS_N; ++w) m = fmaxf(m, maxima[(warp_m * WARPS_N + w) * 16 + r]);
-        const float base = m == KILN_NEG_INF ? 0.0f : m;
-        float l = 0.0f;
-        for (int w = 0; w < WARPS_N; ++w) {
-            const int i = (warp_m * WARPS_N + w) * 16 + r;
-            l += sums[i] * kiln_exp2_approx(maxima[i] - base);
-        }
-        total_sum[h] = l;
-        total_max[h] = m;
-        const float factor = kiln_exp2_approx(row_max[h] - base);
-        float* merge_row = merge + ((kiln_u64)warp * 16 + r) * (HEAD_DIM + 4);
-#pragma unroll
-        for (int n = 0; n < HEAD_DIM / 8; ++n) {
-            *reinterpret_cast<float2*>(merge_row + n * 8 + 2 * thread_in_group) =
-                make_float2(o[n][2 * h] * factor, o[n][2 * h + 1] * factor);
-        }
-    }
-    __syncthreads();
-    // Warps with warp_n == 0 sum the rows of their warp_m group and store them.
-    if (warp_n != 0) return;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = group + 8 * h;
-#pragma unroll
-        for (int n = 0; n < HEAD_DIM / 8; ++n) {
-            const int d = n * 8 + 2 * thread_in_group;
-            float v0 = 0.0f, v1 = 0.0f;
+            const int r = group + 8 * h;
+            float m = KILN_NEG_INF;
+            for (int w = 0; w < WARPS_N; ++w) m = fmaxf(m, maxima[(warp_m * WARPS_N + w) * 16 + r]);
+            const float base = m == KILN_NEG_INF ? 0.0f : m;
+            float l = 0.0f;
             for (int w = 0; w < WARPS_N; ++w) {
-                const float2 part = *reinterpret_cast<const float2*>(
-                    merge + ((kiln_u64)(warp_m * WARPS_N + w) * 16 + r) * (HEAD_DIM + 4) + d);
-                v0 += part.x;
-                v1 += part.y;
+                const int i = (warp_m * WARPS_N + w) * 16 + r;
+                l += sums[i] * kiln_exp2_approx(maxima[i] - base);
             }
-            store(row0 + warp_m * 16 + r, d, v0, v1, total_sum[h], total_max[h]);
+            total_sum[h] = l;
+            total_max[h] = m;
+            const float factor = kiln_exp2_approx(row_max[h] - base);
+            float* merge_row = merge + ((kiln_u64)warp * 16 + r) * (HEAD_DIM + 4);
+#pragma unroll
+            for (int n = 0; n < HEAD_DIM / 8; ++n) {
+                *reinterpret_cast<float2*>(merge_row + n * 8 + 2 * thread_in_group) =
+                    make_float2(o[n][2 * h] * factor, o[n][2 * h + 1] * factor);
+            }
         }
+        __syncthreads();
+        // Warps with warp_n == 0 sum the rows of their warp_m group and store them.
+        if (warp_n == 0) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = group + 8 * h;
+#pragma unroll
+                for (int n = 0; n < HEAD_DIM / 8; ++n) {
+                    const int d = n * 8 + 2 * thread_in_group;
+                    float v0 = 0.0f, v1 = 0.0f;
+                    for (int w = 0; w < WARPS_N; ++w) {
+                        const float2 part = *reinterpret_cast<const float2*>(
+                            merge + ((kiln_u64)(warp_m * WARPS_N + w) * 16 + r) * (HEAD_DIM + 4) + d);
+                        v0 += part.x;
+                        v1 += part.y;
+                    }
+                    store(row0 + warp_m * 16 + r, d, v0, v1, total_sum[h], total_max[h]);
+                }
+            }
+        }
+    }
+    if (!fused_combine) return;
+
+    // The fused combine: the last block of this group to finish (a ticket) combines the splits.
+    // Every thread fences its own partial stores before the ticket is taken.
+    __threadfence();
+    __syncthreads();
+    const int ticket_index = (sequence * (int)gridDim.x + (int)blockIdx.x) * kv_heads + kv_head;
+    if (tid == 0) {
+        const kiln_u32 ticket = atomicAdd(&kiln_attention_tickets[ticket_index], 1u);
+        is_last_block = ticket == (kiln_u32)splits - 1u;
+        if (is_last_block) kiln_attention_tickets[ticket_index] = 0u;  // every split has taken its ticket
+    }
+    __syncthreads();
+    if (!is_last_block) return;
+    __threadfence();
+
+    // out = sum_s w_s O_s / sum_s w_s, w_s = 2^(lse_s - M), M = max_s lse_s, in split order; the
+    // partials are read through L2 (other blocks wrote them). Weights in shared memory (K/V is free:
+    // the barriers above follow the last tile and the merge).
+    const int block_rows = min(rows - row0, BLOCK_M);
+    float* weights = reinterpret_cast<float*>(k_smem);  // [splits][block_rows]
+    float* inverse_sums = weights + splits * block_rows;  // [block_rows]
+    auto query_row_of = [&](int split_index, int r) {
+        const int row = row0 + r;
+        return (kiln_u64)split_index * total_queries * q_heads + (kiln_u64)(q_begin + row / heads_per_group) * q_heads +
+               kv_head * heads_per_group + row % heads_per_group;
+    };
+    for (int i = tid; i < splits * block_rows; i += THREADS) {
+        weights[i] = __ldcg(partial_lse + query_row_of(i / block_rows, i % block_rows));
+    }
+    __syncthreads();
+    // A warp per row: the maximum, then the weights and their sum by a fixed butterfly.
+    for (int r = warp; r < block_rows; r += THREADS / 32) {
+        float m = KILN_NEG_INF;
+        for (int s = lane; s < splits; s += 32) m = fmaxf(m, weights[s * block_rows + r]);
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) m = fmaxf(m, __shfl_xor_sync(KILN_FULL_MASK, m, offset));
+        const float base = m == KILN_NEG_INF ? 0.0f : m;
+        float denominator = 0.0f;
+        for (int s = lane; s < splits; s += 32) {
+            const float w = kiln_exp2_approx(weights[s * block_rows + r] - base);
+            weights[s * block_rows + r] = w;
+            denominator += w;
+        }
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            denominator += __shfl_xor_sync(KILN_FULL_MASK, denominator, offset);
+        }
+        if (lane == 0) inverse_sums[r] = denominator > 0.0f ? 1.0f / denominator : 0.0f;
+    }
+    __syncthreads();
+    for (int item = tid; item < block_rows * (HEAD_DIM / 4); item += THREADS) {
+        const int r = item / (HEAD_DIM / 4), d = (item % (HEAD_DIM / 4)) * 4;
+        float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 8
+        for (int s = 0; s < splits; ++s) {
+            const float w = weights[s * block_rows + r];
+            const float4 part = __ldcg(reinterpret_cast<const float4*>(partial_out + query_row_of(s, r) * HEAD_DIM + d));
+            sum.x = fmaf(w, part.x, sum.x);
+            sum.y = fmaf(w, part.y, sum.y);
+            sum.z = fmaf(w, part.z, sum.z);
+            sum.w = fmaf(w, part.w, sum.w);
+        }
+        const float inverse = inverse_sums[r];
+        const int row = row0 + r;
+        const kiln_u64 out_row = (kiln_u64)(q_begin + row / heads_per_group) * q_heads + kv_head * heads_per_group +
+                                 row % heads_per_group;
+        *reinterpret_cast<uint2*>(out + out_row * HEAD_DIM + d) =
+            make_uint2(kiln_pack_bf16x2(sum.x * inverse, sum.y * inverse), kiln_pack_bf16x2(sum.z * inverse, sum.w * inverse));
     }
 }
 
-// The combine of decode's splits: out = sum_s 2^(lse_s - M) O_s / sum_s 2^(lse_s - M), with
+// The combine of the splits in a second launch, for grids the fused combine does not serve: out = sum_s 2^(lse_s - M) O_s / sum_s 2^(lse_s - M), with
 // M = max_s lse_s, in split order. One block per (query token, head), one thread per element.
 extern "C" __global__ void __launch_bounds__(HEAD_DIM) kiln_attention_combine(
     const float* __restrict__ partial_out, const float* __restrict__ partial_lse, kiln_u16* __restrict__ out,

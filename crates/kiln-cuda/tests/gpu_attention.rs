@@ -253,6 +253,7 @@ fn decode_matches_float64_and_repeats_bit_for_bit() {
                 (AttentionVariant::DECODE, None),
                 (AttentionVariant::DECODE, Some(1)),
                 (AttentionVariant::DECODE_WIDE, Some(7)),
+                (AttentionVariant::DECODE, Some(64)),
                 (AttentionVariant::PREFILL, None),
             ] {
                 let case = Case {
@@ -267,6 +268,36 @@ fn decode_matches_float64_and_repeats_bit_for_bit() {
                 let outputs = check(&gpu, &mut rng, &case, 2);
                 assert!(outputs[0] == outputs[1], "decode differs between two runs: {variant:?} {splits:?}");
             }
+        }
+    }
+}
+
+/// The combine of the splits runs in the attention launch (ticket counters) when its weights fit
+/// the block's shared memory, else in a second launch: both, several times in a row (the counters
+/// must come back to zero), against the reference and bit for bit between runs.
+#[test]
+fn split_combine_in_the_launch_and_in_a_second_launch_match_float64() {
+    let (gpu, mut rng) = (gpu(), Rng::fresh());
+    for &(q_heads, kv_heads) in &[(32, 8), (12, 4)] {
+        let sequences: Vec<(usize, usize)> = (0..1 + rng.below(3))
+            .map(|_| {
+                let chunk = 1 + rng.below(200);
+                (chunk, chunk + rng.below(1500))
+            })
+            .collect();
+        // PREFILL_WIDE at head dim 64: 64 splits combine in the launch, 300 in a second one.
+        for splits in [2, 64, 300] {
+            let case = Case {
+                q_heads,
+                kv_heads,
+                head_dim: 64,
+                page_tokens: 16,
+                sequences: sequences.clone(),
+                splits: Some(splits),
+                variant: AttentionVariant::PREFILL_WIDE,
+            };
+            let outputs = check(&gpu, &mut rng, &case, 3);
+            assert!(outputs[0] == outputs[1] && outputs[1] == outputs[2], "split prefill differs: {splits}");
         }
     }
 }

@@ -8,9 +8,11 @@
 //!   page ids), built once per step and shared by every layer;
 //! - the scratch of a split call: [`scratch_bytes`] of f32 partial outputs and their log-sums.
 //!
-//! A call with `splits > 1` writes partials and then combines them in split order; `splits` is
-//! chosen from the batch and the heads only ([`decode_splits`]), never from the context length, so
-//! the grid of a decode step is the same at every step.
+//! A call with `splits > 1` writes partials and combines them in split order in the same launch
+//! (the last split block of each group to finish, by a ticket counter that every launch leaves at
+//! zero), or, for a grid with more groups than the kernel's counters, in a second launch; `splits`
+//! is chosen from the batch and the heads only ([`decode_splits`]), never from the context length,
+//! so the grid of a decode step is the same at every step.
 
 use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
@@ -56,10 +58,23 @@ impl AttentionVariant {
         self.warps_n * self.warp_keys
     }
 
-    /// Dynamic shared memory: Q rows, then two stages of K and V tiles, rows padded by 16 bytes.
+    /// K/V tiles in flight (the kernel's `STAGES`).
+    pub fn stages(&self) -> u32 {
+        STAGES
+    }
+
+    /// Dynamic shared memory: Q rows, then [`AttentionVariant::stages`] stages of K and V tiles,
+    /// rows padded by 16 bytes.
     pub fn shared_bytes(&self, head_dim: usize) -> usize {
         let row = (head_dim + 8) * 2;
-        (self.rows() as usize + 4 * self.keys() as usize) * row
+        (self.rows() as usize + 2 * self.stages() as usize * self.keys() as usize) * row
+    }
+
+    /// Whether the combine of `splits` partials fits in the launch itself: its weights
+    /// (`(splits + 1) * rows` f32) go where the K/V stages were.
+    fn combine_fits(&self, head_dim: usize, splits: u32) -> bool {
+        let kv_bytes = 2 * self.stages() as usize * self.keys() as usize * (head_dim + 8) * 2;
+        (splits as usize + 1) * self.rows() as usize * 4 <= kv_bytes
     }
 
     /// The default for a call whose sequences have at most `max_query_tokens` queries.
@@ -83,6 +98,17 @@ impl AttentionVariant {
         Ok(())
     }
 }
+
+/// K/V stages of every variant (the kernel's default `STAGES`).
+const STAGES: u32 = 2;
+
+/// Ticket counters of the fused combine (`KILN_ATTENTION_TICKETS` in the kernel): one per
+/// (sequence, row tile, kv head) of a split launch.
+const TICKETS: usize = 16_384;
+
+/// Decode blocks of the default variant resident on one multiprocessor (its shared memory,
+/// about 74 KB at head dim 128, fits twice on sm_80 and three times on sm_90).
+const DECODE_BLOCKS_PER_MULTIPROCESSOR: usize = 2;
 
 /// Head sizes the kernel is compiled for.
 pub const HEAD_DIMS: [usize; 2] = [64, 128];
@@ -198,16 +224,39 @@ pub struct KvBuffers<'a> {
     pub pages: usize,
 }
 
-/// Splits of the context for a call over `batch` sequences: enough blocks to fill the device about
-/// twice, from the batch and the heads alone (never the context length), at most 64.
+/// Splits of the context for a call over `batch` sequences, from the batch and the heads alone
+/// (never the context length), at most 64: the most that fit the device's resident slots (two
+/// decode blocks per multiprocessor) in one wave when that fills it to 95%, else the fewest whose
+/// waves are filled to 95%, else the best filling. A partial last wave costs long contexts
+/// bandwidth: 320 blocks on 264 slots run as two waves filled to 61%, 256 blocks as one filled
+/// to 97%.
 pub fn decode_splits(gpu: &Gpu, batch: usize, kv_heads: usize) -> u32 {
     decode_splits_for(gpu.facts().multiprocessors, batch, kv_heads)
 }
 
 /// [`decode_splits`] on a device of `multiprocessors` (no device needed).
 pub fn decode_splits_for(multiprocessors: u32, batch: usize, kv_heads: usize) -> u32 {
-    let blocks = (batch * kv_heads).max(1);
-    (2 * multiprocessors as usize).div_ceil(blocks).clamp(1, 64) as u32
+    let groups = (batch * kv_heads).max(1);
+    let slots = (multiprocessors as usize * DECODE_BLOCKS_PER_MULTIPROCESSOR).max(1);
+    // How full the waves of `splits` splits are, in thousandths.
+    let filling = |splits: usize| {
+        let blocks = groups * splits;
+        blocks * 1000 / (blocks.div_ceil(slots) * slots)
+    };
+    let one_wave = (slots / groups).clamp(1, 64);
+    if filling(one_wave) >= 950 {
+        return one_wave as u32;
+    }
+    let mut best = 1;
+    for splits in 1..=64 {
+        if filling(splits) >= 950 {
+            return splits as u32;
+        }
+        if filling(splits) > filling(best) {
+            best = splits;
+        }
+    }
+    best as u32
 }
 
 /// Bytes of scratch a call with `splits > 1` needs: f32 partial outputs and log-sums per split.
@@ -265,7 +314,8 @@ fn as_i32(what: &'static str, value: usize) -> Result<i32> {
 
 /// Causal GQA attention of `batch` over the cache into `out` (bf16). With `splits > 1` the
 /// context is split in that many parts whose partials go to `scratch` ([`scratch_bytes`]) and
-/// are combined in split order.
+/// are combined in split order, in the same launch where the grid fits the kernel's ticket
+/// counters.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     gpu: &Gpu,
@@ -347,6 +397,9 @@ pub fn attention(
     let page_shift = page_shift as i32;
     let scale_log2 = shape.scale * std::f32::consts::LOG2_E;
     let splits_arg = splits as i32;
+    let groups = batch.batch * row_tiles * shape.kv_heads;
+    let fused = splits > 1 && groups <= TICKETS && variant.combine_fits(shape.head_dim, splits);
+    let fused_arg = i32::from(fused);
     let pointers = [
         q.device_ptr(),
         cache.k.device_ptr(),
@@ -364,8 +417,11 @@ pub fn attention(
     for pointer in &pointers {
         launch.arg(pointer);
     }
-    launch.arg(&q_heads).arg(&kv_heads).arg(&page_shift).arg(&scale_log2).arg(&splits_arg);
-    // SAFETY: the arguments match `kiln_attention`'s signature (10 pointers, 3 i32, f32, i32).
+    launch.arg(&q_heads).arg(&kv_heads).arg(&page_shift).arg(&scale_log2).arg(&splits_arg).arg(&fused_arg);
+    // SAFETY: the arguments match `kiln_attention`'s signature (10 pointers, 3 i32, f32, 2 i32).
+    // With `fused`, the grid's (sequence, row tile, kv head) groups index the kernel's
+    // `TICKETS` counters in bounds, and its combine weights fit the shared memory (checked above);
+    // launches of this module run in this stream's order, so no two share a counter at once.
     // `batch` was validated against the shape and the cache's page count when uploaded, so every
     // page id and offset the kernel reads is in bounds; q, out, the caches and (for splits > 1)
     // the scratch were checked above to hold what the kernel touches; the dynamic shared memory
@@ -373,7 +429,7 @@ pub fn attention(
     // reuses memory only in this stream's order, so they outlive the kernel.
     unsafe { launch.launch(config) }.map_err(|e| driver_error("cuLaunchKernel(kiln_attention)", e))?;
 
-    if splits > 1 {
+    if splits > 1 && !fused {
         let combine = function(gpu, shape.head_dim, variant, "kiln_attention_combine")?;
         let query_rows = as_i32("query rows", batch.total_queries * shape.q_heads)?;
         let config = LaunchConfig {
@@ -468,6 +524,31 @@ mod tests {
         assert_eq!(AttentionVariant::PREFILL.shared_bytes(128), (64 + 256) * 272);
         let bad = AttentionVariant { warps_m: 1, warps_n: 1, warp_keys: 8 };
         assert!(matches!(bad.validate(128), Err(Error::NotServed { .. })));
+    }
+
+    #[test]
+    fn decode_splits_fill_whole_waves() {
+        // 132 multiprocessors, 264 slots; Llama-3-8B's 8 KV heads.
+        assert_eq!(decode_splits_for(132, 1, 8), 33); // 264 blocks
+        assert_eq!(decode_splits_for(132, 100, 1), 13); // 1300 blocks, 98% of 5 waves
+        assert_eq!(decode_splits_for(132, 8, 8), 4); // 256 blocks, not 5 (320: two waves)
+        assert_eq!(decode_splits_for(132, 64, 8), 1); // 512 blocks, 97% of two waves
+        for batch in 1..300 {
+            for kv_heads in [1, 2, 3, 8] {
+                let splits = decode_splits_for(132, batch, kv_heads);
+                assert!((1..=64).contains(&splits), "{batch} {kv_heads}: {splits}");
+            }
+        }
+        assert_eq!(decode_splits_for(0, 1, 8), 1);
+    }
+
+    #[test]
+    fn combine_fits_in_the_launch_for_every_variant_up_to_64_splits_at_head_dim_128() {
+        for variant in AttentionVariant::ALL {
+            assert!(variant.combine_fits(128, 64), "{variant:?}");
+        }
+        assert!(AttentionVariant::PREFILL_WIDE.combine_fits(64, 64));
+        assert!(!AttentionVariant::PREFILL_WIDE.combine_fits(64, 1024));
     }
 
     #[test]
