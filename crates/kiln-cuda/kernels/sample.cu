@@ -11,8 +11,11 @@
 // order. The seed (in the parameters) and the step are read from device memory, so a captured
 // decode step replays without the host.
 //
-// Memory floor: one read of the logits per row; this version reads them once per pass
-// (argmax, 4 + 1 per radix selection, the mass, the draw), from L2 after the first.
+// Memory floor: one read of the logits per row; the single-block path reads them once per pass
+// (argmax as float4, 4 + 1 per radix selection, the kept mass), from L2 after the first. The
+// searches in index order (the tie at a selected key, the draw) take no barrier per chunk: each
+// warp sums a contiguous segment, and only the warp whose segment holds the answer walks it.
+// Radix histograms add warp-aggregated amounts (keys crowd into a few digits).
 //
 // Penalties: the row's logits are copied to `scratch`; the history's tokens are counted in
 // `counts` (zero on entry, zero again on exit: the first thread to take a token's count with
@@ -282,9 +285,10 @@ __device__ __forceinline__ kiln_u64 sample_select(const SampleRow row, SampleSha
     return index != NO_TOKEN ? (((kiln_u64)prefix << 32) | index) : SAMPLE_NOT_FOUND;
 }
 
-// The single-block path: block (0, r) samples row r alone, with ~13 passes over its logits. It
-// serves what the multi-block path does not (top-k 0 or above FAST_KMAX at temperature > 0, and
-// greedy rows read from the LM head's statistics).
+// The single-block path: block (0, r) samples row r alone, with up to 12 passes over its logits.
+// It serves what the multi-block path does not (top-k 0 or above FAST_KMAX at temperature > 0,
+// greedy rows read from the LM head's statistics, and greedy rows without penalties when the
+// launcher sets `greedy_single`).
 __device__ __forceinline__ void sample_row_single(
     int r, const float* __restrict__ logits, long long vocab, long long row_stride,
     const KilnSampleParams* __restrict__ params, const kiln_u64* __restrict__ steps,
@@ -394,10 +398,9 @@ __device__ __forceinline__ void sample_row_single(
 // Serves greedy rows and rows with 1 <= top_k <= FAST_KMAX (with any temperature, top-p, min-p
 // and penalties). The grid is (slices, rows); block (s, r) holds slice s of row r in shared
 // memory (read once from memory), applies the penalties of the history tokens that fall in its
-// slice, and writes a short list of candidates: a prefix of its slice's order that holds at
-// least its own top-k (the exact local top-k, or every token at or above a radix prefix when
-// those are at most FAST_BLOCK_CAP). The global top-k lies within the union of the local
-// top-k's, and no token after any block's last candidate in the order (for a block with at least
+// slice, and writes its exact local top-k (every candidate when the slice has at most k): short
+// lists keep the last block's serial work small. The global top-k lies within the union of the
+// local top-k's, and no token after any block's last candidate in the order (for a block with at least
 // k candidates) can be in it, so the last block of the row to finish (a ticket counter) prunes
 // the union by the earliest of those cutoffs, selects the exact top-k among what is left, and
 // finishes on those k tokens alone: the weights (from the greedy token, the first of the order),
@@ -743,46 +746,88 @@ __device__ __forceinline__ void sample_row_fast(int r, kiln_u32 k, bool penaltie
 
     // Pruned union, in index order (block order, then each list's order), into shared memory
     // or, when too many, into the row's overflow lists.
-    const int per = ((int)all + THREADS - 1) / THREADS;
-    const int j0 = min((int)all, (int)threadIdx.x * per), j1 = min((int)all, j0 + per);
-    int b_start = 0;
-    if (j0 < j1) {
-        int a = 0, z = blocks - 1;
-        while (a < z) {
-            const int mid = (a + z + 1) >> 1;
-            if (sh.bins[mid] <= (kiln_u32)j0) a = mid; else z = mid - 1;
-        }
-        b_start = a;
-    }
     const float* lists_values = work.values + (long long)r * work.slots * FAST_BLOCK_CAP;
     const kiln_u32* lists_indices = work.indices + (long long)r * work.slots * FAST_BLOCK_CAP;
-    kiln_u32 kept = 0u;
-    {
-        int b = b_start;
-        for (int j = j0; j < j1; ++j) {
-            while (sh.bins[b + 1] <= (kiln_u32)j) ++b;
-            const long long at = (long long)b * FAST_BLOCK_CAP + (j - (int)sh.bins[b]);
-            const kiln_u32 key = sample_order_key(__ldcg(&lists_values[at]));
-            if (fast_pack(key, __ldcg(&lists_indices[at])) >= prune) ++kept;
-        }
-    }
+    float* cand_values = sh.vals;
+    kiln_u32* cand_indices = reinterpret_cast<kiln_u32*>(sh.vals + FAST_SMEM_CAP);
     kiln_u32 m_count;
-    kiln_u32 position = fast_scan(kept, sh.warp_u32, m_count);
-    const bool in_shared = m_count <= FAST_SMEM_CAP;
-    float* cand_values = in_shared ? sh.vals : work.overflow_values + (long long)r * work.slots * FAST_BLOCK_CAP;
-    kiln_u32* cand_indices = in_shared ? reinterpret_cast<kiln_u32*>(sh.vals + FAST_SMEM_CAP)
-                                       : work.overflow_indices + (long long)r * work.slots * FAST_BLOCK_CAP;
-    {
-        int b = b_start;
-        for (int j = j0; j < j1; ++j) {
-            while (sh.bins[b + 1] <= (kiln_u32)j) ++b;
-            const long long at = (long long)b * FAST_BLOCK_CAP + (j - (int)sh.bins[b]);
-            const float v = __ldcg(&lists_values[at]);
-            const kiln_u32 index = __ldcg(&lists_indices[at]);
-            if (fast_pack(sample_order_key(v), index) >= prune) {
-                cand_values[position] = v;
-                cand_indices[position] = index;
+    if (all <= FAST_SMEM_CAP) {
+        // Staged in shared memory with every load in flight (thread j takes union entries j,
+        // j + THREADS, ...), then pruned in place: each thread holds its run in registers
+        // across the scan's barriers, so no write lands before every read.
+#pragma unroll 4
+        for (int j = threadIdx.x; j < (int)all; j += THREADS) {
+            int a = 0, z = blocks - 1;
+            while (a < z) {
+                const int mid = (a + z + 1) >> 1;
+                if (sh.bins[mid] <= (kiln_u32)j) a = mid; else z = mid - 1;
+            }
+            const long long at = (long long)a * FAST_BLOCK_CAP + (j - (int)sh.bins[a]);
+            cand_values[j] = __ldcg(&lists_values[at]);
+            cand_indices[j] = __ldcg(&lists_indices[at]);
+        }
+        __syncthreads();
+        constexpr int RUN = (FAST_SMEM_CAP + THREADS - 1) / THREADS;
+        const int per = ((int)all + THREADS - 1) / THREADS;  // <= RUN
+        const int j0 = min((int)all, (int)threadIdx.x * per), j1 = min((int)all, j0 + per);
+        float run_values[RUN];
+        kiln_u32 run_indices[RUN];
+        kiln_u32 kept = 0u;
+#pragma unroll
+        for (int u = 0; u < RUN; ++u) {
+            const int j = j0 + u;
+            run_values[u] = j < j1 ? cand_values[j] : 0.0f;
+            run_indices[u] = j < j1 ? cand_indices[j] : 0u;
+            if (j < j1 && fast_pack(sample_order_key(run_values[u]), run_indices[u]) >= prune) ++kept;
+        }
+        kiln_u32 position = fast_scan(kept, sh.warp_u32, m_count);
+#pragma unroll
+        for (int u = 0; u < RUN; ++u) {
+            if (j0 + u < j1 && fast_pack(sample_order_key(run_values[u]), run_indices[u]) >= prune) {
+                cand_values[position] = run_values[u];
+                cand_indices[position] = run_indices[u];
                 ++position;
+            }
+        }
+    } else {
+        const int per = ((int)all + THREADS - 1) / THREADS;
+        const int j0 = min((int)all, (int)threadIdx.x * per), j1 = min((int)all, j0 + per);
+        int b_start = 0;
+        if (j0 < j1) {
+            int a = 0, z = blocks - 1;
+            while (a < z) {
+                const int mid = (a + z + 1) >> 1;
+                if (sh.bins[mid] <= (kiln_u32)j0) a = mid; else z = mid - 1;
+            }
+            b_start = a;
+        }
+        kiln_u32 kept = 0u;
+        {
+            int b = b_start;
+            for (int j = j0; j < j1; ++j) {
+                while (sh.bins[b + 1] <= (kiln_u32)j) ++b;
+                const long long at = (long long)b * FAST_BLOCK_CAP + (j - (int)sh.bins[b]);
+                const kiln_u32 key = sample_order_key(__ldcg(&lists_values[at]));
+                if (fast_pack(key, __ldcg(&lists_indices[at])) >= prune) ++kept;
+            }
+        }
+        kiln_u32 position = fast_scan(kept, sh.warp_u32, m_count);
+        if (m_count > FAST_SMEM_CAP) {
+            cand_values = work.overflow_values + (long long)r * work.slots * FAST_BLOCK_CAP;
+            cand_indices = work.overflow_indices + (long long)r * work.slots * FAST_BLOCK_CAP;
+        }
+        {
+            int b = b_start;
+            for (int j = j0; j < j1; ++j) {
+                while (sh.bins[b + 1] <= (kiln_u32)j) ++b;
+                const long long at = (long long)b * FAST_BLOCK_CAP + (j - (int)sh.bins[b]);
+                const float v = __ldcg(&lists_values[at]);
+                const kiln_u32 index = __ldcg(&lists_indices[at]);
+                if (fast_pack(sample_order_key(v), index) >= prune) {
+                    cand_values[position] = v;
+                    cand_indices[position] = index;
+                    ++position;
+                }
             }
         }
     }

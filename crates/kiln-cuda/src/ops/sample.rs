@@ -19,7 +19,8 @@
 //! and rows with `1 <= top_k <=` [`FAST_KMAX`] run on many blocks per row (a grid of
 //! [`slices`] x rows, fixed for a given (rows, vocab, device), so the launch can be captured);
 //! the others (top-k 0 or above [`FAST_KMAX`] at temperature > 0, greedy rows read from the LM
-//! head's statistics) run on one block per row. Both give the reference's token.
+//! head's statistics, and greedy rows without penalties once the rows fill half the device) run
+//! on one block per row. Both give the reference's token.
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use kiln_core::ops::sample::{SamplingParams, NO_TOKEN, PROBABILITY_BITS, WEIGHT_BITS};
