@@ -19,8 +19,8 @@
 //! and rows with `1 <= top_k <=` [`FAST_KMAX`] run on many blocks per row (a grid of
 //! [`slices`] x rows, fixed for a given (rows, vocab, device), so the launch can be captured);
 //! the others (top-k 0 or above [`FAST_KMAX`] at temperature > 0, greedy rows read from the LM
-//! head's statistics, and greedy rows without penalties once the rows fill half the device) run
-//! on one block per row. Both give the reference's token.
+//! head's statistics, and greedy rows without penalties once the rows fill a quarter of the
+//! device) run on one block per row. Both give the reference's token.
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use kiln_core::ops::sample::{SamplingParams, NO_TOKEN, PROBABILITY_BITS, WEIGHT_BITS};
@@ -348,9 +348,10 @@ pub fn sample_with_path(
     };
     let (slice_count, slice_len) = grid.unwrap_or((1, vocab));
     let fast_kmax: i32 = if scratch.is_some() { FAST_KMAX as i32 } else { 0 };
-    // Greedy rows without penalties stream on one block per row once the rows alone fill half
-    // the device: a block per row then reads at close to the memory's rate, with no lists.
-    let greedy_single = i32::from(2 * rows >= gpu.facts().multiprocessors as usize);
+    // Greedy rows without penalties stream on one block per row once the rows alone fill a
+    // quarter of the device (33 rows on 132 multiprocessors): the blocks then read together at
+    // close to the memory's rate, with no lists, no ticket and no waves of short blocks.
+    let greedy_single = i32::from(4 * rows >= gpu.facts().multiprocessors as usize);
     let (layout, base) = match scratch {
         Some(s) => (ScratchLayout::new(s.rows, s.vocab), s.memory.device_ptr()),
         None => (ScratchLayout::new(0, 1), 0u64),
