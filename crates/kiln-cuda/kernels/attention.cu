@@ -1,6 +1,7 @@
 // Causal grouped-query attention over the paged KV cache, in the FlashAttention-2 manner: one
 // kernel serves prefill (ragged sequences, chunks after cached positions) and decode (split
-// along the context, flash-decoding), plus the combine of decode's partials and the K/V append.
+// along the context, flash-decoding, its partials combined in the same launch), plus the K/V
+// append.
 //
 // Layouts (row-major, indices in elements; see kiln_core::ops::attention and kiln_engine::kv):
 //   q, out        [query_token][q_head][HEAD_DIM] bf16; sequence b's query tokens are
@@ -32,9 +33,10 @@
 //
 // Latency (what decode at short contexts is made of): Q and the first STAGES tiles are all in
 // flight before the first wait, the page ids of a tile are read one tile ahead of its copies, and
-// the splits are combined in the same launch: each split block writes its partial, then takes a
-// ticket (an atomic counter per (sequence, row tile, kv head), a module global that every launch
-// leaves at zero); the block that takes the last ticket combines all the partials in split order.
+// the splits are combined in the same launch (no second kernel): each split block writes its
+// partial, then takes a ticket (an atomic counter per (sequence, row tile, kv head), a module
+// global that every launch leaves at zero); the block that takes the last ticket combines all the
+// partials in split order.
 // The combine reads every partial from memory in a fixed order, whichever block runs it, so the
 // output is the same bits run to run. Launches of one module run in stream order (one stream per
 // Gpu), so no two launches share a counter at the same time.
@@ -60,10 +62,9 @@
 #ifndef STAGES
 #define STAGES 2
 #endif
-// Ticket counters of the fused combine; the launcher falls back to kiln_attention_combine for a
-// grid with more (sequence, row tile, kv head) groups, or more splits than the weights of the
-// combine ((splits + 1) * BLOCK_M f32) fit in the K/V stages.
-#define KILN_ATTENTION_TICKETS 16384
+// Ticket counters of the combine, one per (sequence, row tile, kv head) of a split launch; the
+// launcher refuses a split grid with more groups.
+#define KILN_ATTENTION_TICKETS 65536
 
 #define THREADS (32 * WARPS_M * WARPS_N)
 #define BLOCK_M (16 * WARPS_M)
@@ -89,13 +90,13 @@ struct alignas(16) kiln_chunk16 { kiln_u32 x, y, z, w; };
 __device__ kiln_u32 kiln_attention_tickets[KILN_ATTENTION_TICKETS];
 
 // Dynamic shared memory: Q [BLOCK_M][ROW], then K [STAGES][BLOCK_N][ROW], V [STAGES][BLOCK_N][ROW]
-// (bf16). `fused_combine`: 1 when splits > 1 and the grid's groups fit the ticket counters.
+// (bf16).
 extern "C" __global__ void __launch_bounds__(THREADS) kiln_attention(
     const kiln_u16* __restrict__ q, const kiln_u16* __restrict__ k_cache, const kiln_u16* __restrict__ v_cache,
     const kiln_i32* __restrict__ query_offsets, const kiln_i32* __restrict__ context_lens,
     const kiln_i32* __restrict__ page_offsets, const kiln_u32* __restrict__ page_ids, kiln_u16* __restrict__ out,
     float* __restrict__ partial_out, float* __restrict__ partial_lse, int q_heads, int kv_heads, int page_shift,
-    float scale_log2, int splits, int fused_combine) {
+    float scale_log2, int splits) {
     extern __shared__ kiln_chunk16 shared_chunks[];
     __shared__ int is_last_block;
     kiln_u16* q_smem = reinterpret_cast<kiln_u16*>(shared_chunks);
@@ -174,16 +175,17 @@ extern "C" __global__ void __launch_bounds__(THREADS) kiln_attention(
     // and the pages of tile STAGES - 1 read.
     kiln_u32 next_pages[TILE_CHUNKS_PER_THREAD];
     {
+        // Every page id read before the first copy is issued (a copy's asm is a compiler barrier).
         kiln_u32 first_pages[STAGES - 1][TILE_CHUNKS_PER_THREAD];
 #pragma unroll
         for (int t = 0; t < STAGES - 1; ++t) tile_pages(t, first_pages[t]);
+        tile_pages(STAGES - 1, next_pages);
 #pragma unroll
         for (int t = 0; t < STAGES - 1; ++t) {
             if (t < tiles) load_tile(t, t, first_pages[t]);
             kiln_cp_async_commit();
         }
     }
-    tile_pages(STAGES - 1, next_pages);
 
     // This warp's 16 rows of Q as A fragments, one per 16 columns (the Q group is complete when
     // at most the STAGES - 1 tile groups are pending).
@@ -399,9 +401,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) kiln_attention(
             }
         }
     }
-    if (!fused_combine) return;
+    if (splits == 1) return;
 
-    // The fused combine: the last block of this group to finish (a ticket) combines the splits.
+    // The combine: the last block of this group to finish (a ticket) combines the splits.
     // Every thread fences its own partial stores before the ticket is taken.
     __threadfence();
     __syncthreads();
@@ -415,78 +417,44 @@ extern "C" __global__ void __launch_bounds__(THREADS) kiln_attention(
     if (!is_last_block) return;
     __threadfence();
 
-    // out = sum_s w_s O_s / sum_s w_s, w_s = 2^(lse_s - M), M = max_s lse_s, in split order; the
-    // partials are read through L2 (other blocks wrote them). Weights in shared memory (K/V is free:
-    // the barriers above follow the last tile and the merge).
+    // out = sum_s w_s O_s / sum_s w_s, w_s = 2^(lse_s - M), M = max_s lse_s, in one pass in split
+    // order (the running maximum rescales the running sums, an online softmax over the splits).
+    // The partials are read through L2 (other blocks wrote them), eight splits in flight.
     const int block_rows = min(rows - row0, BLOCK_M);
-    float* weights = reinterpret_cast<float*>(k_smem);  // [splits][block_rows]
-    float* inverse_sums = weights + splits * block_rows;  // [block_rows]
-    auto query_row_of = [&](int split_index, int r) {
-        const int row = row0 + r;
-        return (kiln_u64)split_index * total_queries * q_heads + (kiln_u64)(q_begin + row / heads_per_group) * q_heads +
-               kv_head * heads_per_group + row % heads_per_group;
-    };
-    for (int i = tid; i < splits * block_rows; i += THREADS) {
-        weights[i] = __ldcg(partial_lse + query_row_of(i / block_rows, i % block_rows));
-    }
-    __syncthreads();
-    // A warp per row: the maximum, then the weights and their sum by a fixed butterfly.
-    for (int r = warp; r < block_rows; r += THREADS / 32) {
-        float m = KILN_NEG_INF;
-        for (int s = lane; s < splits; s += 32) m = fmaxf(m, weights[s * block_rows + r]);
-#pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1) m = fmaxf(m, __shfl_xor_sync(KILN_FULL_MASK, m, offset));
-        const float base = m == KILN_NEG_INF ? 0.0f : m;
-        float denominator = 0.0f;
-        for (int s = lane; s < splits; s += 32) {
-            const float w = kiln_exp2_approx(weights[s * block_rows + r] - base);
-            weights[s * block_rows + r] = w;
-            denominator += w;
-        }
-#pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1) {
-            denominator += __shfl_xor_sync(KILN_FULL_MASK, denominator, offset);
-        }
-        if (lane == 0) inverse_sums[r] = denominator > 0.0f ? 1.0f / denominator : 0.0f;
-    }
-    __syncthreads();
     for (int item = tid; item < block_rows * (HEAD_DIM / 4); item += THREADS) {
-        const int r = item / (HEAD_DIM / 4), d = (item % (HEAD_DIM / 4)) * 4;
+        const int row = row0 + item / (HEAD_DIM / 4), d = (item % (HEAD_DIM / 4)) * 4;
+        const kiln_u64 query_row = (kiln_u64)(q_begin + row / heads_per_group) * q_heads +
+                                   kv_head * heads_per_group + row % heads_per_group;
+        const kiln_u64 split_stride = (kiln_u64)total_queries * q_heads;
+        float m = KILN_NEG_INF, denominator = 0.0f;
         float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll 8
         for (int s = 0; s < splits; ++s) {
-            const float w = weights[s * block_rows + r];
-            const float4 part = __ldcg(reinterpret_cast<const float4*>(partial_out + query_row_of(s, r) * HEAD_DIM + d));
-            sum.x = fmaf(w, part.x, sum.x);
-            sum.y = fmaf(w, part.y, sum.y);
-            sum.z = fmaf(w, part.z, sum.z);
-            sum.w = fmaf(w, part.w, sum.w);
+            const kiln_u64 partial_row = s * split_stride + query_row;
+            const float lse = __ldcg(partial_lse + partial_row);
+            const float4 part = __ldcg(reinterpret_cast<const float4*>(partial_out + partial_row * HEAD_DIM + d));
+            if (lse > m) {
+                const float rescale = kiln_exp2_approx(m - lse);  // 0 while m is -inf
+                sum.x *= rescale;
+                sum.y *= rescale;
+                sum.z *= rescale;
+                sum.w *= rescale;
+                denominator *= rescale;
+                m = lse;
+            }
+            if (lse != KILN_NEG_INF) {
+                const float w = kiln_exp2_approx(lse - m);
+                sum.x = fmaf(w, part.x, sum.x);
+                sum.y = fmaf(w, part.y, sum.y);
+                sum.z = fmaf(w, part.z, sum.z);
+                sum.w = fmaf(w, part.w, sum.w);
+                denominator += w;
+            }
         }
-        const float inverse = inverse_sums[r];
-        const int row = row0 + r;
-        const kiln_u64 out_row = (kiln_u64)(q_begin + row / heads_per_group) * q_heads + kv_head * heads_per_group +
-                                 row % heads_per_group;
-        *reinterpret_cast<uint2*>(out + out_row * HEAD_DIM + d) =
-            make_uint2(kiln_pack_bf16x2(sum.x * inverse, sum.y * inverse), kiln_pack_bf16x2(sum.z * inverse, sum.w * inverse));
+        const float inverse = denominator > 0.0f ? 1.0f / denominator : 0.0f;
+        *reinterpret_cast<uint2*>(out + query_row * HEAD_DIM + d) = make_uint2(
+            kiln_pack_bf16x2(sum.x * inverse, sum.y * inverse), kiln_pack_bf16x2(sum.z * inverse, sum.w * inverse));
     }
-}
-
-// The combine of the splits in a second launch, for grids the fused combine does not serve: out = sum_s 2^(lse_s - M) O_s / sum_s 2^(lse_s - M), with
-// M = max_s lse_s, in split order. One block per (query token, head), one thread per element.
-extern "C" __global__ void __launch_bounds__(HEAD_DIM) kiln_attention_combine(
-    const float* __restrict__ partial_out, const float* __restrict__ partial_lse, kiln_u16* __restrict__ out,
-    int query_rows, int splits) {
-    const int row = blockIdx.x, d = threadIdx.x;
-    float m = KILN_NEG_INF;
-    for (int s = 0; s < splits; ++s) m = fmaxf(m, partial_lse[(kiln_u64)s * query_rows + row]);
-    const float base = m == KILN_NEG_INF ? 0.0f : m;
-    float numerator = 0.0f, denominator = 0.0f;
-    for (int s = 0; s < splits; ++s) {
-        const float w = kiln_exp2_approx(partial_lse[(kiln_u64)s * query_rows + row] - base);
-        numerator += w * partial_out[((kiln_u64)s * query_rows + row) * HEAD_DIM + d];
-        denominator += w;
-    }
-    out[(kiln_u64)row * HEAD_DIM + d] = kiln_f32_to_bf16(denominator > 0.0f ? numerator / denominator : 0.0f);
 }
 
 // Writes new tokens' K and V into their slots: k_new, v_new [token][kv_head][HEAD_DIM] bf16,

@@ -272,11 +272,11 @@ fn decode_matches_float64_and_repeats_bit_for_bit() {
     }
 }
 
-/// The combine of the splits runs in the attention launch (ticket counters) when its weights fit
-/// the block's shared memory, else in a second launch: both, several times in a row (the counters
-/// must come back to zero), against the reference and bit for bit between runs.
+/// The combine of the splits runs in the attention launch (the last block of a group, by ticket
+/// counters): from 2 to 300 splits over several row tiles, three runs in a row (the counters must
+/// come back to zero), against the reference and bit for bit between runs.
 #[test]
-fn split_combine_in_the_launch_and_in_a_second_launch_match_float64() {
+fn split_combine_in_the_launch_matches_float64_and_repeats_bit_for_bit() {
     let (gpu, mut rng) = (gpu(), Rng::fresh());
     for &(q_heads, kv_heads) in &[(32, 8), (12, 4)] {
         let sequences: Vec<(usize, usize)> = (0..1 + rng.below(3))
@@ -285,7 +285,6 @@ fn split_combine_in_the_launch_and_in_a_second_launch_match_float64() {
                 (chunk, chunk + rng.below(1500))
             })
             .collect();
-        // PREFILL_WIDE at head dim 64: 64 splits combine in the launch, 300 in a second one.
         for splits in [2, 64, 300] {
             let case = Case {
                 q_heads,

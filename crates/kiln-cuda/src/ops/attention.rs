@@ -10,8 +10,7 @@
 //!
 //! A call with `splits > 1` writes partials and combines them in split order in the same launch
 //! (the last split block of each group to finish, by a ticket counter that every launch leaves at
-//! zero), or, for a grid with more groups than the kernel's counters, in a second launch; `splits`
-//! is chosen from the batch and the heads only ([`decode_splits`]), never from the context length,
+//! zero); `splits` is chosen from the batch and the heads only ([`decode_splits`]), never from the context length,
 //! so the grid of a decode step is the same at every step.
 
 use cudarc::driver::sys::CUfunction_attribute_enum;
@@ -70,13 +69,6 @@ impl AttentionVariant {
         (self.rows() as usize + 2 * self.stages() as usize * self.keys() as usize) * row
     }
 
-    /// Whether the combine of `splits` partials fits in the launch itself: its weights
-    /// (`(splits + 1) * rows` f32) go where the K/V stages were.
-    fn combine_fits(&self, head_dim: usize, splits: u32) -> bool {
-        let kv_bytes = 2 * self.stages() as usize * self.keys() as usize * (head_dim + 8) * 2;
-        (splits as usize + 1) * self.rows() as usize * 4 <= kv_bytes
-    }
-
     /// The default for a call whose sequences have at most `max_query_tokens` queries.
     pub fn default_for(max_query_tokens: usize) -> AttentionVariant {
         if max_query_tokens <= 1 {
@@ -102,9 +94,10 @@ impl AttentionVariant {
 /// K/V stages of every variant (the kernel's default `STAGES`).
 const STAGES: u32 = 2;
 
-/// Ticket counters of the fused combine (`KILN_ATTENTION_TICKETS` in the kernel): one per
-/// (sequence, row tile, kv head) of a split launch.
-const TICKETS: usize = 16_384;
+/// Ticket counters of the combine (`KILN_ATTENTION_TICKETS` in the kernel): one per
+/// (sequence, row tile, kv head) of a split launch. [`decode_splits`] gives 1 split long before
+/// a batch has this many groups.
+const TICKETS: usize = 65_536;
 
 /// Decode blocks of the default variant resident on one multiprocessor (its shared memory,
 /// about 74 KB at head dim 128, fits twice on sm_80 and three times on sm_90).
@@ -314,8 +307,7 @@ fn as_i32(what: &'static str, value: usize) -> Result<i32> {
 
 /// Causal GQA attention of `batch` over the cache into `out` (bf16). With `splits > 1` the
 /// context is split in that many parts whose partials go to `scratch` ([`scratch_bytes`]) and
-/// are combined in split order, in the same launch where the grid fits the kernel's ticket
-/// counters.
+/// are combined in split order in the same launch.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     gpu: &Gpu,
@@ -398,8 +390,14 @@ pub fn attention(
     let scale_log2 = shape.scale * std::f32::consts::LOG2_E;
     let splits_arg = splits as i32;
     let groups = batch.batch * row_tiles * shape.kv_heads;
-    let fused = splits > 1 && groups <= TICKETS && variant.combine_fits(shape.head_dim, splits);
-    let fused_arg = i32::from(fused);
+    if splits > 1 && groups > TICKETS {
+        return Err(Error::NotServed {
+            op: "attention kernel",
+            reason: format!(
+                "{splits} splits of {groups} (sequence, row tile, kv head) groups, over {TICKETS}"
+            ),
+        });
+    }
     let pointers = [
         q.device_ptr(),
         cache.k.device_ptr(),
@@ -417,11 +415,11 @@ pub fn attention(
     for pointer in &pointers {
         launch.arg(pointer);
     }
-    launch.arg(&q_heads).arg(&kv_heads).arg(&page_shift).arg(&scale_log2).arg(&splits_arg).arg(&fused_arg);
-    // SAFETY: the arguments match `kiln_attention`'s signature (10 pointers, 3 i32, f32, 2 i32).
-    // With `fused`, the grid's (sequence, row tile, kv head) groups index the kernel's
-    // `TICKETS` counters in bounds, and its combine weights fit the shared memory (checked above);
-    // launches of this module run in this stream's order, so no two share a counter at once.
+    launch.arg(&q_heads).arg(&kv_heads).arg(&page_shift).arg(&scale_log2).arg(&splits_arg);
+    // SAFETY: the arguments match `kiln_attention`'s signature (10 pointers, 3 i32, f32, i32).
+    // With splits > 1, the grid's (sequence, row tile, kv head) groups index the kernel's
+    // `TICKETS` counters in bounds (checked above); launches of this module run in this stream's
+    // order, so no two share a counter at once.
     // `batch` was validated against the shape and the cache's page count when uploaded, so every
     // page id and offset the kernel reads is in bounds; q, out, the caches and (for splits > 1)
     // the scratch were checked above to hold what the kernel touches; the dynamic shared memory
@@ -429,23 +427,6 @@ pub fn attention(
     // reuses memory only in this stream's order, so they outlive the kernel.
     unsafe { launch.launch(config) }.map_err(|e| driver_error("cuLaunchKernel(kiln_attention)", e))?;
 
-    if splits > 1 && !fused {
-        let combine = function(gpu, shape.head_dim, variant, "kiln_attention_combine")?;
-        let query_rows = as_i32("query rows", batch.total_queries * shape.q_heads)?;
-        let config = LaunchConfig {
-            grid_dim: (query_rows as u32, 1, 1),
-            block_dim: (shape.head_dim as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let out_ptr = out.device_ptr();
-        let mut launch = stream.launch_builder(&combine);
-        launch.arg(&partial_out).arg(&partial_lse).arg(&out_ptr).arg(&query_rows).arg(&splits_arg);
-        // SAFETY: matches `kiln_attention_combine(const float*, const float*, u16*, int, int)`; the
-        // scratch holds `splits` partials of `query_rows` rows (checked above) written by the
-        // launch before it on the same stream, and `out` holds `query_rows * head_dim` bf16.
-        unsafe { launch.launch(config) }
-            .map_err(|e| driver_error("cuLaunchKernel(kiln_attention_combine)", e))?;
-    }
     Ok(())
 }
 
@@ -540,15 +521,6 @@ mod tests {
             }
         }
         assert_eq!(decode_splits_for(0, 1, 8), 1);
-    }
-
-    #[test]
-    fn combine_fits_in_the_launch_for_every_variant_up_to_64_splits_at_head_dim_128() {
-        for variant in AttentionVariant::ALL {
-            assert!(variant.combine_fits(128, 64), "{variant:?}");
-        }
-        assert!(AttentionVariant::PREFILL_WIDE.combine_fits(64, 64));
-        assert!(!AttentionVariant::PREFILL_WIDE.combine_fits(64, 1024));
     }
 
     #[test]
