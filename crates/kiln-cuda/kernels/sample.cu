@@ -134,11 +134,29 @@ __device__ __forceinline__ kiln_u32 sample_first_passing(Amount amount, TargetOf
     }
     const kiln_u64 t = target_of(total);
     if (sum != 0ull && before <= t && t - before < sum) {
-        // This warp's segment holds the crossing (warp-uniform condition).
-        kiln_u64 running = before;
-        for (long long base = s0; base < s1; base += 32) {
+        // This warp's segment holds the crossing (warp-uniform condition). Each lane sums a
+        // contiguous run of it (from L1: the warp just read the segment), a warp scan finds the
+        // run that holds the crossing, and the warp walks that run alone.
+        const long long per = (s1 - s0 + 31) / 32;
+        const long long r0 = s0 + lane * per < s1 ? s0 + lane * per : s1;
+        const long long r1 = r0 + per < s1 ? r0 + per : s1;
+        kiln_u64 run = 0ull;
+#pragma unroll 4
+        for (long long i = r0; i < r1; ++i) run += amount(i);
+        kiln_u64 run_inclusive = run;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const kiln_u64 n = __shfl_up_sync(KILN_FULL_MASK, run_inclusive, o);
+            if (lane >= o) run_inclusive += n;
+        }
+        const bool holds = run != 0ull && before + run_inclusive > t && before + run_inclusive - run <= t;
+        const int holder = __ffs(__ballot_sync(KILN_FULL_MASK, holds)) - 1;  // exactly one lane
+        const long long w0 = __shfl_sync(KILN_FULL_MASK, r0, holder);
+        const long long w1 = __shfl_sync(KILN_FULL_MASK, r1, holder);
+        kiln_u64 running = before + __shfl_sync(KILN_FULL_MASK, run_inclusive - run, holder);
+        for (long long base = w0; holder >= 0 && base < w1; base += 32) {
             const long long i = base + lane;
-            const kiln_u64 a = i < s1 ? amount(i) : 0ull;
+            const kiln_u64 a = i < w1 ? amount(i) : 0ull;
             kiln_u64 inclusive = a;
 #pragma unroll
             for (int o = 1; o < 32; o <<= 1) {
