@@ -111,9 +111,6 @@ pub const LINEAR_VARIANTS: &[LinearVariant] = &[
     staged(8, 1, 2),
 ];
 
-/// Values of x one staged chunk holds (the kernel's CHUNK_P pieces of every token).
-const STAGE_FLOATS: usize = 8192;
-
 /// Most sums (output rows x weight rows per output x tokens) one thread of a block carries.
 pub const MAX_SLOTS: usize = 64;
 
@@ -134,37 +131,33 @@ impl LinearVariant {
         let quantized =
             matches!(call.weight, DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q4_K | DType::Q6_K);
         let gates = call.epilogue.weight_rows_per_output();
-        let mut rows: u32 = match (quantized, call.tokens) {
-            (true, _) => 8,
-            (false, 0..=2) => 1,
-            (false, 3..=4) => 2,
-            (false, _) => 4,
+        if quantized {
+            // Measured on the H200 (bench/results/2026-11-30-h200/linear-bandwidth.txt): four warps,
+            // four rows a block, one piece in flight, x read through the cache rather than staged
+            // is the fastest listed variant of every block format at 1 token and at 8 (Q4_0: 1184
+            // against 878 GB/s at 1 token, 244 against 50 at 8). Fewer rows for small matrices and
+            // where the sums would crowd the registers (SwiGLU at more than 4 tokens).
+            let mut rows = 4u32;
+            while rows > 1
+                && (call.rows.div_ceil(rows as usize) < 264 || rows as usize * gates * call.tokens > 32)
+            {
+                rows /= 2;
+            }
+            return LinearVariant { warps: 4, rows, unroll: 1, stage_x: false };
+        }
+        let mut rows: u32 = match call.tokens {
+            0..=2 => 1,
+            3..=4 => 2,
+            _ => 4,
         };
-        // Raw 32-bit words of one piece in registers (the kernel's RAW_WORDS).
-        let raw_words = match call.weight {
-            DType::Q4_K | DType::F32 => 8,
-            DType::Q6_K => 9,
-            DType::BF16 | DType::F16 => 4,
-            _ => 5,
-        };
-        // For the block formats, at most 64 raw words and 16 sums per thread: beyond, sm_80 .. sm_90
-        // spill (the decoded values of every weight row are live at once from 3 tokens up).
         while rows > 1
-            && (call.rows.div_ceil(rows as usize) < 264
-                || rows as usize * gates * call.tokens > MAX_SLOTS
-                || (quantized && rows as usize * gates * raw_words > 64)
-                || (quantized && rows as usize * gates * call.tokens > 16))
+            && (call.rows.div_ceil(rows as usize) < 264 || rows as usize * gates * call.tokens > MAX_SLOTS)
         {
             rows /= 2;
         }
         let weight_rows = rows as usize * gates;
         let piece = piece_size(call.weight).unwrap_or(8);
         let pieces = (call.cols / piece).max(1);
-        if quantized {
-            let chunk = pieces.min((STAGE_FLOATS / (piece * call.tokens)) & !7);
-            let warps = (chunk / 32).clamp(1, 4);
-            return LinearVariant { warps: 1 << warps.ilog2(), rows, unroll: 1, stage_x: true };
-        }
         let unroll: u32 = match weight_rows {
             1 => 4,
             2 => 2,
@@ -495,26 +488,35 @@ mod tests {
     }
 
     #[test]
-    fn block_formats_stage_x_within_the_register_budget() {
-        for (dtype, raw_words) in
-            [(DType::Q8_0, 5), (DType::Q4_0, 5), (DType::Q4_1, 5), (DType::Q4_K, 8), (DType::Q6_K, 9)]
-        {
+    fn block_formats_default_to_the_measured_fastest_variant() {
+        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q4_K, DType::Q6_K] {
             for epilogue in [Epilogue::Store, Epilogue::SwiGlu] {
                 for tokens in 1..=MAX_TOKENS {
                     let c = call(dtype, 4096, 4096, tokens, epilogue);
                     let v = LinearVariant::default_for(&c);
                     let weight_rows = v.rows as usize * epilogue.weight_rows_per_output();
-                    assert!(v.stage_x, "{c:?} {v:?}");
-                    assert!(weight_rows * raw_words <= 64 && weight_rows * tokens <= 16, "{c:?} {v:?}");
+                    assert!(!v.stage_x && v.warps == 4 && v.unroll == 1, "{c:?} {v:?}");
+                    assert!(weight_rows * tokens <= 32, "{c:?} {v:?}");
                     assert!(4096usize.div_ceil(v.rows as usize) >= 264, "{c:?} {v:?}");
+                    assert!(c.defines(v, false).is_ok(), "{c:?} {v:?}");
                 }
             }
         }
-        // One token of Llama-3-8B's Q4_0 projections: 8 rows a block (4 for SwiGLU), 4 warps.
-        let q = call(DType::Q4_0, 4096, 4096, 1, Epilogue::Store);
-        assert_eq!(LinearVariant::default_for(&q), staged(4, 8, 1));
-        let q = call(DType::Q4_0, 14336, 4096, 1, Epilogue::SwiGlu);
-        assert_eq!(LinearVariant::default_for(&q), staged(4, 4, 1));
+        // Llama-3-8B's Q4_0 projections: 4 rows a block at 1 and 8 tokens, 2 for SwiGLU at 8.
+        assert_eq!(
+            LinearVariant::default_for(&call(DType::Q4_0, 4096, 4096, 1, Epilogue::Store)),
+            variant(4, 4, 1)
+        );
+        assert_eq!(
+            LinearVariant::default_for(&call(DType::Q4_0, 4096, 4096, 8, Epilogue::Store)),
+            variant(4, 4, 1)
+        );
+        assert_eq!(
+            LinearVariant::default_for(&call(DType::Q4_0, 14336, 4096, 8, Epilogue::SwiGlu)),
+            variant(4, 2, 1)
+        );
+        // Small matrices keep enough blocks to fill the device.
+        assert_eq!(LinearVariant::default_for(&call(DType::Q4_0, 576, 576, 1, Epilogue::Store)).rows, 2);
         let f = call(DType::F16, 4096, 4096, 1, Epilogue::Store);
         assert!(!LinearVariant::default_for(&f).stage_x);
     }
