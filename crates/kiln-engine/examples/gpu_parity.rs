@@ -7,9 +7,11 @@
 //! from the CPU's token (the point where free-running greedy decoding parts), the CPU's margin
 //! between the two tokens there, and the largest logit difference over all steps.
 //!
-//! The tolerance (`--tolerance`, default 1e-2) is relative to the step's largest |logit|: the GPU
-//! keeps K and V in bf16 (rounding 2^-9 relative per element, through every layer) where the CPU
-//! keeps fp32, so its logits differ by a fraction of a percent. Exit status 1 when any step's
+//! The tolerance (`--tolerance`, default 3e-2) is relative to the step's largest |logit|: the GPU
+//! keeps q, K, V and the attention probabilities in bf16 (rounding 2^-9 relative per element,
+//! through every layer) where the CPU keeps fp32. 3e-2 is bf16's own yardstick at these depths:
+//! transformers' bf16 forward differs from its fp32 forward by 1.5e-2 (Qwen3-0.6B shape) to 8.2e-2
+//! (Llama-3-8B shape) of the largest |logit| (`bench/peers/hf_shapes_reference.py`). Exit status 1 when any step's
 //! logits differ by more than the tolerance, or a prompt parts where the CPU's margin between the
 //! two tokens exceeds twice that step's largest logit difference (a parting not explained by
 //! rounding).
@@ -47,7 +49,7 @@ fn run() -> Result<bool> {
     let dir = PathBuf::from(args.get(1).ok_or_else(usage)?);
     let flag = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1));
     let steps: usize = flag("--steps").map_or(Ok(64), |v| v.parse().map_err(|_| usage()))?;
-    let tolerance: f32 = flag("--tolerance").map_or(Ok(1e-2), |v| v.parse().map_err(|_| usage()))?;
+    let tolerance: f32 = flag("--tolerance").map_or(Ok(3e-2), |v| v.parse().map_err(|_| usage()))?;
     let graphs = !args.iter().any(|a| a == "--no-graphs");
 
     let model = load_model(&model_path)?;
