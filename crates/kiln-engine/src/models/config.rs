@@ -196,7 +196,10 @@ impl ModelConfig {
         let parameters = field("rope_parameters").filter(|p| p.is_object());
         let theta = match parameters.and_then(|p| p.get("rope_theta")) {
             Some(v) => v.as_f64().ok_or_else(|| {
-                model_error(name, format!("config.json: rope_parameters.rope_theta is {v}, expected a number"))
+                model_error(
+                    name,
+                    format!("config.json: rope_parameters.rope_theta is {v}, expected a number"),
+                )
             })?,
             None => f64_field("rope_theta")?.unwrap_or(10_000.0),
         };
@@ -316,7 +319,10 @@ mod tests {
         let o = j.as_object_mut().unwrap();
         o.remove("rope_theta");
         o.remove("rope_scaling");
-        o.insert("rope_parameters".into(), serde_json::json!({"rope_type": "default", "rope_theta": 1000000.0}));
+        o.insert(
+            "rope_parameters".into(),
+            serde_json::json!({"rope_type": "default", "rope_theta": 1000000.0}),
+        );
         let c = ModelConfig::from_hf_json(&j, "q").unwrap();
         assert_eq!(c.rope.theta, 1_000_000.0);
         assert!(matches!(c.rope.scaling, RopeScaling::None));

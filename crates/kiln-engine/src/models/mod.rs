@@ -63,9 +63,8 @@ pub fn load_model(path: &Path) -> Result<LlamaModel> {
             model: path.display().to_string(),
             reason: format!("config.json: {e}"),
         })?;
-        let name = path
-            .file_name()
-            .map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned());
+        let name =
+            path.file_name().map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned());
         let config = ModelConfig::from_hf_json(&json, &name)?;
         return LlamaModel::load(config, Box::new(SafetensorsWeights::open(path)?), hf_tensor_name);
     }
