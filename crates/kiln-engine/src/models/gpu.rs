@@ -1423,65 +1423,22 @@ impl GpuEngine {
 mod tests {
     use super::*;
 
-    /// A tiny Llama folder (config.json + one safetensors file of bf16 weights) in a fresh
-    /// directory under the system's temporary folder.
+    /// A tiny Llama folder (hidden 128, 2 heads of 64 over 1 KV head, ffn 256, vocabulary 100, 2
+    /// layers) in a fresh directory under the system's temporary folder.
     fn tiny_llama(tag: &str, tied: bool) -> std::path::PathBuf {
         let dir = std::env::temp_dir().join(format!("kiln-gpu-plan-{tag}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let (hidden, heads, kv, hd, ffn, vocab, layers) =
-            (128usize, 2usize, 1usize, 64usize, 256usize, 100usize, 2usize);
-        let config = serde_json::json!({
-            "architectures": ["LlamaForCausalLM"], "hidden_size": hidden, "intermediate_size": ffn,
-            "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv,
-            "vocab_size": vocab, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
-            "tie_word_embeddings": tied
-        });
-        std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-        let mut tensors: Vec<(String, Vec<usize>)> = vec![
-            ("model.embed_tokens.weight".into(), vec![vocab, hidden]),
-            ("model.norm.weight".into(), vec![hidden]),
-        ];
-        if !tied {
-            tensors.push(("lm_head.weight".into(), vec![vocab, hidden]));
-        }
-        for l in 0..layers {
-            let p = format!("model.layers.{l}.");
-            for (n, shape) in [
-                ("input_layernorm.weight", vec![hidden]),
-                ("post_attention_layernorm.weight", vec![hidden]),
-                ("self_attn.q_proj.weight", vec![heads * hd, hidden]),
-                ("self_attn.k_proj.weight", vec![kv * hd, hidden]),
-                ("self_attn.v_proj.weight", vec![kv * hd, hidden]),
-                ("self_attn.o_proj.weight", vec![hidden, heads * hd]),
-                ("mlp.gate_proj.weight", vec![ffn, hidden]),
-                ("mlp.up_proj.weight", vec![ffn, hidden]),
-                ("mlp.down_proj.weight", vec![hidden, ffn]),
-            ] {
-                tensors.push((format!("{p}{n}"), shape));
-            }
-        }
-        let data: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
-            .into_iter()
-            .map(|(n, shape)| {
-                let count: usize = shape.iter().product();
-                let bytes = (0..count)
-                    .flat_map(|i| half::bf16::from_f32(((i % 7) as f32 - 3.0) * 0.01).to_le_bytes())
-                    .collect();
-                (n, shape, bytes)
-            })
-            .collect();
-        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = data
-            .iter()
-            .map(|(n, shape, bytes)| {
-                (
-                    n.clone(),
-                    safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, shape.clone(), bytes)
-                        .unwrap(),
-                )
-            })
-            .collect();
-        safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
-        dir
+        let spec = crate::models::test_models::TinySpec {
+            hidden: 128,
+            heads: 2,
+            kv_heads: 1,
+            head_dim: 64,
+            ffn: 256,
+            vocab: 100,
+            layers: 2,
+            tied,
+            ..crate::models::test_models::TinySpec::llama()
+        };
+        crate::models::test_models::write_tiny_model(&dir, &spec, 1).unwrap()
     }
 
     #[test]

@@ -3,6 +3,8 @@
 pub mod config;
 pub mod gpu;
 pub mod llama;
+#[doc(hidden)]
+pub mod test_models;
 
 use std::path::Path;
 

@@ -1,0 +1,169 @@
+//! The GPU engine against the CPU forward on tiny random models of each family (Llama, Qwen2 with
+//! q/k/v bias, Qwen3 with q/k norm and a tied head): prefill (the matrix-product path) and decode
+//! (the matrix-vector path) logits within bf16's tolerance of the CPU's, captured graphs equal to
+//! plain launches bit for bit, sequences batched together equal to each alone within tolerance, and
+//! a failed step that leaves the cache as it was. Needs an NVIDIA GPU (`--features gpu-tests`).
+
+use kiln_core::ops::sample::SamplingParams;
+use kiln_core::Error;
+use kiln_engine::models::gpu::{GpuEngine, GpuOptions, GpuSequence};
+use kiln_engine::models::test_models::{write_tiny_model, TinySpec};
+use kiln_engine::models::{load_model, LlamaModel};
+
+/// The largest |gpu - cpu| over the largest |cpu|: the GPU keeps q, K, V and the attention
+/// probabilities in bf16.
+const TOLERANCE: f32 = 3e-2;
+
+fn model(arch: &'static str, tied: bool, seed: u64) -> LlamaModel {
+    let dir = std::env::temp_dir().join(format!("kiln-gpu-engine-{arch}-{seed}-{}", std::process::id()));
+    let spec = TinySpec { architecture: arch, tied, ..TinySpec::llama() };
+    write_tiny_model(&dir, &spec, seed).expect("tiny model");
+    load_model(&dir).expect("load")
+}
+
+fn ids(seed: u64, len: usize, vocab: usize) -> Vec<u32> {
+    let mut s = seed | 1;
+    (0..len)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s % vocab as u64) as u32
+        })
+        .collect()
+}
+
+fn relative(gpu: &[f32], cpu: &[f32]) -> f32 {
+    let scale = cpu.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+    gpu.iter().zip(cpu).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max) / scale
+}
+
+fn greedy() -> SamplingParams {
+    SamplingParams { temperature: 0.0, ..SamplingParams::default() }
+}
+
+fn engine(model: &LlamaModel, graphs: bool, batch: usize) -> GpuEngine {
+    let gpu = kiln_cuda::Gpu::open(0).expect("a CUDA GPU");
+    let options = GpuOptions { max_batch: batch, max_context: 256, graphs, ..GpuOptions::default() };
+    GpuEngine::new(gpu, model, options).expect("engine")
+}
+
+/// Runs `prompt` then `steps` decode tokens (the CPU's greedy choices) and returns each step's
+/// logits from the CPU and the GPU.
+fn both(
+    model: &LlamaModel,
+    engine: &mut GpuEngine,
+    prompt: &[u32],
+    steps: usize,
+) -> Vec<(Vec<f32>, Vec<f32>)> {
+    let mut cache = model.new_cache(prompt.len() + steps + 1).expect("cache");
+    let mut seq = engine.new_sequence(greedy()).expect("sequence");
+    let mut out = Vec::new();
+    let mut input = prompt.to_vec();
+    for _ in 0..=steps {
+        let cpu = model.forward(&input, &mut cache).expect("cpu forward");
+        let (_, mut gpu) = engine.step_with_logits(&mut [(&mut seq, &input)]).expect("gpu step");
+        let next = kiln_core::ops::sample::argmax(&cpu).expect("argmax");
+        out.push((gpu.remove(0), cpu));
+        input = vec![next];
+    }
+    engine.release(seq);
+    out
+}
+
+#[test]
+fn gpu_logits_follow_the_cpu_forward_for_each_family() {
+    for (arch, tied) in [("LlamaForCausalLM", false), ("Qwen2ForCausalLM", false), ("Qwen3ForCausalLM", true)]
+    {
+        let model = model(arch, tied, 11);
+        let mut engine = engine(&model, true, 1);
+        // 37 prompt tokens take the matrix-product path, the decode steps the matrix-vector one.
+        for (step, (gpu, cpu)) in both(&model, &mut engine, &ids(3, 37, 300), 12).iter().enumerate() {
+            let r = relative(gpu, cpu);
+            assert!(r <= TOLERANCE, "{arch} step {step}: {r:.3e}");
+            let (g, c) = (kiln_core::ops::sample::argmax(gpu), kiln_core::ops::sample::argmax(cpu));
+            if g != c {
+                let (g, c) = (g.expect("gpu argmax") as usize, c.expect("cpu argmax") as usize);
+                let margin = cpu[c] - cpu[g];
+                let scale = cpu.iter().fold(0f32, |m, v| m.max(v.abs()));
+                assert!(margin <= 2.0 * r * scale, "{arch} step {step}: parts at margin {margin}");
+            }
+        }
+    }
+}
+
+#[test]
+fn captured_decode_steps_equal_plain_launches_bit_for_bit() {
+    let model = model("LlamaForCausalLM", false, 5);
+    let prompt = ids(9, 20, 300);
+    let run = |graphs: bool| -> Vec<Vec<u32>> {
+        let mut engine = engine(&model, graphs, 1);
+        let mut seq = engine.new_sequence(greedy()).expect("sequence");
+        let mut rows = Vec::new();
+        let (mut tokens, _) = engine.step_with_logits(&mut [(&mut seq, &prompt)]).expect("prefill");
+        for _ in 0..8 {
+            let (next, logits) = engine.step_with_logits(&mut [(&mut seq, &[tokens[0]])]).expect("decode");
+            rows.push(logits[0].iter().map(|v| v.to_bits()).collect());
+            tokens = next;
+        }
+        rows
+    };
+    let plain = run(false);
+    let captured = run(true);
+    assert_eq!(plain.len(), captured.len());
+    for (step, (a, b)) in plain.iter().zip(&captured).enumerate() {
+        assert!(a == b, "decode step {step}: replayed logits differ from plain launches");
+    }
+}
+
+#[test]
+fn sequences_batched_together_match_each_alone() {
+    let model = model("LlamaForCausalLM", false, 21);
+    let prompts = [ids(1, 5, 300), ids(2, 17, 300), ids(3, 40, 300)];
+    let mut alone = Vec::new();
+    for p in &prompts {
+        let mut engine = engine(&model, false, 1);
+        let mut seq = engine.new_sequence(greedy()).expect("sequence");
+        let (t, l) = engine.step_with_logits(&mut [(&mut seq, p)]).expect("prefill");
+        let (_, l2) = engine.step_with_logits(&mut [(&mut seq, &[t[0]])]).expect("decode");
+        alone.push((t[0], l.into_iter().next().expect("row"), l2.into_iter().next().expect("row")));
+    }
+    let mut engine = engine(&model, true, 3);
+    let mut seqs: Vec<GpuSequence> =
+        (0..3).map(|_| engine.new_sequence(greedy()).expect("sequence")).collect();
+    let (tokens, logits) = {
+        let mut work: Vec<(&mut GpuSequence, &[u32])> =
+            seqs.iter_mut().zip(&prompts).map(|(s, p)| (s, &p[..])).collect();
+        engine.step_with_logits(&mut work).expect("batched prefill")
+    };
+    let next: Vec<[u32; 1]> = alone.iter().map(|a| [a.0]).collect();
+    let (_, logits2) = {
+        let mut work: Vec<(&mut GpuSequence, &[u32])> =
+            seqs.iter_mut().zip(&next).map(|(s, t)| (s, &t[..])).collect();
+        engine.step_with_logits(&mut work).expect("batched decode")
+    };
+    for (i, a) in alone.iter().enumerate() {
+        assert!(relative(&logits[i], &a.1) <= TOLERANCE, "sequence {i}: prefill");
+        assert!(relative(&logits2[i], &a.2) <= TOLERANCE, "sequence {i}: decode");
+        let _ = tokens[i];
+    }
+}
+
+#[test]
+fn a_failed_step_leaves_the_cache_as_it_was() {
+    let model = model("LlamaForCausalLM", false, 8);
+    let mut engine = engine(&model, true, 2);
+    let mut a = engine.new_sequence(greedy()).expect("sequence");
+    let mut b = engine.new_sequence(greedy()).expect("sequence");
+    engine.step(&mut [(&mut a, &ids(4, 10, 300))]).expect("prefill");
+    let free = engine.free_pages();
+    // The second sequence's token is outside the vocabulary: the step fails by name and neither
+    // sequence keeps a position from it.
+    let bad = [300u32];
+    let good = [1u32];
+    let e = engine.step(&mut [(&mut a, &good), (&mut b, &bad)]).expect_err("out of range");
+    assert!(matches!(e, Error::OutOfBounds { what: "token id", .. }), "{e}");
+    assert_eq!((a.len(), b.len(), engine.free_pages()), (10, 0, free));
+    engine.step(&mut [(&mut a, &good), (&mut b, &good)]).expect("a later step works");
+    assert_eq!((a.len(), b.len()), (11, 1));
+}
