@@ -72,7 +72,7 @@ pub struct GenerateArgs {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// A file of prompts, one per line, generated together on the GPU with continuous batching
-    /// (each completion printed after all finish); `--prompt` is then not needed.
+    /// (on the CPU one after another); each completion is printed after all finish.
     #[arg(long, conflicts_with = "prompt")]
     pub prompts_file: Option<PathBuf>,
     /// Sequences running together with `--prompts-file`.
@@ -239,12 +239,6 @@ fn run_batch(
     use_gpu: bool,
     sampling: SamplingParams,
 ) -> Result<ExitCode> {
-    if !use_gpu {
-        return Err(Error::NotServed {
-            op: "kiln generate --prompts-file",
-            reason: "batched generation runs on the GPU; no working GPU was found (see `kiln doctor`)".into(),
-        });
-    }
     if args.batch == 0 {
         return Err(Error::InvalidArgument {
             name: "--batch",
@@ -284,6 +278,29 @@ fn run_batch(
                 prefill_chunk: 256,
             },
         });
+    }
+    if !use_gpu {
+        // On the CPU the prompts run one after another.
+        let started = Instant::now();
+        let mut out = std::io::stdout().lock();
+        let mut total = 0;
+        for (i, r) in requests.iter().enumerate() {
+            let g = generate(&model, &r.prompt, &r.options, &mut |_| Ok(true))?;
+            total += g.tokens.len();
+            let _ = writeln!(out, "[{i}] {}", tokenizer.decode(&g.tokens)?);
+            if args.print_ids {
+                let ids: Vec<String> = g.tokens.iter().map(u32::to_string).collect();
+                let _ = writeln!(out, "[{i}] ids: {}", ids.join(" "));
+            }
+        }
+        let elapsed = started.elapsed().as_secs_f64();
+        eprintln!(
+            "kiln: {} on cpu | {} prompts, one at a time | {total} tokens in {elapsed:.2} s ({:.1} tok/s)",
+            path.display(),
+            requests.len(),
+            total as f64 / elapsed.max(1e-9)
+        );
+        return Ok(ExitCode::SUCCESS);
     }
     let longest = requests.iter().map(|r| r.prompt.len()).max().unwrap_or(0);
     let context =
