@@ -206,9 +206,53 @@ pub struct Request {
     pub options: GenerateOptions,
 }
 
-struct Active {
+/// What continuous batching needs of an engine: sequences with a sampler step, steps over many
+/// sequences, and the KV pages it has free. [`crate::models::gpu::GpuEngine`] is one.
+pub trait BatchEngine {
+    type Sequence;
+    /// Sequences a step serves, tokens a step runs, positions a sequence holds, positions a page.
+    fn limits(&self) -> (usize, usize, usize, usize);
+    fn free_pages(&self) -> usize;
+    fn new_sequence(&self, params: SamplingParams) -> Result<Self::Sequence>;
+    /// Positions the sequence holds.
+    fn positions(sequence: &Self::Sequence) -> usize;
+    /// Sets the sampler's step for the sequence's next sample.
+    fn set_step(sequence: &mut Self::Sequence, step: u64);
+    /// Runs each sequence's tokens and samples one token for each (see
+    /// [`crate::models::gpu::GpuEngine::step`]).
+    fn step(&mut self, work: &mut [(&mut Self::Sequence, &[u32])]) -> Result<Vec<u32>>;
+    fn release(&mut self, sequence: Self::Sequence);
+}
+
+impl BatchEngine for crate::models::gpu::GpuEngine {
+    type Sequence = crate::models::gpu::GpuSequence;
+    fn limits(&self) -> (usize, usize, usize, usize) {
+        let o = self.options();
+        (o.max_batch, o.max_step_tokens, o.max_context, o.page_tokens)
+    }
+    fn free_pages(&self) -> usize {
+        crate::models::gpu::GpuEngine::free_pages(self)
+    }
+    fn new_sequence(&self, params: SamplingParams) -> Result<Self::Sequence> {
+        crate::models::gpu::GpuEngine::new_sequence(self, params)
+    }
+    fn positions(sequence: &Self::Sequence) -> usize {
+        sequence.len()
+    }
+    fn set_step(sequence: &mut Self::Sequence, step: u64) {
+        sequence.step = step;
+    }
+    fn step(&mut self, work: &mut [(&mut Self::Sequence, &[u32])]) -> Result<Vec<u32>> {
+        crate::models::gpu::GpuEngine::step(self, work)
+    }
+    fn release(&mut self, sequence: Self::Sequence) {
+        crate::models::gpu::GpuEngine::release(self, sequence)
+    }
+}
+
+struct Active<S> {
     index: usize,
-    sequence: crate::models::gpu::GpuSequence,
+    sequence: S,
     /// Prompt tokens already run.
     prefilled: usize,
     tokens: Vec<u32>,
@@ -224,16 +268,15 @@ struct Active {
 /// of every running sequence with prompt chunks of joining ones, within the engine's
 /// `max_step_tokens`. `on_token(request, token)` sees each token as it comes and returns `false`
 /// to stop that request. Results come back in the order of `requests`.
-pub fn generate_batch_gpu(
-    engine: &mut crate::models::gpu::GpuEngine,
+pub fn generate_batch_gpu<E: BatchEngine>(
+    engine: &mut E,
     requests: &[Request],
     on_token: &mut dyn FnMut(usize, u32) -> Result<bool>,
 ) -> Result<Vec<Generation>> {
-    let opts = *engine.options();
-    let page_tokens = opts.page_tokens;
+    let (max_batch, max_step_tokens, max_context, page_tokens) = engine.limits();
     for (i, r) in requests.iter().enumerate() {
         r.options.sampling.validate()?;
-        if r.prompt.is_empty() || r.prompt.len() + r.options.max_tokens > opts.max_context {
+        if r.prompt.is_empty() || r.prompt.len() + r.options.max_tokens > max_context {
             return Err(Error::InvalidArgument {
                 name: "request",
                 value: format!(
@@ -241,7 +284,7 @@ pub fn generate_batch_gpu(
                     r.prompt.len(),
                     r.options.max_tokens
                 ),
-                reason: format!("between 1 and {} positions a sequence", opts.max_context),
+                reason: format!("between 1 and {} positions a sequence", max_context),
             });
         }
         let pages = (r.prompt.len() + r.options.max_tokens).div_ceil(page_tokens);
@@ -254,7 +297,7 @@ pub fn generate_batch_gpu(
     }
     let mut results: Vec<Option<Generation>> = vec![None; requests.len()];
     let mut waiting: std::collections::VecDeque<usize> = (0..requests.len()).collect();
-    let mut active: Vec<Active> = Vec::new();
+    let mut active: Vec<Active<E::Sequence>> = Vec::new();
     let mut reserved_pages = 0usize;
     let outcome = (|| -> Result<()> {
         while !waiting.is_empty() || !active.is_empty() {
@@ -262,9 +305,9 @@ pub fn generate_batch_gpu(
             while let Some(&next) = waiting.front() {
                 let r = &requests[next];
                 let pages = (r.prompt.len() + r.options.max_tokens).div_ceil(page_tokens);
-                if active.len() >= opts.max_batch
+                if active.len() >= max_batch
                     || reserved_pages + pages
-                        > engine.free_pages() + reserved_pages_in_use(&active, page_tokens)
+                        > engine.free_pages() + reserved_pages_in_use::<E>(&active, page_tokens)
                 {
                     break;
                 }
@@ -283,7 +326,7 @@ pub fn generate_batch_gpu(
             }
             // The step: one token for each decoding sequence, then prompt chunks.
             let decoding = active.iter().filter(|a| a.prefilled == requests[a.index].prompt.len()).count();
-            let mut budget = opts.max_step_tokens.saturating_sub(decoding);
+            let mut budget = max_step_tokens.saturating_sub(decoding);
             let mut inputs: Vec<Vec<u32>> = Vec::with_capacity(active.len());
             let mut runs = Vec::with_capacity(active.len());
             for (k, a) in active.iter().enumerate() {
@@ -304,15 +347,15 @@ pub fn generate_batch_gpu(
                     reason: "a step with no work".into(),
                 });
             }
-            let mut work: Vec<(&mut crate::models::gpu::GpuSequence, &[u32])> =
-                Vec::with_capacity(runs.len());
+            let mut work: Vec<(&mut E::Sequence, &[u32])> = Vec::with_capacity(runs.len());
             {
-                let mut rest: &mut [Active] = &mut active;
+                let mut rest: &mut [Active<E::Sequence>] = &mut active;
                 let mut offset = 0;
                 for (&k, input) in runs.iter().zip(&inputs) {
                     let (_, tail) = std::mem::take(&mut rest).split_at_mut(k - offset);
                     let (item, after) = tail.split_at_mut(1);
-                    item[0].sequence.step = item[0].tokens.len() as u64;
+                    let step = item[0].tokens.len() as u64;
+                    E::set_step(&mut item[0].sequence, step);
                     work.push((&mut item[0].sequence, &input[..]));
                     rest = after;
                     offset = k + 1;
@@ -384,6 +427,174 @@ pub fn generate_batch_gpu(
 }
 
 /// Pages the running sequences hold now (their reservations count the rest).
-fn reserved_pages_in_use(active: &[Active], page_tokens: usize) -> usize {
-    active.iter().map(|a| a.sequence.len().div_ceil(page_tokens)).sum()
+fn reserved_pages_in_use<E: BatchEngine>(active: &[Active<E::Sequence>], page_tokens: usize) -> usize {
+    active.iter().map(|a| E::positions(&a.sequence).div_ceil(page_tokens)).sum()
+}
+
+#[cfg(test)]
+mod batch_tests {
+    use super::*;
+
+    /// An engine on the host: a sequence's next token is its last input token plus one (mod 1000);
+    /// pages are counted, steps recorded.
+    struct Fake {
+        limits: (usize, usize, usize, usize),
+        pages: usize,
+        used: usize,
+        steps: Vec<(usize, usize)>,
+        samples: Vec<(usize, u64, u32)>,
+        fail_at_step: Option<usize>,
+        made: std::cell::Cell<usize>,
+    }
+
+    struct Seq {
+        id: usize,
+        positions: usize,
+        pages: usize,
+        step: u64,
+    }
+
+    impl BatchEngine for Fake {
+        type Sequence = Seq;
+        fn limits(&self) -> (usize, usize, usize, usize) {
+            self.limits
+        }
+        fn free_pages(&self) -> usize {
+            self.pages - self.used
+        }
+        fn new_sequence(&self, _: SamplingParams) -> Result<Seq> {
+            self.made.set(self.made.get() + 1);
+            Ok(Seq { id: self.made.get() - 1, positions: 0, pages: 0, step: 0 })
+        }
+        fn positions(s: &Seq) -> usize {
+            s.positions
+        }
+        fn set_step(s: &mut Seq, step: u64) {
+            s.step = step;
+        }
+        fn step(&mut self, work: &mut [(&mut Seq, &[u32])]) -> Result<Vec<u32>> {
+            if self.fail_at_step == Some(self.steps.len()) {
+                return Err(Error::NotServed { op: "fake", reason: "planned failure".into() });
+            }
+            let (max_batch, max_tokens, context, page) = self.limits;
+            let tokens: usize = work.iter().map(|(_, t)| t.len()).sum();
+            assert!(
+                work.len() <= max_batch && tokens <= max_tokens,
+                "{} sequences, {tokens} tokens",
+                work.len()
+            );
+            self.steps.push((work.len(), tokens));
+            let mut out = Vec::new();
+            for (seq, input) in work.iter_mut() {
+                seq.positions += input.len();
+                assert!(seq.positions <= context);
+                let pages = seq.positions.div_ceil(page);
+                self.used += pages - seq.pages;
+                seq.pages = pages;
+                assert!(self.used <= self.pages, "over the pool");
+                let token = (input[input.len() - 1] + 1) % 1000;
+                self.samples.push((seq.id, seq.step, token));
+                out.push(token);
+            }
+            Ok(out)
+        }
+        fn release(&mut self, s: Seq) {
+            self.used -= s.pages;
+        }
+    }
+
+    fn fake(max_batch: usize, max_tokens: usize, pages: usize) -> Fake {
+        Fake {
+            limits: (max_batch, max_tokens, 256, 16),
+            pages,
+            used: 0,
+            steps: Vec::new(),
+            samples: Vec::new(),
+            fail_at_step: None,
+            made: std::cell::Cell::new(0),
+        }
+    }
+
+    fn request(first: u32, prompt_len: usize, max_tokens: usize, stop: &[u32]) -> Request {
+        Request {
+            prompt: (0..prompt_len as u32).map(|i| first + i).collect(),
+            options: GenerateOptions {
+                max_tokens,
+                sampling: SamplingParams { temperature: 0.0, ..SamplingParams::default() },
+                stop_tokens: stop.to_vec(),
+                prefill_chunk: 64,
+            },
+        }
+    }
+
+    #[test]
+    fn batched_requests_give_what_each_gives_alone_in_request_order() {
+        let requests: Vec<Request> =
+            (0..7).map(|i| request(100 * i as u32, 3 + 11 * i, 5 + i, &[])).collect();
+        let mut alone = Vec::new();
+        for r in &requests {
+            let mut e = fake(1, 64, 1000);
+            alone.push(generate_batch_gpu(&mut e, std::slice::from_ref(r), &mut |_, _| Ok(true)).unwrap());
+        }
+        let mut e = fake(3, 40, 1000);
+        let mut seen = vec![0usize; requests.len()];
+        let all = generate_batch_gpu(&mut e, &requests, &mut |i, _| {
+            seen[i] += 1;
+            Ok(true)
+        })
+        .unwrap();
+        for (i, g) in all.iter().enumerate() {
+            assert_eq!(g.tokens, alone[i][0].tokens, "request {i}");
+            // Each sequence continues from its prompt's last token.
+            let last = requests[i].prompt[requests[i].prompt.len() - 1];
+            let expected: Vec<u32> =
+                (1..=requests[i].options.max_tokens as u32).map(|k| (last + k) % 1000).collect();
+            assert_eq!(g.tokens, expected);
+            assert_eq!(g.stop, StopReason::MaxTokens);
+            assert_eq!(seen[i], g.tokens.len());
+        }
+        // Steps mixed prompts and decodes within the limits, with up to 3 sequences at once.
+        assert!(e.steps.iter().any(|&(seqs, _)| seqs == 3));
+        assert_eq!(e.used, 0, "every page given back");
+        // Sequences start in request order; the samples each kept were drawn at steps 0, 1, 2, ...
+        // (a prompt chunk that does not finish the prompt samples too, and its token is dropped).
+        for (i, g) in all.iter().enumerate() {
+            let mine: Vec<(u64, u32)> = e.samples.iter().filter(|s| s.0 == i).map(|s| (s.1, s.2)).collect();
+            let kept = &mine[mine.len() - g.tokens.len()..];
+            let steps: Vec<u64> = kept.iter().map(|k| k.0).collect();
+            assert_eq!(steps, (0..g.tokens.len() as u64).collect::<Vec<_>>(), "request {i}");
+            assert_eq!(kept.iter().map(|k| k.1).collect::<Vec<_>>(), g.tokens);
+        }
+    }
+
+    #[test]
+    fn requests_wait_for_pages_and_stop_on_their_own_terms() {
+        // 6 pages of 16 positions: each request needs 2 (prompt 10 + 8 tokens), so 3 run at once.
+        let mut requests: Vec<Request> = (0..5).map(|i| request(10 * i as u32, 10, 8, &[])).collect();
+        requests[1] = request(10, 10, 8, &[23]); // its third token would be 23: stops there
+        let mut e = fake(8, 64, 6);
+        let all = generate_batch_gpu(&mut e, &requests, &mut |i, _| Ok(i != 3)).unwrap();
+        assert!(e.steps.iter().all(|&(seqs, _)| seqs <= 3), "{:?}", e.steps);
+        assert_eq!(all[1].stop, StopReason::StopToken(23));
+        assert_eq!(all[1].tokens, vec![20, 21, 22]);
+        assert_eq!(all[3].stop, StopReason::Caller);
+        assert_eq!(all[3].tokens.len(), 1);
+        assert_eq!(all[4].tokens.len(), 8);
+        assert_eq!(e.used, 0);
+        // A request that could never fit is refused before anything runs.
+        let mut small = fake(8, 64, 1);
+        let e2 = generate_batch_gpu(&mut small, &requests[..1], &mut |_, _| Ok(true)).unwrap_err();
+        assert!(matches!(e2, Error::PagePoolExhausted { requested_pages: 2, free_pages: 1 }), "{e2}");
+        assert!(small.steps.is_empty());
+    }
+
+    #[test]
+    fn a_failed_step_gives_every_page_back_and_names_the_error() {
+        let requests: Vec<Request> = (0..4).map(|i| request(i as u32, 20, 10, &[])).collect();
+        let mut e = fake(4, 64, 1000);
+        e.fail_at_step = Some(3);
+        let err = generate_batch_gpu(&mut e, &requests, &mut |_, _| Ok(true)).unwrap_err();
+        assert!(matches!(err, Error::NotServed { op: "fake", .. }), "{err}");
+        assert_eq!(e.used, 0);
+    }
 }
