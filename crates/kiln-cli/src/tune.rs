@@ -161,22 +161,14 @@ fn gguf_shapes(path: &Path) -> Result<ModelShapes> {
 
 /// A Hugging Face folder's shapes; every weight of the `torch_dtype` of its `config.json`.
 fn hf_shapes(dir: &Path) -> Result<ModelShapes> {
-    let config_path = dir.join("config.json");
-    let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
-    let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Model {
-        model: dir.display().to_string(),
-        reason: format!("config.json: {e}"),
-    })?;
-    let name =
-        dir.file_name().map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into_owned());
-    let config = ModelConfig::from_hf_json(&json, &name)?;
+    let (json, config) = kiln_engine::models::read_hf_config(dir)?;
     let dtype = match json.get("torch_dtype").and_then(|v| v.as_str()) {
         None | Some("bfloat16") => DType::BF16,
         Some("float16") => DType::F16,
         Some("float32") => DType::F32,
         Some(other) => {
             return Err(Error::Model {
-                model: name,
+                model: config.name.clone(),
                 reason: format!("config.json: torch_dtype `{other}` (bfloat16, float16 or float32)"),
             })
         }

@@ -64,22 +64,9 @@ pub fn generate(
     options: &GenerateOptions,
     on_token: &mut dyn FnMut(u32) -> Result<bool>,
 ) -> Result<Generation> {
-    if prompt.is_empty() {
-        return Err(Error::InvalidArgument {
-            name: "prompt",
-            value: "0 tokens".into(),
-            reason: "a generation needs at least one prompt token".into(),
-        });
-    }
     options.sampling.validate()?;
     let mut cache = model.new_cache(prompt.len() + options.max_tokens)?;
-    if prompt.len() >= cache.max_positions() {
-        return Err(Error::InvalidArgument {
-            name: "prompt",
-            value: format!("{} tokens", prompt.len()),
-            reason: format!("the model's context holds {} positions", cache.max_positions()),
-        });
-    }
+    check_prompt(prompt, cache.max_positions(), "the model's context")?;
     let started = Instant::now();
     let mut logits = Vec::new();
     for chunk in prompt.chunks(options.prefill_chunk.max(1)) {
@@ -130,21 +117,7 @@ pub fn generate_gpu(
     options: &GenerateOptions,
     on_token: &mut dyn FnMut(u32) -> Result<bool>,
 ) -> Result<Generation> {
-    if prompt.is_empty() {
-        return Err(Error::InvalidArgument {
-            name: "prompt",
-            value: "0 tokens".into(),
-            reason: "a generation needs at least one prompt token".into(),
-        });
-    }
-    let max_context = engine.options().max_context;
-    if prompt.len() >= max_context {
-        return Err(Error::InvalidArgument {
-            name: "prompt",
-            value: format!("{} tokens", prompt.len()),
-            reason: format!("the engine holds {max_context} positions a sequence"),
-        });
-    }
+    check_prompt(prompt, engine.options().max_context, "the engine's sequences")?;
     let mut sequence = engine.new_sequence(options.sampling)?;
     let result = run_gpu(engine, &mut sequence, prompt, options, on_token);
     engine.release(sequence);
@@ -197,6 +170,18 @@ fn run_gpu(
         prompt_time,
         decode_time: decode_started.elapsed(),
     })
+}
+
+/// `Error::InvalidArgument` for an empty prompt or one that fills `positions` (what `holder` holds).
+fn check_prompt(prompt: &[u32], positions: usize, holder: &str) -> Result<()> {
+    if prompt.is_empty() || prompt.len() >= positions {
+        return Err(Error::InvalidArgument {
+            name: "prompt",
+            value: format!("{} tokens", prompt.len()),
+            reason: format!("a generation needs at least one prompt token and room for one more; {holder} hold {positions} positions"),
+        });
+    }
+    Ok(())
 }
 
 /// One request of a batched generation.

@@ -22,9 +22,9 @@ pub fn load_gguf(file: GgufFile) -> Result<LlamaModel> {
     LlamaModel::load(config, Box::new(file), |name| name.to_string())
 }
 
-/// Loads a Hugging Face folder: `config.json`, `tokenizer.json` and safetensors weights (one
-/// file or a sharded index).
-pub fn load_hf_dir(dir: &Path) -> Result<(LlamaModel, Tokenizer)> {
+/// A Hugging Face folder's `config.json`: the parsed JSON (for fields Kiln does not model) and the
+/// configuration, named after the folder.
+pub fn read_hf_config(dir: &Path) -> Result<(serde_json::Value, ModelConfig)> {
     let config_path = dir.join("config.json");
     let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
     let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Model {
@@ -34,6 +34,13 @@ pub fn load_hf_dir(dir: &Path) -> Result<(LlamaModel, Tokenizer)> {
     let name =
         dir.file_name().map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into_owned());
     let config = ModelConfig::from_hf_json(&json, &name)?;
+    Ok((json, config))
+}
+
+/// Loads a Hugging Face folder: `config.json`, `tokenizer.json` and safetensors weights (one
+/// file or a sharded index).
+pub fn load_hf_dir(dir: &Path) -> Result<(LlamaModel, Tokenizer)> {
+    let (_, config) = read_hf_config(dir)?;
     let tokenizer = Tokenizer::from_file(dir.join("tokenizer.json"))?;
     let weights = SafetensorsWeights::open(dir)?;
     let model = LlamaModel::load(config, Box::new(weights), hf_tensor_name)?;
@@ -59,15 +66,7 @@ fn check_vocab(model: &LlamaModel, tokenizer: &Tokenizer) -> Result<()> {
 /// `tokenizer.json` may be missing: for tools that feed token ids.
 pub fn load_model(path: &Path) -> Result<LlamaModel> {
     if path.is_dir() {
-        let config_path = path.join("config.json");
-        let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
-        let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Model {
-            model: path.display().to_string(),
-            reason: format!("config.json: {e}"),
-        })?;
-        let name =
-            path.file_name().map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned());
-        let config = ModelConfig::from_hf_json(&json, &name)?;
+        let (_, config) = read_hf_config(path)?;
         return LlamaModel::load(config, Box::new(SafetensorsWeights::open(path)?), hf_tensor_name);
     }
     load_gguf(GgufFile::open(path)?)
