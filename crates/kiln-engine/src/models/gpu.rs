@@ -1090,8 +1090,14 @@ impl GpuEngine {
         }
         // The last token of each sequence: final norm, LM head, sampler. More rows than the
         // matrix-vector kernels take at once go through cuBLAS when the head is 16-bit.
-        forward::gather_rows(gpu, ws.x.view(), t, last_rows, b, c.hidden, ws.last.view())?;
-        launches += 1;
+        // A pure decode step's last rows are all its rows: no gather.
+        let last = if t == b {
+            &ws.x
+        } else {
+            forward::gather_rows(gpu, ws.x.view(), t, last_rows, b, c.hidden, ws.last.view())?;
+            launches += 1;
+            &ws.last
+        };
         let head_gemm = b > o.matvec_tokens
             && matches!(self.output.dtype, DType::BF16 | DType::F16)
             && self.blas.is_some();
@@ -1100,7 +1106,7 @@ impl GpuEngine {
             norm_op::norm(
                 gpu,
                 &norm_call(b, half),
-                self.norm_buffers(&ws.last, &self.output_norm, &ws.last16),
+                self.norm_buffers(last, &self.output_norm, &ws.last16),
                 None,
             )?;
             blas.gemm(
@@ -1118,7 +1124,7 @@ impl GpuEngine {
             norm_op::norm(
                 gpu,
                 &norm_call(b, DType::F32),
-                self.norm_buffers(&ws.last, &self.output_norm, &ws.last_normed),
+                self.norm_buffers(last, &self.output_norm, &ws.last_normed),
                 self.norm_variant(b, DType::F32)?,
             )?;
             launches += 1;
