@@ -54,6 +54,9 @@ struct Report {
     kiln_version: &'static str,
     ok: bool,
     probe: Probe,
+    /// Whether libcublas loads: the GPU engine's prefill matrix products need it (without it, long
+    /// steps run Kiln's matrix-vector kernels 8 tokens at a time).
+    cublas: bool,
     gpus: Vec<GpuReport>,
     kernel_cache: Option<CacheSummary>,
     live_check: Option<LiveCheck>,
@@ -138,7 +141,17 @@ fn examine() -> Report {
         }
     }
     let ok = problems.is_empty() && live_check.as_ref().is_some_and(|c| c.ok);
-    Report { kiln_version: env!("CARGO_PKG_VERSION"), ok, probe, gpus, kernel_cache, live_check, problems }
+    let cublas = kiln_cuda::blas::Blas::available();
+    Report {
+        kiln_version: env!("CARGO_PKG_VERSION"),
+        ok,
+        probe,
+        cublas,
+        gpus,
+        kernel_cache,
+        live_check,
+        problems,
+    }
 }
 
 /// Compiles `fill_u32` into a fresh cache (so the compile is real), loads it again from that
@@ -218,6 +231,15 @@ fn render(report: &Report) -> String {
     let _ = writeln!(s, "kiln {}", report.kiln_version);
     let _ = writeln!(s, "libcuda:  {}", found(&report.probe.libcuda));
     let _ = writeln!(s, "libnvrtc: {}", found(&report.probe.libnvrtc));
+    let _ = writeln!(
+        s,
+        "libcublas: {}",
+        if report.cublas {
+            "found (prefill matrix products)"
+        } else {
+            "not found: prefill runs Kiln's matrix-vector kernels 8 tokens at a time (install cuBLAS: libcublas.so.13)"
+        }
+    );
     match report.probe.device_count {
         Some(n) => {
             let _ = writeln!(s, "GPUs:     {n}");
