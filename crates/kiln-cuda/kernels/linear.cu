@@ -36,7 +36,8 @@
 //
 // Compile-time constants: W_T (0 f32, 1 bf16, 2 f16, 3 Q8_0, 4 Q4_0, 5 Q4_1, 6 Q4_K, 7 Q6_K),
 // X_T (0 f32, 1 bf16), TOKENS (1..8), EPI (0 store, 1 accumulate, 2 SwiGLU), HAS_BIAS, WARPS,
-// ROWS, UNROLL, STAGE (0 x from global memory, 1 staged in shared memory).
+// ROWS, UNROLL, STAGE (0 x from global memory, 1 staged in shared memory), MMA (1: the tensor-core
+// path below, for bf16 / f16 weights).
 
 #include "kiln_prelude.cuh"
 
@@ -67,6 +68,9 @@
 #ifndef STAGE
 #define STAGE 0
 #endif
+#ifndef MMA
+#define MMA 0
+#endif
 
 #define THREADS (WARPS * 32)
 #define GATES (EPI == 2 ? 2 : 1)
@@ -75,7 +79,7 @@
 #define SLOTS_P2 (SLOTS <= 1 ? 1 : SLOTS <= 2 ? 2 : SLOTS <= 4 ? 4 : SLOTS <= 8 ? 8 : SLOTS <= 16 ? 16 : SLOTS <= 32 ? 32 : 64)
 #define GROUP_SLOTS (SLOTS_P2 < 32 ? SLOTS_P2 : 32)
 static_assert(TOKENS >= 1 && TOKENS <= 8, "TOKENS must be 1..8");
-static_assert(SLOTS <= 64, "ROWS x (2 for SwiGLU) x TOKENS must be at most 64");
+static_assert(MMA || SLOTS <= 64, "ROWS x (2 for SwiGLU) x TOKENS must be at most 64");
 static_assert(EPI != 2 || HAS_BIAS == 0, "SwiGLU takes no bias");
 
 // Values per piece, 8-value groups per piece, 32-bit words of a piece's raw bytes.
@@ -583,6 +587,7 @@ __device__ __forceinline__ void lin_product_round(float (&acc)[WROWS][TOKENS], c
 // silu(g) * u, with the accurate expf.
 __device__ __forceinline__ float lin_swiglu(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
+#if !MMA
 extern "C" __global__ void __launch_bounds__(THREADS)
 kiln_linear(const kiln_u8* __restrict__ weight, const float* __restrict__ bias, const void* __restrict__ x,
             float* __restrict__ out, int rows, int cols, long long row_bytes) {
@@ -676,6 +681,273 @@ kiln_linear(const kiln_u8* __restrict__ weight, const float* __restrict__ bias, 
 #endif
     }
 }
+#else
+// ---- the tensor-core path (MMA = 1): bf16 / f16 weights, 2..8 tokens --------------------------
+// out^T (ROWS x tokens) = W (ROWS x cols) x^T (cols x tokens) in mma.m16n8k16 tiles: 16 weight rows
+// x 16 columns the A operand, the tokens' x (16 columns x 8 tokens, zeros past TOKENS) the B
+// operand, fp32 accumulators. At 8 tokens the CUDA-core path spends 16 FMAs per weight value pair
+// and is bound by them; here the tensor cores take the products and the lanes only split x.
+//
+// Fragments from 16-byte loads: the sum over k may run in any order as long as A and B agree, so
+// lane (g, t) (g = lane / 4, t = lane % 4) of a 32-column step at column c loads columns
+// c + 8t .. c + 8t + 8 of rows g and g + 8 of each tile (two 16-byte loads a tile) and of x of
+// token g. Words 0, 1 of those 8 columns are the first mma's k = (2t, 2t + 1) and (2t + 8, 2t + 9)
+// (a[0] / a[1] rows g / g + 8, a[2] / a[3] the same rows, b[0], b[1]); words 2, 3 the second's.
+// A warp's load of a tile covers 64 consecutive bytes of each of 16 rows (whole 32-byte sectors).
+//
+// Exactness: the tensor cores multiply 16-bit operands exactly, so x (fp32) is split into 16-bit
+// parts that sum to x, or to within 2^-22 |x|:
+// - bf16 weights: x = hi + mid + lo, each the top 16 bits of what is left (truncation): x - hi is
+//   x's low 16 mantissa bits, exact in fp32; mid takes its top 8 significant bits and the rest, at
+//   most 8 significant bits, is lo exactly. Three mma per tile (two parts would leave up to
+//   2^-16 |x|, over the 2e-6 relative tolerance); bf16 x is one part as it is.
+// - f16 weights (mma takes f16 with f16 only: 11 significant bits, largest 65504): each step
+//   scales a token's x by the power of two that brings the largest |x| of its 32 columns into
+//   [2^14, 2^15) (exact, no overflow), then hi = f16(x 2^e) and mid = f16(x 2^e - hi), rounded to
+//   nearest; what is left is at most 2^-22 |x| (in f16's subnormal range 2^-25 2^-e, under 2^-39
+//   of the step's largest |x|). bf16 x scaled is one f16 part, exact bar that subnormal range.
+//   The step's sums are multiplied back by 2^-e (exact) as they are added.
+// Each step's mma chain starts from zero, the smaller parts first, and its 32-column sums are
+// added to fp32 accumulators with ordinary rounding, so the tensor cores' own rounding of a chain
+// (a few units of fp32 of the step's partial sums) never compounds over the row.
+//
+// Work split: a block owns ROWS (16 or 32) output rows (MT tiles, and as many up-row tiles for
+// SwiGLU); its warps take UNROLL consecutive 32-column steps each in turn, issuing every load of
+// them (2 x UNROLL x tiles 16-byte weight loads a lane) before the first mma. The warps' sums go to
+// shared memory and are added in warp order (no atomics), then the epilogue.
+
+static_assert(W_T == 1 || W_T == 2, "the mma path takes bf16 or f16 weights");
+static_assert(ROWS == 16 || ROWS == 32, "the mma path takes 16 or 32 rows a block");
+#define MT (ROWS / 16)
+#define TILES (MT * GATES)
+#if X_T == 1
+#define PARTS 1
+#elif W_T == 1
+#define PARTS 3
+#else
+#define PARTS 2
+#endif
+#define XWORDS (X_T == 0 ? 8 : 4)
+
+// D += A B, f16 inputs, f32 accumulators (the fragment layouts of kiln_mma_bf16_16816).
+__device__ __forceinline__ void lin_mma_f16_16816(float (&d)[4], const kiln_u32 (&a)[4], kiln_u32 b0, kiln_u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two f32 rounded to nearest even into an f16 pair, `low` in the low half.
+__device__ __forceinline__ kiln_u32 lin_pack_f16x2(float low, float high) {
+    kiln_u32 packed;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(high), "f"(low));
+    return packed;
+}
+
+__device__ __forceinline__ kiln_u32 lin_word(const uint4& v, int k) {
+    return k == 0 ? v.x : (k == 1 ? v.y : (k == 2 ? v.z : v.w));
+}
+
+// The top 16 bits of two floats as a 16-bit pair, `low` in the low half (bf16 by truncation).
+__device__ __forceinline__ kiln_u32 lin_top_halves(float low, float high) {
+    return __byte_perm(__float_as_uint(low), __float_as_uint(high), 0x7632u);
+}
+
+// The B operands of one step from this lane's 8 x values (raw words of token g): part p's word j
+// holds columns 8t + 2j, 8t + 2j + 1, part 0 the largest. Returns the factor that undoes the
+// step's scaling of token g (f16 weights; 1 for bf16). Every lane of the warp must call it.
+__device__ __forceinline__ float lin_mma_operands(const kiln_u32 (&xw)[XWORDS], kiln_u32 (&b)[PARTS][4]) {
+#if W_T == 1 && X_T == 1
+#pragma unroll
+    for (int j = 0; j < 4; ++j) b[0][j] = xw[j];
+    return 1.0f;
+#elif W_T == 1
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const float x0 = __uint_as_float(xw[2 * j]), x1 = __uint_as_float(xw[2 * j + 1]);
+        const float r0 = __fsub_rn(x0, __uint_as_float(xw[2 * j] & 0xFFFF0000u));
+        const float r1 = __fsub_rn(x1, __uint_as_float(xw[2 * j + 1] & 0xFFFF0000u));
+        const float l0 = __fsub_rn(r0, __uint_as_float(__float_as_uint(r0) & 0xFFFF0000u));
+        const float l1 = __fsub_rn(r1, __uint_as_float(__float_as_uint(r1) & 0xFFFF0000u));
+        b[0][j] = lin_top_halves(x0, x1);
+        b[1][j] = lin_top_halves(r0, r1);
+        b[2][j] = lin_top_halves(l0, l1);
+    }
+    return 1.0f;
+#else
+    float v[8];
+#pragma unroll
+    for (int k = 0; k < XWORDS; ++k) {
+#if X_T == 0
+        v[k] = __uint_as_float(xw[k]);
+#else
+        v[2 * k] = __uint_as_float(xw[k] << 16);
+        v[2 * k + 1] = __uint_as_float(xw[k] & 0xFFFF0000u);
+#endif
+    }
+    // The largest |x| of token g's 32 columns (lanes 4g .. 4g + 3); a NaN drops out of the
+    // maximum but not out of the product.
+    float m = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) m = fmaxf(m, fabsf(v[k]));
+    m = fmaxf(m, __shfl_xor_sync(KILN_FULL_MASK, m, 1));
+    m = fmaxf(m, __shfl_xor_sync(KILN_FULL_MASK, m, 2));
+    // m < 2^(E - 126) for its biased exponent E: 2^(141 - E) brings it under 2^15. E is clamped so
+    // that the scale and its inverse are normal floats (x below 2^-112 stays far from them).
+    const int exponent = min(max((int)(__float_as_uint(m) >> 23), 15), 254);
+    const float scale = __uint_as_float((kiln_u32)(268 - exponent) << 23);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const float s0 = __fmul_rn(v[2 * j], scale), s1 = __fmul_rn(v[2 * j + 1], scale);
+        const kiln_u32 hi = lin_pack_f16x2(s0, s1);
+        b[0][j] = hi;
+#if PARTS == 2
+        const float r0 = __fsub_rn(s0, kiln_f16_to_f32((kiln_u16)(hi & 0xFFFFu)));
+        const float r1 = __fsub_rn(s1, kiln_f16_to_f32((kiln_u16)(hi >> 16)));
+        b[1][j] = lin_pack_f16x2(r0, r1);
+#endif
+    }
+    return __uint_as_float((kiln_u32)(exponent - 14) << 23);
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+kiln_linear(const kiln_u8* __restrict__ weight, const float* __restrict__ bias, const void* __restrict__ x,
+            float* __restrict__ out, int rows, int cols, long long row_bytes) {
+    // Each warp's sums: [warp][row of the block: gate rows 0 .. ROWS, then up rows][token].
+    __shared__ __align__(16) float partial[WARPS][TILES * 16][8];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const long long r0 = (long long)blockIdx.x * ROWS;
+
+    // This lane's rows g and g + 8 of each tile (gate tiles, then up tiles) from its 16-byte chunk
+    // of a step; rows past the end repeat the last one (their sums are dropped).
+    const kiln_u8* wrow[TILES][2];
+#pragma unroll
+    for (int i = 0; i < TILES; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            long long o = r0 + 16 * (i % MT) + g + 8 * h;
+            o = o < rows ? o : rows - 1;
+            wrow[i][h] = weight + ((long long)(i / MT) * rows + o) * row_bytes + 16 * t;
+        }
+    // x of token g from the same chunk; lanes of tokens past TOKENS read nothing and give zeros.
+    const bool has_token = g < TOKENS;
+    const long long x_offset = (long long)(has_token ? g : 0) * cols + 8 * t;
+    const int chunks = cols / 8;         // 16-byte chunks of a weight row
+    const int steps = (chunks + 3) / 4;  // 32-column steps
+
+    float acc[TILES][4];
+#pragma unroll
+    for (int i = 0; i < TILES; ++i)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) acc[i][k] = 0.0f;
+
+    for (int s0 = warp * UNROLL; s0 < steps; s0 += WARPS * UNROLL) {
+        uint4 wv[UNROLL][TILES][2];
+        kiln_u32 xw[UNROLL][XWORDS];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int s = s0 + u;
+            const bool valid = 4 * s + t < chunks;
+#pragma unroll
+            for (int i = 0; i < TILES; ++i)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    wv[u][i][h] = valid ? lin_load_stream16(wrow[i][h] + 64ll * s) : make_uint4(0u, 0u, 0u, 0u);
+            if (valid && has_token) {
+#if X_T == 0
+                const float* p = reinterpret_cast<const float*>(x) + x_offset + 32ll * s;
+                const float4 a = lin_load_x4(p), c = lin_load_x4(p + 4);
+                xw[u][0] = __float_as_uint(a.x); xw[u][1] = __float_as_uint(a.y);
+                xw[u][2] = __float_as_uint(a.z); xw[u][3] = __float_as_uint(a.w);
+                xw[u][4] = __float_as_uint(c.x); xw[u][5] = __float_as_uint(c.y);
+                xw[u][6] = __float_as_uint(c.z); xw[u][7] = __float_as_uint(c.w);
+#else
+                const uint4 q = lin_load_xb(reinterpret_cast<const kiln_u16*>(x) + x_offset + 32ll * s);
+                xw[u][0] = q.x; xw[u][1] = q.y; xw[u][2] = q.z; xw[u][3] = q.w;
+#endif
+            } else {
+#pragma unroll
+                for (int k = 0; k < XWORDS; ++k) xw[u][k] = 0u;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            kiln_u32 b[PARTS][4];
+            const float unscale = lin_mma_operands(xw[u], b);
+#if W_T == 2
+            // The factors of this lane's output columns: tokens 2t and 2t + 1 (lanes 8t, 8t + 4).
+            const float unscale0 = __shfl_sync(KILN_FULL_MASK, unscale, 8 * t);
+            const float unscale1 = __shfl_sync(KILN_FULL_MASK, unscale, 8 * t + 4);
+#else
+            (void)unscale;
+#endif
+#pragma unroll
+            for (int i = 0; i < TILES; ++i) {
+                float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+                for (int p = PARTS - 1; p >= 0; --p)
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        const kiln_u32 a[4] = {lin_word(wv[u][i][0], 2 * half), lin_word(wv[u][i][1], 2 * half),
+                                               lin_word(wv[u][i][0], 2 * half + 1),
+                                               lin_word(wv[u][i][1], 2 * half + 1)};
+#if W_T == 1
+                        kiln_mma_bf16_16816(d, a, b[p][2 * half], b[p][2 * half + 1]);
+#else
+                        lin_mma_f16_16816(d, a, b[p][2 * half], b[p][2 * half + 1]);
+#endif
+                    }
+#if W_T == 2
+                acc[i][0] = __fmaf_rn(d[0], unscale0, acc[i][0]);
+                acc[i][1] = __fmaf_rn(d[1], unscale1, acc[i][1]);
+                acc[i][2] = __fmaf_rn(d[2], unscale0, acc[i][2]);
+                acc[i][3] = __fmaf_rn(d[3], unscale1, acc[i][3]);
+#else
+#pragma unroll
+                for (int k = 0; k < 4; ++k) acc[i][k] = __fadd_rn(acc[i][k], d[k]);
+#endif
+            }
+        }
+    }
+
+    // c[0], c[1]: row g, tokens 2t, 2t + 1; c[2], c[3]: row g + 8.
+#pragma unroll
+    for (int i = 0; i < TILES; ++i) {
+        *reinterpret_cast<float2*>(&partial[warp][16 * i + g][2 * t]) = make_float2(acc[i][0], acc[i][1]);
+        *reinterpret_cast<float2*>(&partial[warp][16 * i + g + 8][2 * t]) = make_float2(acc[i][2], acc[i][3]);
+    }
+    __syncthreads();
+
+    // Consecutive threads take consecutive rows of one token (coalesced stores).
+    for (int j = threadIdx.x; j < ROWS * TOKENS; j += THREADS) {
+        const int i = j % ROWS, token = j / ROWS;
+        const long long o = r0 + i;
+        if (o >= rows) continue;
+        float y = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) y += partial[w][i][token];
+        float* dst = out + (long long)token * rows + o;
+#if EPI == 2
+        float up = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) up += partial[w][ROWS + i][token];
+        *dst = lin_swiglu(y, up);
+#else
+#if HAS_BIAS
+        y += bias[o];
+#endif
+#if EPI == 1
+        *dst = *dst + y;
+#else
+        *dst = y;
+#endif
+#endif
+    }
+}
+#endif
 
 // ---- embedding rows, bf16 weights, fp32 -> bf16 ----------------------------------------------
 

@@ -75,21 +75,35 @@ pub struct LinearCall {
 /// from: read from global memory by each thread, or staged once per block in shared memory
 /// (transposed so that a warp's reads are consecutive: the quantized formats' pieces span 64 to
 /// 128 bytes of x, so direct reads touch one cache line per thread).
+///
+/// `mma` variants take the products to the tensor cores (`mma.m16n8k16`, fp32 accumulation, x
+/// split into 16-bit parts that sum to it): only for BF16 and F16 weights at 2 to 8 tokens, with
+/// 16 or 32 rows a block and `unroll` 32-column steps of 16 rows per warp in flight;
+/// [`LinearCall::defines`] refuses them for other calls.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct LinearVariant {
     pub warps: u32,
     pub rows: u32,
     pub unroll: u32,
     pub stage_x: bool,
+    pub mma: bool,
 }
 
 const fn variant(warps: u32, rows: u32, unroll: u32) -> LinearVariant {
-    LinearVariant { warps, rows, unroll, stage_x: false }
+    LinearVariant { warps, rows, unroll, stage_x: false, mma: false }
 }
 
 const fn staged(warps: u32, rows: u32, unroll: u32) -> LinearVariant {
-    LinearVariant { warps, rows, unroll, stage_x: true }
+    LinearVariant { warps, rows, unroll, stage_x: true, mma: false }
 }
+
+const fn tensor_core(warps: u32, rows: u32, unroll: u32) -> LinearVariant {
+    LinearVariant { warps, rows, unroll, stage_x: false, mma: true }
+}
+
+/// Tokens the `mma` variants serve (one token leaves 7 of the tensor cores' 8 columns idle: the
+/// CUDA-core path is not bound by its arithmetic there).
+pub const MMA_TOKENS: std::ops::RangeInclusive<usize> = 2..=MAX_TOKENS;
 
 /// The variants, as data; the tests run every one, the benchmark times every one.
 pub const LINEAR_VARIANTS: &[LinearVariant] = &[
@@ -109,16 +123,22 @@ pub const LINEAR_VARIANTS: &[LinearVariant] = &[
     staged(2, 4, 1),
     staged(1, 4, 1),
     staged(8, 1, 2),
+    tensor_core(4, 16, 4),
+    tensor_core(8, 16, 2),
+    tensor_core(4, 32, 2),
+    tensor_core(8, 32, 1),
+    tensor_core(2, 16, 4),
 ];
 
 /// Most sums (output rows x weight rows per output x tokens) one thread of a block carries.
 pub const MAX_SLOTS: usize = 64;
 
 impl LinearVariant {
-    /// A short label: `4w/1r/2u`, with `/x` when x is staged.
+    /// A short label: `4w/1r/2u`, with `/x` when x is staged, `/mma` on the tensor cores.
     pub fn label(&self) -> String {
         let stage = if self.stage_x { "/x" } else { "" };
-        format!("{}w/{}r/{}u{stage}", self.warps, self.rows, self.unroll)
+        let mma = if self.mma { "/mma" } else { "" };
+        format!("{}w/{}r/{}u{stage}{mma}", self.warps, self.rows, self.unroll)
     }
 
     /// The default for `call`. The 16-bit and f32 formats read x directly: one output row per
@@ -143,7 +163,7 @@ impl LinearVariant {
             {
                 rows /= 2;
             }
-            return LinearVariant { warps: 4, rows, unroll: 1, stage_x: false };
+            return variant(4, rows, 1);
         }
         let mut rows: u32 = match call.tokens {
             0..=2 => 1,
@@ -166,7 +186,7 @@ impl LinearVariant {
         let per_warp = 32 * unroll as usize;
         let warps = (pieces / per_warp).clamp(1, 8);
         let warps = 1u32 << warps.ilog2();
-        LinearVariant { warps, rows, unroll, stage_x: false }
+        variant(warps, rows, unroll)
     }
 }
 
@@ -249,6 +269,48 @@ impl LinearCall {
                 reason: "the SwiGLU epilogue takes no bias".to_owned(),
             });
         }
+        if variant.mma {
+            self.check_tensor_core(variant)?;
+        } else {
+            self.check_cuda_core(variant)?;
+        }
+        Ok(vec![
+            ("W_T", w_t.to_string()),
+            ("X_T", x_t.to_string()),
+            ("TOKENS", self.tokens.to_string()),
+            ("EPI", self.epilogue.code().to_string()),
+            ("HAS_BIAS", flag(has_bias)),
+            ("WARPS", variant.warps.to_string()),
+            ("ROWS", variant.rows.to_string()),
+            ("UNROLL", variant.unroll.to_string()),
+            ("STAGE", flag(variant.stage_x)),
+            ("MMA", flag(variant.mma)),
+        ])
+    }
+
+    /// The `mma` variants: BF16 or F16 weights, 2 to 8 tokens, 16 or 32 rows a block, x read
+    /// directly.
+    fn check_tensor_core(&self, variant: LinearVariant) -> Result<()> {
+        let refuse =
+            |what: String| Err(not_served(format!("variant {} (tensor cores) for {what}", variant.label())));
+        if !matches!(self.weight, DType::BF16 | DType::F16) {
+            return refuse(format!("{} weights (BF16 or F16 only)", self.weight));
+        }
+        if !MMA_TOKENS.contains(&self.tokens) {
+            return refuse(format!("{} tokens (2 to {MAX_TOKENS})", self.tokens));
+        }
+        if ![1, 2, 4, 8, 16].contains(&variant.warps)
+            || ![16, 32].contains(&variant.rows)
+            || ![1, 2, 4].contains(&variant.unroll)
+            || variant.stage_x
+        {
+            return refuse("its shape (1 to 16 warps, 16 or 32 rows, unroll 1, 2 or 4, x not staged)".into());
+        }
+        Ok(())
+    }
+
+    /// The CUDA-core variants: at most [`MAX_SLOTS`] sums per thread.
+    fn check_cuda_core(&self, variant: LinearVariant) -> Result<()> {
         let slots = variant.rows as usize * self.epilogue.weight_rows_per_output() * self.tokens;
         if ![1, 2, 4, 8, 16].contains(&variant.warps)
             || ![1, 2, 4, 8].contains(&variant.rows)
@@ -262,17 +324,7 @@ impl LinearCall {
                 self.epilogue
             )));
         }
-        Ok(vec![
-            ("W_T", w_t.to_string()),
-            ("X_T", x_t.to_string()),
-            ("TOKENS", self.tokens.to_string()),
-            ("EPI", self.epilogue.code().to_string()),
-            ("HAS_BIAS", flag(has_bias)),
-            ("WARPS", variant.warps.to_string()),
-            ("ROWS", variant.rows.to_string()),
-            ("UNROLL", variant.unroll.to_string()),
-            ("STAGE", flag(variant.stage_x)),
-        ])
+        Ok(())
     }
 
     /// Bytes of the weights, x and out.
