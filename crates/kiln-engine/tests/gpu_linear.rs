@@ -4,7 +4,9 @@
 //!   and every variant (and the default), with and without bias, against a float64 product of the
 //!   dequantized rows within `2e-6 sum |w| |x| + 1e-6`; outputs poisoned (NaN) or, for the residual
 //!   add, filled with random values; guard bytes after each output must stay untouched; a second
-//!   launch must give the same bits;
+//!   launch must give the same bits; the tensor-core (`/mma`) variants, which serve only BF16 and
+//!   F16 weights at 2 to 8 tokens, are skipped by name elsewhere (their refusal checked) and run on
+//!   every such configuration by a test of their own;
 //! - `embed_rows`, `to_bf16_weights` and `f32_to_bf16`: equal to the reference bit for bit.
 //!
 //! Fresh random inputs every run (the seed is printed). Needs an NVIDIA GPU:
@@ -14,7 +16,7 @@
 use std::time::Instant;
 
 use half::{bf16, f16};
-use kiln_core::DType;
+use kiln_core::{DType, Error};
 use kiln_cuda::ops::linear::{
     embed_rows, f32_to_bf16, linear, to_bf16_weights, Epilogue, LinearCall, LinearVariant, LINEAR_VARIANTS,
 };
@@ -159,6 +161,23 @@ fn silu(g: f64) -> f64 {
     g / (1.0 + (-g).exp())
 }
 
+/// Whether `variant` is a tensor-core (`/mma`) variant that `call` lies outside of (weights other
+/// than BF16 / F16, or one token). The tests skip exactly these combinations, and only after
+/// checking that `linear` refuses them with an error naming the variant.
+fn mma_refuses(call: &LinearCall, variant: Option<LinearVariant>) -> bool {
+    let Some(v) = variant.filter(|v| v.mma) else { return false };
+    let served = matches!(call.weight, DType::BF16 | DType::F16) && (2..=8).contains(&call.tokens);
+    if !served {
+        let refusal = call.defines(v, false);
+        assert!(
+            matches!(&refusal, Err(Error::NotServed { reason, .. }) if reason.contains(&v.label())),
+            "{call:?} with {}: expected a refusal naming the variant, got {refusal:?}",
+            v.label()
+        );
+    }
+    !served
+}
+
 struct Case {
     call: LinearCall,
     variant: Option<LinearVariant>,
@@ -272,6 +291,7 @@ fn linear_matches_a_float64_reference_for_every_dtype_epilogue_token_count_and_v
     // every shape.
     let options = LINEAR_VARIANTS.len() + 1;
     let mut checked = 0usize;
+    let mut skipped = 0usize;
     let mut failures = Vec::new();
     for (d, dtype) in DTYPES.into_iter().enumerate() {
         let weights: Vec<Weights> = shapes(dtype)
@@ -299,6 +319,10 @@ fn linear_matches_a_float64_reference_for_every_dtype_epilogue_token_count_and_v
                     for w in &weights {
                         let call =
                             LinearCall { weight: dtype, rows: w.rows, cols: w.cols, tokens, input, epilogue };
+                        if mma_refuses(&call, variant) {
+                            skipped += 1;
+                            continue;
+                        }
                         failures.extend(check_case(&gpu, &mut rng, w, &Case { call, variant, bias }));
                         checked += 1;
                     }
@@ -306,18 +330,156 @@ fn linear_matches_a_float64_reference_for_every_dtype_epilogue_token_count_and_v
             }
         }
     }
-    println!("{checked} linear cases checked");
+    println!("{checked} linear cases checked; {skipped} skipped (/mma variants refused, checked)");
     assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+}
+
+#[test]
+fn mma_variants_match_a_float64_reference_for_16_bit_weights_at_2_to_8_tokens() {
+    // Every tensor-core variant on every configuration it serves: BF16 and F16 weights, 2 to 8
+    // tokens, every epilogue, f32 and bf16 x (f32 x is split into 16-bit parts: the case the
+    // tolerance is about), with and without bias, on every shape (ragged rows and columns, one
+    // row, 32 columns).
+    let gpu = Gpu::open(0).expect("the GPU tests need CUDA device 0");
+    let mut rng = Rng::fresh();
+    let variants: Vec<LinearVariant> = LINEAR_VARIANTS.iter().copied().filter(|v| v.mma).collect();
+    assert!(!variants.is_empty(), "LINEAR_VARIANTS lists no /mma variant");
+    let mut checked = 0usize;
+    let mut failures = Vec::new();
+    for dtype in [DType::BF16, DType::F16] {
+        let weights: Vec<Weights> = shapes(dtype)
+            .into_iter()
+            .chain([(133, 4104)])
+            .map(|(rows, cols)| {
+                let bytes = random_weights(&mut rng, dtype, 2 * rows, cols);
+                Weights {
+                    rows,
+                    cols,
+                    values: dequantize(dtype, &bytes, 2 * rows, cols),
+                    device: upload(&gpu, &bytes),
+                    row_bytes: bytes.len() / (2 * rows),
+                }
+            })
+            .collect();
+        for (k, &variant) in variants.iter().enumerate() {
+            for tokens in 2..=8 {
+                for epilogue in [Epilogue::Store, Epilogue::Accumulate, Epilogue::SwiGlu] {
+                    for input in [DType::F32, DType::BF16] {
+                        let bias = epilogue != Epilogue::SwiGlu && (k + tokens) % 2 == 0;
+                        for w in &weights {
+                            let call = LinearCall {
+                                weight: dtype,
+                                rows: w.rows,
+                                cols: w.cols,
+                                tokens,
+                                input,
+                                epilogue,
+                            };
+                            let case = Case { call, variant: Some(variant), bias };
+                            failures.extend(check_case(&gpu, &mut rng, w, &case));
+                            checked += 1;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    println!("{checked} /mma cases checked");
+    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+}
+
+#[test]
+fn mma_variants_keep_the_tolerance_on_wide_ranges_of_x() {
+    // The f16 path scales x per token and 32-column step by a power of two: tokens whose x spans
+    // 1e-30 to 1e30 (beyond f16's range), a token of zeros, and steps mixing tiny and huge values.
+    let gpu = Gpu::open(0).expect("the GPU tests need CUDA device 0");
+    let mut rng = Rng::fresh();
+    let mut failures = Vec::new();
+    let (rows, cols) = (75usize, 1000usize);
+    for dtype in [DType::BF16, DType::F16] {
+        let bytes = random_weights(&mut rng, dtype, 2 * rows, cols);
+        let w = Weights {
+            rows,
+            cols,
+            values: dequantize(dtype, &bytes, 2 * rows, cols),
+            device: upload(&gpu, &bytes),
+            row_bytes: bytes.len() / (2 * rows),
+        };
+        for variant in LINEAR_VARIANTS.iter().copied().filter(|v| v.mma) {
+            for epilogue in [Epilogue::Store, Epilogue::Accumulate] {
+                let tokens = 8;
+                let call = LinearCall { weight: dtype, rows, cols, tokens, input: DType::F32, epilogue };
+                failures.extend(check_wide_x(&gpu, &mut rng, &w, &call, variant));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+}
+
+/// `call` (Store or Accumulate, f32 x) on x whose tokens have magnitudes 10^(-30 + 8t) (token 7
+/// all zeros), every 5th value of token 3 a thousand times larger: against the float64 product
+/// within `2e-6 sum |w| |x| + 1e-6` (plus the initial output's rounding).
+fn check_wide_x(
+    gpu: &Gpu,
+    rng: &mut Rng,
+    w: &Weights,
+    call: &LinearCall,
+    variant: LinearVariant,
+) -> Vec<String> {
+    let (rows, cols, tokens) = (call.rows, call.cols, call.tokens);
+    let x: Vec<f32> = (0..tokens * cols)
+        .map(|i| {
+            let (t, c) = (i / cols, i % cols);
+            let magnitude = if t == 7 { 0.0 } else { 10f32.powi(-30 + 8 * t as i32) };
+            let spike = if t == 3 && c % 5 == 0 { 1000.0 } else { 1.0 };
+            rng.uniform(-1.0, 1.0) * magnitude * spike
+        })
+        .collect();
+    let initial: Vec<f32> = (0..tokens * rows).map(|_| rng.uniform(-4.0, 4.0)).collect();
+    let x_dev = upload(gpu, &to_bytes(&x));
+    let out_bytes = tokens * rows * 4;
+    let out = poisoned(gpu, out_bytes);
+    if call.epilogue == Epilogue::Accumulate {
+        out.copy_from_host(0, &to_bytes(&initial)).expect("initial output");
+    }
+    let weight = w.device.slice(0, rows * w.row_bytes).expect("weight view");
+    let out_view = out.slice(0, out_bytes).expect("out view");
+    linear(gpu, call, weight, None, x_dev.view(), out_view, Some(variant)).expect("launch");
+    let host = out.to_host_bytes().expect("copy back");
+    let what =
+        format!("{} {rows}x{cols} wide x {:?} variant {}", call.weight, call.epilogue, variant.label());
+    let mut failures = Vec::new();
+    if !guard_intact(&host, out_bytes) {
+        failures.push(format!("{what}: the guard bytes after the output were written"));
+    }
+    let got = f32s(&host[..out_bytes]);
+    for j in 0..tokens * rows {
+        let (t, r) = (j / rows, j % rows);
+        let (sum, magnitude) = dot(w, &x, r, t);
+        let old = if call.epilogue == Epilogue::Accumulate { f64::from(initial[j]) } else { 0.0 };
+        let want = old + sum;
+        let tol = 2e-6 * magnitude + 1e-6 + 2.4e-7 * (old.abs() + want.abs());
+        if !got[j].is_finite() || (f64::from(got[j]) - want).abs() > tol {
+            failures.push(format!(
+                "{what}: [token {t}][row {r}] gpu {:e} want {want:e} (tolerance {tol:e})",
+                got[j]
+            ));
+            break;
+        }
+    }
+    failures
 }
 
 #[test]
 fn every_variant_serves_the_largest_configurations() {
     // The test above gives each variant some configurations; here every variant runs the widest
-    // ones (8 tokens, SwiGLU and the residual add) on the 4-bit and 16-bit formats.
+    // ones (8 tokens, SwiGLU and the residual add) on the 4-bit and 16-bit formats (the /mma
+    // variants, refused for the 4-bit ones, are skipped there).
     let gpu = Gpu::open(0).expect("the GPU tests need CUDA device 0");
     let mut rng = Rng::fresh();
     let mut failures = Vec::new();
-    for dtype in [DType::F16, DType::Q4_K, DType::Q4_1] {
+    let mut skipped = 0usize;
+    for dtype in [DType::F16, DType::BF16, DType::Q4_K, DType::Q4_1] {
         let (rows, cols) = if is_k(dtype) { (133, 1536) } else { (133, 576) };
         let bytes = random_weights(&mut rng, dtype, 2 * rows, cols);
         let w = Weights {
@@ -330,6 +492,10 @@ fn every_variant_serves_the_largest_configurations() {
         for variant in LINEAR_VARIANTS {
             for (epilogue, bias) in [(Epilogue::SwiGlu, false), (Epilogue::Accumulate, true)] {
                 let call = LinearCall { weight: dtype, rows, cols, tokens: 8, input: DType::F32, epilogue };
+                if mma_refuses(&call, Some(*variant)) {
+                    skipped += 1;
+                    continue;
+                }
                 failures.extend(check_case(
                     &gpu,
                     &mut rng,
@@ -339,6 +505,8 @@ fn every_variant_serves_the_largest_configurations() {
             }
         }
     }
+    let mma_variants = LINEAR_VARIANTS.iter().filter(|v| v.mma).count();
+    assert_eq!(skipped, mma_variants * 2 * 2, "only the /mma variants on Q4_K and Q4_1 are skipped");
     assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
 }
 
@@ -460,7 +628,7 @@ fn copy_bytes_per_second(gpu: &Gpu) -> f64 {
     (2 * bytes * copies) as f64 / started.elapsed().as_secs_f64()
 }
 
-/// Weight bandwidth of decode products (1 and 8 tokens) at 4096 x 4096 and 14336 x 4096, for the
+/// Weight bandwidth of decode products (1 and 8 tokens; 2 and 4 too for 16-bit weights) at 4096 x 4096 and 14336 x 4096, for the
 /// default and every variant, in GB/s and as a share of a device copy measured in the same run:
 /// 50 launches between two synchronizations, the weights rotated over copies that together exceed
 /// the L2 cache. Per dtype and token count, a line per shape with every variant, then the default
@@ -483,7 +651,10 @@ fn bandwidth_of_one_token_products() {
                 ((0..copies).map(|_| upload(&gpu, &bytes)).collect(), bytes.len())
             })
             .collect();
-        for tokens in [1usize, 8] {
+        // 16-bit weights also at 2 and 4 tokens, where the /mma variants compete.
+        let token_counts: &[usize] =
+            if matches!(dtype, DType::BF16 | DType::F16) { &[1, 2, 4, 8] } else { &[1, 8] };
+        for &tokens in token_counts {
             // Seconds per launch of each variant on each shape; index 0 the default.
             let mut labels: Vec<String> = Vec::new();
             let mut seconds: Vec<Vec<f64>> = Vec::new();
@@ -505,6 +676,16 @@ fn bandwidth_of_one_token_products() {
                 for (v, variant) in
                     std::iter::once(default).chain(LINEAR_VARIANTS.iter().copied()).enumerate()
                 {
+                    if s == 0 {
+                        labels.push(format!("{}{}", if v == 0 { "default " } else { "" }, variant.label()));
+                        seconds.push(Vec::new());
+                    }
+                    if mma_refuses(&call, Some(variant)) {
+                        // Refused (checked): never the fastest.
+                        line += &format!(" {} n/a", variant.label());
+                        seconds[v].push(f64::INFINITY);
+                        continue;
+                    }
                     let launch = |i: usize| {
                         let weight = weights[i % weights.len()].view();
                         linear(&gpu, &call, weight, None, x.view(), out.view(), Some(variant))
@@ -524,10 +705,6 @@ fn bandwidth_of_one_token_products() {
                         rate / 1e9,
                         100.0 * rate / copy
                     );
-                    if s == 0 {
-                        labels.push(format!("{}{}", if v == 0 { "default " } else { "" }, variant.label()));
-                        seconds.push(Vec::new());
-                    }
                     seconds[v].push(per_launch);
                 }
                 println!("{line}");

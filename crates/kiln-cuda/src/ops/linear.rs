@@ -598,6 +598,52 @@ mod tests {
     }
 
     #[test]
+    fn mma_variants_serve_16_bit_weights_at_2_to_8_tokens_and_refuse_the_rest_by_name() {
+        let mma: Vec<LinearVariant> = LINEAR_VARIANTS.iter().copied().filter(|v| v.mma).collect();
+        assert!(!mma.is_empty());
+        for v in &mma {
+            assert!(v.label().ends_with("/mma"), "{}", v.label());
+            for dtype in [DType::BF16, DType::F16] {
+                for epilogue in [Epilogue::Store, Epilogue::Accumulate, Epilogue::SwiGlu] {
+                    for tokens in MMA_TOKENS {
+                        for input in [DType::F32, DType::BF16] {
+                            let c = LinearCall { input, ..call(dtype, 2051, 4104, tokens, epilogue) };
+                            let defines = c.defines(*v, false).unwrap_or_else(|e| panic!("{c:?} {v:?}: {e}"));
+                            assert!(defines.contains(&("MMA", "1".to_owned())));
+                        }
+                    }
+                    let one = call(dtype, 64, 64, 1, epilogue);
+                    assert!(
+                        matches!(one.defines(*v, false), Err(Error::NotServed { reason, .. }) if reason.contains(&v.label())),
+                        "{v:?} at one token"
+                    );
+                }
+            }
+            for dtype in [DType::F32, DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q4_K, DType::Q6_K] {
+                let c = call(dtype, 64, 256, 8, Epilogue::Store);
+                assert!(
+                    matches!(c.defines(*v, false), Err(Error::NotServed { reason, .. }) if reason.contains(&v.label())),
+                    "{v:?} on {dtype}"
+                );
+            }
+        }
+        // Shapes the kernel does not take: 8 rows, unroll 8, staged x.
+        let c = call(DType::BF16, 64, 64, 4, Epilogue::Store);
+        for v in [
+            tensor_core(4, 8, 1),
+            tensor_core(4, 16, 8),
+            LinearVariant { stage_x: true, ..tensor_core(4, 16, 1) },
+        ] {
+            assert!(matches!(c.defines(v, false), Err(Error::NotServed { .. })), "{v:?}");
+        }
+        // The CUDA-core path keeps its row counts, and the defaults never pick the tensor cores.
+        assert!(matches!(c.defines(variant(4, 16, 1), false), Err(Error::NotServed { .. })));
+        for tokens in 1..=MAX_TOKENS {
+            assert!(!LinearVariant::default_for(&call(DType::F16, 4096, 4096, tokens, Epilogue::Store)).mma);
+        }
+    }
+
+    #[test]
     fn buffer_bytes_follow_the_block_layouts() {
         let c = call(DType::Q6_K, 3, 512, 2, Epilogue::SwiGlu);
         assert_eq!(c.buffer_bytes().unwrap(), (6 * 420, 2 * 512 * 4, 2 * 3 * 4));
