@@ -926,8 +926,523 @@ __device__ __forceinline__ void sample_row_fast(int r, kiln_u32 k, bool penaltie
     if (kw != 0ull && before <= target && before + kw > target) tokens[r] = sh.surv_idx[j];
 }
 
-// One launch serves every row: grid (slices, rows). Rows the multi-block path serves
-// (`fast_kmax` > 0) use every block of their row; the others use block 0 alone.
+// ---- The multi-block mass path ------------------------------------------------------------
+//
+// Serves rows at temperature > 0 with top-k off (temperature, top-p, min-p, penalties), on the
+// same (slices, rows) grid, in three launches of one sequence:
+//   1. `kiln_sample` (block (s, r)): applies the penalties of the history tokens in slice s into
+//      the penalty scratch, and writes the slice's packed (key, lowest index) maximum.
+//   2. `kiln_sample_mass`: every block takes the row's greedy token from the slices' maxima,
+//      hence m, and sums its slice's kept weights (w >= min_weight). For top-p it also adds each
+//      weight into a per-row histogram over the bin of d = m - z (MASS_BINS bins of 1/128): d is
+//      monotone in the order key, so a lower bin holds only tokens earlier in the order, and the
+//      order's running mass crosses the top-p target in one bin b*. Without top-p, the last block
+//      (ticket) draws: the slice whose running kept mass passes r, then the token within it. With
+//      top-p, the last block finds b* and the mass above it, and zeroes the histogram.
+//   3. `kiln_sample_mass_pick` (top-p rows only): every block sums its slice's kept weights in
+//      bins before b* and lists its tokens of bin b*; the last block sorts the (at most
+//      MASS_LIST_CAP) listed tokens in the order (bitonic, in shared memory), finds the exact
+//      cutoff by a scan of their weights from the mass above b*, adds the listed tokens within the
+//      cutoff to their slices' kept mass, and draws as above. A bin b* with more tokens than the
+//      lists hold (ties crowd one bin) is flagged in the row state, and
+//   4. `kiln_sample_mass_fallback` (grid (1, rows)) samples the flagged rows on the single-block
+//      path.
+// Every sum is an integer and every weight the reference's fp32 operations on the same value, so
+// the token is the reference's whatever the slices and the order of the atomics.
+
+#define MASS_BINS 4096          // bins of d = m - z, 1/MASS_BIN_SCALE wide; the last one open
+#define MASS_BIN_SCALE 128.0f
+#define MASS_LIST_CAP 2048      // tokens of bin b* the last block sorts (a power of two)
+#define MASS_MAX_SLICES 1024    // slices per row (the launcher keeps them <= SAMPLE_THREADS)
+
+// Rows the mass path serves (the same test in all three kernels).
+__device__ __forceinline__ bool sample_mass_row(const KilnSampleParams& p, int mass_path) {
+    return mass_path != 0 && p.temperature != 0.0f && p.top_k == 0u;
+}
+
+__device__ __forceinline__ bool sample_penalized(const KilnSampleParams& p, const kiln_u32* counts, kiln_u32 h0,
+                                                 kiln_u32 h1) {
+    return PENALTIES && counts != nullptr && h1 > h0 &&
+           (p.repetition != 1.0f || p.presence != 0.0f || p.frequency != 0.0f);
+}
+
+// The bin of a token of scaled logit z <= m: monotone non-increasing in z (each step is).
+__device__ __forceinline__ int sample_mass_bin(float z, float m) {
+    return (int)fminf((m - z) * MASS_BIN_SCALE, (float)(MASS_BINS - 1));
+}
+
+// The scratch regions of the mass path (`SampleScratch`), row r and block s at slot
+// r * slots + s: `maxima` (packed slice maxima), `slot_mass` (kept mass of a slice, u64),
+// `list_counts` / `list_values` / `list_indices` (a slice's tokens of bin b*, FAST_BLOCK_CAP per
+// slot), `histogram` (MASS_BINS u64 per row, zero between launches), `row_state` (4 u64 per row:
+// b*, the mass above it, the top-p target), `tickets` (one per row, zero between launches).
+struct MassWork {
+    kiln_u32* tickets;
+    kiln_u64* maxima;
+    kiln_u64* slot_mass;
+    kiln_u64* histogram;
+    kiln_u64* row_state;
+    kiln_u32* list_counts;
+    float* list_values;
+    kiln_u32* list_indices;
+    int slots;
+    long long slice_len;
+};
+
+// Step 1, in `kiln_sample`: the penalties of slice s into `penalized` and the slice's maximum.
+__device__ __forceinline__ void sample_mass_maxima(int r, bool penalties, const float* __restrict__ row,
+                                                   float* penalized, long long vocab, const KilnSampleParams& p,
+                                                   kiln_u32 h0, kiln_u32 h1, const kiln_u32* __restrict__ history,
+                                                   kiln_u32* counts, const MassWork& work) {
+    __shared__ kiln_u64 best_shared;
+    const long long lo = (long long)blockIdx.x * work.slice_len;
+    const long long hi = lo + work.slice_len < vocab ? lo + work.slice_len : vocab;
+    const float* x = row;
+    if (penalties) {
+        for (long long i = lo + threadIdx.x; i < hi; i += THREADS) penalized[i] = row[i];
+        for (kiln_u32 j = h0 + threadIdx.x; j < h1; j += THREADS) {
+            const kiln_u32 t = history[j];
+            if ((long long)t >= lo && (long long)t < hi) atomicAdd(&counts[t], 1u);
+        }
+        __syncthreads();
+        for (kiln_u32 j = h0 + threadIdx.x; j < h1; j += THREADS) {
+            const kiln_u32 t = history[j];
+            if ((long long)t < lo || (long long)t >= hi) continue;
+            const kiln_u32 c = atomicExch(&counts[t], 0u);
+            if (c) {
+                const float l = row[t];
+                const float v = l > 0.0f ? l / p.repetition : l * p.repetition;
+                penalized[t] = v - (((float)c * p.frequency) + p.presence);
+            }
+        }
+        __syncthreads();
+        x = penalized;
+    }
+    kiln_u64 best = 0ull;
+    for (long long i = lo + threadIdx.x; i < hi; i += THREADS) {
+        const kiln_u32 key = sample_order_key(x[i]);
+        const kiln_u64 packed = key != 0u ? fast_pack(key, (kiln_u32)i) : 0ull;
+        best = packed > best ? packed : best;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const kiln_u64 n = __shfl_xor_sync(KILN_FULL_MASK, best, o);
+        best = n > best ? n : best;
+    }
+    if (threadIdx.x == 0) best_shared = 0ull;
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) atomicMax(&best_shared, best);
+    __syncthreads();
+    if (threadIdx.x == 0) work.maxima[(long long)r * work.slots + blockIdx.x] = best_shared;
+}
+
+struct MassDrawShared {
+    kiln_u64 slice_mass[MASS_MAX_SLICES];
+    kiln_u64 warp_u64[SAMPLE_WARPS];
+    kiln_u64 value;
+    kiln_u64 pick_before;
+    int pick_slice;
+    int last;
+};
+
+// The row's greedy token (packed) from the slices' maxima; 0 when every logit is NaN.
+__device__ __forceinline__ kiln_u64 sample_mass_greedy(int r, const MassWork& work, MassDrawShared& sh) {
+    kiln_u64 best = 0ull;
+    for (int s = threadIdx.x; s < (int)gridDim.x; s += THREADS) {
+        const kiln_u64 v = work.maxima[(long long)r * work.slots + s];
+        best = v > best ? v : best;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const kiln_u64 n = __shfl_xor_sync(KILN_FULL_MASK, best, o);
+        best = n > best ? n : best;
+    }
+    if (threadIdx.x == 0) sh.value = 0ull;
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) atomicMax(&sh.value, best);
+    __syncthreads();
+    const kiln_u64 out = sh.value;
+    __syncthreads();
+    return out;
+}
+
+// The block's sum of a u64 (every thread gets it).
+__device__ __forceinline__ kiln_u64 sample_mass_sum(kiln_u64 v, MassDrawShared& sh) {
+    kiln_u64 total;
+    fast_scan(v, sh.warp_u64, total);
+    return total;
+}
+
+// Takes the row's ticket after every thread's writes; true in the last block of the row, which
+// leaves the ticket at zero.
+__device__ __forceinline__ bool sample_mass_ticket(int r, const MassWork& work, MassDrawShared& sh) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const kiln_u32 ticket = atomicAdd(&work.tickets[r], 1u);
+        sh.last = ticket == gridDim.x - 1u;
+        if (sh.last) {
+            work.tickets[r] = 0u;
+            __threadfence();
+        }
+    }
+    __syncthreads();
+    return sh.last != 0;
+}
+
+// The draw (step 8) from the slices' kept masses in sh.slice_mass: the slice whose running kept
+// mass passes r = (u * total) >> 64, then, within it, the first index whose running kept weight
+// passes it. Kept: within the cutoff (cut_key, cut_index) and weight >= min_weight.
+__device__ __forceinline__ void sample_mass_draw(int r, const float* x, long long vocab, float m,
+                                                 kiln_u32 cut_key, kiln_u32 cut_index, const KilnSampleParams& p,
+                                                 const kiln_u64* __restrict__ steps, kiln_u32* tokens,
+                                                 const MassWork& work, MassDrawShared& sh) {
+    const int slices = (int)gridDim.x;
+    const int per_slices = (slices + THREADS - 1) / THREADS;
+    const int s0 = min(slices, (int)threadIdx.x * per_slices), s1 = min(slices, s0 + per_slices);
+    kiln_u64 local = 0ull;
+    for (int s = s0; s < s1; ++s) local += sh.slice_mass[s];
+    kiln_u64 total;
+    const kiln_u64 before = fast_scan(local, sh.warp_u64, total);
+    const kiln_u64 u = sample_uniform(p.seed, steps[r], p.stream);
+    const kiln_u64 target = __umul64hi(u, total);  // < total (total >= 2^31: the greedy token)
+    if (threadIdx.x == 0) {
+        sh.pick_slice = -1;
+        tokens[r] = NO_TOKEN;
+    }
+    __syncthreads();
+    if (local != 0ull && before <= target && target - before < local) {
+        kiln_u64 acc = before;
+        for (int s = s0; s < s1; ++s) {
+            const kiln_u64 v = sh.slice_mass[s];
+            if (target - acc < v) {
+                sh.pick_slice = s;
+                sh.pick_before = acc;
+                break;
+            }
+            acc += v;
+        }
+    }
+    __syncthreads();
+    const int pick = sh.pick_slice;
+    if (pick < 0) return;
+    const kiln_u64 t = target - sh.pick_before;
+    const long long lo = (long long)pick * work.slice_len;
+    const long long hi = lo + work.slice_len < vocab ? lo + work.slice_len : vocab;
+    const long long per = (hi - lo + THREADS - 1) / THREADS;
+    const long long j0 = lo + threadIdx.x * per < hi ? lo + threadIdx.x * per : hi;
+    const long long j1 = j0 + per < hi ? j0 + per : hi;
+    auto kept = [&](long long i) -> kiln_u64 {
+        const float v = x[i];
+        const kiln_u32 key = sample_order_key(v);
+        if (key == 0u || !(key > cut_key || (key == cut_key && (kiln_u32)i <= cut_index))) return 0ull;
+        const kiln_u32 w = sample_weight(v, p.temperature, m);
+        return w >= p.min_weight ? (kiln_u64)w : 0ull;
+    };
+    kiln_u64 run = 0ull;
+    for (long long i = j0; i < j1; ++i) run += kept(i);
+    kiln_u64 unused;
+    const kiln_u64 run_before = fast_scan(run, sh.warp_u64, unused);
+    if (run != 0ull && run_before <= t && t - run_before < run) {
+        kiln_u64 acc = run_before;
+        for (long long i = j0; i < j1; ++i) {
+            acc += kept(i);
+            if (acc > t) {
+                tokens[r] = (kiln_u32)i;
+                break;
+            }
+        }
+    }
+}
+
+// Step 2: see the section's comment.
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+kiln_sample_mass(const float* __restrict__ logits, long long vocab, long long row_stride,
+                 const KilnSampleParams* __restrict__ params, const kiln_u64* __restrict__ steps,
+                 const kiln_u32* __restrict__ history_offsets, const kiln_u32* counts, const float* scratch,
+                 kiln_u32* tokens, int mass_path, kiln_u32* tickets, kiln_u64* maxima, kiln_u64* slot_mass,
+                 kiln_u64* histogram, kiln_u64* row_state, int slots, long long slice_len) {
+    __shared__ MassDrawShared sh;
+    __shared__ kiln_u64 bins[MASS_BINS];
+    const int r = blockIdx.y;
+    const KilnSampleParams p = params[r];
+    if (!sample_mass_row(p, mass_path)) return;
+    MassWork work = {};
+    work.tickets = tickets;
+    work.maxima = maxima;
+    work.slot_mass = slot_mass;
+    work.histogram = histogram;
+    work.row_state = row_state;
+    work.slots = slots;
+    work.slice_len = slice_len;
+    const bool penalties = sample_penalized(p, counts, history_offsets[r], history_offsets[r + 1]);
+    const float* x = penalties ? scratch + (long long)r * vocab : logits + (long long)r * row_stride;
+    const kiln_u64 best = sample_mass_greedy(r, work, sh);
+    if ((best >> 32) == 0ull) {
+        if (blockIdx.x == 0 && threadIdx.x == 0) tokens[r] = NO_TOKEN;
+        return;
+    }
+    float m = x[0xFFFFFFFFu - (kiln_u32)best] / p.temperature;
+    m = fminf(fmaxf(m, -3.40282347e38f), 3.40282347e38f);
+    const bool top_p = p.top_p_units < (1u << 24);
+    if (top_p) {
+        for (int b = threadIdx.x; b < MASS_BINS; b += THREADS) bins[b] = 0ull;
+        __syncthreads();
+    }
+    const long long lo = (long long)blockIdx.x * slice_len;
+    const long long hi = lo + slice_len < vocab ? lo + slice_len : vocab;
+    kiln_u64 kept = 0ull;
+    for (long long base = lo; base < hi; base += THREADS) {
+        const long long i = base + threadIdx.x;
+        kiln_u32 w = 0u;
+        int bin = -1;
+        if (i < hi) {
+            const float v = x[i];
+            if (sample_order_key(v) != 0u) {
+                w = sample_weight(v, p.temperature, m);
+                kept += w >= p.min_weight ? (kiln_u64)w : 0ull;
+                float z = v / p.temperature;
+                z = fminf(fmaxf(z, -3.40282347e38f), 3.40282347e38f);
+                if (w != 0u) bin = sample_mass_bin(z, m);
+            }
+        }
+        if (top_p) {
+            // Lanes of one bin add their weights together (two 16-bit halves: exact).
+            const kiln_u32 peers = __match_any_sync(KILN_FULL_MASK, (kiln_u32)bin);
+            const kiln_u32 low = __reduce_add_sync(peers, w & 0xFFFFu);
+            const kiln_u32 high = __reduce_add_sync(peers, w >> 16);
+            if (bin >= 0 && __ffs(peers) - 1 == (int)(threadIdx.x & 31))
+                atomicAdd(&bins[bin], (kiln_u64)low + ((kiln_u64)high << 16));
+        }
+    }
+    const kiln_u64 slice_kept = sample_mass_sum(kept, sh);
+    if (top_p) {
+        kiln_u64* row_bins = histogram + (long long)r * MASS_BINS;
+        for (int b = threadIdx.x; b < MASS_BINS; b += THREADS)
+            if (bins[b] != 0ull) atomicAdd(&row_bins[b], bins[b]);
+    }
+    if (threadIdx.x == 0) slot_mass[(long long)r * slots + blockIdx.x] = slice_kept;
+    if (!sample_mass_ticket(r, work, sh)) return;
+
+    if (!top_p) {
+        for (int s = threadIdx.x; s < (int)gridDim.x; s += THREADS)
+            sh.slice_mass[s] = __ldcg(&slot_mass[(long long)r * slots + s]);
+        __syncthreads();
+        sample_mass_draw(r, x, vocab, m, 0u, 0xFFFFFFFFu, p, steps, tokens, work, sh);
+        return;
+    }
+    // The bin b* where the order's running mass reaches the target (step 6), and the mass above.
+    kiln_u64* row_bins = histogram + (long long)r * MASS_BINS;
+    constexpr int PER = (MASS_BINS + THREADS - 1) / THREADS;
+    const int b0 = min(MASS_BINS, (int)threadIdx.x * PER), b1 = min(MASS_BINS, b0 + PER);
+    kiln_u64 local = 0ull;
+    for (int b = b0; b < b1; ++b) local += __ldcg(&row_bins[b]);
+    kiln_u64 total;
+    const kiln_u64 before = fast_scan(local, sh.warp_u64, total);
+    // max(1, ceil(total * p_units / 2^24)), exact in 128 bits.
+    const kiln_u64 lo_p = total * (kiln_u64)p.top_p_units, hi_p = __umul64hi(total, (kiln_u64)p.top_p_units);
+    const kiln_u64 add = lo_p + 0xFFFFFFull;
+    const kiln_u64 carry = add < lo_p ? 1ull : 0ull;
+    kiln_u64 target = (add >> 24) | ((hi_p + carry) << 40);
+    if (target == 0ull) target = 1ull;
+    if (local != 0ull && before < target && before + local >= target) {
+        kiln_u64 acc = before;
+        for (int b = b0; b < b1; ++b) {
+            const kiln_u64 v = __ldcg(&row_bins[b]);
+            if (acc + v >= target) {
+                row_state[(long long)r * 4] = (kiln_u64)b;
+                row_state[(long long)r * 4 + 1] = acc;
+                row_state[(long long)r * 4 + 2] = target;
+                break;
+            }
+            acc += v;
+        }
+    }
+    __syncthreads();
+    for (int b = b0; b < b1; ++b) row_bins[b] = 0ull;  // zero for the next launch
+}
+
+// Step 3: see the section's comment.
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+kiln_sample_mass_pick(const float* __restrict__ logits, long long vocab, long long row_stride,
+                      const KilnSampleParams* __restrict__ params, const kiln_u64* __restrict__ steps,
+                      const kiln_u32* __restrict__ history_offsets, const kiln_u32* counts, const float* scratch,
+                      kiln_u32* tokens, int mass_path, kiln_u32* tickets,
+                      kiln_u64* maxima, kiln_u64* slot_mass, kiln_u64* row_state, kiln_u32* list_counts,
+                      float* list_values, kiln_u32* list_indices, int slots, long long slice_len) {
+    __shared__ MassDrawShared sh;
+    __shared__ kiln_u64 packed[MASS_LIST_CAP];
+    __shared__ kiln_u32 weights[MASS_LIST_CAP];
+    __shared__ kiln_u32 offsets[MASS_MAX_SLICES + 1];
+    __shared__ kiln_u32 listed;
+    __shared__ kiln_u64 cut;
+    const int r = blockIdx.y;
+    const KilnSampleParams p = params[r];
+    if (!sample_mass_row(p, mass_path) || p.top_p_units >= (1u << 24)) return;
+    MassWork work = {};
+    work.tickets = tickets;
+    work.maxima = maxima;
+    work.slots = slots;
+    work.slice_len = slice_len;
+    const bool penalties = sample_penalized(p, counts, history_offsets[r], history_offsets[r + 1]);
+    const float* x = penalties ? scratch + (long long)r * vocab : logits + (long long)r * row_stride;
+    const kiln_u64 best = sample_mass_greedy(r, work, sh);
+    if ((best >> 32) == 0ull) return;  // NO_TOKEN, written by kiln_sample_mass
+    float m = x[0xFFFFFFFFu - (kiln_u32)best] / p.temperature;
+    m = fminf(fmaxf(m, -3.40282347e38f), 3.40282347e38f);
+    const int b_star = (int)row_state[(long long)r * 4];
+    const kiln_u64 above = row_state[(long long)r * 4 + 1];
+    const kiln_u64 target = row_state[(long long)r * 4 + 2];
+
+    // This slice: the kept mass before bin b*, and its tokens of bin b* (in any order).
+    const int s = blockIdx.x;
+    const long long slot = (long long)r * slots + s;
+    const long long lo = (long long)s * slice_len;
+    const long long hi = lo + slice_len < vocab ? lo + slice_len : vocab;
+    if (threadIdx.x == 0) listed = 0u;
+    __syncthreads();
+    kiln_u64 kept = 0ull;
+    for (long long i = lo + threadIdx.x; i < hi; i += THREADS) {
+        const float v = x[i];
+        if (sample_order_key(v) == 0u) continue;
+        const kiln_u32 w = sample_weight(v, p.temperature, m);
+        if (w == 0u) continue;
+        float z = v / p.temperature;
+        z = fminf(fmaxf(z, -3.40282347e38f), 3.40282347e38f);
+        const int bin = sample_mass_bin(z, m);
+        if (bin < b_star) {
+            kept += w >= p.min_weight ? (kiln_u64)w : 0ull;
+        } else if (bin == b_star) {
+            const kiln_u32 at = atomicAdd(&listed, 1u);
+            if (at < FAST_BLOCK_CAP) {
+                list_values[slot * FAST_BLOCK_CAP + at] = v;
+                list_indices[slot * FAST_BLOCK_CAP + at] = (kiln_u32)i;
+            }
+        }
+    }
+    const kiln_u64 slice_kept = sample_mass_sum(kept, sh);
+    if (threadIdx.x == 0) {
+        slot_mass[slot] = slice_kept;
+        list_counts[slot] = listed;
+    }
+    if (!sample_mass_ticket(r, work, sh)) return;
+
+    // The last block: the lists' offsets; more than the lists or the sort hold goes to the
+    // single-block path.
+    const int slices = (int)gridDim.x;
+    const int per_slices = (slices + THREADS - 1) / THREADS;
+    const int s0 = min(slices, (int)threadIdx.x * per_slices), s1 = min(slices, s0 + per_slices);
+    kiln_u32 mine = 0u;
+    bool overflow = false;
+    for (int t = s0; t < s1; ++t) {
+        const kiln_u32 c = __ldcg(&list_counts[(long long)r * slots + t]);
+        overflow |= c > FAST_BLOCK_CAP;
+        mine += c;
+    }
+    const bool any_overflow = __syncthreads_or(overflow) != 0;
+    kiln_u64 all64;
+    kiln_u64 at64 = fast_scan((kiln_u64)mine, sh.warp_u64, all64);
+    const bool overflows = any_overflow || all64 > MASS_LIST_CAP;
+    if (threadIdx.x == 0) row_state[(long long)r * 4 + 3] = overflows ? 1ull : 0ull;
+    if (overflows) return;  // `kiln_sample_mass_fallback` samples the row
+    for (int t = s0; t < s1; ++t) {
+        offsets[t] = (kiln_u32)at64;
+        at64 += __ldcg(&list_counts[(long long)r * slots + t]);
+    }
+    if (threadIdx.x == 0) offsets[slices] = (kiln_u32)all64;
+    __syncthreads();
+    const int n = (int)all64;  // >= 1: bin b* holds mass
+    int size = 1;
+    while (size < n) size <<= 1;
+    for (int j = threadIdx.x; j < size; j += THREADS) {
+        kiln_u64 key_index = 0ull;
+        kiln_u32 w = 0u;
+        if (j < n) {
+            int a = 0, z = slices - 1;
+            while (a < z) {
+                const int mid = (a + z + 1) >> 1;
+                if (offsets[mid] <= (kiln_u32)j) a = mid; else z = mid - 1;
+            }
+            const long long from = ((long long)r * slots + a) * FAST_BLOCK_CAP + (j - (int)offsets[a]);
+            const float v = __ldcg(&list_values[from]);
+            key_index = fast_pack(sample_order_key(v), __ldcg(&list_indices[from]));
+            w = sample_weight(v, p.temperature, m);
+        }
+        packed[j] = key_index;
+        weights[j] = w;
+    }
+    __syncthreads();
+    // Bitonic sort, descending: the order (key descending, index ascending); padding (0) last.
+    for (int k = 2; k <= size; k <<= 1) {
+        for (int half = k >> 1; half > 0; half >>= 1) {
+            for (int i = threadIdx.x; i < size; i += THREADS) {
+                const int partner = i ^ half;
+                if (partner > i) {
+                    const kiln_u64 a = packed[i], b = packed[partner];
+                    if ((i & k) == 0 ? a < b : a > b) {
+                        packed[i] = b;
+                        packed[partner] = a;
+                        const kiln_u32 wa = weights[i];
+                        weights[i] = weights[partner];
+                        weights[partner] = wa;
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    }
+    // The cutoff: the first listed token in the order at which the running mass from `above`
+    // reaches the target (above < target <= above + the bin's mass).
+    const int per = (size + THREADS - 1) / THREADS;
+    const int j0 = min(size, (int)threadIdx.x * per), j1 = min(size, j0 + per);
+    kiln_u64 run = 0ull;
+    for (int j = j0; j < j1; ++j) run += weights[j];
+    kiln_u64 unused;
+    kiln_u64 acc = above + fast_scan(run, sh.warp_u64, unused);
+    if (threadIdx.x == 0) cut = ~0ull;  // nothing listed within: cannot happen (see above)
+    __syncthreads();
+    if (run != 0ull && acc < target && acc + run >= target) {
+        for (int j = j0; j < j1; ++j) {
+            acc += weights[j];
+            if (acc >= target) {
+                cut = packed[j];
+                break;
+            }
+        }
+    }
+    __syncthreads();
+    const kiln_u64 c = cut;
+    for (int t = threadIdx.x; t < slices; t += THREADS) sh.slice_mass[t] = __ldcg(&slot_mass[(long long)r * slots + t]);
+    __syncthreads();
+    for (int j = threadIdx.x; j < n; j += THREADS) {
+        const kiln_u64 e = packed[j];
+        if (e >= c && weights[j] >= p.min_weight) {
+            const kiln_u32 index = 0xFFFFFFFFu - (kiln_u32)e;
+            atomicAdd(&sh.slice_mass[index / (kiln_u64)slice_len], (kiln_u64)weights[j]);
+        }
+    }
+    __syncthreads();
+    sample_mass_draw(r, x, vocab, m, (kiln_u32)(c >> 32), 0xFFFFFFFFu - (kiln_u32)c, p, steps, tokens, work, sh);
+}
+
+// Step 4: the single-block path for the rows whose bin b* overflowed the lists.
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+kiln_sample_mass_fallback(const float* __restrict__ logits, long long vocab, long long row_stride,
+                          const KilnSampleParams* __restrict__ params, const kiln_u64* __restrict__ steps,
+                          const kiln_u32* __restrict__ history_offsets, const kiln_u32* __restrict__ history,
+                          kiln_u32* __restrict__ counts, float* __restrict__ scratch, kiln_u32* __restrict__ tokens,
+                          int mass_path, const kiln_u64* __restrict__ row_state) {
+    const int r = blockIdx.y;
+    const KilnSampleParams p = params[r];
+    if (!sample_mass_row(p, mass_path) || p.top_p_units >= (1u << 24)) return;
+    if (row_state[(long long)r * 4 + 3] == 0ull) return;
+    sample_row_single(r, logits, vocab, row_stride, params, steps, history_offsets, history, counts, scratch,
+                      nullptr, 0, tokens);
+}
+
+// One launch serves every row: grid (slices, rows). Rows the multi-block paths serve
+// (`fast_kmax` > 0 for greedy and top-k, `mass_path` for the others at temperature > 0) use every
+// block of their row; the others use block 0 alone.
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 kiln_sample(const float* __restrict__ logits, long long vocab, long long row_stride,
             const KilnSampleParams* __restrict__ params, const kiln_u64* __restrict__ steps,
@@ -935,12 +1450,22 @@ kiln_sample(const float* __restrict__ logits, long long vocab, long long row_str
             kiln_u32* __restrict__ counts, float* __restrict__ scratch, const kiln_u64* __restrict__ stats,
             int stats_per_row, kiln_u32* __restrict__ tokens, int fast_kmax, int greedy_single, kiln_u32* tickets,
             kiln_u32* list_counts, kiln_u64* list_cuts, float* list_values, kiln_u32* list_indices,
-            float* overflow_values, kiln_u32* overflow_indices, int slots, long long slice_len) {
+            float* overflow_values, kiln_u32* overflow_indices, int slots, long long slice_len, int mass_path,
+            kiln_u64* mass_maxima) {
     const int r = blockIdx.y;
     const KilnSampleParams p = params[r];
     const kiln_u32 h0 = history_offsets[r], h1 = history_offsets[r + 1];
-    const bool penalties = PENALTIES && counts != nullptr && h1 > h0 &&
-                           (p.repetition != 1.0f || p.presence != 0.0f || p.frequency != 0.0f);
+    const bool penalties = sample_penalized(p, counts, h0, h1);
+    if (sample_mass_row(p, mass_path)) {
+        // Step 1 of the mass path; `kiln_sample_mass` and `kiln_sample_mass_pick` follow.
+        MassWork work = {};
+        work.maxima = mass_maxima;
+        work.slots = slots;
+        work.slice_len = slice_len;
+        sample_mass_maxima(r, penalties, logits + (long long)r * row_stride, scratch + (long long)r * vocab, vocab,
+                           p, h0, h1, history, counts + (long long)r * vocab, work);
+        return;
+    }
     const bool greedy = p.temperature == 0.0f;
     const bool from_stats = greedy && stats != nullptr && !penalties;
     const kiln_u32 kmax = fast_kmax < FAST_KMAX ? (kiln_u32)(fast_kmax > 0 ? fast_kmax : 0) : FAST_KMAX;

@@ -189,9 +189,10 @@ fn run_gpu(
     (tokens, counts.to_host_bytes().expect("copy back"))
 }
 
-/// Every mode, through both paths (the multi-block path where it serves a row, and the
-/// single-block path for every row), against the CPU reference token for token. The multi-block
-/// launches alternate between a scratch made once per shape and one allocated per launch.
+/// Every mode, through every path (both multi-block paths where they serve a row, each alone,
+/// and the single-block path for every row), against the CPU reference token for token. The
+/// multi-block launches alternate between a scratch made once per shape and one allocated per
+/// launch.
 #[test]
 fn tokens_equal_the_cpu_reference_in_every_mode() {
     let gpu = Gpu::open(0).expect("the GPU tests need CUDA device 0");
@@ -234,7 +235,8 @@ fn tokens_equal_the_cpu_reference_in_every_mode() {
                 })
                 .collect();
             let made = (launch % 2 == 0).then(|| SampleScratch::new(&gpu, rows, vocab).expect("scratch"));
-            for (path, scratch) in [(SamplePath::Auto, made.as_ref()), (SamplePath::SingleBlock, None)] {
+            for path in SamplePath::ALL {
+                let scratch = if path == SamplePath::SingleBlock { None } else { made.as_ref() };
                 let (got, counts) = run_gpu(
                     &gpu,
                     &logits,
@@ -276,7 +278,8 @@ fn tokens_equal_the_cpu_reference_in_every_mode() {
     assert!(failures.is_empty(), "{} of {checked} cases differ:\n{shown:#?}", failures.len());
 }
 
-/// One scratch serves many launches (its tickets are left at zero): the same logits sampled
+/// One scratch serves many launches (its tickets and mass histograms are left at zero), in the
+/// modes of both multi-block paths: the same logits sampled
 /// again and again give the reference's token every time, at vocab 151936 for batches 1 and 64.
 #[test]
 fn a_scratch_is_reused_across_launches() {
@@ -292,7 +295,15 @@ fn a_scratch_is_reused_across_launches() {
         for launch in 0..20 {
             let params: Vec<(SamplingParams, u64)> = (0..rows)
                 .map(|_| {
-                    let mode = ["greedy", "top-k", "top-k + top-p", "top-k + min-p"][launch % 4];
+                    let mode = [
+                        "greedy",
+                        "top-k",
+                        "top-k + top-p",
+                        "top-k + min-p",
+                        "top-p",
+                        "temperature",
+                        "min-p",
+                    ][launch % 7];
                     (mode_params(mode, &mut rng), rng.next())
                 })
                 .collect();

@@ -15,12 +15,19 @@
 //! - `scratch`: the multi-block path's [`SampleScratch`] (allocated per launch when absent, which
 //!   a captured graph cannot do: allocate it once with [`SampleScratch::new`]).
 //!
-//! Two paths, chosen per row on the device (the parameters live in device memory): greedy rows
-//! and rows with `1 <= top_k <=` [`FAST_KMAX`] run on many blocks per row (a grid of
-//! [`slices`] x rows, fixed for a given (rows, vocab, device), so the launch can be captured);
-//! the others (top-k 0 or above [`FAST_KMAX`] at temperature > 0, greedy rows read from the LM
-//! head's statistics, and greedy rows without penalties once the rows fill a quarter of the
-//! device) run on one block per row. Both give the reference's token.
+//! Three paths, chosen per row on the device (the parameters live in device memory), on a grid
+//! of [`slices`] x rows fixed for a given (rows, vocab, device), so the launches can be captured:
+//! - greedy rows and rows with `1 <= top_k <=` [`FAST_KMAX`] run on many blocks per row, each
+//!   listing its slice's local top-k (`kiln_sample`);
+//! - rows at temperature > 0 with top-k off (temperature, top-p, min-p, penalties) run on many
+//!   blocks per row in three kernels (`kiln_sample`, `kiln_sample_mass`,
+//!   `kiln_sample_mass_pick`): slice maxima, then slice masses and a histogram of the weights
+//!   by distance from the maximum, then the top-p cutoff within one bin and the draw;
+//! - the others (top-k above [`FAST_KMAX`] at temperature > 0, greedy rows read from the LM
+//!   head's statistics, and greedy rows without penalties once the rows fill a quarter of the
+//!   device) run on one block per row.
+//!
+//! Every path gives the reference's token; [`SamplePath`] restricts the choice (for tests).
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use kiln_core::ops::sample::{SamplingParams, NO_TOKEN, PROBABILITY_BITS, WEIGHT_BITS};
@@ -164,14 +171,35 @@ const FAST_BLOCK_CAP: usize = 512;
 /// The shortest slice worth a block of its own: bounds the slices per row, hence the scratch.
 const MIN_SLICE: usize = 2048;
 
-/// Which rows may take the multi-block path.
+/// Which rows may take a multi-block path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SamplePath {
-    /// Every row the multi-block path serves takes it (the default).
+    /// Every row a multi-block path serves takes it (the default).
     Auto,
     /// Every row runs on one block (the reference path of the GPU tests and benchmarks).
     SingleBlock,
+    /// Only greedy and top-k rows run on many blocks (the top-k lists).
+    TopKBlocks,
+    /// Only rows at temperature > 0 with top-k off run on many blocks (the mass path).
+    MassBlocks,
 }
+
+impl SamplePath {
+    /// Every path, for tests that compare each with the reference.
+    pub const ALL: [SamplePath; 4] =
+        [SamplePath::Auto, SamplePath::SingleBlock, SamplePath::TopKBlocks, SamplePath::MassBlocks];
+
+    fn top_k_blocks(self) -> bool {
+        matches!(self, SamplePath::Auto | SamplePath::TopKBlocks)
+    }
+
+    fn mass_blocks(self) -> bool {
+        matches!(self, SamplePath::Auto | SamplePath::MassBlocks)
+    }
+}
+
+/// Bins of the mass path's histogram per row (`MASS_BINS` in `sample.cu`).
+const MASS_BINS: usize = 4096;
 
 /// Slices per row the scratch is laid out for: an upper bound of [`slices`].
 fn slots(vocab: usize) -> usize {
@@ -207,6 +235,9 @@ struct ScratchLayout {
     indices: usize,
     overflow_values: usize,
     overflow_indices: usize,
+    maxima: usize,
+    histogram: usize,
+    row_state: usize,
     bytes: usize,
 }
 
@@ -222,7 +253,10 @@ impl ScratchLayout {
         let indices = align(values + lists);
         let overflow_values = align(indices + lists);
         let overflow_indices = align(overflow_values + lists);
-        let bytes = align(overflow_indices + lists);
+        let maxima = align(overflow_indices + lists);
+        let histogram = align(maxima + rows * slots * 8);
+        let row_state = align(histogram + rows * MASS_BINS * 8);
+        let bytes = align(row_state + rows * 4 * 8);
         ScratchLayout {
             slots,
             tickets,
@@ -232,19 +266,23 @@ impl ScratchLayout {
             indices,
             overflow_values,
             overflow_indices,
+            maxima,
+            histogram,
+            row_state,
             bytes,
         }
     }
 }
 
 /// Bytes of the [`SampleScratch`] of `rows` rows of `vocab` logits
-/// (`rows * ceil(vocab / 2048) * 8 KiB` and a little).
+/// (`rows * (ceil(vocab / 2048) * 8 KiB + 32 KiB)` and a little).
 pub fn scratch_bytes(rows: usize, vocab: usize) -> usize {
     ScratchLayout::new(rows, vocab).bytes
 }
 
-/// The multi-block path's workspace for up to `rows` rows of `vocab` logits: per-row tickets
-/// (zero between launches: the kernel leaves them zero) and the blocks' candidate lists.
+/// The multi-block paths' workspace for up to `rows` rows of `vocab` logits: per-row tickets and
+/// mass histograms (zero between launches: the kernels leave them zero), the blocks' candidate
+/// lists, slice maxima and masses.
 /// Allocate it once (outside a graph capture) and pass it to every launch.
 #[derive(Debug)]
 pub struct SampleScratch {
@@ -323,8 +361,8 @@ pub fn sample_with_path(
         None => (0u64, 0i32),
     };
     let grid = match path {
-        SamplePath::Auto => slices(rows, vocab, gpu.facts().multiprocessors as usize),
         SamplePath::SingleBlock => None,
+        _ => slices(rows, vocab, gpu.facts().multiprocessors as usize),
     };
     let owned;
     let scratch = match (grid, buffers.scratch) {
@@ -347,7 +385,8 @@ pub fn sample_with_path(
         }
     };
     let (slice_count, slice_len) = grid.unwrap_or((1, vocab));
-    let fast_kmax: i32 = if scratch.is_some() { FAST_KMAX as i32 } else { 0 };
+    let fast_kmax: i32 = if scratch.is_some() && path.top_k_blocks() { FAST_KMAX as i32 } else { 0 };
+    let mass_path = i32::from(scratch.is_some() && path.mass_blocks());
     // Greedy rows without penalties stream on one block per row once the rows alone fill a
     // quarter of the device (33 rows on 132 multiprocessors): the blocks then read together at
     // close to the memory's rate, with no lists, no ticket and no waves of short blocks.
@@ -360,6 +399,7 @@ pub fn sample_with_path(
     let (tickets, list_counts, list_cuts) = (at(layout.tickets), at(layout.counts), at(layout.cuts));
     let (list_values, list_indices) = (at(layout.values), at(layout.indices));
     let (overflow_values, overflow_indices) = (at(layout.overflow_values), at(layout.overflow_indices));
+    let (maxima, histogram, row_state) = (at(layout.maxima), at(layout.histogram), at(layout.row_state));
     let slots = layout.slots as i32;
     let slice_len = slice_len as i64;
     let threads = SAMPLE_THREADS.to_string();
@@ -402,19 +442,100 @@ pub fn sample_with_path(
         .arg(&overflow_values)
         .arg(&overflow_indices)
         .arg(&slots)
-        .arg(&slice_len);
+        .arg(&slice_len)
+        .arg(&mass_path)
+        .arg(&maxima);
     // SAFETY: the arguments match `kiln_sample`'s signature (pointer, i64, i64, 7 pointers, i32,
-    // pointer, i32, i32, 7 pointers, i32, i64); every buffer was checked above to hold what `rows`
+    // pointer, i32, i32, 7 pointers, i32, i64, i32, pointer); every buffer was checked above to hold what `rows`
     // rows touch; `counts` and `scratch` are null only with PENALTIES=0, `stats` only with zero
     // statistics per row; the history words are read within `history_offsets`' ranges, which the
     // caller built with `encode_histories` (the kernel also skips a token beyond the vocabulary).
-    // The multi-block path runs only with `fast_kmax > 0`, which needs a scratch laid out by
+    // The multi-block paths run only with `fast_kmax > 0` or `mass_path`, which need a scratch laid out by
     // `ScratchLayout` for at least `rows` rows of this vocabulary (checked above), whose tickets
     // are zero (zeroed at allocation, left zero by every launch), and a grid of `slices`: each
     // slice at most FAST_SLICE_MAX logits, at most `slots` and SAMPLE_THREADS slices per row. The
     // blocks come from this device's pool, which reuses memory only in this stream's order (an
     // internal scratch is freed after the launch is queued, in stream order).
     unsafe { launch.launch(config) }.map_err(|e| driver_error("cuLaunchKernel(kiln_sample)", e))?;
+    if mass_path == 0 {
+        return Ok(());
+    }
+    // The mass path's steps 2 and 3, on the same grid (every launch of the sequence has its
+    // fixed grid, so the three can be captured together).
+    let defines = [("THREADS", threads.as_str()), ("PENALTIES", penalties)];
+    let mass = gpu.function(&SAMPLE, "kiln_sample_mass", &defines)?;
+    let mut launch = gpu.stream().launch_builder(&mass);
+    launch
+        .arg(&logits)
+        .arg(&vocab)
+        .arg(&row_stride)
+        .arg(&params)
+        .arg(&steps)
+        .arg(&offsets)
+        .arg(&counts)
+        .arg(&scratch)
+        .arg(&tokens)
+        .arg(&mass_path)
+        .arg(&tickets)
+        .arg(&maxima)
+        .arg(&list_cuts)
+        .arg(&histogram)
+        .arg(&row_state)
+        .arg(&slots)
+        .arg(&slice_len);
+    // SAFETY: the arguments match `kiln_sample_mass`'s signature (pointer, i64, i64, 6 pointers,
+    // i32, 5 pointers, i32, i64); the buffers are those of the launch above, checked there, and
+    // the scratch regions (tickets, maxima, slice masses in `cuts`, histogram, row state) are laid
+    // out by `ScratchLayout` for at least `rows` rows of this vocabulary, with the tickets and the
+    // histogram zero between launches (zeroed at allocation, left zero by the kernels).
+    unsafe { launch.launch(config) }.map_err(|e| driver_error("cuLaunchKernel(kiln_sample_mass)", e))?;
+    let pick = gpu.function(&SAMPLE, "kiln_sample_mass_pick", &defines)?;
+    let mut launch = gpu.stream().launch_builder(&pick);
+    launch
+        .arg(&logits)
+        .arg(&vocab)
+        .arg(&row_stride)
+        .arg(&params)
+        .arg(&steps)
+        .arg(&offsets)
+        .arg(&counts)
+        .arg(&scratch)
+        .arg(&tokens)
+        .arg(&mass_path)
+        .arg(&tickets)
+        .arg(&maxima)
+        .arg(&list_cuts)
+        .arg(&row_state)
+        .arg(&list_counts)
+        .arg(&list_values)
+        .arg(&list_indices)
+        .arg(&slots)
+        .arg(&slice_len);
+    // SAFETY: the arguments match `kiln_sample_mass_pick`'s signature (pointer, i64, i64, 6
+    // pointers, i32, 7 pointers, i32, i64); as above, and the lists (`counts`, `values`,
+    // `indices`) hold FAST_BLOCK_CAP entries per slot.
+    unsafe { launch.launch(config) }.map_err(|e| driver_error("cuLaunchKernel(kiln_sample_mass_pick)", e))?;
+    let fallback = gpu.function(&SAMPLE, "kiln_sample_mass_fallback", &defines)?;
+    let mut launch = gpu.stream().launch_builder(&fallback);
+    launch
+        .arg(&logits)
+        .arg(&vocab)
+        .arg(&row_stride)
+        .arg(&params)
+        .arg(&steps)
+        .arg(&offsets)
+        .arg(&history)
+        .arg(&counts)
+        .arg(&scratch)
+        .arg(&tokens)
+        .arg(&mass_path)
+        .arg(&row_state);
+    let one_block_per_row = LaunchConfig { grid_dim: (1, rows as u32, 1), ..config };
+    // SAFETY: the arguments match `kiln_sample_mass_fallback`'s signature (pointer, i64, i64, 7
+    // pointers, i32, pointer); it runs the single-block path of `kiln_sample` on the buffers
+    // checked above, for the rows the pick flagged in the row state.
+    unsafe { launch.launch(one_block_per_row) }
+        .map_err(|e| driver_error("cuLaunchKernel(kiln_sample_mass_fallback)", e))?;
     Ok(())
 }
 
