@@ -12,7 +12,8 @@ use std::path::PathBuf;
 use kiln_core::ops::sample::SamplingParams;
 use kiln_core::{Error, Result};
 use kiln_cuda::ops::sample::{
-    encode_histories, encode_params, sample, PenaltyScratch, SampleBuffers, SampleScratch,
+    encode_histories, encode_params, sample_with_path, PenaltyScratch, SampleBuffers, SamplePath,
+    SampleScratch, DEFAULT_PATH,
 };
 use kiln_cuda::Gpu;
 
@@ -82,7 +83,7 @@ pub fn run(args: &BenchSampleArgs) -> Result<()> {
     }
     let mut table = format!(
         "Sampler, vocabulary {vocab}, on {} ({})\n\n\
-         | mode | batch | time_us | torch_us | torch / kiln |\n| --- | ---: | ---: | ---: | ---: |\n",
+         | mode | batch | time_us | all paths us | torch_us | torch / kiln |\n| --- | ---: | ---: | ---: | ---: | ---: |\n",
         gpu.facts().name,
         gpu.arch()
     );
@@ -113,24 +114,29 @@ pub fn run(args: &BenchSampleArgs) -> Result<()> {
             let rows: Vec<(SamplingParams, u64)> = (0..batch).map(|r| (params, r as u64)).collect();
             let params_dev = upload(&gpu, &encode_params(&rows)?)?;
             let penalties = params.has_penalties();
-            let us = timed(&gpu, args.batches, args.launches, |i| {
-                let buffers = SampleBuffers {
-                    logits: &logits[i % sets],
-                    row_stride: vocab,
-                    params: &params_dev,
-                    steps: &steps_dev,
-                    history_offsets: &offsets_dev,
-                    history: &history_dev,
-                    penalty: penalties.then_some(PenaltyScratch { counts: &counts, scratch: &scratch }),
-                    stats: None,
-                    tokens: &out,
-                    scratch: Some(&sample_scratch),
-                };
-                sample(&gpu, batch, vocab, buffers)
-            })?;
+            let time = |path: SamplePath| {
+                timed(&gpu, args.batches, args.launches, |i| {
+                    let buffers = SampleBuffers {
+                        logits: &logits[i % sets],
+                        row_stride: vocab,
+                        params: &params_dev,
+                        steps: &steps_dev,
+                        history_offsets: &offsets_dev,
+                        history: &history_dev,
+                        penalty: penalties.then_some(PenaltyScratch { counts: &counts, scratch: &scratch }),
+                        stats: None,
+                        tokens: &out,
+                        scratch: Some(&sample_scratch),
+                    };
+                    sample_with_path(&gpu, batch, vocab, buffers, path)
+                })
+            };
+            let us = time(DEFAULT_PATH)?;
+            // Every multi-block path (the mass path for rows without top-k too), for comparison.
+            let all_us = time(SamplePath::Auto)?;
             let torch = peer.get(name).and_then(|m| m.get(&batch.to_string())).copied();
             table.push_str(&format!(
-                "| {name} | {batch} | {us:.1} | {} | {} |\n",
+                "| {name} | {batch} | {us:.1} | {all_us:.1} | {} | {} |\n",
                 torch.map_or("-".to_owned(), |t| format!("{t:.1}")),
                 torch.map_or("-".to_owned(), |t| format!("{:.2}x", t / us)),
             ));

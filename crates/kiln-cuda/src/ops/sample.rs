@@ -174,7 +174,7 @@ const MIN_SLICE: usize = 2048;
 /// Which rows may take a multi-block path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SamplePath {
-    /// Every row a multi-block path serves takes it (the default).
+    /// Every row a multi-block path serves takes it.
     Auto,
     /// Every row runs on one block (the reference path of the GPU tests and benchmarks).
     SingleBlock,
@@ -308,9 +308,14 @@ impl SampleScratch {
 /// Threads per block of the sampler.
 pub const SAMPLE_THREADS: u32 = 1024;
 
+/// The path [`sample`] takes: the multi-block top-k path, measured token-exact on the H200. The
+/// mass path for rows without top-k ([`SamplePath::MassBlocks`], part of [`SamplePath::Auto`])
+/// is chosen only when asked for until it has run on a GPU.
+pub const DEFAULT_PATH: SamplePath = SamplePath::TopKBlocks;
+
 /// Samples one token for each of `rows` rows of `vocab` logits on `gpu`'s stream.
 pub fn sample(gpu: &Gpu, rows: usize, vocab: usize, buffers: SampleBuffers<'_>) -> Result<()> {
-    sample_with_path(gpu, rows, vocab, buffers, SamplePath::Auto)
+    sample_with_path(gpu, rows, vocab, buffers, DEFAULT_PATH)
 }
 
 /// [`sample`], with the rows allowed on the multi-block path chosen by `path`.
