@@ -812,7 +812,80 @@ __device__ __forceinline__ float lin_mma_operands(const kiln_u32 (&xw)[XWORDS], 
 #endif
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS)
+// One round: U consecutive 32-column steps from step s0, every load issued before the first mma.
+// CHECKED: chunks past the row's end (4 s + t >= chunks) load nothing and count as zeros.
+template <int U, bool CHECKED>
+__device__ __forceinline__ void lin_mma_round(float (&acc)[TILES][4], const kiln_u8* const (&wrow)[TILES][2],
+                                              const void* x, long long x_offset, int s0, int chunks, int t) {
+    uint4 wv[U][TILES][2];
+    kiln_u32 xw[U][XWORDS];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int s = s0 + u;
+        const bool valid = !CHECKED || 4 * s + t < chunks;
+#pragma unroll
+        for (int i = 0; i < TILES; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                wv[u][i][h] = valid ? lin_load_stream16(wrow[i][h] + 64ll * s) : make_uint4(0u, 0u, 0u, 0u);
+        if (valid) {
+#if X_T == 0
+            const float* p = reinterpret_cast<const float*>(x) + x_offset + 32ll * s;
+            const uint4 a = lin_load_xb(p), c = lin_load_xb(p + 4);
+            xw[u][0] = a.x; xw[u][1] = a.y; xw[u][2] = a.z; xw[u][3] = a.w;
+            xw[u][4] = c.x; xw[u][5] = c.y; xw[u][6] = c.z; xw[u][7] = c.w;
+#else
+            const uint4 q = lin_load_xb(reinterpret_cast<const kiln_u16*>(x) + x_offset + 32ll * s);
+            xw[u][0] = q.x; xw[u][1] = q.y; xw[u][2] = q.z; xw[u][3] = q.w;
+#endif
+        } else {
+#pragma unroll
+            for (int k = 0; k < XWORDS; ++k) xw[u][k] = 0u;
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        kiln_u32 b[PARTS][4];
+        const float unscale = lin_mma_operands(xw[u], b);
+#if W_T == 2
+        // The factors of this lane's output columns: tokens 2t and 2t + 1 (lanes 8t, 8t + 4).
+        const float unscale0 = __shfl_sync(KILN_FULL_MASK, unscale, 8 * t);
+        const float unscale1 = __shfl_sync(KILN_FULL_MASK, unscale, 8 * t + 4);
+#else
+        (void)unscale;
+#endif
+#pragma unroll
+        for (int i = 0; i < TILES; ++i) {
+            float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int p = PARTS - 1; p >= 0; --p)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const kiln_u32 a[4] = {lin_word(wv[u][i][0], 2 * half), lin_word(wv[u][i][1], 2 * half),
+                                           lin_word(wv[u][i][0], 2 * half + 1), lin_word(wv[u][i][1], 2 * half + 1)};
+#if W_T == 1
+                    kiln_mma_bf16_16816(d, a, b[p][2 * half], b[p][2 * half + 1]);
+#else
+                    lin_mma_f16_16816(d, a, b[p][2 * half], b[p][2 * half + 1]);
+#endif
+                }
+#if W_T == 2
+            acc[i][0] = __fmaf_rn(d[0], unscale0, acc[i][0]);
+            acc[i][1] = __fmaf_rn(d[1], unscale1, acc[i][1]);
+            acc[i][2] = __fmaf_rn(d[2], unscale0, acc[i][2]);
+            acc[i][3] = __fmaf_rn(d[3], unscale1, acc[i][3]);
+#else
+#pragma unroll
+            for (int k = 0; k < 4; ++k) acc[i][k] = __fadd_rn(acc[i][k], d[k]);
+#endif
+        }
+    }
+}
+
+// The minimum of one block per SM lets ptxas keep a round's loads in registers ahead of its first
+// mma (about 130 registers at UNROLL 4, three blocks of 4 warps per SM); with the default target
+// it sank each step's loads to just before that step's mma, leaving one step in flight.
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
 kiln_linear(const kiln_u8* __restrict__ weight, const float* __restrict__ bias, const void* __restrict__ x,
             float* __restrict__ out, int rows, int cols, long long row_bytes) {
     // Each warp's sums: [warp][row of the block: gate rows 0 .. ROWS, then up rows][token].
@@ -832,9 +905,9 @@ kiln_linear(const kiln_u8* __restrict__ weight, const float* __restrict__ bias, 
             o = o < rows ? o : rows - 1;
             wrow[i][h] = weight + ((long long)(i / MT) * rows + o) * row_bytes + 16 * t;
         }
-    // x of token g from the same chunk; lanes of tokens past TOKENS read nothing and give zeros.
-    const bool has_token = g < TOKENS;
-    const long long x_offset = (long long)(has_token ? g : 0) * cols + 8 * t;
+    // x of token g from the same chunk. Lanes of tokens past TOKENS read token 0's: B's column n
+    // only reaches D's column n, which is dropped for n >= TOKENS.
+    const long long x_offset = (long long)(g < TOKENS ? g : 0) * cols + 8 * t;
     const int chunks = cols / 8;         // 16-byte chunks of a weight row
     const int steps = (chunks + 3) / 4;  // 32-column steps
 
@@ -844,74 +917,14 @@ kiln_linear(const kiln_u8* __restrict__ weight, const float* __restrict__ bias, 
 #pragma unroll
         for (int k = 0; k < 4; ++k) acc[i][k] = 0.0f;
 
-    for (int s0 = warp * UNROLL; s0 < steps; s0 += WARPS * UNROLL) {
-        uint4 wv[UNROLL][TILES][2];
-        kiln_u32 xw[UNROLL][XWORDS];
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const int s = s0 + u;
-            const bool valid = 4 * s + t < chunks;
-#pragma unroll
-            for (int i = 0; i < TILES; ++i)
-#pragma unroll
-                for (int h = 0; h < 2; ++h)
-                    wv[u][i][h] = valid ? lin_load_stream16(wrow[i][h] + 64ll * s) : make_uint4(0u, 0u, 0u, 0u);
-            if (valid && has_token) {
-#if X_T == 0
-                const float* p = reinterpret_cast<const float*>(x) + x_offset + 32ll * s;
-                const float4 a = lin_load_x4(p), c = lin_load_x4(p + 4);
-                xw[u][0] = __float_as_uint(a.x); xw[u][1] = __float_as_uint(a.y);
-                xw[u][2] = __float_as_uint(a.z); xw[u][3] = __float_as_uint(a.w);
-                xw[u][4] = __float_as_uint(c.x); xw[u][5] = __float_as_uint(c.y);
-                xw[u][6] = __float_as_uint(c.z); xw[u][7] = __float_as_uint(c.w);
-#else
-                const uint4 q = lin_load_xb(reinterpret_cast<const kiln_u16*>(x) + x_offset + 32ll * s);
-                xw[u][0] = q.x; xw[u][1] = q.y; xw[u][2] = q.z; xw[u][3] = q.w;
-#endif
-            } else {
-#pragma unroll
-                for (int k = 0; k < XWORDS; ++k) xw[u][k] = 0u;
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            kiln_u32 b[PARTS][4];
-            const float unscale = lin_mma_operands(xw[u], b);
-#if W_T == 2
-            // The factors of this lane's output columns: tokens 2t and 2t + 1 (lanes 8t, 8t + 4).
-            const float unscale0 = __shfl_sync(KILN_FULL_MASK, unscale, 8 * t);
-            const float unscale1 = __shfl_sync(KILN_FULL_MASK, unscale, 8 * t + 4);
-#else
-            (void)unscale;
-#endif
-#pragma unroll
-            for (int i = 0; i < TILES; ++i) {
-                float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-                for (int p = PARTS - 1; p >= 0; --p)
-#pragma unroll
-                    for (int half = 0; half < 2; ++half) {
-                        const kiln_u32 a[4] = {lin_word(wv[u][i][0], 2 * half), lin_word(wv[u][i][1], 2 * half),
-                                               lin_word(wv[u][i][0], 2 * half + 1),
-                                               lin_word(wv[u][i][1], 2 * half + 1)};
-#if W_T == 1
-                        kiln_mma_bf16_16816(d, a, b[p][2 * half], b[p][2 * half + 1]);
-#else
-                        lin_mma_f16_16816(d, a, b[p][2 * half], b[p][2 * half + 1]);
-#endif
-                    }
-#if W_T == 2
-                acc[i][0] = __fmaf_rn(d[0], unscale0, acc[i][0]);
-                acc[i][1] = __fmaf_rn(d[1], unscale1, acc[i][1]);
-                acc[i][2] = __fmaf_rn(d[2], unscale0, acc[i][2]);
-                acc[i][3] = __fmaf_rn(d[3], unscale1, acc[i][3]);
-#else
-#pragma unroll
-                for (int k = 0; k < 4; ++k) acc[i][k] = __fadd_rn(acc[i][k], d[k]);
-#endif
-            }
-        }
+    // Whole rounds (every lane's chunks inside the row) load without conditions, so the compiler
+    // keeps all of a round's loads ahead of its first mma; the last steps go one at a time.
+    const int full_steps = chunks / 4;
+    int base = 0;
+    for (; base + WARPS * UNROLL <= full_steps; base += WARPS * UNROLL) {
+        lin_mma_round<UNROLL, false>(acc, wrow, x, x_offset, base + warp * UNROLL, chunks, t);
     }
+    for (int s = base + warp; s < steps; s += WARPS) lin_mma_round<1, true>(acc, wrow, x, x_offset, s, chunks, t);
 
     // c[0], c[1]: row g, tokens 2t, 2t + 1; c[2], c[3]: row g + 8.
 #pragma unroll
