@@ -668,7 +668,7 @@ pub const LINEAR: KernelSource = KernelSource {
             ("TOKENS", "2"),
             ("EPI", "0"),
             ("HAS_BIAS", "0"),
-            ("WARPS", "8"),
+            ("WARPS", "16"),
             ("ROWS", "32"),
             ("UNROLL", "1"),
             ("MMA", "1"),

@@ -123,11 +123,16 @@ pub const LINEAR_VARIANTS: &[LinearVariant] = &[
     staged(2, 4, 1),
     staged(1, 4, 1),
     staged(8, 1, 2),
+    // Tensor cores: 16 rows a block give 4096-row layers 256 blocks; 32 rows halve the x read
+    // per weight byte (one B fragment serves two tiles) but give them only 128 blocks, hence the
+    // wider blocks there.
     tensor_core(4, 16, 4),
     tensor_core(8, 16, 2),
+    tensor_core(2, 16, 4),
     tensor_core(4, 32, 2),
     tensor_core(8, 32, 1),
-    tensor_core(2, 16, 4),
+    tensor_core(8, 32, 2),
+    tensor_core(16, 32, 1),
 ];
 
 /// Most sums (output rows x weight rows per output x tokens) one thread of a block carries.
