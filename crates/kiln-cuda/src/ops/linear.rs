@@ -11,6 +11,11 @@
 //! run repeats bit for bit; against a float64 reference the error stays within a few units of
 //! fp32 rounding of `sum |w| |x|`. The dequantized values equal `dequantize_row` of the CPU
 //! reference bit for bit, so [`embed_rows`] and [`to_bf16_weights`] are exact.
+//!
+//! The `/mma` variants (BF16 and F16 weights, 2 to 8 tokens) run the products on the tensor
+//! cores: f32 x is split into 16-bit parts that sum to it (three bf16 parts, or two f16 parts of
+//! x scaled by a power of two per token and 32 columns: within 2^-22 |x|), the products are
+//! exact and each 32-column step's sums are added in fp32, so the same bound holds.
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use kiln_core::{DType, Error, Result};
