@@ -11,7 +11,8 @@
 //!
 //! Fresh random inputs every run (the seed is printed). Needs an NVIDIA GPU:
 //! `cargo test --release -p kiln-engine --features gpu-tests --test gpu_linear`
-//! (and `-- --ignored --nocapture` for the bandwidth table).
+//! (and `-- --ignored --nocapture` for the bandwidth table; `KILN_LINEAR_DTYPES=BF16,F16` limits it
+//! to those weight dtypes).
 
 use std::time::Instant;
 
@@ -636,7 +637,23 @@ fn bandwidth_of_one_token_products() {
     let copy = copy_bytes_per_second(&gpu);
     println!("device copy: {:.0} GB/s (read + written)", copy / 1e9);
     let launches = 50;
-    for dtype in DTYPES {
+    // KILN_LINEAR_DTYPES=BF16,F16 limits the table to those weight dtypes (each variant of each
+    // dtype and token count is a compile: the whole table takes minutes).
+    let only: Option<Vec<String>> = std::env::var("KILN_LINEAR_DTYPES")
+        .ok()
+        .map(|v| v.split(',').map(|d| d.trim().to_ascii_uppercase()).collect());
+    if let Some(only) = &only {
+        let unknown: Vec<&String> =
+            only.iter().filter(|d| !DTYPES.iter().any(|t| t.to_string().eq_ignore_ascii_case(d))).collect();
+        assert!(
+            unknown.is_empty(),
+            "KILN_LINEAR_DTYPES names unknown dtypes {unknown:?} (known: {DTYPES:?})"
+        );
+    }
+    let selected = DTYPES.into_iter().filter(|d| {
+        only.as_ref().is_none_or(|only| only.iter().any(|o| d.to_string().eq_ignore_ascii_case(o)))
+    });
+    for dtype in selected {
         let shapes = [(4096usize, 4096usize), (14336, 4096)];
         let uploaded: Vec<(Vec<DeviceMemory>, usize)> = shapes
             .iter()
