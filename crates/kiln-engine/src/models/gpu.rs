@@ -437,6 +437,8 @@ pub struct GpuEngine {
     launches_per_step: HashMap<usize, usize>,
     /// Certified kernel configurations; without a store every kernel runs its declared default.
     tuning: Option<TuningStore>,
+    /// The sampling parameters last copied to the device (copied again only when they change).
+    uploaded_params: Vec<u8>,
 }
 
 impl std::fmt::Debug for GpuEngine {
@@ -678,6 +680,7 @@ impl GpuEngine {
             graphs: HashMap::new(),
             load,
             launches_per_step: HashMap::new(),
+            uploaded_params: Vec::new(),
             tuning: None,
         })
     }
@@ -903,7 +906,11 @@ impl GpuEngine {
             params.extend_from_slice(&DeviceSamplingParams::new(&seq.params, 0)?.to_bytes());
             steps.extend_from_slice(&seq.step.to_le_bytes());
         }
-        self.ws.params.copy_from_host(0, &params)?;
+        if params != self.uploaded_params {
+            self.uploaded_params.clear();
+            self.ws.params.copy_from_host(0, &params)?;
+            self.uploaded_params = params;
+        }
         self.ws.steps.copy_from_host(0, &steps)?;
 
         let penalties = work.iter().any(|(seq, _)| {
