@@ -15,7 +15,7 @@ words() { yes "The quick brown fox jumps over the lazy dog near the river bank."
 median() { sort -n | sed -n 2p; }
 run() {  # run PROMPT_CHARS MAX_TOKENS FIELD
   for _ in 1 2 3; do
-    words "$1" | "$kiln" generate -m "$model" -p - -n "$2" --threads "$threads" 2>&1 >/dev/null \
+    words "$1" | "$kiln" generate --device cpu -m "$model" -p - -n "$2" --threads "$threads" 2>&1 >/dev/null \
       | sed -n "s/.*$3 \([0-9]*\) tokens, \([0-9.]*\) tok\/s.*/\2/p"
   done | median
 }
