@@ -8,6 +8,9 @@
 //! Tensor names follow GGUF (`blk.N.attn_q.weight`); a safetensors model is read through
 //! [`hf_tensor_name`], which maps them to Hugging Face's names.
 
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
 use rayon::prelude::*;
 
 use kiln_core::ops::norm::rms_norm_f32;
@@ -15,7 +18,7 @@ use kiln_core::ops::primitives::{silu, FloatType};
 use kiln_core::ops::rope::{rotate, RopeTable};
 use kiln_core::{DType, Error, Result};
 
-use crate::formats::quant::{dequantize_row, dot_rows, matvec};
+use crate::formats::quant::{dequantize_row, dot_rows};
 use crate::formats::WeightSource;
 use crate::models::config::ModelConfig;
 
@@ -223,6 +226,27 @@ impl LlamaModel {
     /// Runs `tokens` (at the cache's next positions) through the model, appends their keys and
     /// values to `cache`, and returns the logits of the last token.
     pub fn forward(&self, tokens: &[u32], cache: &mut KvCache) -> Result<Vec<f32>> {
+        let team = DecodeTeam::new();
+        let helpers = if tokens.len() == 1 { rayon::current_num_threads().saturating_sub(1) } else { 0 };
+        if helpers == 0 {
+            return self.forward_with(tokens, cache, &team);
+        }
+        rayon::scope(|scope| {
+            for _ in 0..helpers {
+                scope.spawn(|_| team.help());
+            }
+            let _stop = StopOnDrop(&team);
+            self.forward_with(tokens, cache, &team)
+        })
+    }
+
+    /// [`LlamaModel::forward`], with the matrix-vector products of a single token shared by `team`.
+    fn forward_with<'w>(
+        &'w self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        team: &DecodeTeam<'w>,
+    ) -> Result<Vec<f32>> {
         let c = &self.config;
         let n = tokens.len();
         if n == 0 {
@@ -277,6 +301,7 @@ impl LlamaModel {
         for (index, layer) in self.layers.iter().enumerate() {
             rms_norm_f32(&x, &layer.attn_norm, c.rms_eps, &mut h)?;
             self.linears(
+                team,
                 &mut [(&layer.q, &mut q[..]), (&layer.k, &mut k[..]), (&layer.v, &mut v[..])],
                 &h,
                 n,
@@ -300,13 +325,13 @@ impl LlamaModel {
             cache.keys[index].extend_from_slice(&k);
             cache.values[index].extend_from_slice(&v);
             attention(c, &q, &cache.keys[index], &cache.values[index], start_pos, &mut attn);
-            self.linear(&layer.o, &attn, n, &mut proj)?;
+            self.linears(team, &mut [(&layer.o, &mut proj[..])], &attn, n)?;
             x.iter_mut().zip(&proj).for_each(|(a, b)| *a += b);
 
             rms_norm_f32(&x, &layer.ffn_norm, c.rms_eps, &mut h)?;
-            self.linears(&mut [(&layer.gate, &mut gate[..]), (&layer.up, &mut up[..])], &h, n)?;
+            self.linears(team, &mut [(&layer.gate, &mut gate[..]), (&layer.up, &mut up[..])], &h, n)?;
             gate.iter_mut().zip(&up).for_each(|(g, u)| *g = silu(*g) * u);
-            self.linear(&layer.down, &gate, n, &mut proj)?;
+            self.linears(team, &mut [(&layer.down, &mut proj[..])], &gate, n)?;
             x.iter_mut().zip(&proj).for_each(|(a, b)| *a += b);
         }
         cache.len += n;
@@ -315,24 +340,30 @@ impl LlamaModel {
         let mut normed = vec![0f32; hidden];
         rms_norm_f32(last, &self.output_norm, c.rms_eps, &mut normed)?;
         let mut logits = vec![0f32; c.vocab];
-        self.linear(&self.output, &normed, 1, &mut logits)?;
+        self.linears(team, &mut [(&self.output, &mut logits[..])], &normed, 1)?;
         Ok(logits)
     }
 
-    /// Several linear layers of the same input. For one token they run as one parallel region
-    /// (each layer's rows split per thread), since waking the pool once per layer costs more
-    /// than the small products themselves.
-    fn linears(&self, layers: &mut [(&Linear, &mut [f32])], x: &[f32], n: usize) -> Result<()> {
+    /// Several linear layers of the same input. For one token their rows are shared out among
+    /// `team` as one job (see [`DecodeTeam`]).
+    fn linears<'w>(
+        &'w self,
+        team: &DecodeTeam<'w>,
+        layers: &mut [(&Linear, &mut [f32])],
+        x: &[f32],
+        n: usize,
+    ) -> Result<()> {
         if n != 1 {
             for (linear, out) in layers.iter_mut() {
                 self.linear(linear, x, n, out)?;
             }
             return Ok(());
         }
-        let threads = rayon::current_num_threads().max(1);
-        let mut tasks: Vec<(&Linear, &[u8], usize, &mut [f32])> = Vec::new();
-        for (linear, out) in layers.iter_mut() {
-            let linear: &Linear = linear;
+        // Two parts per thread: small enough to even out, few enough to claim cheaply. An even
+        // row count keeps the two-row kernel on every pair.
+        let parts_per_layer = 2 * rayon::current_num_threads().max(1);
+        let mut parts = Vec::new();
+        for (output, (linear, out)) in layers.iter().enumerate() {
             if out.len() != linear.rows || x.len() != linear.cols {
                 return Err(Error::ShapeMismatch {
                     op: "linear",
@@ -342,15 +373,16 @@ impl LlamaModel {
             }
             let bytes = self.bytes(linear)?;
             let row_bytes = linear.dtype.bytes_for(linear.cols as u64)? as usize;
-            let rows_per_task = linear.rows.div_ceil(threads).max(1);
-            for (chunk, dst) in out.chunks_mut(rows_per_task).enumerate() {
-                tasks.push((linear, bytes, chunk * rows_per_task * row_bytes, dst));
+            let rows_per_part = (linear.rows.div_ceil(parts_per_layer).max(1) + 1) & !1;
+            let mut first_row = 0;
+            while first_row < linear.rows {
+                let rows = rows_per_part.min(linear.rows - first_row);
+                let weights = &bytes[first_row * row_bytes..(first_row + rows) * row_bytes];
+                parts.push(MatvecPart { dtype: linear.dtype, weights, output, first_row, rows });
+                first_row += rows;
             }
         }
-        tasks.into_par_iter().try_for_each(|(linear, bytes, start, dst)| {
-            let row_bytes = linear.dtype.bytes_for(linear.cols as u64)? as usize;
-            dot_rows(linear.dtype, &bytes[start..start + dst.len() * row_bytes], x, dst)
-        })?;
+        team.run(parts, x, layers)?;
         for (linear, out) in layers.iter_mut() {
             if let Some(bias) = &linear.bias {
                 out.iter_mut().zip(bias).for_each(|(o, b)| *o += b);
@@ -359,13 +391,11 @@ impl LlamaModel {
         Ok(())
     }
 
-    /// `out[t] = W x[t] (+ bias)` for `n` rows of `x`; the weight is read once for all rows.
+    /// `out[t] = W x[t] (+ bias)` for `n > 1` rows of `x`; the weight is read once for all rows.
     fn linear(&self, linear: &Linear, x: &[f32], n: usize, out: &mut [f32]) -> Result<()> {
         let bytes = self.bytes(linear)?;
         let (rows, cols) = (linear.rows, linear.cols);
-        if n == 1 {
-            matvec(linear.dtype, bytes, rows, cols, x, out)?;
-        } else {
+        {
             let row_bytes = linear.dtype.bytes_for(cols as u64)? as usize;
             // A task takes a slice of rows small enough to stay in L2 (about 32 KiB) and runs
             // every token over it, so the weights come from memory once for all tokens.
@@ -393,6 +423,166 @@ impl LlamaModel {
             for row in out.chunks_mut(rows) {
                 row.iter_mut().zip(bias).for_each(|(o, b)| *o += b);
             }
+        }
+        Ok(())
+    }
+}
+
+/// The threads that share a decode step's matrix-vector products.
+///
+/// A decode step runs about four small products per layer (a tenth of a millisecond each on two
+/// cores); waking rayon's sleeping pool for each cost about 15% of the step. Instead the step
+/// runs inside one rayon scope whose helpers spin between products ([`DecodeTeam::help`]) and
+/// claim parts of each product (row ranges) with an atomic counter, handing their rows back
+/// through a mutex. The caller takes parts too and waits only for parts already claimed, so a
+/// helper that never starts (a busy pool) slows the step down but cannot stall it. Every row is
+/// computed by the same kernel whichever thread takes it, so the logits do not depend on the split.
+struct DecodeTeam<'w> {
+    job: Mutex<Option<Arc<MatvecJob<'w>>>>,
+    /// Bumped after each new job is stored in `job`.
+    generation: AtomicUsize,
+    stop: AtomicBool,
+}
+
+/// Rows `first_row..first_row + rows` of the product written to output `output` of the job.
+struct MatvecPart<'w> {
+    dtype: DType,
+    /// The part's rows, in the source's bytes.
+    weights: &'w [u8],
+    output: usize,
+    first_row: usize,
+    rows: usize,
+}
+
+struct MatvecJob<'w> {
+    x: Vec<f32>,
+    parts: Vec<MatvecPart<'w>>,
+    /// The next part to claim.
+    next: AtomicUsize,
+    /// Parts not finished yet, by whichever thread claimed them.
+    unfinished: AtomicUsize,
+    /// The helpers' finished parts: part index and its rows.
+    results: Mutex<Vec<(usize, Result<Vec<f32>>)>>,
+}
+
+impl MatvecJob<'_> {
+    fn claim(&self) -> Option<usize> {
+        let index = self.next.fetch_add(1, Ordering::Relaxed);
+        (index < self.parts.len()).then_some(index)
+    }
+}
+
+/// Tells the team's helpers to return, however the step ends.
+struct StopOnDrop<'a, 'w>(&'a DecodeTeam<'w>);
+
+impl Drop for StopOnDrop<'_, '_> {
+    fn drop(&mut self) {
+        self.0.stop.store(true, Ordering::Release);
+    }
+}
+
+/// Counts a claimed part as finished, however its product ends.
+struct FinishOnDrop<'a>(&'a AtomicUsize);
+
+impl Drop for FinishOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Release);
+    }
+}
+
+impl<'w> DecodeTeam<'w> {
+    fn new() -> Self {
+        DecodeTeam { job: Mutex::new(None), generation: AtomicUsize::new(0), stop: AtomicBool::new(false) }
+    }
+
+    /// A helper's loop: takes parts of each new job until the team stops.
+    fn help(&self) {
+        let mut seen = 0;
+        let mut idle_spins = 0u32;
+        while !self.stop.load(Ordering::Acquire) {
+            let generation = self.generation.load(Ordering::Acquire);
+            if generation == seen {
+                // Spin while products follow each other closely; yield the core in a long gap.
+                idle_spins = idle_spins.saturating_add(1);
+                if idle_spins < 1 << 16 {
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::yield_now();
+                }
+                continue;
+            }
+            seen = generation;
+            idle_spins = 0;
+            let Some(job) = self.job.lock().ok().and_then(|job| job.clone()) else { continue };
+            while let Some(index) = job.claim() {
+                // Counted as finished even if the product panics, so the caller never waits on it.
+                let _finished = FinishOnDrop(&job.unfinished);
+                let part = &job.parts[index];
+                let mut rows = vec![0f32; part.rows];
+                let result = dot_rows(part.dtype, part.weights, &job.x, &mut rows).map(|()| rows);
+                if let Ok(mut results) = job.results.lock() {
+                    results.push((index, result));
+                }
+            }
+        }
+    }
+
+    /// Runs `parts` (each a row range of one of `outputs`) over `x` with the team's helpers, and
+    /// returns once every part is in `outputs`.
+    fn run(
+        &self,
+        parts: Vec<MatvecPart<'w>>,
+        x: &[f32],
+        outputs: &mut [(&Linear, &mut [f32])],
+    ) -> Result<()> {
+        let count = parts.len();
+        let job = Arc::new(MatvecJob {
+            x: x.to_vec(),
+            parts,
+            next: AtomicUsize::new(0),
+            unfinished: AtomicUsize::new(count),
+            results: Mutex::new(Vec::new()),
+        });
+        if let Ok(mut slot) = self.job.lock() {
+            *slot = Some(Arc::clone(&job));
+            self.generation.fetch_add(1, Ordering::Release);
+        }
+        let mut done = vec![false; count];
+        let mut first_error = None;
+        while let Some(index) = job.claim() {
+            let part = &job.parts[index];
+            let out = &mut outputs[part.output].1[part.first_row..part.first_row + part.rows];
+            if let Err(e) = dot_rows(part.dtype, part.weights, x, out) {
+                first_error.get_or_insert(e);
+            }
+            done[index] = true;
+            job.unfinished.fetch_sub(1, Ordering::Release);
+        }
+        while job.unfinished.load(Ordering::Acquire) != 0 {
+            std::hint::spin_loop();
+        }
+        // A poisoned lock still holds every result pushed before the panic.
+        let results =
+            std::mem::take(&mut *job.results.lock().unwrap_or_else(|poisoned| poisoned.into_inner()));
+        for (index, rows) in results {
+            let part = &job.parts[index];
+            match rows {
+                Ok(rows) => {
+                    outputs[part.output].1[part.first_row..part.first_row + part.rows].copy_from_slice(&rows);
+                    done[index] = true;
+                }
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        if let Some(e) = first_error {
+            return Err(e);
+        }
+        // A part claimed by a helper that panicked (rayon raises the panic when the scope ends).
+        for (part, _) in job.parts.iter().zip(&done).filter(|(_, done)| !**done) {
+            let out = &mut outputs[part.output].1[part.first_row..part.first_row + part.rows];
+            dot_rows(part.dtype, part.weights, x, out)?;
         }
         Ok(())
     }
