@@ -524,19 +524,33 @@ fn dot_row_dispatch(dtype: DType, bytes: &[u8], x: &[f32]) -> f32 {
 /// AVX-512 kernel for Q4_1, the default model's format (on this path about 1.5x the AVX2
 /// kernel; Q8_0 measured slower with AVX-512 and stays on AVX2): a block's 16 bytes widen to 16 i32
 /// lanes in one instruction, so a 32-element block is two 16-lane FMAs against `x`. The block
-/// scales are read as one 32-bit word and widened with F16C.
+/// scales are read as one 32-bit word and widened with F16C. The loop is bound by its vector
+/// operations (the weights come from cache), so each one saved counts: a table permutation
+/// turns a nibble into its float (1.15x over mask-and-convert on 576 × 1536).
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use std::arch::x86_64::*;
 
     use super::Q4_1_BYTES;
 
-    /// `(d, m)` of a block whose first four bytes are two f16 values, widened and broadcast.
+    /// `(d, m)` of a block whose first four bytes are two f16 values, widened and broadcast: the
+    /// 32-bit word is broadcast straight from memory, every (d, m) pair widened at once, and the
+    /// even and odd lanes duplicated (four ALU operations, one fewer than widening one pair).
     #[inline(always)]
     unsafe fn scales(b: &[u8]) -> (__m512, __m512) {
-        let word = i32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-        let both = _mm_cvtph_ps(_mm_cvtsi32_si128(word));
-        (_mm512_broadcastss_ps(both), _mm512_broadcastss_ps(_mm_movehdup_ps(both)))
+        let word = b.as_ptr().cast::<i32>().read_unaligned();
+        let pairs = _mm512_cvtph_ps(_mm256_set1_epi32(word));
+        (_mm512_moveldup_ps(pairs), _mm512_movehdup_ps(pairs))
+    }
+
+    /// The block's 32 quants as floats: lanes j of `lo` and `hi` hold quants j and j + 16 (the
+    /// low and high nibbles of byte j). A nibble becomes its float by a lane permutation of the
+    /// table 0.0..=15.0, which reads only an index's low four bits: no mask, no conversion.
+    #[inline(always)]
+    unsafe fn quants(b: &[u8]) -> (__m512, __m512) {
+        let table = _mm512_setr_ps(0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.);
+        let q = _mm512_cvtepu8_epi32(_mm_loadu_si128(b.as_ptr().add(4).cast()));
+        (_mm512_permutexvar_ps(q, table), _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(q), table))
     }
 
     /// Two rows at once: each block of `x` is loaded and summed once for both rows.
@@ -547,28 +561,17 @@ mod avx512 {
     pub unsafe fn dot2_q4_1(a: &[u8], b: &[u8], x: &[f32]) -> (f32, f32) {
         let (mut acc_a, mut min_a) = (_mm512_setzero_ps(), _mm512_setzero_ps());
         let (mut acc_b, mut min_b) = (_mm512_setzero_ps(), _mm512_setzero_ps());
-        let nibble = _mm512_set1_epi32(0x0F);
         for (i, (ba, bb)) in a.chunks_exact(Q4_1_BYTES).zip(b.chunks_exact(Q4_1_BYTES)).enumerate() {
             let xp = x.as_ptr().add(32 * i);
             let (x0, x1) = (_mm512_loadu_ps(xp), _mm512_loadu_ps(xp.add(16)));
             let xsum = _mm512_add_ps(x0, x1);
             let (da, ma) = scales(ba);
-            let qa = _mm512_cvtepu8_epi32(_mm_loadu_si128(ba.as_ptr().add(4).cast()));
-            let block_a = _mm512_fmadd_ps(
-                _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(qa)),
-                x1,
-                _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(qa, nibble)), x0),
-            );
-            acc_a = _mm512_fmadd_ps(da, block_a, acc_a);
+            let (lo_a, hi_a) = quants(ba);
+            acc_a = _mm512_fmadd_ps(da, _mm512_fmadd_ps(hi_a, x1, _mm512_mul_ps(lo_a, x0)), acc_a);
             min_a = _mm512_fmadd_ps(ma, xsum, min_a);
             let (db, mb) = scales(bb);
-            let qb = _mm512_cvtepu8_epi32(_mm_loadu_si128(bb.as_ptr().add(4).cast()));
-            let block_b = _mm512_fmadd_ps(
-                _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(qb)),
-                x1,
-                _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(qb, nibble)), x0),
-            );
-            acc_b = _mm512_fmadd_ps(db, block_b, acc_b);
+            let (lo_b, hi_b) = quants(bb);
+            acc_b = _mm512_fmadd_ps(db, _mm512_fmadd_ps(hi_b, x1, _mm512_mul_ps(lo_b, x0)), acc_b);
             min_b = _mm512_fmadd_ps(mb, xsum, min_b);
         }
         (_mm512_reduce_add_ps(_mm512_add_ps(acc_a, min_a)), _mm512_reduce_add_ps(_mm512_add_ps(acc_b, min_b)))
@@ -580,13 +583,9 @@ mod avx512 {
     pub unsafe fn dot_q4_1(bytes: &[u8], x: &[f32]) -> f32 {
         let mut acc = _mm512_setzero_ps();
         let mut acc_min = _mm512_setzero_ps();
-        let nibble = _mm512_set1_epi32(0x0F);
         for (i, b) in bytes.chunks_exact(Q4_1_BYTES).enumerate() {
             let (d, m) = scales(b);
-            // Byte j holds quant j (low nibble) and quant j + 16 (high nibble).
-            let q = _mm512_cvtepu8_epi32(_mm_loadu_si128(b.as_ptr().add(4).cast()));
-            let lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, nibble));
-            let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(q));
+            let (lo, hi) = quants(b);
             let xp = x.as_ptr().add(32 * i);
             let (x0, x1) = (_mm512_loadu_ps(xp), _mm512_loadu_ps(xp.add(16)));
             let block = _mm512_fmadd_ps(hi, x1, _mm512_mul_ps(lo, x0));
