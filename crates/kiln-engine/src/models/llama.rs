@@ -603,6 +603,9 @@ fn apply_rope_row(row: &mut [f32], head_dim: usize, position: usize, table: &Rop
     }
 }
 
+/// Positions whose attention scores are summed side by side.
+const SCORE_LANES: usize = 8;
+
 /// Causal grouped-query attention of `n` new tokens at positions `start..start + n` over every
 /// cached position, one (token, head) pair per task.
 fn attention(c: &ModelConfig, q: &[f32], keys: &[f32], values: &[f32], start: usize, out: &mut [f32]) {
@@ -615,12 +618,25 @@ fn attention(c: &ModelConfig, q: &[f32], keys: &[f32], values: &[f32], start: us
         let kv_head = head / group;
         let qh = &q[t * c.heads * hd + head * hd..][..hd];
         let visible = start + t + 1;
-        let mut scores: Vec<f32> = (0..visible)
-            .map(|p| {
-                let kp = &keys[p * kv_width + kv_head * hd..][..hd];
-                qh.iter().zip(kp).map(|(a, b)| a * b).sum::<f32>() * scale
-            })
-            .collect();
+        // Scores of SCORE_LANES positions at a time: each its own running sum over the head
+        // dimension, in order, from -0.0 (as `Iterator::sum`), so every score is the sum one
+        // position at a time would give, with SCORE_LANES sums in flight instead of one.
+        let mut scores = vec![0f32; visible];
+        for (chunk, dst) in scores.chunks_mut(SCORE_LANES).enumerate() {
+            let rows: [&[f32]; SCORE_LANES] = std::array::from_fn(|lane| {
+                let p = (chunk * SCORE_LANES + lane).min(visible - 1);
+                &keys[p * kv_width + kv_head * hd..][..hd]
+            });
+            let mut sums = [-0.0f32; SCORE_LANES];
+            for (d, &qd) in qh.iter().enumerate() {
+                for (sum, row) in sums.iter_mut().zip(&rows) {
+                    *sum += qd * row[d];
+                }
+            }
+            for (score, sum) in dst.iter_mut().zip(sums) {
+                *score = sum * scale;
+            }
+        }
         let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let mut total = 0f32;
         for s in scores.iter_mut() {
