@@ -10,6 +10,7 @@ use kiln_core::{Error, Result};
 use kiln_engine::fetch;
 use kiln_engine::models::gpu::{GpuEngine, GpuOptions};
 use kiln_engine::models::load_model;
+use kiln_engine::models::test_models::random_ids;
 use serde::Serialize;
 
 use crate::pull::BarProgress;
@@ -96,19 +97,6 @@ fn read_peer(path: &PathBuf) -> Result<Vec<(u64, u64, u64, f64)>> {
         .collect())
 }
 
-/// Random prompt ids from a fixed generator (xorshift), below `vocab`.
-fn prompt_ids(seed: u64, len: usize, vocab: usize) -> Vec<u32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s % vocab as u64) as u32
-        })
-        .collect()
-}
-
 pub fn run(args: &BenchGenerateArgs) -> Result<()> {
     let path = fetch::resolve_model(&args.model, &mut BarProgress::new())?;
     let model = load_model(&path)?;
@@ -146,7 +134,7 @@ pub fn run(args: &BenchGenerateArgs) -> Result<()> {
             let mut warm: Vec<_> = Vec::new();
             for b in 0..max_batch {
                 let mut seq = engine.new_sequence(params)?;
-                let ids = prompt_ids(1000 + b as u64, args.chunk.min(args.prompt).max(1), vocab);
+                let ids = random_ids(1000 + b as u64, args.chunk.min(args.prompt).max(1), vocab);
                 engine.step(&mut [(&mut seq, &ids[..])])?;
                 warm.push(seq);
             }
@@ -175,7 +163,7 @@ pub fn run(args: &BenchGenerateArgs) -> Result<()> {
             let mut prompt_seconds = 0.0;
             let mut last = vec![0u32; batch];
             for (b, seq) in seqs.iter_mut().enumerate() {
-                let ids = prompt_ids(b as u64 + 1, depth + args.prompt, vocab);
+                let ids = random_ids(b as u64 + 1, depth + args.prompt, vocab);
                 let (before, measured) = ids.split_at(depth);
                 for part in before.chunks(args.chunk) {
                     engine.step(&mut [(seq, part)])?;

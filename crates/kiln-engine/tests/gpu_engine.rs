@@ -7,7 +7,7 @@
 use kiln_core::ops::sample::SamplingParams;
 use kiln_core::Error;
 use kiln_engine::models::gpu::{GpuEngine, GpuOptions, GpuSequence};
-use kiln_engine::models::test_models::{write_tiny_model, TinySpec};
+use kiln_engine::models::test_models::{random_ids, write_tiny_model, TinySpec};
 use kiln_engine::models::{load_model, LlamaModel};
 
 /// The largest |gpu - cpu| over the largest |cpu|: the GPU keeps q, K, V and the attention
@@ -19,18 +19,6 @@ fn model(arch: &'static str, tied: bool, seed: u64) -> LlamaModel {
     let spec = TinySpec { architecture: arch, tied, ..TinySpec::llama() };
     write_tiny_model(&dir, &spec, seed).expect("tiny model");
     load_model(&dir).expect("load")
-}
-
-fn ids(seed: u64, len: usize, vocab: usize) -> Vec<u32> {
-    let mut s = seed | 1;
-    (0..len)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s % vocab as u64) as u32
-        })
-        .collect()
 }
 
 fn relative(gpu: &[f32], cpu: &[f32]) -> f32 {
@@ -78,7 +66,7 @@ fn gpu_logits_follow_the_cpu_forward_for_each_family() {
         let model = model(arch, tied, 11);
         let mut engine = engine(&model, true, 1);
         // 37 prompt tokens take the matrix-product path, the decode steps the matrix-vector one.
-        for (step, (gpu, cpu)) in both(&model, &mut engine, &ids(3, 37, 300), 12).iter().enumerate() {
+        for (step, (gpu, cpu)) in both(&model, &mut engine, &random_ids(3, 37, 300), 12).iter().enumerate() {
             let r = relative(gpu, cpu);
             assert!(r <= TOLERANCE, "{arch} step {step}: {r:.3e}");
             let (g, c) = (kiln_core::ops::sample::argmax(gpu), kiln_core::ops::sample::argmax(cpu));
@@ -95,7 +83,7 @@ fn gpu_logits_follow_the_cpu_forward_for_each_family() {
 #[test]
 fn captured_decode_steps_equal_plain_launches_bit_for_bit() {
     let model = model("LlamaForCausalLM", false, 5);
-    let prompt = ids(9, 20, 300);
+    let prompt = random_ids(9, 20, 300);
     let run = |graphs: bool| -> Vec<Vec<u32>> {
         let mut engine = engine(&model, graphs, 1);
         let mut seq = engine.new_sequence(greedy()).expect("sequence");
@@ -119,7 +107,7 @@ fn captured_decode_steps_equal_plain_launches_bit_for_bit() {
 #[test]
 fn sequences_batched_together_match_each_alone() {
     let model = model("LlamaForCausalLM", false, 21);
-    let prompts = [ids(1, 5, 300), ids(2, 17, 300), ids(3, 40, 300)];
+    let prompts = [random_ids(1, 5, 300), random_ids(2, 17, 300), random_ids(3, 40, 300)];
     let mut alone = Vec::new();
     for p in &prompts {
         let mut engine = engine(&model, false, 1);
@@ -155,7 +143,7 @@ fn a_failed_step_leaves_the_cache_as_it_was() {
     let mut engine = engine(&model, true, 2);
     let mut a = engine.new_sequence(greedy()).expect("sequence");
     let mut b = engine.new_sequence(greedy()).expect("sequence");
-    engine.step(&mut [(&mut a, &ids(4, 10, 300))]).expect("prefill");
+    engine.step(&mut [(&mut a, &random_ids(4, 10, 300))]).expect("prefill");
     let free = engine.free_pages();
     // The second sequence's token is outside the vocabulary: the step fails by name and neither
     // sequence keeps a position from it.

@@ -791,10 +791,13 @@ impl GpuEngine {
     ) -> Result<(Vec<u32>, Vec<Vec<f32>>)> {
         let tokens = self.run_step(work)?;
         let vocab = self.config.vocab;
-        let bytes = self.ws.logits.to_host_bytes()?;
-        let all: Vec<f32> =
-            bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
-        let logits = (0..work.len()).map(|i| all[i * vocab..(i + 1) * vocab].to_vec()).collect();
+        // Only the rows of this step's sequences.
+        let mut bytes = vec![0u8; work.len() * vocab * 4];
+        self.ws.logits.copy_to_host(0, &mut bytes)?;
+        let logits = bytes
+            .chunks_exact(vocab * 4)
+            .map(|row| row.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect())
+            .collect();
         Ok((tokens, logits))
     }
 
@@ -849,23 +852,24 @@ impl GpuEngine {
                     })
                 }
                 Err(e) => {
-                    // Undo the appends already made in this step.
-                    for ((seq, tokens), _) in work.iter_mut().zip(&plans) {
-                        let len = seq.table.len() - tokens.len();
-                        self.pool.truncate(&mut seq.table, len);
-                    }
+                    self.undo_appends(work, plans.len());
                     return Err(e);
                 }
             }
         }
         let result = self.run_planned(work, &plans, t);
         if result.is_err() {
-            for ((seq, tokens), _) in work.iter_mut().zip(&plans) {
-                let len = seq.table.len() - tokens.len();
-                self.pool.truncate(&mut seq.table, len);
-            }
+            self.undo_appends(work, plans.len());
         }
         result
+    }
+
+    /// Forgets the positions this step appended to the first `count` sequences of `work`.
+    fn undo_appends(&mut self, work: &mut [(&mut GpuSequence, &[u32])], count: usize) {
+        for (seq, tokens) in work.iter_mut().take(count) {
+            let len = seq.table.len() - tokens.len();
+            self.pool.truncate(&mut seq.table, len);
+        }
     }
 
     fn run_planned(

@@ -49,6 +49,20 @@ impl Values {
     }
 }
 
+/// `len` pseudo-random token ids below `vocab` (xorshift), the same for the same seed: prompts for
+/// tests and benchmarks.
+pub fn random_ids(seed: u64, len: usize, vocab: usize) -> Vec<u32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s % vocab as u64) as u32
+        })
+        .collect()
+}
+
 /// Writes `spec` with weights from `seed` (bf16, scaled like a trained model's) into `dir`:
 /// `config.json` and `model.safetensors`. Norm weights are near 1.
 pub fn write_tiny_model(dir: &Path, spec: &TinySpec, seed: u64) -> Result<PathBuf> {
