@@ -699,6 +699,57 @@ pub const LINEAR: KernelSource = KernelSource {
     fmad: true,
 };
 
+/// The decode-side linear layer on the integer dot-product units: Q8_0 / Q4_0 / Q4_1 weights,
+/// x rounded to int8 per block of 32 in shared memory, 1..8 tokens, store / residual-add /
+/// SwiGLU epilogues. Defines: `W_T`, `X_T`, `TOKENS`, `EPI`, `HAS_BIAS`, `WARPS`, `RL`, `UNR`,
+/// `LPR`.
+pub const LINEAR_I8: KernelSource = KernelSource {
+    name: "linear_i8",
+    source: include_str!("../kernels/linear_i8.cu"),
+    define_sets: &[
+        &[("W_T", "4"), ("TOKENS", "1"), ("EPI", "0"), ("WARPS", "4"), ("RL", "2"), ("UNR", "1")],
+        &[
+            ("W_T", "3"),
+            ("TOKENS", "2"),
+            ("EPI", "0"),
+            ("HAS_BIAS", "1"),
+            ("WARPS", "4"),
+            ("RL", "1"),
+            ("UNR", "1"),
+        ],
+        &[
+            ("W_T", "4"),
+            ("TOKENS", "1"),
+            ("EPI", "1"),
+            ("WARPS", "8"),
+            ("RL", "1"),
+            ("UNR", "4"),
+            ("LPR", "32"),
+        ],
+        &[
+            ("W_T", "5"),
+            ("X_T", "1"),
+            ("TOKENS", "8"),
+            ("EPI", "2"),
+            ("WARPS", "8"),
+            ("RL", "1"),
+            ("UNR", "1"),
+            ("LPR", "16"),
+        ],
+        &[
+            ("W_T", "3"),
+            ("TOKENS", "4"),
+            ("EPI", "2"),
+            ("WARPS", "4"),
+            ("RL", "1"),
+            ("UNR", "1"),
+            ("LPR", "8"),
+        ],
+        &[("W_T", "4"), ("TOKENS", "8"), ("EPI", "2"), ("WARPS", "4"), ("RL", "2"), ("UNR", "1")],
+    ],
+    fmad: true,
+};
+
 /// Every kernel source of Kiln.
 pub const ALL: &[KernelSource] =
-    &[CONVERT, COPY, NORM, ROPE, EMBEDDING, LM_HEAD, ATTENTION, SAMPLE, FORWARD, LINEAR];
+    &[CONVERT, COPY, NORM, ROPE, EMBEDDING, LM_HEAD, ATTENTION, SAMPLE, FORWARD, LINEAR, LINEAR_I8];

@@ -19,7 +19,8 @@ use std::time::Instant;
 use half::{bf16, f16};
 use kiln_core::{DType, Error};
 use kiln_cuda::ops::linear::{
-    embed_rows, f32_to_bf16, linear, to_bf16_weights, Epilogue, LinearCall, LinearVariant, LINEAR_VARIANTS,
+    embed_rows, f32_to_bf16, linear, linear_with_scratch, to_bf16_weights, Epilogue, LinearCall,
+    LinearVariant, INT8_VARIANTS, LINEAR_VARIANTS,
 };
 use kiln_cuda::{DeviceMemory, Gpu};
 use kiln_engine::formats::quant::dequantize_row;
@@ -144,8 +145,33 @@ struct Weights {
     rows: usize,
     cols: usize,
     values: Vec<f32>,
+    /// |the part of each value that multiplies x's int8 rounding on the integer path|: |w - m|
+    /// for Q4_1 (whose offsets m meet the exact sum of x), |w| otherwise.
+    ints: Vec<f32>,
     device: DeviceMemory,
     row_bytes: usize,
+}
+
+impl Weights {
+    /// `2 x rows` rows of `dtype` in `bytes`, dequantized on the host and uploaded as stored.
+    fn new(gpu: &Gpu, dtype: DType, bytes: &[u8], rows: usize, cols: usize) -> Weights {
+        let values = dequantize(dtype, bytes, 2 * rows, cols);
+        let ints = if dtype == DType::Q4_1 {
+            // 20-byte blocks: d, m (f16), 16 bytes of quants.
+            values
+                .iter()
+                .enumerate()
+                .map(|(i, v)| {
+                    let b = 20 * (i / 32);
+                    let m = f16::from_bits(u16::from_le_bytes([bytes[b + 2], bytes[b + 3]])).to_f32();
+                    (v - m).abs()
+                })
+                .collect()
+        } else {
+            values.iter().map(|v| v.abs()).collect()
+        };
+        Weights { rows, cols, values, ints, device: upload(gpu, bytes), row_bytes: bytes.len() / (2 * rows) }
+    }
 }
 
 /// `(sum w x, sum |w| |x|)` of weight row `row` and token `t`, in float64.
@@ -158,6 +184,26 @@ fn dot(w: &Weights, x: &[f32], row: usize, t: usize) -> (f64, f64) {
     })
 }
 
+/// The integer path's tolerance for weight row `row` and token `t`: x rounded to int8 moves each
+/// value by at most half its block's step (amax / 127 over 32 values), times the integer part of
+/// the weight; plus fp32 rounding of the block sums, `2e-6 sum (|w| + |int part|) |x| + 1e-6`.
+fn int8_tolerance(w: &Weights, x: &[f32], row: usize, t: usize) -> f64 {
+    let xr = &x[t * w.cols..(t + 1) * w.cols];
+    let wr = &w.values[row * w.cols..(row + 1) * w.cols];
+    let ir = &w.ints[row * w.cols..(row + 1) * w.cols];
+    let mut rounding = 0.0f64;
+    let mut magnitude = 0.0f64;
+    for (b, xb) in xr.chunks(32).enumerate() {
+        let step = f64::from(xb.iter().fold(0f32, |m, v| m.max(v.abs()))) / 127.0;
+        for (k, &xv) in xb.iter().enumerate() {
+            let c = 32 * b + k;
+            rounding += f64::from(ir[c]) * step / 2.0;
+            magnitude += (f64::from(wr[c].abs()) + f64::from(ir[c])) * f64::from(xv.abs());
+        }
+    }
+    1.0001 * rounding + 2e-6 * magnitude + 1e-6
+}
+
 fn silu(g: f64) -> f64 {
     g / (1.0 + (-g).exp())
 }
@@ -166,8 +212,14 @@ fn silu(g: f64) -> f64 {
 /// than BF16 / F16, or one token). The tests skip exactly these combinations, and only after
 /// checking that `linear` refuses them with an error naming the variant.
 fn mma_refuses(call: &LinearCall, variant: Option<LinearVariant>) -> bool {
-    let Some(v) = variant.filter(|v| v.mma) else { return false };
-    let served = matches!(call.weight, DType::BF16 | DType::F16) && (2..=8).contains(&call.tokens);
+    let Some(v) = variant.filter(|v| v.mma || v.int8) else { return false };
+    let served = if v.int8 {
+        matches!(call.weight, DType::Q8_0 | DType::Q4_0 | DType::Q4_1)
+            && call.cols.is_multiple_of(128)
+            && call.defines(v, false).is_ok()
+    } else {
+        matches!(call.weight, DType::BF16 | DType::F16) && (2..=8).contains(&call.tokens)
+    };
     if !served {
         let refusal = call.defines(v, false);
         assert!(
@@ -240,16 +292,24 @@ fn check_case(gpu: &Gpu, rng: &mut Rng, w: &Weights, case: &Case) -> Vec<String>
         failures.push(format!("{what}: a second launch gave different bits"));
     }
     let got = f32s(&host[..out_bytes]);
+    let int8 = case.variant.unwrap_or_else(|| LinearVariant::default_for(call)).int8;
+    let tolerance = |row: usize, t: usize, magnitude: f64| {
+        if int8 {
+            int8_tolerance(w, &x, row, t)
+        } else {
+            2e-6 * magnitude + 1e-6
+        }
+    };
     let expected: Vec<(f64, f64)> = (0..tokens * rows)
         .into_par_iter()
         .map(|j| {
             let (t, r) = (j / rows, j % rows);
             let (g, tg) = dot(w, &x, r, t);
-            let tg = 2e-6 * tg + 1e-6;
+            let tg = tolerance(r, t, tg);
             match call.epilogue {
                 Epilogue::SwiGlu => {
                     let (u, tu) = dot(w, &x, rows + r, t);
-                    let tu = 2e-6 * tu + 1e-6;
+                    let tu = tolerance(rows + r, t, tu);
                     let want = silu(g) * u;
                     (want, 1.1 * tg * u.abs() + silu(g).abs() * tu + tg * tu + 1e-6 * want.abs())
                 }
@@ -299,13 +359,7 @@ fn linear_matches_a_float64_reference_for_every_dtype_epilogue_token_count_and_v
             .into_iter()
             .map(|(rows, cols)| {
                 let bytes = random_weights(&mut rng, dtype, 2 * rows, cols);
-                Weights {
-                    rows,
-                    cols,
-                    values: dequantize(dtype, &bytes, 2 * rows, cols),
-                    device: upload(&gpu, &bytes),
-                    row_bytes: bytes.len() / (2 * rows),
-                }
+                Weights::new(&gpu, dtype, &bytes, rows, cols)
             })
             .collect();
         let mut k = d;
@@ -353,13 +407,7 @@ fn mma_variants_match_a_float64_reference_for_16_bit_weights_at_2_to_8_tokens() 
             .chain([(133, 4104)])
             .map(|(rows, cols)| {
                 let bytes = random_weights(&mut rng, dtype, 2 * rows, cols);
-                Weights {
-                    rows,
-                    cols,
-                    values: dequantize(dtype, &bytes, 2 * rows, cols),
-                    device: upload(&gpu, &bytes),
-                    row_bytes: bytes.len() / (2 * rows),
-                }
+                Weights::new(&gpu, dtype, &bytes, rows, cols)
             })
             .collect();
         for (k, &variant) in variants.iter().enumerate() {
@@ -385,6 +433,76 @@ fn mma_variants_match_a_float64_reference_for_16_bit_weights_at_2_to_8_tokens() 
 }
 
 #[test]
+fn int8_variants_stay_within_their_rounding_bound() {
+    // Every integer-path variant on Q8_0, Q4_0 and Q4_1 weights, at 1, 2, 3, 5 and 8 tokens, the
+    // six (epilogue, input) pairs in turn, with and without bias, on every shape it serves: lanes
+    // per row 8 (128 and 1536 columns), 16 (2048) and 32 (4096, 14336; a lane's share ragged),
+    // ragged and single rows; against the float64 product within the int8 rounding bound.
+    let gpu = Gpu::open(0).expect("the GPU tests need CUDA device 0");
+    let mut rng = Rng::fresh();
+    let mut checked = 0usize;
+    let mut refused = 0usize;
+    let mut failures = Vec::new();
+    for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+        let weights: Vec<Weights> =
+            [(3usize, 128usize), (37, 1536), (130, 2048), (1, 4096), (2051, 4096), (64, 14336)]
+                .into_iter()
+                .map(|(rows, cols)| {
+                    let bytes = random_weights(&mut rng, dtype, 2 * rows, cols);
+                    Weights::new(&gpu, dtype, &bytes, rows, cols)
+                })
+                .collect();
+        for (k, &variant) in INT8_VARIANTS.iter().enumerate() {
+            for tokens in [1usize, 2, 3, 5, 8] {
+                let pair = (tokens + k) % 6;
+                let epilogue = [Epilogue::Store, Epilogue::Accumulate, Epilogue::SwiGlu][pair % 3];
+                let input = if pair < 3 { DType::F32 } else { DType::BF16 };
+                let bias = epilogue != Epilogue::SwiGlu && tokens % 2 == 1;
+                for w in &weights {
+                    let call =
+                        LinearCall { weight: dtype, rows: w.rows, cols: w.cols, tokens, input, epilogue };
+                    if mma_refuses(&call, Some(variant)) {
+                        refused += 1;
+                        continue;
+                    }
+                    failures.extend(check_case(
+                        &gpu,
+                        &mut rng,
+                        w,
+                        &Case { call, variant: Some(variant), bias },
+                    ));
+                    checked += 1;
+                }
+            }
+        }
+        // The integer path refuses columns that are not a multiple of 128, by name.
+        let call = LinearCall {
+            weight: dtype,
+            rows: 4,
+            cols: 576,
+            tokens: 1,
+            input: DType::F32,
+            epilogue: Epilogue::Store,
+        };
+        assert!(mma_refuses(&call, Some(INT8_VARIANTS[0])), "{dtype} with 576 columns");
+    }
+    for dtype in [DType::F32, DType::BF16, DType::Q4_K, DType::Q6_K] {
+        let call = LinearCall {
+            weight: dtype,
+            rows: 4,
+            cols: 256,
+            tokens: 1,
+            input: DType::F32,
+            epilogue: Epilogue::Store,
+        };
+        assert!(mma_refuses(&call, Some(INT8_VARIANTS[0])), "{dtype} on the integer path");
+    }
+    println!("{checked} integer-path cases checked, {refused} refused (checked by name)");
+    assert!(checked > 300, "only {checked} integer-path cases ran");
+    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+}
+
+#[test]
 fn mma_variants_keep_the_tolerance_on_wide_ranges_of_x() {
     // The f16 path scales x per token and 32-column step by a power of two: tokens whose x spans
     // 1e-30 to 1e30 (beyond f16's range), a token of zeros, and steps mixing tiny and huge values.
@@ -394,13 +512,7 @@ fn mma_variants_keep_the_tolerance_on_wide_ranges_of_x() {
     let (rows, cols) = (75usize, 1000usize);
     for dtype in [DType::BF16, DType::F16] {
         let bytes = random_weights(&mut rng, dtype, 2 * rows, cols);
-        let w = Weights {
-            rows,
-            cols,
-            values: dequantize(dtype, &bytes, 2 * rows, cols),
-            device: upload(&gpu, &bytes),
-            row_bytes: bytes.len() / (2 * rows),
-        };
+        let w = Weights::new(&gpu, dtype, &bytes, rows, cols);
         for variant in LINEAR_VARIANTS.iter().copied().filter(|v| v.mma) {
             for epilogue in [Epilogue::Store, Epilogue::Accumulate] {
                 let tokens = 8;
@@ -478,13 +590,7 @@ fn every_variant_serves_the_largest_configurations() {
     for dtype in [DType::F16, DType::BF16, DType::Q4_K, DType::Q4_1] {
         let (rows, cols) = if is_k(dtype) { (133, 1536) } else { (133, 576) };
         let bytes = random_weights(&mut rng, dtype, 2 * rows, cols);
-        let w = Weights {
-            rows,
-            cols,
-            values: dequantize(dtype, &bytes, 2 * rows, cols),
-            device: upload(&gpu, &bytes),
-            row_bytes: bytes.len() / (2 * rows),
-        };
+        let w = Weights::new(&gpu, dtype, &bytes, rows, cols);
         for variant in LINEAR_VARIANTS {
             for (epilogue, bias) in [(Epilogue::SwiGlu, false), (Epilogue::Accumulate, true)] {
                 let call = LinearCall { weight: dtype, rows, cols, tokens: 8, input: DType::F32, epilogue };
@@ -684,9 +790,12 @@ fn bandwidth_of_one_token_products() {
                     epilogue: Epilogue::Store,
                 };
                 let default = LinearVariant::default_for(&call);
+                let scratch = gpu.alloc(call.int8_scratch_bytes().max(16)).expect("device allocation");
                 let mut line = format!("{dtype:>5} {tokens} tok {rows:>5}x{cols}:");
-                for (v, variant) in
-                    std::iter::once(default).chain(LINEAR_VARIANTS.iter().copied()).enumerate()
+                for (v, variant) in std::iter::once(default)
+                    .chain(LINEAR_VARIANTS.iter().copied())
+                    .chain(INT8_VARIANTS.iter().copied())
+                    .enumerate()
                 {
                     if s == 0 {
                         labels.push(format!("{}{}", if v == 0 { "default " } else { "" }, variant.label()));
@@ -700,8 +809,18 @@ fn bandwidth_of_one_token_products() {
                     }
                     let launch = |i: usize| {
                         let weight = weights[i % weights.len()].view();
-                        linear(&gpu, &call, weight, None, x.view(), out.view(), Some(variant))
-                            .expect("launch")
+                        let scratch = Some(scratch.view());
+                        linear_with_scratch(
+                            &gpu,
+                            &call,
+                            weight,
+                            None,
+                            x.view(),
+                            out.view(),
+                            Some(variant),
+                            scratch,
+                        )
+                        .expect("launch");
                     };
                     (0..5).for_each(launch);
                     gpu.synchronize().expect("synchronize");

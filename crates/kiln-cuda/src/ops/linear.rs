@@ -20,7 +20,7 @@
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use kiln_core::{DType, Error, Result};
 
-use crate::kernels::LINEAR;
+use crate::kernels::{LINEAR, LINEAR_I8};
 use crate::memory::DeviceView;
 use crate::runtime::{driver_error, Gpu};
 
@@ -92,18 +92,62 @@ pub struct LinearVariant {
     pub unroll: u32,
     pub stage_x: bool,
     pub mma: bool,
+    /// The integer path (`kernels/linear_i8.cu`, Q8_0 / Q4_0 / Q4_1 weights, columns a multiple
+    /// of 128): x rounded to int8 per block of 32, products on dp4a. There `warps` is the block's
+    /// warps, `rows` the output rows a lane carries and `unroll` the 128-value units of each
+    /// weight row a lane loads before using any.
+    pub int8: bool,
 }
 
 const fn variant(warps: u32, rows: u32, unroll: u32) -> LinearVariant {
-    LinearVariant { warps, rows, unroll, stage_x: false, mma: false }
+    LinearVariant { warps, rows, unroll, stage_x: false, mma: false, int8: false }
 }
 
 const fn staged(warps: u32, rows: u32, unroll: u32) -> LinearVariant {
-    LinearVariant { warps, rows, unroll, stage_x: true, mma: false }
+    LinearVariant { warps, rows, unroll, stage_x: true, mma: false, int8: false }
 }
 
 const fn tensor_core(warps: u32, rows: u32, unroll: u32) -> LinearVariant {
-    LinearVariant { warps, rows, unroll, stage_x: false, mma: true }
+    LinearVariant { warps, rows, unroll, stage_x: false, mma: true, int8: false }
+}
+
+const fn integer(warps: u32, rows: u32, unroll: u32) -> LinearVariant {
+    LinearVariant { warps, rows, unroll, stage_x: false, mma: false, int8: true }
+}
+
+/// The integer-path variants (Q8_0, Q4_0, Q4_1 with columns a multiple of 128), as data: the
+/// tests run every one against their own error bound (x rounded to int8), the benchmark times
+/// every one.
+pub const INT8_VARIANTS: &[LinearVariant] = &[
+    integer(4, 1, 1),
+    integer(4, 2, 1),
+    integer(4, 4, 1),
+    integer(4, 1, 2),
+    integer(4, 1, 4),
+    integer(8, 1, 1),
+    integer(8, 2, 1),
+    integer(2, 2, 1),
+    integer(16, 1, 1),
+];
+
+/// Values of one unit of the integer path: 4 GGUF blocks.
+pub const INT8_UNIT: usize = 128;
+
+/// Register words of one unit of `dtype` on the integer path.
+fn int8_unit_words(dtype: DType) -> Option<usize> {
+    match dtype {
+        DType::Q8_0 => Some(34),
+        DType::Q4_0 => Some(18),
+        DType::Q4_1 => Some(20),
+        _ => None,
+    }
+}
+
+/// Lanes that split a row on the integer path: the largest power of two (8 to 32) not above
+/// the row's units.
+fn int8_lanes_per_row(cols: usize) -> usize {
+    let units = (cols / INT8_UNIT).max(1);
+    (1usize << units.ilog2()).clamp(8, 32)
 }
 
 /// Tokens the `mma` variants serve (one token leaves 7 of the tensor cores' 8 columns idle: the
@@ -148,19 +192,56 @@ impl LinearVariant {
     pub fn label(&self) -> String {
         let stage = if self.stage_x { "/x" } else { "" };
         let mma = if self.mma { "/mma" } else { "" };
-        format!("{}w/{}r/{}u{stage}{mma}", self.warps, self.rows, self.unroll)
+        let int8 = if self.int8 { "/i8" } else { "" };
+        format!("{}w/{}r/{}u{stage}{mma}{int8}", self.warps, self.rows, self.unroll)
     }
 
-    /// The default for `call`. The 16-bit and f32 formats read x directly: one output row per
-    /// block up to 2 tokens (x is reused across rows from L1), 2 up to 4 tokens and 4 beyond, as
-    /// long as that leaves two blocks per SM of an H200; enough warps that each thread loads about
-    /// `unroll` pieces of a row, 1 to 8. The block formats stage x: up to 8 output rows per block
-    /// (the block's x, copied once, serves them all; fewer where the registers would not hold
-    /// them), one piece per weight row in flight (about 6 loads each), warps to cover a chunk.
+    /// The integer path's default for `call`, when it serves the call: 4 warps a block, a warp
+    /// per row group; two output rows a lane where that still leaves 16 row groups per SM of an
+    /// H200; units in flight to cover a lane's share of a row (at most 4), within about 80 words
+    /// of weights in registers (40 beyond 4 tokens).
+    pub fn int8_default_for(call: &LinearCall) -> Option<LinearVariant> {
+        let words = int8_unit_words(call.weight)?;
+        if call.cols == 0 || !call.cols.is_multiple_of(INT8_UNIT) {
+            return None;
+        }
+        let gates = call.epilogue.weight_rows_per_output();
+        let lanes = int8_lanes_per_row(call.cols);
+        let side = 32 / lanes;
+        let lane_units = (call.cols / INT8_UNIT).div_ceil(lanes);
+        let mut unroll = (lane_units.next_power_of_two()).min(4);
+        let mut rows = if call.rows.div_ceil(side * 2) >= 132 * 16 { 2 } else { 1 };
+        // Beyond 4 tokens the tokens' x chunks crowd the registers too.
+        let budget = if call.tokens > 4 { 40 } else { 80 };
+        while rows * gates * unroll * words > budget && unroll > 1 {
+            unroll /= 2;
+        }
+        while (rows * gates * unroll * words > budget || rows * gates * call.tokens > 32) && rows > 1 {
+            rows /= 2;
+        }
+        Some(integer(4, rows as u32, unroll as u32))
+    }
+
+    /// The default for `call`, as measured on the H200 (`bench/results/2026-11-30-h200-final/
+    /// linear-bandwidth.txt` and this commit's results):
+    /// - Q8_0, Q4_0, Q4_1 with columns a multiple of 128: the integer path
+    ///   ([`LinearVariant::int8_default_for`]);
+    /// - the other block formats: four warps, up to four rows a block, one piece in flight, x
+    ///   read through the cache;
+    /// - BF16 / F16: at 1 and 2 tokens four warps, two rows a block, two pieces in flight (86% of
+    ///   the copy rate at one token, 83% at two); at 3 to 8 tokens the tensor cores, 16 rows a
+    ///   block (73% against 52% of the CUDA-core default at 4 and 8 tokens), where that leaves a
+    ///   block per SM;
+    /// - otherwise x read directly: one output row per block up to 2 tokens, 2 up to 4 tokens and
+    ///   4 beyond, as long as that leaves two blocks per SM of an H200; enough warps that each
+    ///   thread loads about `unroll` pieces of a row, 1 to 8.
     pub fn default_for(call: &LinearCall) -> LinearVariant {
         let quantized =
             matches!(call.weight, DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q4_K | DType::Q6_K);
         let gates = call.epilogue.weight_rows_per_output();
+        if let Some(v) = Self::int8_default_for(call) {
+            return v;
+        }
         if quantized {
             // Measured on the H200 (bench/results/2026-11-30-h200/linear-bandwidth.txt): four warps,
             // four rows a block, one piece in flight, x read through the cache rather than staged
@@ -174,6 +255,14 @@ impl LinearVariant {
                 rows /= 2;
             }
             return variant(4, rows, 1);
+        }
+        if matches!(call.weight, DType::BF16 | DType::F16) {
+            if MMA_TOKENS.contains(&call.tokens) && call.tokens >= 3 && call.rows.div_ceil(16) >= 132 {
+                return tensor_core(4, 16, 4);
+            }
+            if call.tokens <= 2 && call.rows.div_ceil(2) >= 264 {
+                return variant(4, 2, 2);
+            }
         }
         let mut rows: u32 = match call.tokens {
             0..=2 => 1,
@@ -279,6 +368,20 @@ impl LinearCall {
                 reason: "the SwiGLU epilogue takes no bias".to_owned(),
             });
         }
+        if variant.int8 {
+            self.check_int8(variant)?;
+            return Ok(vec![
+                ("W_T", w_t.to_string()),
+                ("X_T", x_t.to_string()),
+                ("TOKENS", self.tokens.to_string()),
+                ("EPI", self.epilogue.code().to_string()),
+                ("HAS_BIAS", flag(has_bias)),
+                ("WARPS", variant.warps.to_string()),
+                ("RL", variant.rows.to_string()),
+                ("UNR", variant.unroll.to_string()),
+                ("LPR", int8_lanes_per_row(self.cols).to_string()),
+            ]);
+        }
         if variant.mma {
             self.check_tensor_core(variant)?;
         } else {
@@ -319,6 +422,41 @@ impl LinearCall {
         Ok(())
     }
 
+    /// The integer path: Q8_0, Q4_0 or Q4_1 weights, columns a multiple of 128, 1 to 16 warps,
+    /// 1 to 4 rows a lane, 1 to 4 units in flight, at most 32 sums and 80 words of weights a
+    /// lane.
+    fn check_int8(&self, variant: LinearVariant) -> Result<()> {
+        let refuse =
+            |what: String| Err(not_served(format!("variant {} (integer path) for {what}", variant.label())));
+        let Some(words) = int8_unit_words(self.weight) else {
+            return refuse(format!("{} weights (Q8_0, Q4_0 or Q4_1 only)", self.weight));
+        };
+        if !self.cols.is_multiple_of(INT8_UNIT) {
+            return refuse(format!("{} columns (a multiple of {INT8_UNIT})", self.cols));
+        }
+        let weight_rows = variant.rows as usize * self.epilogue.weight_rows_per_output();
+        if ![1, 2, 4, 8, 16].contains(&variant.warps)
+            || ![1, 2, 4].contains(&variant.rows)
+            || ![1, 2, 4].contains(&variant.unroll)
+            || variant.stage_x
+            || variant.mma
+            || weight_rows * self.tokens > 32
+            || weight_rows * variant.unroll as usize * words > 80
+        {
+            return refuse(format!(
+                "{} tokens, {:?} (1 to 16 warps, 1 to 4 rows and units; at most 32 sums and 80 words a lane)",
+                self.tokens, self.epilogue
+            ));
+        }
+        Ok(())
+    }
+
+    /// Bytes of the integer path's scratch: x as int8 and two floats a block of 32 values, per
+    /// token.
+    pub fn int8_scratch_bytes(&self) -> usize {
+        self.tokens * (self.cols + self.cols / 32 * 8)
+    }
+
     /// The CUDA-core variants: at most [`MAX_SLOTS`] sums per thread.
     fn check_cuda_core(&self, variant: LinearVariant) -> Result<()> {
         let slots = variant.rows as usize * self.epilogue.weight_rows_per_output() * self.tokens;
@@ -356,7 +494,9 @@ fn define_refs<'a>(defines: &'a [(&'static str, String)]) -> Vec<(&'static str, 
 /// `out[t][r]` (fp32, row stride `rows`) for `t < tokens`, `r < rows`:
 /// `acc = sum_c W[r][c] * x[t][c] (+ bias[r])`; Store: `out = acc`; Accumulate: `out += acc`;
 /// SwiGlu: `out = silu(acc_gate) * acc_up` (no bias). Runs on `gpu`'s stream with `variant` (or
-/// [`LinearVariant::default_for`]).
+/// [`LinearVariant::default_for`]). An integer-path variant needs a scratch
+/// ([`LinearCall::int8_scratch_bytes`]): this allocates one and waits for the stream before
+/// giving it back; [`linear_with_scratch`] takes the caller's.
 pub fn linear(
     gpu: &Gpu,
     call: &LinearCall,
@@ -366,6 +506,29 @@ pub fn linear(
     out: DeviceView,
     variant: Option<LinearVariant>,
 ) -> Result<()> {
+    let variant = variant.unwrap_or_else(|| LinearVariant::default_for(call));
+    if !variant.int8 {
+        return linear_with_scratch(gpu, call, weight, bias, x, out, Some(variant), None).map(|_| ());
+    }
+    let scratch = gpu.alloc(call.int8_scratch_bytes().max(16))?;
+    linear_with_scratch(gpu, call, weight, bias, x, out, Some(variant), Some(scratch.view()))?;
+    gpu.synchronize()
+}
+
+/// [`linear`] with the integer path's scratch given (16-byte aligned, at least
+/// [`LinearCall::int8_scratch_bytes`]; unused by the other variants): what a captured decode
+/// step runs. Returns the kernel launches made (2 on the integer path, 1 otherwise).
+#[allow(clippy::too_many_arguments)]
+pub fn linear_with_scratch(
+    gpu: &Gpu,
+    call: &LinearCall,
+    weight: DeviceView,
+    bias: Option<DeviceView>,
+    x: DeviceView,
+    out: DeviceView,
+    variant: Option<LinearVariant>,
+    scratch: Option<DeviceView>,
+) -> Result<usize> {
     let variant = variant.unwrap_or_else(|| LinearVariant::default_for(call));
     let defines = call.defines(variant, bias.is_some())?;
     let (w_bytes, x_bytes, out_bytes) = call.buffer_bytes()?;
@@ -380,17 +543,38 @@ pub fn linear(
     check_alignment("x", x, 16)?;
     check_alignment("out", out, 4)?;
 
-    let function = gpu.function(&LINEAR, "kiln_linear", &define_refs(&defines))?;
-    let blocks = u32::try_from(call.rows.div_ceil(variant.rows as usize))
-        .map_err(|_| not_served(format!("{} rows", call.rows)))?;
-    let config =
-        LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (variant.warps * 32, 1, 1), shared_mem_bytes: 0 };
+    let x_arg = if variant.int8 {
+        let scratch = scratch.ok_or_else(|| Error::InvalidArgument {
+            name: "scratch",
+            value: "none".to_owned(),
+            reason: format!("the integer-path variant {} needs one", variant.label()),
+        })?;
+        super::check_buffer("linear", "scratch", scratch.len_bytes, call.int8_scratch_bytes())?;
+        check_alignment("scratch", scratch, 16)?;
+        int8_quantize(gpu, call, &defines, x, scratch)?;
+        scratch.ptr
+    } else {
+        x.ptr
+    };
+    let (function, config) = if variant.int8 {
+        int8_launch(gpu, call, variant, &defines)?
+    } else {
+        let function = gpu.function(&LINEAR, "kiln_linear", &define_refs(&defines))?;
+        let blocks = u32::try_from(call.rows.div_ceil(variant.rows as usize))
+            .map_err(|_| not_served(format!("{} rows", call.rows)))?;
+        let config = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (variant.warps * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        (function, config)
+    };
     let rows = call.rows as i32; // checked by `defines`
     let cols = call.cols as i32;
     let row_bytes = (w_bytes / (call.rows * call.epilogue.weight_rows_per_output())) as i64;
     let bias_ptr = bias.map_or(0u64, |b| b.ptr);
     let mut launch = gpu.stream().launch_builder(&function);
-    launch.arg(&weight.ptr).arg(&bias_ptr).arg(&x.ptr).arg(&out.ptr).arg(&rows).arg(&cols).arg(&row_bytes);
+    launch.arg(&weight.ptr).arg(&bias_ptr).arg(&x_arg).arg(&out.ptr).arg(&rows).arg(&cols).arg(&row_bytes);
     // SAFETY: the arguments match `kiln_linear`'s signature (4 pointers, i32, i32, i64); the
     // weight, x, out and bias views were checked above to hold what the kernel touches for this
     // call (rows x weight rows per output rows of `row_bytes`, tokens x cols inputs, tokens x rows
@@ -398,7 +582,48 @@ pub fn linear(
     // HAS_BIAS = 0 makes the kernel ignore it; the views' owners keep the memory alive until the
     // stream has run the kernel (the `DeviceView` contract).
     unsafe { launch.launch(config) }.map_err(|e| driver_error("cuLaunchKernel(kiln_linear)", e))?;
+    Ok(if variant.int8 { 2 } else { 1 })
+}
+
+/// The integer path's first launch: x rounded to int8 into `scratch`.
+fn int8_quantize(
+    gpu: &Gpu,
+    call: &LinearCall,
+    defines: &[(&'static str, String)],
+    x: DeviceView,
+    scratch: DeviceView,
+) -> Result<()> {
+    let function = gpu.function(&LINEAR_I8, "kiln_linear_i8_quantize", &define_refs(defines))?;
+    let quads = call.tokens * call.cols / 4;
+    let blocks = quads.div_ceil(256).clamp(1, 4 * gpu.facts().multiprocessors as usize) as u32;
+    let config = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let cols = call.cols as i32; // checked by `defines`
+    let mut launch = gpu.stream().launch_builder(&function);
+    launch.arg(&x.ptr).arg(&scratch.ptr).arg(&cols);
+    // SAFETY: the arguments match `kiln_linear_i8_quantize`'s signature (2 pointers, i32); x holds
+    // tokens x cols inputs of the call's input dtype and the scratch `int8_scratch_bytes`, 16-byte
+    // aligned, as the caller checked; the views' owners keep the memory alive until the stream has
+    // run the kernel.
+    unsafe { launch.launch(config) }
+        .map_err(|e| driver_error("cuLaunchKernel(kiln_linear_i8_quantize)", e))?;
     Ok(())
+}
+
+/// The integer path's product kernel and grid: a warp per row group.
+fn int8_launch(
+    gpu: &Gpu,
+    call: &LinearCall,
+    variant: LinearVariant,
+    defines: &[(&'static str, String)],
+) -> Result<(cudarc::driver::CudaFunction, LaunchConfig)> {
+    let function = gpu.function(&LINEAR_I8, "kiln_linear_i8", &define_refs(defines))?;
+    let side = 32 / int8_lanes_per_row(call.cols);
+    let groups = call.rows.div_ceil(side * variant.rows as usize);
+    let blocks = u32::try_from(groups.div_ceil(variant.warps as usize))
+        .map_err(|_| not_served(format!("{} rows", call.rows)))?;
+    let config =
+        LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (variant.warps * 32, 1, 1), shared_mem_bytes: 0 };
+    Ok((function, config))
 }
 
 /// A grid-stride launch of `total` threads' work: 256 threads a block, at most 65536 blocks.
@@ -551,36 +776,62 @@ mod tests {
 
     #[test]
     fn block_formats_default_to_the_measured_fastest_variant() {
-        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q4_K, DType::Q6_K] {
+        // The integer path for Q8_0 / Q4_0 / Q4_1 when the columns are a multiple of 128.
+        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+            for epilogue in [Epilogue::Store, Epilogue::Accumulate, Epilogue::SwiGlu] {
+                for tokens in 1..=MAX_TOKENS {
+                    for (rows, cols) in [(4096, 4096), (14336, 4096), (4096, 14336), (3072, 2048), (64, 1536)]
+                    {
+                        let c = call(dtype, rows, cols, tokens, epilogue);
+                        let v = LinearVariant::default_for(&c);
+                        assert!(v.int8 && v.warps == 4, "{c:?} {v:?}");
+                        assert!(c.defines(v, false).is_ok(), "{c:?} {v:?}");
+                    }
+                }
+            }
+            let odd = call(dtype, 576, 576, 1, Epilogue::Store);
+            assert!(!LinearVariant::default_for(&odd).int8, "576 columns are not a multiple of 128");
+        }
+        // Llama-3-8B's Q4_0 layers at one token: two rows a lane where rows abound, four units in
+        // flight over the 14336 columns of the down projection.
+        assert_eq!(
+            LinearVariant::default_for(&call(DType::Q4_0, 6144, 4096, 1, Epilogue::Store)),
+            integer(4, 2, 1)
+        );
+        assert_eq!(
+            LinearVariant::default_for(&call(DType::Q4_0, 4096, 14336, 1, Epilogue::Accumulate)),
+            integer(4, 1, 4)
+        );
+        // The other block formats, and the 4-bit ones off the integer path: four warps, one
+        // piece in flight, x read through the cache.
+        for dtype in [DType::Q4_K, DType::Q6_K, DType::Q4_0, DType::Q8_0] {
+            let cols = if matches!(dtype, DType::Q4_K | DType::Q6_K) { 4096 } else { 4000 };
             for epilogue in [Epilogue::Store, Epilogue::SwiGlu] {
                 for tokens in 1..=MAX_TOKENS {
-                    let c = call(dtype, 4096, 4096, tokens, epilogue);
+                    let c = call(dtype, 4096, cols, tokens, epilogue);
                     let v = LinearVariant::default_for(&c);
                     let weight_rows = v.rows as usize * epilogue.weight_rows_per_output();
-                    assert!(!v.stage_x && v.warps == 4 && v.unroll == 1, "{c:?} {v:?}");
+                    assert!(!v.int8 && !v.stage_x && v.warps == 4 && v.unroll == 1, "{c:?} {v:?}");
                     assert!(weight_rows * tokens <= 32, "{c:?} {v:?}");
                     assert!(4096usize.div_ceil(v.rows as usize) >= 264, "{c:?} {v:?}");
                     assert!(c.defines(v, false).is_ok(), "{c:?} {v:?}");
                 }
             }
         }
-        // Llama-3-8B's Q4_0 projections: 4 rows a block at 1 and 8 tokens, 2 for SwiGLU at 8.
-        assert_eq!(
-            LinearVariant::default_for(&call(DType::Q4_0, 4096, 4096, 1, Epilogue::Store)),
-            variant(4, 4, 1)
-        );
-        assert_eq!(
-            LinearVariant::default_for(&call(DType::Q4_0, 4096, 4096, 8, Epilogue::Store)),
-            variant(4, 4, 1)
-        );
-        assert_eq!(
-            LinearVariant::default_for(&call(DType::Q4_0, 14336, 4096, 8, Epilogue::SwiGlu)),
-            variant(4, 2, 1)
-        );
-        // Small matrices keep enough blocks to fill the device.
-        assert_eq!(LinearVariant::default_for(&call(DType::Q4_0, 576, 576, 1, Epilogue::Store)).rows, 2);
-        let f = call(DType::F16, 4096, 4096, 1, Epilogue::Store);
-        assert!(!LinearVariant::default_for(&f).stage_x);
+        assert_eq!(LinearVariant::default_for(&call(DType::Q4_K, 576, 512, 1, Epilogue::Store)).rows, 2);
+        // 16-bit weights: two rows a block at 1-2 tokens, the tensor cores from 3 tokens, on
+        // matrices large enough.
+        for dtype in [DType::BF16, DType::F16] {
+            assert_eq!(
+                LinearVariant::default_for(&call(dtype, 4096, 4096, 1, Epilogue::Store)),
+                variant(4, 2, 2)
+            );
+            for tokens in 3..=MAX_TOKENS {
+                let c = call(dtype, 4096, 4096, tokens, Epilogue::SwiGlu);
+                assert_eq!(LinearVariant::default_for(&c), tensor_core(4, 16, 4));
+            }
+            assert!(!LinearVariant::default_for(&call(dtype, 576, 576, 8, Epilogue::Store)).mma);
+        }
     }
 
     #[test]
@@ -646,10 +897,12 @@ mod tests {
         ] {
             assert!(matches!(c.defines(v, false), Err(Error::NotServed { .. })), "{v:?}");
         }
-        // The CUDA-core path keeps its row counts, and the defaults never pick the tensor cores.
+        // The CUDA-core path keeps its row counts; the defaults take the tensor cores only from 3
+        // tokens.
         assert!(matches!(c.defines(variant(4, 16, 1), false), Err(Error::NotServed { .. })));
         for tokens in 1..=MAX_TOKENS {
-            assert!(!LinearVariant::default_for(&call(DType::F16, 4096, 4096, tokens, Epilogue::Store)).mma);
+            let v = LinearVariant::default_for(&call(DType::F16, 4096, 4096, tokens, Epilogue::Store));
+            assert_eq!(v.mma, tokens >= 3, "{tokens} tokens: {v:?}");
         }
     }
 

@@ -260,6 +260,27 @@ fn expand_scratch_bytes(model: &LlamaModel) -> usize {
     most
 }
 
+/// The integer-path scratch of the decode products: x of up to [`MATVEC_TOKENS`] tokens as int8
+/// and their block scales, for the widest input of any matrix.
+fn int8_scratch_bytes(model: &LlamaModel) -> usize {
+    let c = model.config();
+    let mut cols = c.hidden;
+    for layer in model.layers() {
+        for l in [&layer.q, &layer.k, &layer.v, &layer.o, &layer.gate, &layer.up, &layer.down] {
+            cols = cols.max(l.cols);
+        }
+    }
+    let call = LinearCall {
+        weight: DType::Q8_0,
+        rows: 1,
+        cols,
+        tokens: MATVEC_TOKENS,
+        input: DType::F32,
+        epilogue: Epilogue::Store,
+    };
+    call.int8_scratch_bytes()
+}
+
 impl GpuPlan {
     /// The plan of `model` under `options`.
     pub fn new(model: &LlamaModel, options: &GpuOptions) -> Result<GpuPlan> {
@@ -279,7 +300,8 @@ impl GpuPlan {
         let expand = expand_scratch_bytes(model);
         let scratch = size_class(attn_scratch)
             + if expand > 0 { size_class(expand) } else { 0 }
-            + size_class(sample_op::scratch_bytes(options.max_batch, c.vocab));
+            + size_class(sample_op::scratch_bytes(options.max_batch, c.vocab))
+            + size_class(int8_scratch_bytes(model));
         let kv_pages =
             options.kv_pages.unwrap_or(options.max_batch * options.max_context.div_ceil(options.page_tokens));
         let page_bytes = c.kv_heads * options.page_tokens * c.head_dim * 2;
@@ -391,6 +413,8 @@ struct Workspace {
     attn_scratch: DeviceMemory,
     expand: Option<DeviceMemory>,
     sample_scratch: sample_op::SampleScratch,
+    /// x as int8 for the integer-path products.
+    int8: DeviceMemory,
 }
 
 /// A sequence the engine serves: its pages, sampling parameters and sample counter.
@@ -628,6 +652,7 @@ impl GpuEngine {
             attn_scratch: gpu.alloc(scratch_bytes(&shape, options.max_batch, 64).max(4))?,
             expand: if expand > 0 { Some(gpu.alloc(expand)?) } else { None },
             sample_scratch: sample_op::SampleScratch::new(&gpu, options.max_batch, c.vocab)?,
+            int8: gpu.alloc(int8_scratch_bytes(model))?,
         };
         ws.history_offsets.fill_bytes(0)?;
 
@@ -1141,7 +1166,7 @@ impl GpuEngine {
             launches += 1;
             for start in (0..b).step_by(MATVEC_TOKENS) {
                 let rows = (b - start).min(MATVEC_TOKENS);
-                linear::linear(
+                launches += linear::linear_with_scratch(
                     gpu,
                     &LinearCall {
                         weight: self.output.dtype,
@@ -1156,8 +1181,8 @@ impl GpuEngine {
                     ws.last_normed.slice(start * c.hidden * 4, rows * c.hidden * 4)?,
                     ws.logits.slice(start * c.vocab * 4, rows * c.vocab * 4)?,
                     None,
+                    Some(self.ws.int8.view()),
                 )?;
-                launches += 1;
             }
         }
         // Penalties need the histories and a zeroed count block (allocated here: such steps are
@@ -1261,7 +1286,7 @@ impl GpuEngine {
                 for start in (0..t).step_by(MATVEC_TOKENS) {
                     let n = (t - start).min(MATVEC_TOKENS);
                     let x_bytes = bytes_of(x_type, l.cols)?;
-                    linear::linear(
+                    launches += linear::linear_with_scratch(
                         &self.gpu,
                         &LinearCall {
                             weight: l.dtype,
@@ -1276,8 +1301,8 @@ impl GpuEngine {
                         x.slice(start * x_bytes, n * x_bytes)?,
                         out.slice((start * width + column) * 4, (n * width - column) * 4)?,
                         None,
+                        Some(self.ws.int8.view()),
                     )?;
-                    launches += 1;
                 }
                 column += l.rows;
             }
@@ -1332,7 +1357,7 @@ impl GpuEngine {
         for token in 0..t {
             let mut column = 0;
             for l in group {
-                linear::linear(
+                launches += linear::linear_with_scratch(
                     &self.gpu,
                     &LinearCall {
                         weight: l.dtype,
@@ -1347,8 +1372,8 @@ impl GpuEngine {
                     x.slice(token * x_bytes, x_bytes)?,
                     out.slice((token * width + column) * 4, l.rows * 4)?,
                     None,
+                    Some(self.ws.int8.view()),
                 )?;
-                launches += 1;
                 column += l.rows;
             }
         }
@@ -1380,7 +1405,7 @@ impl GpuEngine {
             let l = &layer.gate_up[0];
             for start in (0..t).step_by(MATVEC_TOKENS) {
                 let n = (t - start).min(MATVEC_TOKENS);
-                linear::linear(
+                launches += linear::linear_with_scratch(
                     &self.gpu,
                     &LinearCall {
                         weight: l.dtype,
@@ -1395,8 +1420,8 @@ impl GpuEngine {
                     h.slice(start * c.hidden * 4, n * c.hidden * 4)?,
                     ws.mlp.slice(start * c.ffn * 4, n * c.ffn * 4)?,
                     None,
+                    Some(self.ws.int8.view()),
                 )?;
-                launches += 1;
             }
             down_in_type = DType::F32;
             launches += self.linear_group(

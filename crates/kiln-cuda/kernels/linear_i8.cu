@@ -1,0 +1,353 @@
+// The decode-side linear layer for Q8_0, Q4_0 and Q4_1 weights on the integer dot-product units:
+// out[t][r] = epilogue(sum_c W[r][c] * x[t][c] (+ bias[r])) for TOKENS (1..8) tokens, with x
+// rounded to int8 per block of 32 values (one fp32 scale amax / 127 per block, and the block's
+// fp32 sum for Q4_1's offsets), the way the GGUF formats' own integer kernels work. The products
+// of a block are exact 32-bit integer sums (dp4a); the scales apply once per block in fp32.
+//
+// Accuracy: rounding x to int8 moves each x by at most half its block's step (amax / 254), so a
+// row's sum moves by at most sum_blocks |d_w| (sum |q_w|) (amax_x / 254): the same order as bf16
+// activations. Deterministic: the sums run in a fixed order for a given shape and variant.
+//
+// Two kernels. kiln_linear_i8_quantize rounds every token's x to int8 into a scratch buffer, once
+// for all blocks of the product. kiln_linear_i8 then gives each warp a group of output rows: a
+// row's columns go to LPR lanes (32, 16 or 8; a warp then serves 32 / LPR rows side by side),
+// each lane taking "units" of 4 GGUF blocks (128 values: 72 bytes of Q4_0, 80 of Q4_1, 136 of
+// Q8_0, 8- or 16-byte aligned when cols is a multiple of 128) in turn; a lane loads UNR units of
+// each of its RL output rows (2 x RL weight rows for SwiGLU) before using any. Lane sums are added
+// by a butterfly over the row's lanes; the first lane of the row writes. Many small blocks, no
+// shared memory: the scheduler keeps enough warps, hence loads, in flight.
+//
+// Scratch layout (U = cols / 128 units a row): x as int8 in 16-byte chunks (8 a unit), chunk j of
+// unit u of token t at (t * 8 + j) * U + u, so a warp's lanes (consecutive units) read 512
+// consecutive bytes; then the scales (d, and the block's fp32 sum for Q4_1 or its integer sum for
+// Q4_0) of block k of unit u of token t at (t * 4 + k) * U + u.
+//
+// Compile-time constants: W_T (3 Q8_0, 4 Q4_0, 5 Q4_1), X_T (0 f32, 1 bf16), TOKENS, EPI (0 store,
+// 1 accumulate, 2 SwiGLU), HAS_BIAS, WARPS, RL (output rows a lane group carries), UNR (units in
+// flight per weight row), LPR (lanes per row).
+
+#include "kiln_prelude.cuh"
+
+#ifndef W_T
+#define W_T 4
+#endif
+#ifndef X_T
+#define X_T 0
+#endif
+#ifndef TOKENS
+#define TOKENS 1
+#endif
+#ifndef EPI
+#define EPI 0
+#endif
+#ifndef HAS_BIAS
+#define HAS_BIAS 0
+#endif
+#ifndef WARPS
+#define WARPS 8
+#endif
+#ifndef RL
+#define RL 1
+#endif
+#ifndef UNR
+#define UNR 1
+#endif
+#ifndef LPR
+#define LPR 32
+#endif
+
+#define THREADS (WARPS * 32)
+#define GATES (EPI == 2 ? 2 : 1)
+#define WR (RL * GATES)
+#define SIDE (32 / LPR)
+static_assert(W_T >= 3 && W_T <= 5, "W_T must be 3 (Q8_0), 4 (Q4_0) or 5 (Q4_1)");
+static_assert(TOKENS >= 1 && TOKENS <= 8, "TOKENS must be 1..8");
+static_assert(LPR == 8 || LPR == 16 || LPR == 32, "LPR must be 8, 16 or 32");
+static_assert(EPI != 2 || HAS_BIAS == 0, "SwiGLU takes no bias");
+
+#if W_T == 3
+#define UNIT_WORDS 34
+#elif W_T == 4
+#define UNIT_WORDS 18
+#else
+#define UNIT_WORDS 20
+#endif
+
+struct I8Unit {
+    kiln_u32 w[UNIT_WORDS];
+};
+
+__device__ __forceinline__ void i8_load_unit(const kiln_u8* p, I8Unit& u) {
+#if W_T == 5
+#pragma unroll
+    for (int i = 0; i < UNIT_WORDS / 4; ++i)
+        asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(u.w[4 * i]), "=r"(u.w[4 * i + 1]), "=r"(u.w[4 * i + 2]), "=r"(u.w[4 * i + 3])
+                     : "l"(p + 16 * i));
+#else
+#pragma unroll
+    for (int i = 0; i < UNIT_WORDS / 2; ++i)
+        asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];"
+                     : "=r"(u.w[2 * i]), "=r"(u.w[2 * i + 1])
+                     : "l"(p + 8 * i));
+#endif
+}
+
+__device__ __forceinline__ float i8_half(kiln_u32 bits) {
+    float f;
+    unsigned short h = (unsigned short)(bits & 0xFFFFu);
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// Bytes 2..5 of the pair (a, b): the word of a block whose quants start 2 bytes into a word.
+__device__ __forceinline__ int i8_shifted(kiln_u32 a, kiln_u32 b) { return (int)__byte_perm(a, b, 0x5432); }
+
+__device__ __forceinline__ int i8_dot4(int a, int b, int c) { return __dp4a(a, b, c); }
+
+#if X_T == 1
+__device__ __forceinline__ float4 i8_load_x4(const void* x, long long i) {
+    const uint2 v = *reinterpret_cast<const uint2*>(reinterpret_cast<const kiln_u16*>(x) + i);
+    return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xFFFF0000u), __uint_as_float(v.y << 16),
+                       __uint_as_float(v.y & 0xFFFF0000u));
+}
+#else
+__device__ __forceinline__ float4 i8_load_x4(const void* x, long long i) {
+    return *reinterpret_cast<const float4*>(reinterpret_cast<const float*>(x) + i);
+}
+#endif
+
+__device__ __forceinline__ uint4 i8_ldg16(const uint4* p) {
+    uint4 r;
+    asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ float2 i8_ldg8(const float2* p) {
+    float2 r;
+    asm("ld.global.nc.v2.f32 {%0, %1}, [%2];" : "=f"(r.x), "=f"(r.y) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ int i8_round(float v, float inv) {
+    int q = __float2int_rn(v * inv);
+    return max(-127, min(127, q));
+}
+
+// silu(g) * u, with the accurate expf (as the CUDA-core linear kernel).
+__device__ __forceinline__ float i8_swiglu(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
+// Rounds x (TOKENS x cols, f32 or bf16) to int8 per block of 32 values into the scratch: 8
+// threads a block, 4 values each; any grid (grid-stride), blocks of a multiple of 32 threads.
+extern "C" __global__ void kiln_linear_i8_quantize(const void* __restrict__ x, uint4* __restrict__ xq, int cols) {
+    const int units = cols >> 7;
+    float2* xs = reinterpret_cast<float2*>(xq + TOKENS * 8 * units);
+    const int quads = cols >> 2;
+    const int total = TOKENS * quads;  // a multiple of 32: every lane of a warp takes part
+    kiln_u32* xw = reinterpret_cast<kiln_u32*>(xq);
+    const int stride = gridDim.x * blockDim.x;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i - (int)(threadIdx.x & 31) < total; i += stride) {
+        const bool live = i < total;
+        const int t = live ? i / quads : 0, v = live ? i - t * quads : 0;
+        const float4 a = live ? i8_load_x4(x, (long long)t * cols + 4 * v) : make_float4(0.f, 0.f, 0.f, 0.f);
+        float m = fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(a.z), fabsf(a.w)));
+        float s = (a.x + a.y) + (a.z + a.w);
+#pragma unroll
+        for (int o = 1; o < 8; o <<= 1) {
+            m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+            s += __shfl_xor_sync(0xFFFFFFFFu, s, o);
+        }
+        const float d = m / 127.0f;
+        const float inv = m > 0.0f ? 127.0f / m : 0.0f;
+        const int q0 = i8_round(a.x, inv), q1 = i8_round(a.y, inv), q2 = i8_round(a.z, inv),
+                  q3 = i8_round(a.w, inv);
+        int qs = q0 + q1 + q2 + q3;
+#pragma unroll
+        for (int o = 1; o < 8; o <<= 1) qs += __shfl_xor_sync(0xFFFFFFFFu, qs, o);
+        if (!live) continue;
+        const kiln_u32 packed = (kiln_u32)(q0 & 0xFF) | ((kiln_u32)(q1 & 0xFF) << 8) |
+                                ((kiln_u32)(q2 & 0xFF) << 16) | ((kiln_u32)(q3 & 0xFF) << 24);
+        const int c = v >> 2, u = c >> 3, j = c & 7;
+        xw[(((t * 8 + j) * units) + u) * 4 + (v & 3)] = packed;
+        if ((v & 7) == 0) {
+            const int b = v >> 3;
+#if W_T == 4
+            const float second = __int_as_float(qs);
+#else
+            const float second = s;
+#endif
+            xs[(t * 4 + (b & 3)) * units + (b >> 2)] = make_float2(d, second);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, WARPS <= 4 ? 2 : 1)
+kiln_linear_i8(const kiln_u8* __restrict__ weight, const float* __restrict__ bias, const uint4* __restrict__ xq,
+               float* __restrict__ out, int rows, int cols, long long row_bytes) {
+    const int units = cols >> 7;
+    const float2* xs = reinterpret_cast<const float2*>(xq + TOKENS * 8 * units);
+
+    // ---- the products ------------------------------------------------------------------------------
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int side = lane / LPR, sl = lane % LPR;
+    const int per_group = SIDE * RL;
+    const int groups = (rows + per_group - 1) / per_group;
+    const int g = blockIdx.x * WARPS + warp;
+    if (g < groups) {
+        // Output row i of this lane: g * per_group + i * SIDE + side; past the end: row 0, dropped.
+        const kiln_u8* wrow[WR];
+#pragma unroll
+        for (int i = 0; i < WR; ++i) {
+            int o = g * per_group + (i % RL) * SIDE + side;
+            o = o < rows ? o : 0;
+            wrow[i] = weight + ((long long)(i / RL) * rows + o) * row_bytes;
+        }
+        float acc[WR][TOKENS];
+#pragma unroll
+        for (int i = 0; i < WR; ++i)
+#pragma unroll
+            for (int t = 0; t < TOKENS; ++t) acc[i][t] = 0.0f;
+
+        for (int u0 = sl; u0 < units; u0 += LPR * UNR) {
+            I8Unit raw[UNR][WR];
+#pragma unroll
+            for (int k = 0; k < UNR; ++k) {
+                const int u = u0 + k * LPR;
+                if (u < units) {
+#pragma unroll
+                    for (int i = 0; i < WR; ++i) i8_load_unit(wrow[i] + (long long)u * (UNIT_WORDS * 4), raw[k][i]);
+                }
+            }
+#pragma unroll
+            for (int k = 0; k < UNR; ++k) {
+                const int u = u0 + k * LPR;
+                if (u >= units) break;
+#pragma unroll
+                for (int b = 0; b < 4; ++b) {
+                    // Block b's weight scale (and Q4_1's offset) and quant words, per weight row.
+                    float dw[WR];
+#if W_T == 5
+                    float mw[WR];
+#endif
+#if W_T == 3
+                    int q[WR][8];
+#else
+                    int q[WR][4];
+#endif
+#pragma unroll
+                    for (int i = 0; i < WR; ++i) {
+                        const kiln_u32* w = raw[k][i].w;
+#if W_T == 3
+                        // 34-byte blocks at 0, 34, 68, 102: quants at 2, 36, 70, 104.
+                        if (b == 0 || b == 2) {
+                            const int o = b == 0 ? 0 : 17;
+                            dw[i] = i8_half(w[o]);
+#pragma unroll
+                            for (int n = 0; n < 8; ++n) q[i][n] = i8_shifted(w[o + n], w[o + n + 1]);
+                        } else {
+                            const int o = b == 1 ? 8 : 25;
+                            dw[i] = i8_half(w[o] >> 16);
+#pragma unroll
+                            for (int n = 0; n < 8; ++n) q[i][n] = (int)w[o + 1 + n];
+                        }
+#elif W_T == 4
+                        // 18-byte blocks at 0, 18, 36, 54: quants at 2, 20, 38, 56.
+                        if (b == 0 || b == 2) {
+                            const int o = b == 0 ? 0 : 9;
+                            dw[i] = i8_half(w[o]);
+#pragma unroll
+                            for (int n = 0; n < 4; ++n) q[i][n] = i8_shifted(w[o + n], w[o + n + 1]);
+                        } else {
+                            const int o = b == 1 ? 4 : 13;
+                            dw[i] = i8_half(w[o] >> 16);
+#pragma unroll
+                            for (int n = 0; n < 4; ++n) q[i][n] = (int)w[o + 1 + n];
+                        }
+#else
+                        // 20-byte blocks: d, m, 16 bytes of quants.
+                        dw[i] = i8_half(w[5 * b]);
+                        mw[i] = i8_half(w[5 * b] >> 16);
+#pragma unroll
+                        for (int n = 0; n < 4; ++n) q[i][n] = (int)w[5 * b + 1 + n];
+#endif
+                    }
+#pragma unroll
+                    for (int t = 0; t < TOKENS; ++t) {
+                        const uint4 lo = i8_ldg16(xq + (t * 8 + 2 * b) * units + u);
+                        const uint4 hi = i8_ldg16(xq + (t * 8 + 2 * b + 1) * units + u);
+                        const float2 sc = i8_ldg8(xs + (t * 4 + b) * units + u);
+#pragma unroll
+                        for (int i = 0; i < WR; ++i) {
+                            int sum = 0;
+#if W_T == 3
+                            sum = i8_dot4(q[i][0], (int)lo.x, sum);
+                            sum = i8_dot4(q[i][1], (int)lo.y, sum);
+                            sum = i8_dot4(q[i][2], (int)lo.z, sum);
+                            sum = i8_dot4(q[i][3], (int)lo.w, sum);
+                            sum = i8_dot4(q[i][4], (int)hi.x, sum);
+                            sum = i8_dot4(q[i][5], (int)hi.y, sum);
+                            sum = i8_dot4(q[i][6], (int)hi.z, sum);
+                            sum = i8_dot4(q[i][7], (int)hi.w, sum);
+                            acc[i][t] += (dw[i] * sc.x) * (float)sum;
+#else
+                            // Byte n of quant word m: low nibble value 4m + n, high nibble 16 + 4m + n.
+                            const int m0 = q[i][0] & 0x0F0F0F0F, m1 = q[i][1] & 0x0F0F0F0F;
+                            const int m2 = q[i][2] & 0x0F0F0F0F, m3 = q[i][3] & 0x0F0F0F0F;
+                            const int h0 = (q[i][0] >> 4) & 0x0F0F0F0F, h1 = (q[i][1] >> 4) & 0x0F0F0F0F;
+                            const int h2 = (q[i][2] >> 4) & 0x0F0F0F0F, h3 = (q[i][3] >> 4) & 0x0F0F0F0F;
+                            sum = i8_dot4(m0, (int)lo.x, sum);
+                            sum = i8_dot4(m1, (int)lo.y, sum);
+                            sum = i8_dot4(m2, (int)lo.z, sum);
+                            sum = i8_dot4(m3, (int)lo.w, sum);
+                            sum = i8_dot4(h0, (int)hi.x, sum);
+                            sum = i8_dot4(h1, (int)hi.y, sum);
+                            sum = i8_dot4(h2, (int)hi.z, sum);
+                            sum = i8_dot4(h3, (int)hi.w, sum);
+#if W_T == 4
+                            // w = d (q - 8): sum (q - 8) xq = sum q xq - 8 sum xq, exact in int.
+                            acc[i][t] += (dw[i] * sc.x) * (float)(sum - 8 * __float_as_int(sc.y));
+#else
+                            // w = d q + m: d dx sum q xq + m sum x.
+                            acc[i][t] += (dw[i] * sc.x) * (float)sum + mw[i] * sc.y;
+#endif
+#endif
+                        }
+                    }
+                }
+            }
+        }
+
+        // Sums over the row's lanes (a butterfly inside each group of LPR lanes).
+#pragma unroll
+        for (int i = 0; i < WR; ++i)
+#pragma unroll
+            for (int t = 0; t < TOKENS; ++t) {
+#pragma unroll
+                for (int o = LPR / 2; o > 0; o >>= 1) acc[i][t] += __shfl_xor_sync(0xFFFFFFFFu, acc[i][t], o);
+            }
+        if (sl == 0) {
+#pragma unroll
+            for (int i = 0; i < RL; ++i) {
+                const int o = g * per_group + i * SIDE + side;
+                if (o >= rows) continue;
+#pragma unroll
+                for (int t = 0; t < TOKENS; ++t) {
+                    float* dst = out + (long long)t * rows + o;
+#if EPI == 2
+                    *dst = i8_swiglu(acc[i][t], acc[RL + i][t]);
+#else
+                    float y = acc[i][t];
+#if HAS_BIAS
+                    y += bias[o];
+#endif
+#if EPI == 1
+                    *dst = *dst + y;
+#else
+                    *dst = y;
+#endif
+#endif
+                }
+            }
+        }
+    }
+}
