@@ -1,26 +1,30 @@
 // The decode-side linear layer for Q8_0, Q4_0 and Q4_1 weights on the integer dot-product units:
-// out[t][r] = epilogue(sum_c W[r][c] * x[t][c] (+ bias[r])) for TOKENS (1..8) tokens, with x
-// rounded to int8 per block of 32 values (one fp32 scale amax / 127 per block, and the block's
-// fp32 sum for Q4_1's offsets), the way the GGUF formats' own integer kernels work. The products
-// of a block are exact 32-bit integer sums (dp4a); the scales apply once per block in fp32.
+// out[t][r] = epilogue(sum_c W[r][c] * x[t][c] (+ bias[r])) for TOKENS (1..8) tokens. x is written
+// per block of 32 values as 16-bit fixed point in two int8 planes: x ~ d (254 q1 + q2) with
+// d = amax / (127 x 254), q1 = round(x 127 / amax) and q2 the rounded rest (|q2| <= 127). The
+// products of a block are exact 32-bit integer sums (dp4a, twice); the scales apply once per
+// block in fp32.
 //
-// Accuracy: rounding x to int8 moves each x by at most half its block's step (amax / 254), so a
-// row's sum moves by at most sum_blocks |d_w| (sum |q_w|) (amax_x / 254): the same order as bf16
-// activations. Deterministic: the sums run in a fixed order for a given shape and variant.
+// Accuracy: each x moves by at most half a step, amax / 64516 of its block (bf16 rounds to 1/256
+// of the value), so a row's sum moves by at most sum |int part of w| |step| / 2 plus fp32
+// rounding of the block sums. Deterministic: the sums run in a fixed order for a given shape and
+// variant, and a token's sums do not depend on the other tokens of the call.
 //
-// Two kernels. kiln_linear_i8_quantize rounds every token's x to int8 into a scratch buffer, once
-// for all blocks of the product. kiln_linear_i8 then gives each warp a group of output rows: a
-// row's columns go to LPR lanes (32, 16 or 8; a warp then serves 32 / LPR rows side by side),
-// each lane taking "units" of 4 GGUF blocks (128 values: 72 bytes of Q4_0, 80 of Q4_1, 136 of
-// Q8_0, 8- or 16-byte aligned when cols is a multiple of 128) in turn; a lane loads UNR units of
-// each of its RL output rows (2 x RL weight rows for SwiGLU) before using any. Lane sums are added
-// by a butterfly over the row's lanes; the first lane of the row writes. Many small blocks, no
-// shared memory: the scheduler keeps enough warps, hence loads, in flight.
+// Two kernels. kiln_linear_i8_quantize writes every token's planes and scales into a scratch
+// buffer, once for all blocks of the product. kiln_linear_i8 gives each warp a group of output
+// rows: a row's columns go to LPR lanes (32, 16 or 8; a warp then serves 32 / LPR rows side by
+// side), each lane taking "units" of 4 GGUF blocks (128 values: 72 bytes of Q4_0, 80 of Q4_1,
+// 136 of Q8_0, 8-byte aligned when cols is a multiple of 128) in turn, UNR units of each of its
+// RL output rows (2 x RL weight rows for SwiGLU) a round. A round's units are copied into the
+// warp's part of shared memory by coalesced 8-byte cp.async (consecutive lanes, consecutive
+// words: a lane reading its own 72-byte unit would make every load touch 18 cache lines), then
+// each lane reads its own. Lane sums are added by a butterfly over the row's lanes; the first
+// lane of the row writes.
 //
-// Scratch layout (U = cols / 128 units a row): x as int8 in 16-byte chunks (8 a unit), chunk j of
-// unit u of token t at (t * 8 + j) * U + u, so a warp's lanes (consecutive units) read 512
-// consecutive bytes; then the scales (d, and the block's fp32 sum for Q4_1 or its integer sum for
-// Q4_0) of block k of unit u of token t at (t * 4 + k) * U + u.
+// Scratch layout (U = cols / 128 units a row): plane p of x in 16-byte chunks (8 a unit), chunk
+// j of unit u of token t at ((p * TOKENS + t) * 8 + j) * U + u, so a warp's lanes (consecutive
+// units) read 512 consecutive bytes; then the scales (d, and the block's fp32 sum for Q4_1 or its
+// integer sum of 254 q1 + q2 for Q4_0) of block k of unit u of token t at (t * 4 + k) * U + u.
 //
 // Compile-time constants: W_T (3 Q8_0, 4 Q4_0, 5 Q4_1), X_T (0 f32, 1 bf16), TOKENS, EPI (0 store,
 // 1 accumulate, 2 SwiGLU), HAS_BIAS, WARPS, RL (output rows a lane group carries), UNR (units in
@@ -73,25 +77,17 @@ static_assert(EPI != 2 || HAS_BIAS == 0, "SwiGLU takes no bias");
 #define UNIT_WORDS 20
 #endif
 
-struct I8Unit {
-    kiln_u32 w[UNIT_WORDS];
-};
 
-__device__ __forceinline__ void i8_load_unit(const kiln_u8* p, I8Unit& u) {
-#if W_T == 5
-#pragma unroll
-    for (int i = 0; i < UNIT_WORDS / 4; ++i)
-        asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(u.w[4 * i]), "=r"(u.w[4 * i + 1]), "=r"(u.w[4 * i + 2]), "=r"(u.w[4 * i + 3])
-                     : "l"(p + 16 * i));
-#else
-#pragma unroll
-    for (int i = 0; i < UNIT_WORDS / 2; ++i)
-        asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];"
-                     : "=r"(u.w[2 * i]), "=r"(u.w[2 * i + 1])
-                     : "l"(p + 8 * i));
-#endif
+#define UNIT_BYTES (UNIT_WORDS * 4)
+#define STAGE_BYTES (UNR * WR * 32 * UNIT_BYTES)
+static_assert(WARPS * STAGE_BYTES <= 48 * 1024, "the warps' weight stages must fit 48 KiB of shared memory");
+
+__device__ __forceinline__ void i8_copy8(void* smem, const void* gmem) {
+    const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(gmem) : "memory");
 }
+
+__device__ __forceinline__ void i8_copy_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
 __device__ __forceinline__ float i8_half(kiln_u32 bits) {
     float f;
@@ -141,7 +137,7 @@ __device__ __forceinline__ float i8_swiglu(float g, float u) { return g / (1.0f 
 // threads a block, 4 values each; any grid (grid-stride), blocks of a multiple of 32 threads.
 extern "C" __global__ void kiln_linear_i8_quantize(const void* __restrict__ x, uint4* __restrict__ xq, int cols) {
     const int units = cols >> 7;
-    float2* xs = reinterpret_cast<float2*>(xq + TOKENS * 8 * units);
+    float2* xs = reinterpret_cast<float2*>(xq + 2 * TOKENS * 8 * units);
     const int quads = cols >> 2;
     const int total = TOKENS * quads;  // a multiple of 32: every lane of a warp takes part
     kiln_u32* xw = reinterpret_cast<kiln_u32*>(xq);
@@ -157,18 +153,25 @@ extern "C" __global__ void kiln_linear_i8_quantize(const void* __restrict__ x, u
             m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
             s += __shfl_xor_sync(0xFFFFFFFFu, s, o);
         }
-        const float d = m / 127.0f;
         const float inv = m > 0.0f ? 127.0f / m : 0.0f;
+        const float d1 = m / 127.0f;
+        const float inv2 = 254.0f * inv;
         const int q0 = i8_round(a.x, inv), q1 = i8_round(a.y, inv), q2 = i8_round(a.z, inv),
                   q3 = i8_round(a.w, inv);
-        int qs = q0 + q1 + q2 + q3;
+        // The rests x - d1 q (|rest| <= d1 / 2, so |254 rest / d1| <= 127).
+        const int r0 = i8_round(a.x - d1 * (float)q0, inv2), r1 = i8_round(a.y - d1 * (float)q1, inv2),
+                  r2 = i8_round(a.z - d1 * (float)q2, inv2), r3 = i8_round(a.w - d1 * (float)q3, inv2);
+        int qs = 254 * (q0 + q1 + q2 + q3) + (r0 + r1 + r2 + r3);
 #pragma unroll
         for (int o = 1; o < 8; o <<= 1) qs += __shfl_xor_sync(0xFFFFFFFFu, qs, o);
         if (!live) continue;
         const kiln_u32 packed = (kiln_u32)(q0 & 0xFF) | ((kiln_u32)(q1 & 0xFF) << 8) |
                                 ((kiln_u32)(q2 & 0xFF) << 16) | ((kiln_u32)(q3 & 0xFF) << 24);
+        const kiln_u32 rest = (kiln_u32)(r0 & 0xFF) | ((kiln_u32)(r1 & 0xFF) << 8) |
+                              ((kiln_u32)(r2 & 0xFF) << 16) | ((kiln_u32)(r3 & 0xFF) << 24);
         const int c = v >> 2, u = c >> 3, j = c & 7;
         xw[(((t * 8 + j) * units) + u) * 4 + (v & 3)] = packed;
+        xw[((((TOKENS + t) * 8 + j) * units) + u) * 4 + (v & 3)] = rest;
         if ((v & 7) == 0) {
             const int b = v >> 3;
 #if W_T == 4
@@ -176,7 +179,7 @@ extern "C" __global__ void kiln_linear_i8_quantize(const void* __restrict__ x, u
 #else
             const float second = s;
 #endif
-            xs[(t * 4 + (b & 3)) * units + (b >> 2)] = make_float2(d, second);
+            xs[(t * 4 + (b & 3)) * units + (b >> 2)] = make_float2(d1 * (1.0f / 254.0f), second);
         }
     }
 }
@@ -184,8 +187,10 @@ extern "C" __global__ void kiln_linear_i8_quantize(const void* __restrict__ x, u
 extern "C" __global__ void __launch_bounds__(THREADS, WARPS <= 4 ? 2 : 1)
 kiln_linear_i8(const kiln_u8* __restrict__ weight, const float* __restrict__ bias, const uint4* __restrict__ xq,
                float* __restrict__ out, int rows, int cols, long long row_bytes) {
+    __shared__ __align__(16) kiln_u8 i8_stage[WARPS][STAGE_BYTES];
     const int units = cols >> 7;
-    const float2* xs = reinterpret_cast<const float2*>(xq + TOKENS * 8 * units);
+    const uint4* xr = xq + TOKENS * 8 * units;  // the second plane
+    const float2* xs = reinterpret_cast<const float2*>(xq + 2 * TOKENS * 8 * units);
 
     // ---- the products ------------------------------------------------------------------------------
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -208,21 +213,32 @@ kiln_linear_i8(const kiln_u8* __restrict__ weight, const float* __restrict__ bia
 #pragma unroll
             for (int t = 0; t < TOKENS; ++t) acc[i][t] = 0.0f;
 
-        for (int u0 = sl; u0 < units; u0 += LPR * UNR) {
-            I8Unit raw[UNR][WR];
+        kiln_u8* stage = i8_stage[warp];
+        for (int r0 = 0; r0 < units; r0 += LPR * UNR) {
+            const int u0 = r0 + sl;
+            // The round's units of every weight row, copied by consecutive lanes in 8-byte words.
 #pragma unroll
             for (int k = 0; k < UNR; ++k) {
-                const int u = u0 + k * LPR;
-                if (u < units) {
+                const int base = r0 + k * LPR;
 #pragma unroll
-                    for (int i = 0; i < WR; ++i) i8_load_unit(wrow[i] + (long long)u * (UNIT_WORDS * 4), raw[k][i]);
+                for (int i = 0; i < WR; ++i) {
+                    const kiln_u8* src = wrow[i] + (long long)base * UNIT_BYTES;
+                    kiln_u8* dst = stage + ((k * WR + i) * 32 + side * LPR) * UNIT_BYTES;
+#pragma unroll
+                    for (int j = 0; j < UNIT_WORDS / 2; ++j) {
+                        const int w = sl + LPR * j;
+                        if (base + (w * 8) / UNIT_BYTES < units) i8_copy8(dst + 8 * w, src + 8 * w);
+                    }
                 }
             }
+            i8_copy_wait();
+            __syncwarp();
 #pragma unroll
             for (int k = 0; k < UNR; ++k) {
                 const int u = u0 + k * LPR;
                 if (u >= units) break;
-#pragma unroll
+                // One block at a time: unrolled, the compiler would hold every block's x in registers.
+#pragma unroll 1
                 for (int b = 0; b < 4; ++b) {
                     // Block b's weight scale (and Q4_1's offset) and quant words, per weight row.
                     float dw[WR];
@@ -236,7 +252,9 @@ kiln_linear_i8(const kiln_u8* __restrict__ weight, const float* __restrict__ bia
 #endif
 #pragma unroll
                     for (int i = 0; i < WR; ++i) {
-                        const kiln_u32* w = raw[k][i].w;
+                        // This lane's unit in the stage (read where used: no copy in registers).
+                        const kiln_u32* w = reinterpret_cast<const kiln_u32*>(
+                            stage + ((k * WR + i) * 32 + side * LPR + sl) * UNIT_BYTES);
 #if W_T == 3
                         // 34-byte blocks at 0, 34, 68, 102: quants at 2, 36, 70, 104.
                         if (b == 0 || b == 2) {
@@ -275,10 +293,12 @@ kiln_linear_i8(const kiln_u8* __restrict__ weight, const float* __restrict__ bia
                     for (int t = 0; t < TOKENS; ++t) {
                         const uint4 lo = i8_ldg16(xq + (t * 8 + 2 * b) * units + u);
                         const uint4 hi = i8_ldg16(xq + (t * 8 + 2 * b + 1) * units + u);
+                        const uint4 lo2 = i8_ldg16(xr + (t * 8 + 2 * b) * units + u);
+                        const uint4 hi2 = i8_ldg16(xr + (t * 8 + 2 * b + 1) * units + u);
                         const float2 sc = i8_ldg8(xs + (t * 4 + b) * units + u);
 #pragma unroll
                         for (int i = 0; i < WR; ++i) {
-                            int sum = 0;
+                            int sum = 0, sum2 = 0;
 #if W_T == 3
                             sum = i8_dot4(q[i][0], (int)lo.x, sum);
                             sum = i8_dot4(q[i][1], (int)lo.y, sum);
@@ -288,7 +308,15 @@ kiln_linear_i8(const kiln_u8* __restrict__ weight, const float* __restrict__ bia
                             sum = i8_dot4(q[i][5], (int)hi.y, sum);
                             sum = i8_dot4(q[i][6], (int)hi.z, sum);
                             sum = i8_dot4(q[i][7], (int)hi.w, sum);
-                            acc[i][t] += (dw[i] * sc.x) * (float)sum;
+                            sum2 = i8_dot4(q[i][0], (int)lo2.x, sum2);
+                            sum2 = i8_dot4(q[i][1], (int)lo2.y, sum2);
+                            sum2 = i8_dot4(q[i][2], (int)lo2.z, sum2);
+                            sum2 = i8_dot4(q[i][3], (int)lo2.w, sum2);
+                            sum2 = i8_dot4(q[i][4], (int)hi2.x, sum2);
+                            sum2 = i8_dot4(q[i][5], (int)hi2.y, sum2);
+                            sum2 = i8_dot4(q[i][6], (int)hi2.z, sum2);
+                            sum2 = i8_dot4(q[i][7], (int)hi2.w, sum2);
+                            acc[i][t] += (dw[i] * sc.x) * (float)(254 * sum + sum2);
 #else
                             // Byte n of quant word m: low nibble value 4m + n, high nibble 16 + 4m + n.
                             const int m0 = q[i][0] & 0x0F0F0F0F, m1 = q[i][1] & 0x0F0F0F0F;
@@ -303,18 +331,28 @@ kiln_linear_i8(const kiln_u8* __restrict__ weight, const float* __restrict__ bia
                             sum = i8_dot4(h1, (int)hi.y, sum);
                             sum = i8_dot4(h2, (int)hi.z, sum);
                             sum = i8_dot4(h3, (int)hi.w, sum);
+                            sum2 = i8_dot4(m0, (int)lo2.x, sum2);
+                            sum2 = i8_dot4(m1, (int)lo2.y, sum2);
+                            sum2 = i8_dot4(m2, (int)lo2.z, sum2);
+                            sum2 = i8_dot4(m3, (int)lo2.w, sum2);
+                            sum2 = i8_dot4(h0, (int)hi2.x, sum2);
+                            sum2 = i8_dot4(h1, (int)hi2.y, sum2);
+                            sum2 = i8_dot4(h2, (int)hi2.z, sum2);
+                            sum2 = i8_dot4(h3, (int)hi2.w, sum2);
+                            const int total = 254 * sum + sum2;
 #if W_T == 4
                             // w = d (q - 8): sum (q - 8) xq = sum q xq - 8 sum xq, exact in int.
-                            acc[i][t] += (dw[i] * sc.x) * (float)(sum - 8 * __float_as_int(sc.y));
+                            acc[i][t] += (dw[i] * sc.x) * (float)(total - 8 * __float_as_int(sc.y));
 #else
                             // w = d q + m: d dx sum q xq + m sum x.
-                            acc[i][t] += (dw[i] * sc.x) * (float)sum + mw[i] * sc.y;
+                            acc[i][t] += (dw[i] * sc.x) * (float)total + mw[i] * sc.y;
 #endif
 #endif
                         }
                     }
                 }
             }
+            __syncwarp();  // every lane is done with the stage before the next round's copies
         }
 
         // Sums over the row's lanes (a butterfly inside each group of LPR lanes).

@@ -721,7 +721,7 @@ pub const LINEAR_I8: KernelSource = KernelSource {
             ("W_T", "4"),
             ("TOKENS", "1"),
             ("EPI", "1"),
-            ("WARPS", "8"),
+            ("WARPS", "4"),
             ("RL", "1"),
             ("UNR", "4"),
             ("LPR", "32"),

@@ -184,8 +184,9 @@ fn dot(w: &Weights, x: &[f32], row: usize, t: usize) -> (f64, f64) {
     })
 }
 
-/// The integer path's tolerance for weight row `row` and token `t`: x rounded to int8 moves each
-/// value by at most half its block's step (amax / 127 over 32 values), times the integer part of
+/// The integer path's tolerance for weight row `row` and token `t`: x as 16-bit fixed point per
+/// block moves each value by at most half its block's step (amax / (127 x 254) over 32 values),
+/// times the integer part of
 /// the weight; plus fp32 rounding of the block sums, `2e-6 sum (|w| + |int part|) |x| + 1e-6`.
 fn int8_tolerance(w: &Weights, x: &[f32], row: usize, t: usize) -> f64 {
     let xr = &x[t * w.cols..(t + 1) * w.cols];
@@ -194,7 +195,7 @@ fn int8_tolerance(w: &Weights, x: &[f32], row: usize, t: usize) -> f64 {
     let mut rounding = 0.0f64;
     let mut magnitude = 0.0f64;
     for (b, xb) in xr.chunks(32).enumerate() {
-        let step = f64::from(xb.iter().fold(0f32, |m, v| m.max(v.abs()))) / 127.0;
+        let step = f64::from(xb.iter().fold(0f32, |m, v| m.max(v.abs()))) / (127.0 * 254.0);
         for (k, &xv) in xb.iter().enumerate() {
             let c = 32 * b + k;
             rounding += f64::from(ir[c]) * step / 2.0;

@@ -442,19 +442,20 @@ impl LinearCall {
             || variant.mma
             || weight_rows * self.tokens > 32
             || weight_rows * variant.unroll as usize * words > 80
+            || variant.warps as usize * variant.unroll as usize * weight_rows * 32 * words * 4 > 48 << 10
         {
             return refuse(format!(
-                "{} tokens, {:?} (1 to 16 warps, 1 to 4 rows and units; at most 32 sums and 80 words a lane)",
+                "{} tokens, {:?} (1 to 16 warps, 1 to 4 rows and units; at most 32 sums and 80 words a lane, 48 KiB of staged weights a block)",
                 self.tokens, self.epilogue
             ));
         }
         Ok(())
     }
 
-    /// Bytes of the integer path's scratch: x as int8 and two floats a block of 32 values, per
-    /// token.
+    /// Bytes of the integer path's scratch: x as two int8 planes and two floats a block of 32
+    /// values, per token.
     pub fn int8_scratch_bytes(&self) -> usize {
-        self.tokens * (self.cols + self.cols / 32 * 8)
+        self.tokens * (2 * self.cols + self.cols / 32 * 8)
     }
 
     /// The CUDA-core variants: at most [`MAX_SLOTS`] sums per thread.
