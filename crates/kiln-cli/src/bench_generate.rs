@@ -39,6 +39,10 @@ pub struct BenchGenerateArgs {
     /// Run decode steps one launch at a time instead of replaying captured graphs.
     #[arg(long)]
     no_graphs: bool,
+    /// Multiply Q8_0 / Q4_0 / Q4_1 weights dequantized in registers instead of on the integer
+    /// units (x as 16-bit fixed point).
+    #[arg(long)]
+    no_integer_products: bool,
     /// Steps of at most this many tokens use Kiln's matrix-vector kernels, longer ones cuBLAS.
     #[arg(long, default_value_t = kiln_engine::models::gpu::MATVEC_TOKENS)]
     matvec_tokens: usize,
@@ -123,6 +127,7 @@ pub fn run(args: &BenchGenerateArgs) -> Result<()> {
             max_context: context.min(model.config().context_length),
             graphs: !args.no_graphs,
             matvec_tokens: args.matvec_tokens,
+            integer_products: !args.no_integer_products,
             ..GpuOptions::default()
         };
         let mut engine = GpuEngine::new(gpu.clone(), &model, options)?;

@@ -87,6 +87,10 @@ pub struct GenerateArgs {
     /// Run the GPU decode steps one launch at a time instead of replaying a captured graph.
     #[arg(long)]
     pub no_graphs: bool,
+    /// GPU: multiply Q8_0 / Q4_0 / Q4_1 weights dequantized in registers against fp32 x instead
+    /// of on the integer units with x as 16-bit fixed point (slower, closer to the CPU forward).
+    #[arg(long)]
+    pub no_integer_products: bool,
     /// CPU threads (default: every core).
     #[arg(long)]
     pub threads: Option<usize>,
@@ -175,8 +179,12 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
             .context
             .unwrap_or(prompt.len() + args.max_tokens + 1)
             .min(model.config().context_length.max(1));
-        let gpu_options =
-            GpuOptions { max_context: context, graphs: !args.no_graphs, ..GpuOptions::default() };
+        let gpu_options = GpuOptions {
+            max_context: context,
+            graphs: !args.no_graphs,
+            integer_products: !args.no_integer_products,
+            ..GpuOptions::default()
+        };
         let mut engine = GpuEngine::new(gpu, &model, gpu_options)?;
         engine.use_tuning(crate::tune::open_store()?);
         let load = engine.load_report();
@@ -310,6 +318,7 @@ fn run_batch(
         max_step_tokens: 512.max(args.batch),
         max_context: context,
         graphs: !args.no_graphs,
+        integer_products: !args.no_integer_products,
         ..GpuOptions::default()
     };
     let mut engine = GpuEngine::new(kiln_cuda::Gpu::open(0)?, &model, options)?;

@@ -236,12 +236,15 @@ impl LinearVariant {
     ///   4 beyond, as long as that leaves two blocks per SM of an H200; enough warps that each
     ///   thread loads about `unroll` pieces of a row, 1 to 8.
     pub fn default_for(call: &LinearCall) -> LinearVariant {
+        Self::int8_default_for(call).unwrap_or_else(|| Self::dequantizing_default_for(call))
+    }
+
+    /// [`LinearVariant::default_for`] off the integer path: every format dequantized in
+    /// registers against x as given.
+    pub fn dequantizing_default_for(call: &LinearCall) -> LinearVariant {
         let quantized =
             matches!(call.weight, DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q4_K | DType::Q6_K);
         let gates = call.epilogue.weight_rows_per_output();
-        if let Some(v) = Self::int8_default_for(call) {
-            return v;
-        }
         if quantized {
             // Measured on the H200 (bench/results/2026-11-30-h200/linear-bandwidth.txt): four warps,
             // four rows a block, one piece in flight, x read through the cache rather than staged
@@ -518,7 +521,9 @@ pub fn linear(
 
 /// [`linear`] with the integer path's scratch given (16-byte aligned, at least
 /// [`LinearCall::int8_scratch_bytes`]; unused by the other variants): what a captured decode
-/// step runs. Returns the kernel launches made (2 on the integer path, 1 otherwise).
+/// step runs. With no variant the default is [`LinearVariant::default_for`] when a scratch is
+/// given, [`LinearVariant::dequantizing_default_for`] when not. Returns the kernel launches made
+/// (2 on the integer path, 1 otherwise).
 #[allow(clippy::too_many_arguments)]
 pub fn linear_with_scratch(
     gpu: &Gpu,
@@ -530,7 +535,13 @@ pub fn linear_with_scratch(
     variant: Option<LinearVariant>,
     scratch: Option<DeviceView>,
 ) -> Result<usize> {
-    let variant = variant.unwrap_or_else(|| LinearVariant::default_for(call));
+    let variant = variant.unwrap_or_else(|| {
+        if scratch.is_some() {
+            LinearVariant::default_for(call)
+        } else {
+            LinearVariant::dequantizing_default_for(call)
+        }
+    });
     let defines = call.defines(variant, bias.is_some())?;
     let (w_bytes, x_bytes, out_bytes) = call.buffer_bytes()?;
     super::check_buffer("linear", "weight", weight.len_bytes, w_bytes)?;
@@ -792,6 +803,9 @@ mod tests {
             }
             let odd = call(dtype, 576, 576, 1, Epilogue::Store);
             assert!(!LinearVariant::default_for(&odd).int8, "576 columns are not a multiple of 128");
+            // Off the integer path (the engine's `integer_products: false`): dequantized in registers.
+            let c = call(dtype, 4096, 4096, 1, Epilogue::Store);
+            assert_eq!(LinearVariant::dequantizing_default_for(&c), variant(4, 4, 1));
         }
         // Llama-3-8B's Q4_0 layers at one token: two rows a lane where rows abound, four units in
         // flight over the 14336 columns of the down projection.

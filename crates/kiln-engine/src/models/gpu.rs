@@ -69,6 +69,10 @@ pub struct GpuOptions {
     /// Steps of at most this many tokens (1 to 8) run Kiln's matrix-vector kernels; longer ones
     /// the matrix products (cuBLAS).
     pub matvec_tokens: usize,
+    /// Q8_0 / Q4_0 / Q4_1 matrix-vector products on the integer path (x as 16-bit fixed point per
+    /// block of 32, `kiln_cuda::ops::linear::INT8_VARIANTS`); false: dequantized in registers
+    /// against fp32 x (slower, closer to the CPU forward).
+    pub integer_products: bool,
 }
 
 impl Default for GpuOptions {
@@ -81,6 +85,7 @@ impl Default for GpuOptions {
             kv_pages: None,
             kv_fill: None,
             graphs: true,
+            integer_products: true,
             matvec_tokens: MATVEC_TOKENS,
         }
     }
@@ -759,6 +764,12 @@ impl GpuEngine {
         }
     }
 
+    /// The integer path's scratch, when the options allow the path ([`linear::linear_with_scratch`]
+    /// takes the integer default only when given one).
+    fn int8_scratch(&self) -> Option<DeviceView> {
+        self.options.integer_products.then(|| self.ws.int8.view())
+    }
+
     /// The norm variant for `rows` rows into `out`: certified, or the declared default.
     fn norm_variant(&self, rows: usize, out: DType) -> Result<Option<norm_op::NormVariant>> {
         let Some(store) = &self.tuning else { return Ok(None) };
@@ -1181,7 +1192,7 @@ impl GpuEngine {
                     ws.last_normed.slice(start * c.hidden * 4, rows * c.hidden * 4)?,
                     ws.logits.slice(start * c.vocab * 4, rows * c.vocab * 4)?,
                     None,
-                    Some(self.ws.int8.view()),
+                    self.int8_scratch(),
                 )?;
             }
         }
@@ -1301,7 +1312,7 @@ impl GpuEngine {
                         x.slice(start * x_bytes, n * x_bytes)?,
                         out.slice((start * width + column) * 4, (n * width - column) * 4)?,
                         None,
-                        Some(self.ws.int8.view()),
+                        self.int8_scratch(),
                     )?;
                 }
                 column += l.rows;
@@ -1372,7 +1383,7 @@ impl GpuEngine {
                     x.slice(token * x_bytes, x_bytes)?,
                     out.slice((token * width + column) * 4, l.rows * 4)?,
                     None,
-                    Some(self.ws.int8.view()),
+                    self.int8_scratch(),
                 )?;
                 column += l.rows;
             }
@@ -1420,7 +1431,7 @@ impl GpuEngine {
                     h.slice(start * c.hidden * 4, n * c.hidden * 4)?,
                     ws.mlp.slice(start * c.ffn * 4, n * c.ffn * 4)?,
                     None,
-                    Some(self.ws.int8.view()),
+                    self.int8_scratch(),
                 )?;
             }
             down_in_type = DType::F32;
