@@ -1,7 +1,7 @@
-//! Launcher of `kernels/linear.cu`: the decode-side linear layer (a matrix-vector product for 1 to
-//! 8 tokens over f32, bf16, f16, Q8_0, Q4_0, Q4_1, Q4_K or Q6_K weights, dequantized in registers,
-//! with a store, residual-add or SwiGLU epilogue), the gather of embedding rows, the conversion of
-//! weights to bf16 for the prefill path, and fp32 -> bf16.
+//! Launcher of `kernels/linear.cu` and `kernels/linear_i8.cu`: the decode-side linear layer (a
+//! matrix-vector product for 1 to 8 tokens over f32, bf16, f16, Q8_0, Q4_0, Q4_1, Q4_K or Q6_K
+//! weights, with a store, residual-add or SwiGLU epilogue), the gather of embedding rows, the
+//! conversion of weights to bf16 for the prefill path, and fp32 -> bf16.
 //!
 //! Buffers are [`DeviceView`]s, row-major: the weights `rows` (2 x `rows` for SwiGLU: gate rows,
 //! then up rows) rows of `dtype.bytes_for(cols)` bytes, 16-byte aligned at the start; x `tokens x
@@ -11,6 +11,13 @@
 //! run repeats bit for bit; against a float64 reference the error stays within a few units of
 //! fp32 rounding of `sum |w| |x|`. The dequantized values equal `dequantize_row` of the CPU
 //! reference bit for bit, so [`embed_rows`] and [`to_bf16_weights`] are exact.
+//!
+//! The integer-path variants ([`INT8_VARIANTS`], `kernels/linear_i8.cu`; Q8_0, Q4_0 and Q4_1
+//! with columns a multiple of 128, the default there) first write x as 16-bit fixed point per
+//! block of 32 values in two int8 planes into a scratch (x ~ d (254 q1 + q2), at most amax / 64516
+//! of its block off), then sum exact dp4a products scaled once per block: the error bound is that
+//! rounding of x times the weights' integer parts, plus fp32 rounding of the block sums. A
+//! token's sums do not depend on the other tokens of the call.
 //!
 //! The `/mma` variants (BF16 and F16 weights, 2 to 8 tokens) run the products on the tensor
 //! cores: f32 x is split into 16-bit parts that sum to it (three bf16 parts, or two f16 parts of
