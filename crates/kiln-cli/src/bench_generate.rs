@@ -76,6 +76,8 @@ struct Report {
     load_gb_per_s: f64,
     copy_gb_per_s: f64,
     graphs: bool,
+    /// Q8_0 / Q4_0 / Q4_1 decode products on the integer path (`--no-integer-products` clears it).
+    integer_products: bool,
     rows: Vec<Row>,
 }
 
@@ -243,11 +245,12 @@ pub fn run(args: &BenchGenerateArgs) -> Result<()> {
         }
     }
     println!(
-        "model {} | weights {:.2} GB loaded at {:.2} GB/s | copy ceiling {:.1} GB/s (same run) | floor = copy / weight bytes x batch",
+        "model {} | weights {:.2} GB loaded at {:.2} GB/s | copy ceiling {:.1} GB/s (same run) | floor = copy / weight bytes x batch | quantized products: {}",
         path.display(),
         weight_bytes as f64 / 1e9,
         load_gb_per_s,
-        copy.gb_per_s
+        copy.gb_per_s,
+        if args.no_integer_products { "dequantized in registers" } else { "integer path" }
     );
     if let Some(out) = &args.out {
         let report = Report {
@@ -257,6 +260,7 @@ pub fn run(args: &BenchGenerateArgs) -> Result<()> {
             load_gb_per_s,
             copy_gb_per_s: copy.gb_per_s,
             graphs: !args.no_graphs,
+            integer_products: !args.no_integer_products,
             rows,
         };
         let text = serde_json::to_string_pretty(&report).map_err(|e| Error::InvalidArgument {
