@@ -700,9 +700,10 @@ pub const LINEAR: KernelSource = KernelSource {
 };
 
 /// The decode-side linear layer on the integer dot-product units: Q8_0 / Q4_0 / Q4_1 weights,
-/// x rounded to int8 per block of 32 in shared memory, 1..8 tokens, store / residual-add /
-/// SwiGLU epilogues. Defines: `W_T`, `X_T`, `TOKENS`, `EPI`, `HAS_BIAS`, `WARPS`, `RL`, `UNR`,
-/// `LPR`.
+/// x written once per call as 16-bit fixed point per block of 32 in two int8 planes
+/// (`kiln_linear_i8_quantize`), weights staged through shared memory by coalesced `cp.async`,
+/// 1..8 tokens, store / residual-add / SwiGLU epilogues (`kiln_linear_i8`). Defines: `W_T`,
+/// `X_T`, `TOKENS`, `EPI`, `HAS_BIAS`, `WARPS`, `RL`, `UNR`, `LPR`.
 pub const LINEAR_I8: KernelSource = KernelSource {
     name: "linear_i8",
     source: include_str!("../kernels/linear_i8.cu"),
