@@ -142,10 +142,9 @@ extern "C" __global__ void kiln_linear_i8_quantize(const void* __restrict__ x, u
     const int total = TOKENS * quads;  // a multiple of 32: every lane of a warp takes part
     kiln_u32* xw = reinterpret_cast<kiln_u32*>(xq);
     const int stride = gridDim.x * blockDim.x;
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i - (int)(threadIdx.x & 31) < total; i += stride) {
-        const bool live = i < total;
-        const int t = live ? i / quads : 0, v = live ? i - t * quads : 0;
-        const float4 a = live ? i8_load_x4(x, (long long)t * cols + 4 * v) : make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        const int t = i / quads, v = i - t * quads;
+        const float4 a = i8_load_x4(x, (long long)t * cols + 4 * v);
         float m = fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(a.z), fabsf(a.w)));
         float s = (a.x + a.y) + (a.z + a.w);
 #pragma unroll
@@ -164,7 +163,6 @@ extern "C" __global__ void kiln_linear_i8_quantize(const void* __restrict__ x, u
         int qs = 254 * (q0 + q1 + q2 + q3) + (r0 + r1 + r2 + r3);
 #pragma unroll
         for (int o = 1; o < 8; o <<= 1) qs += __shfl_xor_sync(0xFFFFFFFFu, qs, o);
-        if (!live) continue;
         const kiln_u32 packed = (kiln_u32)(q0 & 0xFF) | ((kiln_u32)(q1 & 0xFF) << 8) |
                                 ((kiln_u32)(q2 & 0xFF) << 16) | ((kiln_u32)(q3 & 0xFF) << 24);
         const kiln_u32 rest = (kiln_u32)(r0 & 0xFF) | ((kiln_u32)(r1 & 0xFF) << 8) |

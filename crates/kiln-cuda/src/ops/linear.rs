@@ -100,7 +100,8 @@ pub struct LinearVariant {
     pub stage_x: bool,
     pub mma: bool,
     /// The integer path (`kernels/linear_i8.cu`, Q8_0 / Q4_0 / Q4_1 weights, columns a multiple
-    /// of 128): x rounded to int8 per block of 32, products on dp4a. There `warps` is the block's
+    /// of 128): x as 16-bit fixed point in two int8 planes per block of 32, products on dp4a.
+    /// There `warps` is the block's
     /// warps, `rows` the output rows a lane carries and `unroll` the 128-value units of each
     /// weight row a lane loads before using any.
     pub int8: bool,
@@ -123,7 +124,7 @@ const fn integer(warps: u32, rows: u32, unroll: u32) -> LinearVariant {
 }
 
 /// The integer-path variants (Q8_0, Q4_0, Q4_1 with columns a multiple of 128), as data: the
-/// tests run every one against their own error bound (x rounded to int8), the benchmark times
+/// tests run every one against their own error bound (x's fixed-point rounding), the benchmark times
 /// every one.
 pub const INT8_VARIANTS: &[LinearVariant] = &[
     integer(4, 1, 1),
@@ -136,6 +137,12 @@ pub const INT8_VARIANTS: &[LinearVariant] = &[
     integer(2, 2, 1),
     integer(16, 1, 1),
 ];
+
+/// Bytes of the integer path's scratch for `tokens` tokens of `cols` inputs: x as two int8
+/// planes and two floats a block of 32 values, per token.
+pub fn int8_scratch_bytes(tokens: usize, cols: usize) -> usize {
+    tokens * (2 * cols + cols / 32 * 8)
+}
 
 /// Values of one unit of the integer path: 4 GGUF blocks.
 pub const INT8_UNIT: usize = 128;
@@ -462,10 +469,9 @@ impl LinearCall {
         Ok(())
     }
 
-    /// Bytes of the integer path's scratch: x as two int8 planes and two floats a block of 32
-    /// values, per token.
+    /// Bytes of the integer path's scratch ([`int8_scratch_bytes`]).
     pub fn int8_scratch_bytes(&self) -> usize {
-        self.tokens * (2 * self.cols + self.cols / 32 * 8)
+        int8_scratch_bytes(self.tokens, self.cols)
     }
 
     /// The CUDA-core variants: at most [`MAX_SLOTS`] sums per thread.
@@ -562,7 +568,7 @@ pub fn linear_with_scratch(
     check_alignment("x", x, 16)?;
     check_alignment("out", out, 4)?;
 
-    let x_arg = if variant.int8 {
+    let (x_arg, function, config) = if variant.int8 {
         let scratch = scratch.ok_or_else(|| Error::InvalidArgument {
             name: "scratch",
             value: "none".to_owned(),
@@ -571,12 +577,8 @@ pub fn linear_with_scratch(
         super::check_buffer("linear", "scratch", scratch.len_bytes, call.int8_scratch_bytes())?;
         check_alignment("scratch", scratch, 16)?;
         int8_quantize(gpu, call, &defines, x, scratch)?;
-        scratch.ptr
-    } else {
-        x.ptr
-    };
-    let (function, config) = if variant.int8 {
-        int8_launch(gpu, call, variant, &defines)?
+        let (function, config) = int8_launch(gpu, call, variant, &defines)?;
+        (scratch.ptr, function, config)
     } else {
         let function = gpu.function(&LINEAR, "kiln_linear", &define_refs(&defines))?;
         let blocks = u32::try_from(call.rows.div_ceil(variant.rows as usize))
@@ -586,7 +588,7 @@ pub fn linear_with_scratch(
             block_dim: (variant.warps * 32, 1, 1),
             shared_mem_bytes: 0,
         };
-        (function, config)
+        (x.ptr, function, config)
     };
     let rows = call.rows as i32; // checked by `defines`
     let cols = call.cols as i32;
@@ -604,7 +606,7 @@ pub fn linear_with_scratch(
     Ok(if variant.int8 { 2 } else { 1 })
 }
 
-/// The integer path's first launch: x rounded to int8 into `scratch`.
+/// The integer path's first launch: x as two int8 planes and block scales into `scratch`.
 fn int8_quantize(
     gpu: &Gpu,
     call: &LinearCall,

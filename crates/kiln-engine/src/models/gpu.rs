@@ -266,24 +266,15 @@ fn expand_scratch_bytes(model: &LlamaModel) -> usize {
 }
 
 /// The integer-path scratch of the decode products: x of up to [`MATVEC_TOKENS`] tokens as int8
-/// and their block scales, for the widest input of any matrix.
+/// planes and their block scales, for the widest input of any matrix.
 fn int8_scratch_bytes(model: &LlamaModel) -> usize {
-    let c = model.config();
-    let mut cols = c.hidden;
+    let mut cols = model.config().hidden;
     for layer in model.layers() {
         for l in [&layer.q, &layer.k, &layer.v, &layer.o, &layer.gate, &layer.up, &layer.down] {
             cols = cols.max(l.cols);
         }
     }
-    let call = LinearCall {
-        weight: DType::Q8_0,
-        rows: 1,
-        cols,
-        tokens: MATVEC_TOKENS,
-        input: DType::F32,
-        epilogue: Epilogue::Store,
-    };
-    call.int8_scratch_bytes()
+    linear::int8_scratch_bytes(MATVEC_TOKENS, cols)
 }
 
 impl GpuPlan {
@@ -418,7 +409,7 @@ struct Workspace {
     attn_scratch: DeviceMemory,
     expand: Option<DeviceMemory>,
     sample_scratch: sample_op::SampleScratch,
-    /// x as int8 for the integer-path products.
+    /// x as int8 planes for the integer-path products.
     int8: DeviceMemory,
 }
 
@@ -764,10 +755,25 @@ impl GpuEngine {
         }
     }
 
-    /// The integer path's scratch, when the options allow the path ([`linear::linear_with_scratch`]
-    /// takes the integer default only when given one).
-    fn int8_scratch(&self) -> Option<DeviceView> {
-        self.options.integer_products.then(|| self.ws.int8.view())
+    /// One matrix-vector call of `l` (`rows` outputs a token, `tokens` rows of x) on the default
+    /// variant, with the integer path's scratch when the options allow that path
+    /// ([`linear::linear_with_scratch`] takes the integer default only when given one). Returns
+    /// the launches.
+    #[allow(clippy::too_many_arguments)]
+    fn matvec(
+        &self,
+        l: &DeviceLinear,
+        rows: usize,
+        tokens: usize,
+        input: DType,
+        epilogue: Epilogue,
+        bias: Option<DeviceView>,
+        x: DeviceView,
+        out: DeviceView,
+    ) -> Result<usize> {
+        let call = LinearCall { weight: l.dtype, rows, cols: l.cols, tokens, input, epilogue };
+        let scratch = self.options.integer_products.then(|| self.ws.int8.view());
+        linear::linear_with_scratch(&self.gpu, &call, l.weight, bias, x, out, None, scratch)
     }
 
     /// The norm variant for `rows` rows into `out`: certified, or the declared default.
@@ -1177,22 +1183,15 @@ impl GpuEngine {
             launches += 1;
             for start in (0..b).step_by(MATVEC_TOKENS) {
                 let rows = (b - start).min(MATVEC_TOKENS);
-                launches += linear::linear_with_scratch(
-                    gpu,
-                    &LinearCall {
-                        weight: self.output.dtype,
-                        rows: c.vocab,
-                        cols: c.hidden,
-                        tokens: rows,
-                        input: DType::F32,
-                        epilogue: Epilogue::Store,
-                    },
-                    self.output.weight,
+                launches += self.matvec(
+                    &self.output,
+                    c.vocab,
+                    rows,
+                    DType::F32,
+                    Epilogue::Store,
                     None,
                     ws.last_normed.slice(start * c.hidden * 4, rows * c.hidden * 4)?,
                     ws.logits.slice(start * c.vocab * 4, rows * c.vocab * 4)?,
-                    None,
-                    self.int8_scratch(),
                 )?;
             }
         }
@@ -1297,22 +1296,15 @@ impl GpuEngine {
                 for start in (0..t).step_by(MATVEC_TOKENS) {
                     let n = (t - start).min(MATVEC_TOKENS);
                     let x_bytes = bytes_of(x_type, l.cols)?;
-                    launches += linear::linear_with_scratch(
-                        &self.gpu,
-                        &LinearCall {
-                            weight: l.dtype,
-                            rows: l.rows,
-                            cols: l.cols,
-                            tokens: n,
-                            input: x_type,
-                            epilogue,
-                        },
-                        l.weight,
+                    launches += self.matvec(
+                        l,
+                        l.rows,
+                        n,
+                        x_type,
+                        epilogue,
                         l.bias,
                         x.slice(start * x_bytes, n * x_bytes)?,
                         out.slice((start * width + column) * 4, (n * width - column) * 4)?,
-                        None,
-                        self.int8_scratch(),
                     )?;
                 }
                 column += l.rows;
@@ -1368,22 +1360,15 @@ impl GpuEngine {
         for token in 0..t {
             let mut column = 0;
             for l in group {
-                launches += linear::linear_with_scratch(
-                    &self.gpu,
-                    &LinearCall {
-                        weight: l.dtype,
-                        rows: l.rows,
-                        cols: l.cols,
-                        tokens: 1,
-                        input: x_type,
-                        epilogue,
-                    },
-                    l.weight,
+                launches += self.matvec(
+                    l,
+                    l.rows,
+                    1,
+                    x_type,
+                    epilogue,
                     l.bias,
                     x.slice(token * x_bytes, x_bytes)?,
                     out.slice((token * width + column) * 4, l.rows * 4)?,
-                    None,
-                    self.int8_scratch(),
                 )?;
                 column += l.rows;
             }
@@ -1416,22 +1401,15 @@ impl GpuEngine {
             let l = &layer.gate_up[0];
             for start in (0..t).step_by(MATVEC_TOKENS) {
                 let n = (t - start).min(MATVEC_TOKENS);
-                launches += linear::linear_with_scratch(
-                    &self.gpu,
-                    &LinearCall {
-                        weight: l.dtype,
-                        rows: c.ffn,
-                        cols: l.cols,
-                        tokens: n,
-                        input: half,
-                        epilogue: Epilogue::SwiGlu,
-                    },
-                    l.weight,
+                launches += self.matvec(
+                    l,
+                    c.ffn,
+                    n,
+                    half,
+                    Epilogue::SwiGlu,
                     None,
                     h.slice(start * c.hidden * 4, n * c.hidden * 4)?,
                     ws.mlp.slice(start * c.ffn * 4, n * c.ffn * 4)?,
-                    None,
-                    self.int8_scratch(),
                 )?;
             }
             down_in_type = DType::F32;
