@@ -19,11 +19,9 @@ use kiln_core::ops::lm_head::row_bytes;
 use kiln_core::ops::lm_head::LmHead;
 use kiln_core::{DType, Error, Result};
 use kiln_cuda::certify::{
-    lm_head_variant, random_lm_head_weights, rotation_sets, tasks, Family, LmHeadTask, Task,
+    lm_head_variant, median_launch_us, random_lm_head_weights, rotation_sets, tasks, Family, LmHeadTask, Task,
 };
-use kiln_cuda::cudarc::driver::sys::CUevent_flags;
 use kiln_cuda::ops::lm_head::{lm_head, plan, LmHeadBuffers, LmHeadVariant, LM_HEAD_VARIANTS};
-use kiln_cuda::runtime::driver_error;
 use kiln_cuda::{DeviceMemory, Gpu};
 
 use crate::bench_norm::tagged_rows;
@@ -55,39 +53,6 @@ pub struct BenchLmHeadArgs {
     pub shapes: ShapeArgs,
 }
 
-/// The median time per launch, microseconds, of batches of `launches` calls of `launch(i)`
-/// between CUDA events, after a warm-up of `launches` calls.
-pub(crate) fn timed(
-    gpu: &Gpu,
-    batches: usize,
-    launches: usize,
-    mut launch: impl FnMut(usize) -> Result<()>,
-) -> Result<f64> {
-    let ctx = gpu.context();
-    let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
-    let launches = launches.max(1);
-    for i in 0..launches.max(3) {
-        launch(i)?;
-    }
-    let start = ctx.new_event(flags).map_err(|e| driver_error("cuEventCreate", e))?;
-    let end = ctx.new_event(flags).map_err(|e| driver_error("cuEventCreate", e))?;
-    let mut per_launch_us = Vec::with_capacity(batches.max(1));
-    let mut counter = 0;
-    for _ in 0..batches.max(1) {
-        start.record(gpu.stream()).map_err(|e| driver_error("cuEventRecord", e))?;
-        for _ in 0..launches {
-            launch(counter)?;
-            counter += 1;
-        }
-        end.record(gpu.stream()).map_err(|e| driver_error("cuEventRecord", e))?;
-        end.synchronize().map_err(|e| driver_error("cuEventSynchronize", e))?;
-        let ms = start.elapsed_ms(&end).map_err(|e| driver_error("cuEventElapsedTime", e))?;
-        per_launch_us.push(f64::from(ms) * 1000.0 / launches as f64);
-    }
-    per_launch_us.sort_by(f64::total_cmp);
-    Ok(per_launch_us[per_launch_us.len() / 2])
-}
-
 /// The peer's JSON: a map from a case name to microseconds (or to a map of them).
 pub(crate) fn read_peer<T: serde::de::DeserializeOwned + Default>(
     path: Option<&Path>,
@@ -107,7 +72,7 @@ pub(crate) fn copy_ceiling_gbs(gpu: &Gpu, batches: usize) -> Result<f64> {
     let bytes = 1 << 30;
     let (src, dst) = (gpu.alloc(bytes)?, gpu.alloc(bytes)?);
     src.fill_bytes(0x3C)?;
-    let us = timed(gpu, batches, 3, |_| dst.copy_from_device(&src))?;
+    let us = median_launch_us(gpu, batches, 3, |_| dst.copy_from_device(&src))?;
     Ok(2.0 * bytes as f64 / us / 1e3)
 }
 
@@ -212,7 +177,7 @@ pub fn run(args: &BenchLmHeadArgs) -> Result<()> {
             if plan(&head, rows, variant).is_err() || results.iter().any(|(v, _)| *v == variant) {
                 continue;
             }
-            let us = timed(&gpu, args.batches, args.launches, |i| {
+            let us = median_launch_us(&gpu, args.batches, args.launches, |i| {
                 let buffers = LmHeadBuffers {
                     h: &hs[i % sets],
                     weights: &w_dev[i % w_dev.len()],

@@ -20,11 +20,11 @@ use kiln_core::ops::norm::{LayerNorm, NormOutput, NormSpec, RmsNorm, WeightMode}
 use kiln_core::ops::primitives::f32_to_bf16_bits;
 use kiln_core::ops::quantize::Quantizer;
 use kiln_core::{DType, Error, Result};
-use kiln_cuda::certify::{norm_label, norm_variant, tasks, Family, NormTask, Task};
+use kiln_cuda::certify::{median_launch_us, norm_label, norm_variant, tasks, Family, NormTask, Task};
 use kiln_cuda::ops::norm::{norm, NormBuffers, NormCall, NormVariant, NORM_VARIANTS};
 use kiln_cuda::{DeviceMemory, Gpu};
 
-use crate::bench_lm_head::{copy_ceiling_gbs, timed};
+use crate::bench_lm_head::copy_ceiling_gbs;
 use crate::tune::{model_shapes, open_store, ShapeArgs};
 
 /// Arguments of `kiln bench norm`.
@@ -188,7 +188,7 @@ pub fn run(args: &BenchNormArgs) -> Result<()> {
         }
         let mut results: Vec<(NormVariant, f64)> = Vec::with_capacity(candidates.len());
         for variant in candidates {
-            let us = timed(&gpu, args.batches, args.launches, |i| {
+            let us = median_launch_us(&gpu, args.batches, args.launches, |i| {
                 let k = i % sets;
                 let buffers = NormBuffers {
                     x: &xs[k],

@@ -11,13 +11,14 @@ use std::path::PathBuf;
 
 use kiln_core::ops::sample::SamplingParams;
 use kiln_core::{Error, Result};
+use kiln_cuda::certify::median_launch_us;
 use kiln_cuda::ops::sample::{
     encode_histories, encode_params, sample_with_path, PenaltyScratch, SampleBuffers, SamplePath,
     SampleScratch, DEFAULT_PATH,
 };
 use kiln_cuda::Gpu;
 
-use crate::bench_lm_head::{read_peer, timed, upload, Values};
+use crate::bench_lm_head::{read_peer, upload, Values};
 
 /// Arguments of `kiln bench sample`.
 #[derive(Debug, Clone, clap::Args)]
@@ -115,7 +116,7 @@ pub fn run(args: &BenchSampleArgs) -> Result<()> {
             let params_dev = upload(&gpu, &encode_params(&rows)?)?;
             let penalties = params.has_penalties();
             let time = |path: SamplePath| {
-                timed(&gpu, args.batches, args.launches, |i| {
+                median_launch_us(&gpu, args.batches, args.launches, |i| {
                     let buffers = SampleBuffers {
                         logits: &logits[i % sets],
                         row_stride: vocab,
