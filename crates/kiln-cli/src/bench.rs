@@ -10,7 +10,7 @@ use std::process::ExitCode;
 
 use kiln_core::{Error, Result};
 use kiln_cuda::cudarc::driver::sys::CUevent_flags;
-use kiln_cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
+use kiln_cuda::cudarc::driver::LaunchConfig;
 use kiln_cuda::runtime::driver_error;
 use kiln_cuda::{kernels, DeviceFile, DeviceMemory, Gpu};
 use serde::Serialize;
@@ -173,7 +173,7 @@ fn kernel_copy(
     let config = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
     let (src_ptr, dst_ptr) = (src.device_ptr(), dst.device_ptr());
     let (median_us, min_us) = time_us(gpu, warmup, iterations, || {
-        let mut launch = gpu.stream().launch_builder(&function);
+        let mut launch = gpu.launch_builder(&function);
         launch.arg(&src_ptr).arg(&dst_ptr).arg(&n16);
         // SAFETY: copy_vec16(const vec16* src, vec16* dst, u64 n16) touches n16 16-byte words of
         // each buffer, and both hold at least that many (pool blocks are 256-byte aligned).

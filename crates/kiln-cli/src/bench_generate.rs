@@ -43,6 +43,10 @@ pub struct BenchGenerateArgs {
     /// units (x as 16-bit fixed point).
     #[arg(long)]
     no_integer_products: bool,
+    /// Launch every kernel after the one before it has finished, instead of letting it start
+    /// while that one finishes (sm_90 and later; the same results either way).
+    #[arg(long)]
+    serial_launches: bool,
     /// Steps of at most this many tokens use Kiln's matrix-vector kernels, longer ones cuBLAS.
     #[arg(long, default_value_t = kiln_engine::models::gpu::MATVEC_TOKENS)]
     matvec_tokens: usize,
@@ -78,6 +82,8 @@ struct Report {
     graphs: bool,
     /// Q8_0 / Q4_0 / Q4_1 decode products on the integer path (`--no-integer-products` clears it).
     integer_products: bool,
+    /// Kernels start while the one before them finishes (`--serial-launches` clears it).
+    overlapped_launches: bool,
     rows: Vec<Row>,
 }
 
@@ -107,6 +113,7 @@ pub fn run(args: &BenchGenerateArgs) -> Result<()> {
     let path = fetch::resolve_model(&args.model, &mut BarProgress::new())?;
     let model = load_model(&path)?;
     let gpu = kiln_cuda::Gpu::open(0)?;
+    gpu.set_overlap_launches(!args.serial_launches);
     let copy = crate::bench::copy_ceiling(&gpu, 1 << 30, 5, 30)?;
     let peer = args.peer_llamacpp.as_ref().map(read_peer).transpose()?;
     let vocab = model.config().vocab;
@@ -245,12 +252,13 @@ pub fn run(args: &BenchGenerateArgs) -> Result<()> {
         }
     }
     println!(
-        "model {} | weights {:.2} GB loaded at {:.2} GB/s | copy ceiling {:.1} GB/s (same run) | floor = copy / weight bytes x batch | quantized products: {}",
+        "model {} | weights {:.2} GB loaded at {:.2} GB/s | copy ceiling {:.1} GB/s (same run) | floor = copy / weight bytes x batch | quantized products: {} | launches: {}",
         path.display(),
         weight_bytes as f64 / 1e9,
         load_gb_per_s,
         copy.gb_per_s,
-        if args.no_integer_products { "dequantized in registers" } else { "integer path" }
+        if args.no_integer_products { "dequantized in registers" } else { "integer path" },
+        if gpu.overlaps_launches() { "overlapped" } else { "serial" }
     );
     if let Some(out) = &args.out {
         let report = Report {
@@ -261,6 +269,7 @@ pub fn run(args: &BenchGenerateArgs) -> Result<()> {
             copy_gb_per_s: copy.gb_per_s,
             graphs: !args.no_graphs,
             integer_products: !args.no_integer_products,
+            overlapped_launches: gpu.overlaps_launches(),
             rows,
         };
         let text = serde_json::to_string_pretty(&report).map_err(|e| Error::InvalidArgument {

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use kiln_core::Result;
 use kiln_cuda::compile::CacheSummary;
-use kiln_cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
+use kiln_cuda::cudarc::driver::LaunchConfig;
 use kiln_cuda::runtime::driver_error;
 use kiln_cuda::{kernels, CompileOptions, DeviceFacts, DeviceFile, Gpu, KernelCache, Probe};
 use serde::Serialize;
@@ -195,7 +195,7 @@ fn live_steps(dir: &std::path::Path, check: &mut LiveCheck) -> Result<()> {
     out.fill_bytes(0)?;
     let (ptr, count) = (out.device_ptr(), n as u64);
     let started = Instant::now();
-    let mut launch = gpu.stream().launch_builder(&function);
+    let mut launch = gpu.launch_builder(&function);
     launch.arg(&ptr).arg(&pattern).arg(&count);
     // SAFETY: fill_u32(u32* dst, u32 pattern, u64 n) writes n words; `out` holds n words.
     unsafe { launch.launch(LaunchConfig::for_num_elems(n as u32)) }

@@ -97,6 +97,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) kiln_attention(
     const kiln_i32* __restrict__ page_offsets, const kiln_u32* __restrict__ page_ids, kiln_u16* __restrict__ out,
     float* __restrict__ partial_out, float* __restrict__ partial_lse, int q_heads, int kv_heads, int page_shift,
     float scale_log2, int splits) {
+    kiln_wait_prior();
     extern __shared__ kiln_chunk16 shared_chunks[];
     __shared__ int is_last_block;
     kiln_u16* q_smem = reinterpret_cast<kiln_u16*>(shared_chunks);
@@ -464,6 +465,7 @@ extern "C" __global__ void kiln_kv_append(const kiln_chunk16* __restrict__ k_new
                                           const kiln_u32* __restrict__ slots, kiln_chunk16* __restrict__ k_cache,
                                           kiln_chunk16* __restrict__ v_cache, kiln_u64 tokens, int kv_heads,
                                           int page_shift) {
+    kiln_wait_prior();
     const kiln_u64 chunks = tokens * kv_heads * CHUNKS_PER_ROW;
     for (kiln_u64 i = kiln_global_index(); i < chunks; i += kiln_grid_stride()) {
         const kiln_u64 c = i % CHUNKS_PER_ROW;

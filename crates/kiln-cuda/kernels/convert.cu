@@ -8,6 +8,7 @@
 
 #define KILN_CONVERT(NAME, IN, OUT, EXPR)                                                       \
     extern "C" __global__ void NAME(const IN* __restrict__ in, OUT* __restrict__ out, kiln_u64 n) { \
+        kiln_wait_prior();                                                                      \
         for (kiln_u64 i = kiln_global_index(); i < n; i += kiln_grid_stride()) {                \
             IN x = in[i];                                                                        \
             out[i] = EXPR;                                                                       \

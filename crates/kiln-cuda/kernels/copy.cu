@@ -14,6 +14,7 @@ struct alignas(16) kiln_vec16 { kiln_u32 x, y, z, w; };
 
 extern "C" __global__ void copy_vec16(const kiln_vec16* __restrict__ src, kiln_vec16* __restrict__ dst,
                                       kiln_u64 n16) {
+    kiln_wait_prior();
     const kiln_u64 stride = kiln_grid_stride();
     kiln_u64 i = kiln_global_index();
     for (; i + (UNROLL - 1) * stride < n16; i += UNROLL * stride) {
@@ -28,5 +29,6 @@ extern "C" __global__ void copy_vec16(const kiln_vec16* __restrict__ src, kiln_v
 
 // Fills n 32-bit words with `pattern` (tests poison outputs with it).
 extern "C" __global__ void fill_u32(kiln_u32* __restrict__ dst, kiln_u32 pattern, kiln_u64 n) {
+    kiln_wait_prior();
     for (kiln_u64 i = kiln_global_index(); i < n; i += kiln_grid_stride()) dst[i] = pattern;
 }

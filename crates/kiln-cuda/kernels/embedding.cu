@@ -43,6 +43,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_ROW * ROWS_PER_BLOCK
 kiln_embedding(const unsigned int* __restrict__ ids, const unsigned char* __restrict__ table,
                void* __restrict__ out, float* __restrict__ sum_squares, unsigned int* flag, long long rows,
                int hidden, unsigned int vocab, long long row_bytes) {
+    kiln_wait_prior();
     extern __shared__ float unit_sums[];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;

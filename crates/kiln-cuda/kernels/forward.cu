@@ -33,6 +33,7 @@ extern "C" __global__ void kiln_qkv_prepare(const float* __restrict__ qkv,
                                             const kiln_u32* __restrict__ slots, kiln_u16* q_out,
                                             kiln_u16* k_cache, kiln_u16* v_cache, int tokens,
                                             int heads, int kv_heads, int head_dim, int page_shift) {
+    kiln_wait_prior();
     __shared__ float row[FWD_WARPS][FWD_MAX_HEAD_DIM];
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
@@ -100,6 +101,7 @@ extern "C" __global__ void kiln_qkv_prepare(const float* __restrict__ qkv,
 // written as `out_type`.
 extern "C" __global__ void kiln_swiglu(const float* __restrict__ gate_up, void* out, kiln_u64 tokens,
                                        kiln_u64 width, int out_type) {
+    kiln_wait_prior();
     const kiln_u64 total = tokens * width;
     for (kiln_u64 i = kiln_global_index(); i < total; i += kiln_grid_stride()) {
         const kiln_u64 t = i / width;
@@ -112,6 +114,7 @@ extern "C" __global__ void kiln_swiglu(const float* __restrict__ gate_up, void* 
 
 // bf16 -> fp16 of `count` values (the attention output into an fp16 matrix product).
 extern "C" __global__ void kiln_bf16_to_f16(const kiln_u16* __restrict__ src, kiln_u16* dst, kiln_u64 count) {
+    kiln_wait_prior();
     for (kiln_u64 i = kiln_global_index(); i < count; i += kiln_grid_stride()) {
         dst[i] = kiln_f32_to_f16(kiln_bf16_to_f32(src[i]));
     }
@@ -120,6 +123,7 @@ extern "C" __global__ void kiln_bf16_to_f16(const kiln_u16* __restrict__ src, ki
 // x[t][i] += bias[i] for fp32 x [tokens][width].
 extern "C" __global__ void kiln_add_bias(float* x, const float* __restrict__ bias, kiln_u64 tokens,
                                          kiln_u64 width) {
+    kiln_wait_prior();
     const kiln_u64 total = tokens * width;
     for (kiln_u64 i = kiln_global_index(); i < total; i += kiln_grid_stride()) {
         x[i] += bias[i % width];
@@ -129,6 +133,7 @@ extern "C" __global__ void kiln_add_bias(float* x, const float* __restrict__ bia
 // dst[r] = src[rows[r]] for fp32 rows of `width` values.
 extern "C" __global__ void kiln_gather_rows(const float* __restrict__ src, const int* __restrict__ rows,
                                             int count, kiln_u64 width, float* dst) {
+    kiln_wait_prior();
     const kiln_u64 total = (kiln_u64)count * width;
     for (kiln_u64 i = kiln_global_index(); i < total; i += kiln_grid_stride()) {
         const kiln_u64 r = i / width;

@@ -148,13 +148,13 @@ __device__ __forceinline__ kiln_u32 lin_load16(const void* p) {
 
 __device__ __forceinline__ float4 lin_load_x4(const float* p) {
     float4 r;
-    asm("ld.global.nc.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "l"(p));
+    asm volatile("ld.global.nc.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "l"(p));
     return r;
 }
 
 __device__ __forceinline__ uint4 lin_load_xb(const void* p) {
     uint4 r;
-    asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
     return r;
 }
 
@@ -407,7 +407,7 @@ __device__ __forceinline__ float4 lin_load_x4_any(const void* x, long long offse
     return lin_load_x4(reinterpret_cast<const float*>(x) + offset);
 #else
     kiln_u32 a, b;
-    asm("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(a), "=r"(b) : "l"(reinterpret_cast<const kiln_u16*>(x) + offset));
+    asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(a), "=r"(b) : "l"(reinterpret_cast<const kiln_u16*>(x) + offset));
     return make_float4(__uint_as_float(a << 16), __uint_as_float(a & 0xFFFF0000u), __uint_as_float(b << 16),
                        __uint_as_float(b & 0xFFFF0000u));
 #endif
@@ -618,11 +618,15 @@ kiln_linear(const kiln_u8* __restrict__ weight, const float* __restrict__ bias, 
 #if STAGE
     // Chunks of CHUNK_P pieces. The first round of weight loads of a chunk is issued before x is
     // staged, so the staging overlaps their latency.
+    // The first chunk's first weights are requested before the wait for the kernel before (they
+    // overlap its end); x only after it.
+    if (pieces <= 0) kiln_wait_prior();
     for (int c0 = 0; c0 < pieces; c0 += CHUNK_P) {
         const int cn = min(CHUNK_P, pieces - c0);
         int base = threadIdx.x;
         LinRaw raw[UNROLL][WROWS];
         lin_load_round(raw, wrow, c0, base, cn);
+        if (c0 == 0) kiln_wait_prior();
         __syncthreads();  // every thread has read the previous chunk
         lin_stage_x(xs, x, cols, c0, cn);
         __syncthreads();
@@ -633,9 +637,14 @@ kiln_linear(const kiln_u8* __restrict__ weight, const float* __restrict__ bias, 
         }
     }
 #else
+    // At one token the first round of weights is requested before the wait for the kernel before
+    // (it overlaps that kernel's end); x only after it. A thread without a piece waits all the
+    // same. With more tokens the wait comes first (the registers are fuller).
+    if (TOKENS > 1 || (int)threadIdx.x >= pieces) kiln_wait_prior();
     for (int base = threadIdx.x; base < pieces; base += UNROLL * THREADS) {
         LinRaw raw[UNROLL][WROWS];
         lin_load_round(raw, wrow, 0, base, pieces);
+        if (TOKENS == 1 && base == (int)threadIdx.x) kiln_wait_prior();
         lin_product_round(acc, raw, x, cols, 0, base, pieces);
     }
 #endif
@@ -898,6 +907,7 @@ kiln_linear(const kiln_u8* __restrict__ weight, const float* __restrict__ bias, 
             float* __restrict__ out, int rows, int cols, long long row_bytes) {
     // Each warp's sums: [warp][row of the block: gate rows 0 .. ROWS, then up rows][token].
     __shared__ __align__(16) float partial[WARPS][TILES * 16][8];
+    kiln_wait_prior();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const long long r0 = (long long)blockIdx.x * ROWS;
@@ -976,6 +986,7 @@ kiln_linear(const kiln_u8* __restrict__ weight, const float* __restrict__ bias, 
 extern "C" __global__ void kiln_linear_embed(const kiln_u8* __restrict__ table, const kiln_u32* __restrict__ ids,
                                              float* __restrict__ out, long long vocab, int cols,
                                              long long row_bytes, long long tokens) {
+    kiln_wait_prior();
     const long long pieces = cols / PIECE;
     for (long long n = kiln_global_index(); n < tokens * pieces; n += kiln_grid_stride()) {
         const long long t = n / pieces;
@@ -1003,6 +1014,7 @@ extern "C" __global__ void kiln_linear_embed(const kiln_u8* __restrict__ table, 
 // out (rows x cols bf16) = the weights rounded to nearest even; one thread per piece.
 extern "C" __global__ void kiln_linear_to_bf16(const kiln_u8* __restrict__ src, kiln_u16* __restrict__ out,
                                                long long rows, int cols, long long row_bytes) {
+    kiln_wait_prior();
     const long long pieces = cols / PIECE;
     for (long long n = kiln_global_index(); n < rows * pieces; n += kiln_grid_stride()) {
         const long long r = n / pieces;
@@ -1027,6 +1039,7 @@ extern "C" __global__ void kiln_linear_to_bf16(const kiln_u8* __restrict__ src, 
 // out[i] = bf16(src[i]), rounded to nearest even.
 extern "C" __global__ void kiln_linear_f32_to_bf16(const float* __restrict__ src, kiln_u16* __restrict__ out,
                                                    long long count) {
+    kiln_wait_prior();
     for (long long i = kiln_global_index(); i < count; i += kiln_grid_stride()) {
         out[i] = kiln_f32_to_bf16(src[i]);
     }

@@ -78,6 +78,8 @@ static_assert(EPI != 2 || HAS_BIAS == 0, "SwiGLU takes no bias");
 #endif
 
 
+// One token and one unit a round: x is loaded beside the weights (see the product loop).
+#define PREFETCH_X (TOKENS == 1 && UNR == 1)
 #define UNIT_BYTES (UNIT_WORDS * 4)
 #define STAGE_BYTES (UNR * WR * 32 * UNIT_BYTES)
 static_assert(WARPS * STAGE_BYTES <= 48 * 1024, "the warps' weight stages must fit 48 KiB of shared memory");
@@ -115,13 +117,13 @@ __device__ __forceinline__ float4 i8_load_x4(const void* x, long long i) {
 
 __device__ __forceinline__ uint4 i8_ldg16(const uint4* p) {
     uint4 r;
-    asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
     return r;
 }
 
 __device__ __forceinline__ float2 i8_ldg8(const float2* p) {
     float2 r;
-    asm("ld.global.nc.v2.f32 {%0, %1}, [%2];" : "=f"(r.x), "=f"(r.y) : "l"(p));
+    asm volatile("ld.global.nc.v2.f32 {%0, %1}, [%2];" : "=f"(r.x), "=f"(r.y) : "l"(p));
     return r;
 }
 
@@ -133,9 +135,30 @@ __device__ __forceinline__ int i8_round(float v, float inv) {
 // silu(g) * u, with the accurate expf (as the CUDA-core linear kernel).
 __device__ __forceinline__ float i8_swiglu(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
+// Copies round r0's units of every weight row of this lane's row group into the warp's stage
+// (asynchronously, consecutive lanes in 8-byte words): UNR units of LPR lanes each.
+__device__ __forceinline__ void i8_issue_round(kiln_u8* stage, const kiln_u8* const (&wrow)[WR], int r0, int units,
+                                               int sl, int side) {
+#pragma unroll
+    for (int k = 0; k < UNR; ++k) {
+        const int base = r0 + k * LPR;
+#pragma unroll
+        for (int i = 0; i < WR; ++i) {
+            const kiln_u8* src = wrow[i] + (long long)base * UNIT_BYTES;
+            kiln_u8* dst = stage + ((k * WR + i) * 32 + side * LPR) * UNIT_BYTES;
+#pragma unroll
+            for (int j = 0; j < UNIT_WORDS / 2; ++j) {
+                const int w = sl + LPR * j;
+                if (base + (w * 8) / UNIT_BYTES < units) i8_copy8(dst + 8 * w, src + 8 * w);
+            }
+        }
+    }
+}
+
 // Rounds x (TOKENS x cols, f32 or bf16) to int8 per block of 32 values into the scratch: 8
 // threads a block, 4 values each; any grid (grid-stride), blocks of a multiple of 32 threads.
 extern "C" __global__ void kiln_linear_i8_quantize(const void* __restrict__ x, uint4* __restrict__ xq, int cols) {
+    kiln_wait_prior();
     const int units = cols >> 7;
     float2* xs = reinterpret_cast<float2*>(xq + 2 * TOKENS * 8 * units);
     const int quads = cols >> 2;
@@ -196,47 +219,58 @@ kiln_linear_i8(const kiln_u8* __restrict__ weight, const float* __restrict__ bia
     const int per_group = SIDE * RL;
     const int groups = (rows + per_group - 1) / per_group;
     const int g = blockIdx.x * WARPS + warp;
-    if (g < groups) {
-        // Output row i of this lane: g * per_group + i * SIDE + side; past the end: row 0, dropped.
-        const kiln_u8* wrow[WR];
+    kiln_u8* stage = i8_stage[warp];
+    // Output row i of this lane: g * per_group + i * SIDE + side; past the end: row 0, dropped.
+    const kiln_u8* wrow[WR];
 #pragma unroll
-        for (int i = 0; i < WR; ++i) {
-            int o = g * per_group + (i % RL) * SIDE + side;
-            o = o < rows ? o : 0;
-            wrow[i] = weight + ((long long)(i / RL) * rows + o) * row_bytes;
-        }
+    for (int i = 0; i < WR; ++i) {
+        int o = g * per_group + (i % RL) * SIDE + side;
+        o = o < rows ? o : 0;
+        wrow[i] = weight + ((long long)(i / RL) * rows + o) * row_bytes;
+    }
+    // The first round's weights are requested before the wait for the kernel before (they
+    // overlap its end); x is read only after it.
+    if (g < groups) i8_issue_round(stage, wrow, 0, units, sl, side);
+    kiln_wait_prior();
+    if (g < groups) {
         float acc[WR][TOKENS];
 #pragma unroll
         for (int i = 0; i < WR; ++i)
 #pragma unroll
             for (int t = 0; t < TOKENS; ++t) acc[i][t] = 0.0f;
 
-        kiln_u8* stage = i8_stage[warp];
         for (int r0 = 0; r0 < units; r0 += LPR * UNR) {
             const int u0 = r0 + sl;
-            // The round's units of every weight row, copied by consecutive lanes in 8-byte words.
+            if (r0 > 0) i8_issue_round(stage, wrow, r0, units, sl, side);
+#if PREFETCH_X
+            // One token, one unit a round: the unit's x (both planes and the scales of its 4
+            // blocks) is loaded while the weights are on their way, so a round waits for memory once.
+            uint4 px[4][4];
+            float2 ps[4];
+            {
+                const int uu = u0 < units ? u0 : 0;
 #pragma unroll
-            for (int k = 0; k < UNR; ++k) {
-                const int base = r0 + k * LPR;
-#pragma unroll
-                for (int i = 0; i < WR; ++i) {
-                    const kiln_u8* src = wrow[i] + (long long)base * UNIT_BYTES;
-                    kiln_u8* dst = stage + ((k * WR + i) * 32 + side * LPR) * UNIT_BYTES;
-#pragma unroll
-                    for (int j = 0; j < UNIT_WORDS / 2; ++j) {
-                        const int w = sl + LPR * j;
-                        if (base + (w * 8) / UNIT_BYTES < units) i8_copy8(dst + 8 * w, src + 8 * w);
-                    }
+                for (int b = 0; b < 4; ++b) {
+                    px[b][0] = i8_ldg16(xq + (2 * b) * units + uu);
+                    px[b][1] = i8_ldg16(xq + (2 * b + 1) * units + uu);
+                    px[b][2] = i8_ldg16(xr + (2 * b) * units + uu);
+                    px[b][3] = i8_ldg16(xr + (2 * b + 1) * units + uu);
+                    ps[b] = i8_ldg8(xs + b * units + uu);
                 }
             }
+#endif
             i8_copy_wait();
             __syncwarp();
 #pragma unroll
             for (int k = 0; k < UNR; ++k) {
                 const int u = u0 + k * LPR;
                 if (u >= units) break;
+#if PREFETCH_X
+#pragma unroll
+#else
                 // One block at a time: unrolled, the compiler would hold every block's x in registers.
 #pragma unroll 1
+#endif
                 for (int b = 0; b < 4; ++b) {
                     // Block b's weight scale (and Q4_1's offset) and quant words, per weight row.
                     float dw[WR];
@@ -289,11 +323,16 @@ kiln_linear_i8(const kiln_u8* __restrict__ weight, const float* __restrict__ bia
                     }
 #pragma unroll
                     for (int t = 0; t < TOKENS; ++t) {
+#if PREFETCH_X
+                        const uint4 lo = px[b][0], hi = px[b][1], lo2 = px[b][2], hi2 = px[b][3];
+                        const float2 sc = ps[b];
+#else
                         const uint4 lo = i8_ldg16(xq + (t * 8 + 2 * b) * units + u);
                         const uint4 hi = i8_ldg16(xq + (t * 8 + 2 * b + 1) * units + u);
                         const uint4 lo2 = i8_ldg16(xr + (t * 8 + 2 * b) * units + u);
                         const uint4 hi2 = i8_ldg16(xr + (t * 8 + 2 * b + 1) * units + u);
                         const float2 sc = i8_ldg8(xs + (t * 4 + b) * units + u);
+#endif
 #pragma unroll
                         for (int i = 0; i < WR; ++i) {
                             int sum = 0, sum2 = 0;

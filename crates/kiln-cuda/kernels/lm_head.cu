@@ -68,7 +68,7 @@ static_assert(SLOTS <= 32 && (SLOTS & (SLOTS - 1)) == 0, "VROWS x next_pow2(ROWS
 // 16 bytes streamed past L1 (W is read once).
 __device__ __forceinline__ uint4 lm_load_stream16(const void* p) {
     uint4 r;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
         : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
         : "l"(p));
     return r;
@@ -315,6 +315,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, const float* __restrict__ row_scale,
              float* __restrict__ logits, kiln_u64* __restrict__ stats, long long vocab, int hidden,
              long long row_bytes, int tile, float logit_scale, float cap) {
+    kiln_wait_prior();
     // Unit sums: [unit][row][token of the tile], rows of `tile + 1` floats (padded against bank
     // conflicts on the writes).
     extern __shared__ float partial[];

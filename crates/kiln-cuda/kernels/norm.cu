@@ -84,7 +84,7 @@ template <int T, bool STREAM> __device__ __forceinline__ KilnRaw8<T> kiln_raw8_l
 #pragma unroll
     for (int h = 0; h < (T == KILN_F32 ? 2 : 1); ++h) {
         if (STREAM) {
-            asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+            asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
                 : "=r"(r.q[h].x), "=r"(r.q[h].y), "=r"(r.q[h].z), "=r"(r.q[h].w)
                 : "l"(p + h));
         } else {
@@ -437,6 +437,7 @@ extern "C" __global__ void __launch_bounds__(KILN_NORM_THREADS)
 kiln_norm(const void* __restrict__ x, void* residual, const void* __restrict__ weight,
           const void* __restrict__ bias, const void* __restrict__ gate, void* __restrict__ out,
           void* __restrict__ scales, float eps, float qscale, long long segments, int n, int groups) {
+    kiln_wait_prior();
     // [group parity][mean, squares][segment of the block][unit]
     __shared__ __align__(16) float shared_sums[PERSISTENT ? 2 : 1][2][ROWS_PER_BLOCK]
                                               [WARPS_PER_ROW > 1 ? KILN_NORM_UNITS : 1];

@@ -227,3 +227,20 @@ template <int PENDING>
 KILN_DEVICE void kiln_cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
 }
+
+// ---- launches that overlap (programmatic dependent launch, sm_90 and later) ----------------
+// Kiln launches its kernels so that each may start while the one before it on the stream is still
+// finishing (the host side: `kiln_cuda::launch`). Every kernel therefore calls kiln_wait_prior()
+// in every thread before it reads or writes anything an earlier kernel may write: the call returns
+// once the kernels before it have finished and their writes are visible. What a kernel may do
+// before it is read what no kernel writes (weights) into registers or shared memory. After the
+// wait, the next kernel on the stream is allowed to start (its own blocks wait in turn), so at
+// most two kernels are in flight. On earlier architectures, and for kernels launched without
+// overlap, both instructions are absent or return at once. Global loads written as inline PTX
+// are `asm volatile`, so the compiler keeps them after the wait.
+KILN_DEVICE void kiln_wait_prior() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}

@@ -45,6 +45,7 @@ kiln_rope(void* q, void* k, const unsigned int* __restrict__ positions, const fl
           const float* __restrict__ sin_table, const void* __restrict__ q_weight,
           const void* __restrict__ k_weight, unsigned int* flag, float eps, long long tasks, int q_heads,
           int k_heads, int head_dim, int rotary_dim, unsigned int table_positions) {
+    kiln_wait_prior();
     __shared__ float stage[HEADS_PER_BLOCK][KILN_ROPE_STAGE];
     const int lane = threadIdx.x % LANES_PER_HEAD;
     const int group = threadIdx.x / LANES_PER_HEAD;

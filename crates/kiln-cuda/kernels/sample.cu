@@ -1162,6 +1162,7 @@ kiln_sample_mass(const float* __restrict__ logits, long long vocab, long long ro
                  const kiln_u32* __restrict__ history_offsets, const kiln_u32* counts, const float* scratch,
                  kiln_u32* tokens, int mass_path, kiln_u32* tickets, kiln_u64* maxima, kiln_u64* slot_mass,
                  kiln_u64* histogram, kiln_u64* row_state, int slots, long long slice_len) {
+    kiln_wait_prior();
     __shared__ MassDrawShared sh;
     __shared__ kiln_u64 bins[MASS_BINS];
     const int r = blockIdx.y;
@@ -1270,6 +1271,7 @@ kiln_sample_mass_pick(const float* __restrict__ logits, long long vocab, long lo
                       kiln_u32* tokens, int mass_path, kiln_u32* tickets,
                       kiln_u64* maxima, kiln_u64* slot_mass, kiln_u64* row_state, kiln_u32* list_counts,
                       float* list_values, kiln_u32* list_indices, int slots, long long slice_len) {
+    kiln_wait_prior();
     __shared__ MassDrawShared sh;
     __shared__ kiln_u64 packed[MASS_LIST_CAP];
     __shared__ kiln_u32 weights[MASS_LIST_CAP];
@@ -1432,6 +1434,7 @@ kiln_sample_mass_fallback(const float* __restrict__ logits, long long vocab, lon
                           const kiln_u32* __restrict__ history_offsets, const kiln_u32* __restrict__ history,
                           kiln_u32* __restrict__ counts, float* __restrict__ scratch, kiln_u32* __restrict__ tokens,
                           int mass_path, const kiln_u64* __restrict__ row_state) {
+    kiln_wait_prior();
     const int r = blockIdx.y;
     const KilnSampleParams p = params[r];
     if (!sample_mass_row(p, mass_path) || p.top_p_units >= (1u << 24)) return;
@@ -1452,6 +1455,7 @@ kiln_sample(const float* __restrict__ logits, long long vocab, long long row_str
             kiln_u32* list_counts, kiln_u64* list_cuts, float* list_values, kiln_u32* list_indices,
             float* overflow_values, kiln_u32* overflow_indices, int slots, long long slice_len, int mass_path,
             kiln_u64* mass_maxima) {
+    kiln_wait_prior();
     const int r = blockIdx.y;
     const KilnSampleParams p = params[r];
     const kiln_u32 h0 = history_offsets[r], h1 = history_offsets[r + 1];

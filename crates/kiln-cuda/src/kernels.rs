@@ -710,6 +710,24 @@ pub const LINEAR_I8: KernelSource = KernelSource {
     define_sets: &[
         &[("W_T", "4"), ("TOKENS", "1"), ("EPI", "0"), ("WARPS", "4"), ("RL", "2"), ("UNR", "1")],
         &[
+            ("W_T", "5"),
+            ("TOKENS", "1"),
+            ("EPI", "2"),
+            ("WARPS", "4"),
+            ("RL", "2"),
+            ("UNR", "1"),
+            ("LPR", "16"),
+        ],
+        &[
+            ("W_T", "3"),
+            ("TOKENS", "1"),
+            ("EPI", "1"),
+            ("HAS_BIAS", "1"),
+            ("WARPS", "4"),
+            ("RL", "1"),
+            ("UNR", "1"),
+        ],
+        &[
             ("W_T", "3"),
             ("TOKENS", "2"),
             ("EPI", "0"),

@@ -10,7 +10,7 @@
 //! Compiling and launching a kernel:
 //!
 //! ```no_run
-//! use cudarc::driver::{LaunchConfig, PushKernelArg};
+//! use cudarc::driver::LaunchConfig;
 //! use kiln_cuda::{kernels, Gpu};
 //!
 //! let gpu = Gpu::open(0)?;
@@ -18,7 +18,7 @@
 //! let n = 1024u64;
 //! let out = gpu.alloc(4 * n as usize)?;
 //! let (ptr, pattern) = (out.device_ptr(), 7u32);
-//! let mut launch = gpu.stream().launch_builder(&function);
+//! let mut launch = gpu.launch_builder(&function);
 //! launch.arg(&ptr).arg(&pattern).arg(&n);
 //! // SAFETY: fill_u32(u32* dst, u32 pattern, u64 n) writes n words, and `out` holds n words.
 //! unsafe { launch.launch(LaunchConfig::for_num_elems(n as u32)) }
@@ -32,6 +32,7 @@ pub mod certify;
 pub mod compile;
 pub mod facts;
 pub mod kernels;
+pub mod launch;
 pub mod memory;
 mod nvrtc;
 pub mod ops;
@@ -39,6 +40,7 @@ pub mod runtime;
 
 pub use compile::{Arch, CompileOptions, CompiledKernel, KernelCache, KernelResources, KernelSource};
 pub use facts::{DeviceFacts, DeviceFile};
+pub use launch::Launch;
 pub use memory::{DeviceMemory, DeviceView, MemoryPool, PoolStats};
 pub use nvrtc::{compile_calls as nvrtc_compile_calls, version as nvrtc_version, LIBNVRTC_FIX};
 pub use runtime::{compile_only, device_count, probe, Gpu, LibraryProbe, Probe};

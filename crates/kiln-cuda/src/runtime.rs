@@ -10,6 +10,7 @@
 use std::collections::HashMap;
 use std::ffi::c_int;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
@@ -19,6 +20,7 @@ use serde::Serialize;
 
 use crate::compile::{self, Arch, CompileOptions, KernelCache, KernelSource};
 use crate::facts::DeviceFacts;
+use crate::launch::Launch;
 use crate::memory::{DeviceMemory, MemoryPool};
 use crate::nvrtc;
 
@@ -220,6 +222,7 @@ pub struct Gpu {
     pool: MemoryPool,
     modules: Mutex<HashMap<FunctionKey, (Arc<CudaModule>, CudaFunction)>>,
     stats: Mutex<CompileStats>,
+    overlap: AtomicBool,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -252,6 +255,7 @@ impl Gpu {
         let facts = DeviceFacts::query(&context)?;
         let pool = MemoryPool::new(context.clone(), stream.clone(), ordinal);
         tracing::debug!(ordinal, name = %facts.name, arch = %facts.arch, "opened GPU");
+        let overlap = AtomicBool::new(crate::launch::overlap_default(facts.compute_capability.0));
         Ok(Arc::new(Gpu {
             context,
             stream,
@@ -260,12 +264,31 @@ impl Gpu {
             pool,
             modules: Mutex::new(HashMap::new()),
             stats: Mutex::new(CompileStats::default()),
+            overlap,
         }))
     }
 
     /// Kiln's stream on this device; launches and copies go here.
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
+    }
+
+    /// A launch of `function` on [`Gpu::stream`] that may overlap the kernel before it
+    /// ([`crate::launch`]): push the arguments with [`Launch::arg`], then [`Launch::launch`].
+    pub fn launch_builder<'a>(&'a self, function: &'a CudaFunction) -> Launch<'a> {
+        Launch::new(self, function)
+    }
+
+    /// Whether [`Gpu::launch_builder`]'s launches overlap the kernel before them: on by default on
+    /// sm_90 and later unless `KILN_OVERLAP_LAUNCHES=0`.
+    pub fn overlaps_launches(&self) -> bool {
+        self.overlap.load(Ordering::Relaxed)
+    }
+
+    /// Turns overlapping launches on or off (on is ignored where the device cannot overlap).
+    /// Results are the same bits either way; only the time between kernels changes.
+    pub fn set_overlap_launches(&self, on: bool) {
+        self.overlap.store(on && self.facts.compute_capability.0 >= 9, Ordering::Relaxed);
     }
 
     /// The device's (primary) context.

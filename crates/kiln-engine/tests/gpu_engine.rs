@@ -105,6 +105,39 @@ fn captured_decode_steps_equal_plain_launches_bit_for_bit() {
 }
 
 #[test]
+fn overlapped_launches_equal_serial_launches_bit_for_bit() {
+    // Each kernel of a step may start while the one before it finishes (sm_90 and later); it
+    // waits inside for that kernel's writes, so the logits are the same bits as with every launch
+    // waiting for the one before it, captured or not.
+    let model = model("Qwen3ForCausalLM", true, 8);
+    let prompt = random_ids(4, 24, 300);
+    let run = |overlap: bool, graphs: bool| -> Vec<Vec<u32>> {
+        let gpu = kiln_cuda::Gpu::open(0).expect("a CUDA GPU");
+        gpu.set_overlap_launches(overlap);
+        assert_eq!(gpu.overlaps_launches(), overlap && gpu.facts().compute_capability.0 >= 9);
+        let options = GpuOptions { max_batch: 1, max_context: 256, graphs, ..GpuOptions::default() };
+        let mut engine = GpuEngine::new(gpu, &model, options).expect("engine");
+        let mut seq = engine.new_sequence(greedy()).expect("sequence");
+        let (mut tokens, first) = engine.step_with_logits(&mut [(&mut seq, &prompt)]).expect("prefill");
+        let mut rows = vec![first[0].iter().map(|v| v.to_bits()).collect()];
+        for _ in 0..8 {
+            let (next, logits) = engine.step_with_logits(&mut [(&mut seq, &[tokens[0]])]).expect("decode");
+            rows.push(logits[0].iter().map(|v| v.to_bits()).collect());
+            tokens = next;
+        }
+        rows
+    };
+    let serial = run(false, true);
+    for graphs in [true, false] {
+        let overlapped = run(true, graphs);
+        assert_eq!(serial.len(), overlapped.len());
+        for (step, (a, b)) in serial.iter().zip(&overlapped).enumerate() {
+            assert!(a == b, "step {step} (graphs {graphs}): overlapped launches changed the logits");
+        }
+    }
+}
+
+#[test]
 fn sequences_batched_together_match_each_alone() {
     let model = model("LlamaForCausalLM", false, 21);
     let prompts = [random_ids(1, 5, 300), random_ids(2, 17, 300), random_ids(3, 40, 300)];

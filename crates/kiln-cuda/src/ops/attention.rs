@@ -14,7 +14,7 @@
 //! so the grid of a decode step is the same at every step.
 
 use cudarc::driver::sys::CUfunction_attribute_enum;
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 use kiln_core::ops::attention::{validate_sequences, AttentionSequence, AttentionShape};
 use kiln_core::{Error, Result};
 
@@ -410,8 +410,7 @@ pub fn attention(
         partial_out,
         partial_lse,
     ];
-    let stream = gpu.stream();
-    let mut launch = stream.launch_builder(&kernel);
+    let mut launch = gpu.launch_builder(&kernel);
     for pointer in &pointers {
         launch.arg(pointer);
     }
@@ -477,8 +476,7 @@ pub fn kv_append(
         cache.k.device_ptr(),
         cache.v.device_ptr(),
     ];
-    let stream = gpu.stream();
-    let mut launch = stream.launch_builder(&kernel);
+    let mut launch = gpu.launch_builder(&kernel);
     for pointer in &pointers {
         launch.arg(pointer);
     }

@@ -8,7 +8,7 @@
 //! id is outside the vocabulary (that row is zero). The kernel never clears the flag: clear it
 //! with `fill_bytes(0)` and read it with [`read_flag`].
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 use kiln_core::ops::primitives::{FloatType, UNIT};
 use kiln_core::{DType, Error, Result};
 
@@ -209,7 +209,7 @@ pub fn embedding(
     let (ids, table, out) = (buffers.ids.device_ptr(), buffers.table.device_ptr(), buffers.out.device_ptr());
     let sums = buffers.sum_squares.map_or(0u64, DeviceMemory::device_ptr);
     let flag = buffers.flag.device_ptr();
-    let mut launch = gpu.stream().launch_builder(&function);
+    let mut launch = gpu.launch_builder(&function);
     launch
         .arg(&ids)
         .arg(&table)

@@ -2,7 +2,7 @@
 //! (see the kernel file). Buffers are [`DeviceView`]s into memory the engine owns (the weight
 //! arena, the activation slab, the KV pages); each launcher checks every length it relies on.
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 use kiln_core::{DType, Error, Result};
 
 use crate::kernels::FORWARD;
@@ -149,7 +149,7 @@ pub fn qkv_prepare(gpu: &Gpu, shape: &QkvShape, b: QkvBuffers) -> Result<()> {
         i32_of("head_dim", s.head_dim)?,
         s.page_tokens.trailing_zeros() as i32,
     ];
-    let mut launch = gpu.stream().launch_builder(&kernel);
+    let mut launch = gpu.launch_builder(&kernel);
     launch.arg(&b.qkv.ptr).arg(&q_norm).arg(&k_norm).arg(&s.eps).arg(&b.cos.ptr).arg(&b.sin.ptr);
     launch.arg(&ints[0]).arg(&ints[1]).arg(&b.positions.ptr).arg(&b.slots.ptr);
     launch.arg(&b.q_out.ptr).arg(&b.k_cache.ptr).arg(&b.v_cache.ptr);
@@ -181,7 +181,7 @@ pub fn swiglu(
     }
     let kernel = function(gpu, "kiln_swiglu")?;
     let (t, w) = (tokens as u64, width as u64);
-    let mut launch = gpu.stream().launch_builder(&kernel);
+    let mut launch = gpu.launch_builder(&kernel);
     launch.arg(&gate_up.ptr).arg(&out.ptr).arg(&t).arg(&w).arg(&code);
     // SAFETY: matches `kiln_swiglu(const float*, void*, u64, u64, int)`; both buffers were checked
     // to hold `tokens * width` outputs and twice as many inputs.
@@ -199,7 +199,7 @@ pub fn bf16_to_f16(gpu: &Gpu, src: DeviceView, count: usize, out: DeviceView) ->
     }
     let kernel = function(gpu, "kiln_bf16_to_f16")?;
     let n = count as u64;
-    let mut launch = gpu.stream().launch_builder(&kernel);
+    let mut launch = gpu.launch_builder(&kernel);
     launch.arg(&src.ptr).arg(&out.ptr).arg(&n);
     // SAFETY: matches `kiln_bf16_to_f16(const u16*, u16*, u64)`; both hold `count` values.
     unsafe { launch.launch(elementwise_config(count)) }
@@ -216,7 +216,7 @@ pub fn add_bias(gpu: &Gpu, x: DeviceView, bias: DeviceView, tokens: usize, width
     }
     let kernel = function(gpu, "kiln_add_bias")?;
     let (t, w) = (tokens as u64, width as u64);
-    let mut launch = gpu.stream().launch_builder(&kernel);
+    let mut launch = gpu.launch_builder(&kernel);
     launch.arg(&x.ptr).arg(&bias.ptr).arg(&t).arg(&w);
     // SAFETY: matches `kiln_add_bias(float*, const float*, u64, u64)`; lengths checked above.
     unsafe { launch.launch(elementwise_config(tokens * width)) }
@@ -243,7 +243,7 @@ pub fn gather_rows(
     }
     let kernel = function(gpu, "kiln_gather_rows")?;
     let (c, w) = (i32_of("rows", count)?, width as u64);
-    let mut launch = gpu.stream().launch_builder(&kernel);
+    let mut launch = gpu.launch_builder(&kernel);
     launch.arg(&src.ptr).arg(&rows.ptr).arg(&c).arg(&w).arg(&out.ptr);
     // SAFETY: matches `kiln_gather_rows(const float*, const int*, int, u64, float*)`; lengths
     // checked above, row indices bounded by the caller's contract.

@@ -24,7 +24,7 @@
 //! x scaled by a power of two per token and 32 columns: within 2^-22 |x|), the products are
 //! exact and each 32-column step's sums are added in fp32, so the same bound holds.
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 use kiln_core::{DType, Error, Result};
 
 use crate::kernels::{LINEAR, LINEAR_I8};
@@ -594,7 +594,7 @@ pub fn linear_with_scratch(
     let cols = call.cols as i32;
     let row_bytes = (w_bytes / (call.rows * call.epilogue.weight_rows_per_output())) as i64;
     let bias_ptr = bias.map_or(0u64, |b| b.ptr);
-    let mut launch = gpu.stream().launch_builder(&function);
+    let mut launch = gpu.launch_builder(&function);
     launch.arg(&weight.ptr).arg(&bias_ptr).arg(&x_arg).arg(&out.ptr).arg(&rows).arg(&cols).arg(&row_bytes);
     // SAFETY: the arguments match `kiln_linear`'s signature (4 pointers, i32, i32, i64); the
     // weight, x, out and bias views were checked above to hold what the kernel touches for this
@@ -619,7 +619,7 @@ fn int8_quantize(
     let blocks = quads.div_ceil(256).clamp(1, 4 * gpu.facts().multiprocessors as usize) as u32;
     let config = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
     let cols = call.cols as i32; // checked by `defines`
-    let mut launch = gpu.stream().launch_builder(&function);
+    let mut launch = gpu.launch_builder(&function);
     launch.arg(&x.ptr).arg(&scratch.ptr).arg(&cols);
     // SAFETY: the arguments match `kiln_linear_i8_quantize`'s signature (2 pointers, i32); x holds
     // tokens x cols inputs of the call's input dtype and the scratch `int8_scratch_bytes`, 16-byte
@@ -682,7 +682,7 @@ pub fn embed_rows(
     let function = gpu.function(&LINEAR, "kiln_linear_embed", &[("W_T", code.as_str())])?;
     let pieces = cols / piece_size(dtype)?;
     let (vocab, cols, row_bytes, tokens_arg) = (vocab as i64, cols as i32, row as i64, tokens as i64);
-    let mut launch = gpu.stream().launch_builder(&function);
+    let mut launch = gpu.launch_builder(&function);
     launch
         .arg(&table.ptr)
         .arg(&ids.ptr)
@@ -732,7 +732,7 @@ pub fn to_bf16_weights(
     let function = gpu.function(&LINEAR, "kiln_linear_to_bf16", &[("W_T", code.as_str())])?;
     let pieces = cols / piece_size(dtype)?;
     let (rows_arg, cols_arg, row_bytes) = (rows as i64, cols as i32, row as i64);
-    let mut launch = gpu.stream().launch_builder(&function);
+    let mut launch = gpu.launch_builder(&function);
     launch.arg(&src.ptr).arg(&out.ptr).arg(&rows_arg).arg(&cols_arg).arg(&row_bytes);
     // SAFETY: the arguments match `kiln_linear_to_bf16`'s signature (2 pointers, i64, i32, i64);
     // src holds `rows` rows of `row_bytes` and out `rows x cols` bf16, 16-byte aligned, as checked
@@ -753,7 +753,7 @@ pub fn f32_to_bf16(gpu: &Gpu, src: DeviceView, count: usize, out: DeviceView) ->
     check_alignment("out", out, 2)?;
     let function = gpu.function(&LINEAR, "kiln_linear_f32_to_bf16", &[])?;
     let count_arg = count as i64;
-    let mut launch = gpu.stream().launch_builder(&function);
+    let mut launch = gpu.launch_builder(&function);
     launch.arg(&src.ptr).arg(&out.ptr).arg(&count_arg);
     // SAFETY: the arguments match `kiln_linear_f32_to_bf16`'s signature (2 pointers, i64); src
     // holds `count` fp32 and out `count` bf16, aligned, as checked above; the views' owners keep

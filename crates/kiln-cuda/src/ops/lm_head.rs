@@ -7,7 +7,7 @@
 //! tile is the spec's `stats_block` when it asks for statistics.
 
 use cudarc::driver::sys::CUfunction_attribute_enum;
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 use kiln_core::ops::lm_head::{row_bytes, LmHead, MAX_ROWS};
 use kiln_core::{DType, Error, Result};
 
@@ -223,7 +223,7 @@ pub fn lm_head(
     let row_bytes = row as i64;
     let tile = plan.tile as i32;
     let cap = head.soft_cap.unwrap_or(1.0);
-    let mut launch = gpu.stream().launch_builder(&function);
+    let mut launch = gpu.launch_builder(&function);
     launch
         .arg(&h)
         .arg(&weights)

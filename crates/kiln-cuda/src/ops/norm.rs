@@ -6,7 +6,7 @@
 //! NVFP4 output two codes per byte (even element low) plus one E4M3 byte per 16, the FP8 output
 //! one byte per value. The residual, when given, is read and overwritten with `x + residual`.
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 use kiln_core::ops::norm::{Gate, NormKind, NormOutput, NormSpec, RmsNormRounding, WeightMode};
 use kiln_core::ops::primitives::{FloatType, UNIT};
 use kiln_core::ops::quantize::{Quantizer, QUANT_BLOCK};
@@ -329,8 +329,7 @@ pub fn norm(
     let (x, out) = (buffers.x.device_ptr(), buffers.out.device_ptr());
     let (residual, weight, bias) = (ptr(buffers.residual), ptr(buffers.weight), ptr(buffers.bias));
     let (gate, scales) = (ptr(buffers.gate), ptr(buffers.scales));
-    let stream = gpu.stream();
-    let mut launch = stream.launch_builder(&function);
+    let mut launch = gpu.launch_builder(&function);
     launch
         .arg(&x)
         .arg(&residual)

@@ -10,7 +10,7 @@
 //! in the table (that token's heads become zero). The kernel never clears the flag: clear it with
 //! `fill_bytes(0)` and read it with [`read_flag`](crate::ops::embedding::read_flag).
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 use kiln_core::ops::primitives::{FloatType, UNIT};
 use kiln_core::ops::rope::{RopeLayout, RopeSpec, RopeTable};
 use kiln_core::{DType, Error, Result};
@@ -268,7 +268,7 @@ pub fn rope(
     let (cos, sin) = (table.cos.device_ptr(), table.sin.device_ptr());
     let (q_weight, k_weight) = (ptr(buffers.q_norm_weight), ptr(buffers.k_norm_weight));
     let flag = buffers.flag.device_ptr();
-    let mut launch = gpu.stream().launch_builder(&function);
+    let mut launch = gpu.launch_builder(&function);
     launch
         .arg(&q)
         .arg(&k)

@@ -29,7 +29,7 @@
 //!
 //! Every path gives the reference's token; [`SamplePath`] restricts the choice (for tests).
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 use kiln_core::ops::sample::{SamplingParams, NO_TOKEN, PROBABILITY_BITS, WEIGHT_BITS};
 use kiln_core::{Error, Result};
 
@@ -424,7 +424,7 @@ pub fn sample_with_path(
     let (offsets, history, tokens) =
         (buffers.history_offsets.device_ptr(), buffers.history.device_ptr(), buffers.tokens.device_ptr());
     let (vocab, row_stride) = (vocab as i64, buffers.row_stride as i64);
-    let mut launch = gpu.stream().launch_builder(&function);
+    let mut launch = gpu.launch_builder(&function);
     launch
         .arg(&logits)
         .arg(&vocab)
@@ -470,7 +470,7 @@ pub fn sample_with_path(
     // fixed grid, so the three can be captured together).
     let defines = [("THREADS", threads.as_str()), ("PENALTIES", penalties)];
     let mass = gpu.function(&SAMPLE, "kiln_sample_mass", &defines)?;
-    let mut launch = gpu.stream().launch_builder(&mass);
+    let mut launch = gpu.launch_builder(&mass);
     launch
         .arg(&logits)
         .arg(&vocab)
@@ -496,7 +496,7 @@ pub fn sample_with_path(
     // histogram zero between launches (zeroed at allocation, left zero by the kernels).
     unsafe { launch.launch(config) }.map_err(|e| driver_error("cuLaunchKernel(kiln_sample_mass)", e))?;
     let pick = gpu.function(&SAMPLE, "kiln_sample_mass_pick", &defines)?;
-    let mut launch = gpu.stream().launch_builder(&pick);
+    let mut launch = gpu.launch_builder(&pick);
     launch
         .arg(&logits)
         .arg(&vocab)
@@ -522,7 +522,7 @@ pub fn sample_with_path(
     // `indices`) hold FAST_BLOCK_CAP entries per slot.
     unsafe { launch.launch(config) }.map_err(|e| driver_error("cuLaunchKernel(kiln_sample_mass_pick)", e))?;
     let fallback = gpu.function(&SAMPLE, "kiln_sample_mass_fallback", &defines)?;
-    let mut launch = gpu.stream().launch_builder(&fallback);
+    let mut launch = gpu.launch_builder(&fallback);
     launch
         .arg(&logits)
         .arg(&vocab)

@@ -1,0 +1,92 @@
+//! Kernel launches that may overlap the kernel before them (programmatic dependent launch).
+//!
+//! A decode step is hundreds of short kernels in a row; between two of them the GPU drains the
+//! first, then starts the second, and the second's first loads of weights start from an idle
+//! memory system. On sm_90 and later [`Launch`] lets each kernel start while the one before it is
+//! finishing: its blocks request what no kernel writes (weights) and then wait, in the kernel,
+//! with `kiln_wait_prior()` (the prelude) until the kernels before it have finished and their
+//! writes are visible. Every Kiln kernel calls it in every thread before touching anything an
+//! earlier kernel may write, so a kernel launched this way reads the same data, and gives the same
+//! bits, as one launched the ordinary way. CUDA graph capture records the overlap as a
+//! programmatic edge, so captured decode steps keep it.
+//!
+//! Overlap is on by default where the device supports it; [`crate::Gpu::set_overlap_launches`]
+//! or `KILN_OVERLAP_LAUNCHES=0` turns it off (every launch then waits for the one before it).
+
+use std::ffi::c_void;
+use std::marker::PhantomData;
+
+use cudarc::driver::{sys, CudaFunction, DeviceRepr, DriverError, LaunchConfig};
+
+use crate::Gpu;
+
+/// The environment variable that turns overlapping launches off (`0`).
+pub const OVERLAP_ENV: &str = "KILN_OVERLAP_LAUNCHES";
+
+/// Whether a device of compute capability `major.minor` can overlap launches, and the environment
+/// does not turn it off.
+pub(crate) fn overlap_default(major: u32) -> bool {
+    major >= 9 && std::env::var(OVERLAP_ENV).map_or(true, |v| v.trim() != "0")
+}
+
+/// The arguments of one launch of a kernel on [`Gpu::stream`], pushed in the kernel's parameter
+/// order ([`Gpu::launch_builder`]).
+pub struct Launch<'a> {
+    gpu: &'a Gpu,
+    function: &'a CudaFunction,
+    args: Vec<*mut c_void>,
+    _values: PhantomData<&'a ()>,
+}
+
+impl<'a> Launch<'a> {
+    pub(crate) fn new(gpu: &'a Gpu, function: &'a CudaFunction) -> Launch<'a> {
+        Launch { gpu, function, args: Vec::with_capacity(16), _values: PhantomData }
+    }
+
+    /// The next kernel parameter: a plain value (a device pointer is a `u64`).
+    pub fn arg<T: DeviceRepr>(&mut self, value: &'a T) -> &mut Self {
+        self.args.push(value as *const T as *mut c_void);
+        self
+    }
+
+    /// Queues the kernel on the GPU's stream, overlapping the kernel before it when the GPU
+    /// allows ([`Gpu::overlaps_launches`]).
+    ///
+    /// # Safety
+    ///
+    /// The arguments must match the kernel's parameters in number, order and type, every pointer
+    /// must hold what the kernel reads and writes for `config`, and the memory must stay alive
+    /// until the stream has run the kernel. The kernel must call `kiln_wait_prior()` in every
+    /// thread before it touches memory an earlier kernel may write.
+    pub unsafe fn launch(&mut self, config: LaunchConfig) -> Result<(), DriverError> {
+        self.gpu.context().bind_to_thread()?;
+        // SAFETY: the union's other members are unused for this attribute id; zeroed is valid.
+        let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attribute.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attribute.value.programmaticStreamSerializationAllowed = 1;
+        let overlap = self.gpu.overlaps_launches();
+        let launch_config = sys::CUlaunchConfig {
+            gridDimX: config.grid_dim.0,
+            gridDimY: config.grid_dim.1,
+            gridDimZ: config.grid_dim.2,
+            blockDimX: config.block_dim.0,
+            blockDimY: config.block_dim.1,
+            blockDimZ: config.block_dim.2,
+            sharedMemBytes: config.shared_mem_bytes,
+            hStream: self.gpu.stream().cu_stream(),
+            attrs: &mut attribute,
+            numAttrs: u32::from(overlap),
+        };
+        // SAFETY: the configuration and attribute outlive the call; the function belongs to the
+        // GPU's context; the caller vouches for the arguments (see above).
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &launch_config,
+                self.function.cu_function(),
+                self.args.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+    }
+}
