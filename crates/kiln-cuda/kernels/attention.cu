@@ -1,7 +1,8 @@
 // Causal grouped-query attention over the paged KV cache, in the FlashAttention-2 manner: one
-// kernel serves prefill (ragged sequences, chunks after cached positions) and decode (split
-// along the context, flash-decoding, its partials combined in the same launch), plus the K/V
-// append.
+// kernel (kiln_attention) serves prefill (ragged sequences, chunks after cached positions) and
+// decode (split along the context, flash-decoding, its partials combined in the same launch);
+// with STREAMING = 1 the module holds instead the streaming decode kernel (kiln_attention_decode,
+// one query token per sequence, described at its definition); plus the K/V append.
 //
 // Layouts (row-major, indices in elements; see kiln_core::ops::attention and kiln_engine::kv):
 //   q, out        [query_token][q_head][HEAD_DIM] bf16; sequence b's query tokens are
@@ -62,6 +63,10 @@
 #ifndef STAGES
 #define STAGES 2
 #endif
+// 1: compile the streaming decode kernel (kiln_attention_decode) instead of kiln_attention.
+#ifndef STREAMING
+#define STREAMING 0
+#endif
 // Ticket counters of the combine, one per (sequence, row tile, kv head) of a split launch; the
 // launcher refuses a split grid with more groups.
 #define KILN_ATTENTION_TICKETS 65536
@@ -78,16 +83,18 @@
 
 static_assert(HEAD_DIM % 32 == 0, "HEAD_DIM is a multiple of 32");
 static_assert(WARP_KEYS % 16 == 0, "WARP_KEYS is a multiple of 16");
-static_assert((BLOCK_N * CHUNKS_PER_ROW) % THREADS == 0, "a K/V tile splits evenly over the threads");
-static_assert((BLOCK_M * CHUNKS_PER_ROW) % THREADS == 0, "a Q tile splits evenly over the threads");
-// The merge of WARPS_N > 1 reuses the K/V buffers: WARPS_M * WARPS_N * 16 rows of HEAD_DIM + 4 f32.
-static_assert(WARPS_M * WARPS_N * 16 * (HEAD_DIM + 4) * 4 <= 2 * STAGES * BLOCK_N * ROW * 2, "merge fits in K/V");
-static_assert(STAGES >= 2, "at least two stages");
 
 struct alignas(16) kiln_chunk16 { kiln_u32 x, y, z, w; };
 
 // Zero at module load; each launch's last block of a group puts its counter back to zero.
 __device__ kiln_u32 kiln_attention_tickets[KILN_ATTENTION_TICKETS];
+
+#if !STREAMING
+static_assert((BLOCK_N * CHUNKS_PER_ROW) % THREADS == 0, "a K/V tile splits evenly over the threads");
+static_assert((BLOCK_M * CHUNKS_PER_ROW) % THREADS == 0, "a Q tile splits evenly over the threads");
+// The merge of WARPS_N > 1 reuses the K/V buffers: WARPS_M * WARPS_N * 16 rows of HEAD_DIM + 4 f32.
+static_assert(WARPS_M * WARPS_N * 16 * (HEAD_DIM + 4) * 4 <= 2 * STAGES * BLOCK_N * ROW * 2, "merge fits in K/V");
+static_assert(STAGES >= 2, "at least two stages");
 
 // Dynamic shared memory: Q [BLOCK_M][ROW], then K [STAGES][BLOCK_N][ROW], V [STAGES][BLOCK_N][ROW]
 // (bf16).
@@ -457,6 +464,359 @@ extern "C" __global__ void __launch_bounds__(THREADS) kiln_attention(
             kiln_pack_bf16x2(sum.x * inverse, sum.y * inverse), kiln_pack_bf16x2(sum.z * inverse, sum.w * inverse));
     }
 }
+
+#else  // STREAMING
+// ---- The streaming decode kernel (STREAMING = 1) ----------------------------------------------
+// One query token per sequence (a decode step). A block takes one (sequence, kv head, split, row
+// tile of 16 query heads); its WARPS_N warps stream the split's keys in steps of 16 (warp w takes
+// steps w, w + WARPS_N, ...), each warp with its own STREAM_STAGES-deep cp.async pipeline in its
+// own shared memory: no block barrier until the end, and every step of a short split is in flight
+// at once. K and V rows are stored unpadded with chunk c of row r at c ^ (r & 7), so ldmatrix's
+// eight rows of a matrix hit distinct banks. Q lives in registers as mma A fragments (read once
+// from global memory). The page ids of a step are read one step ahead, one per lane and shared
+// by shuffles.
+// End: the warps merge in warp order through shared memory; a split that holds the whole context
+// writes the output, else each split writes its partial and takes a ticket, and the last block of
+// the (sequence, row tile, kv head) combines the partials in split order: the log-sums first, then
+// the outputs weighted by 2^(lse - max), up to COMBINE_BATCH splits in flight per thread.
+// Splits past the context (chunk = the context / splits rounded up to 16) return at once and take
+// no ticket, so the ticket count is the number of splits that hold keys.
+#define STREAM_STAGES 3
+#define STEP_KEYS 16
+#define STEP_ELEMENTS (STEP_KEYS * HEAD_DIM)
+#define STEP_CHUNKS_PER_LANE (STEP_KEYS * CHUNKS_PER_ROW / 32)
+// One warp's shared memory: STREAM_STAGES stages of K then V steps (bf16).
+#define WARP_ELEMENTS (STREAM_STAGES * 2 * STEP_ELEMENTS)
+// The merge rows of a warp (f32, padded by 4 so a quad's float2 stores hit distinct banks).
+#define MERGE_ROW (HEAD_DIM + 4)
+#define MAX_COMBINE_SPLITS 64
+#define COMBINE_BATCH 32
+
+static_assert(WARPS_M == 1 && WARP_KEYS == STEP_KEYS, "the streaming kernel takes 16 rows and steps of 16 keys");
+static_assert(HEAD_DIM % 64 == 0, "rows of at least 8 chunks (the swizzle)");
+static_assert(16 * MERGE_ROW * 4 <= WARP_ELEMENTS * 2, "a warp's merge rows fit in its stages");
+static_assert(MAX_COMBINE_SPLITS * 16 * 4 <= WARPS_N * WARP_ELEMENTS * 2, "the combine's log-sums fit");
+
+// The element offset of chunk `c` (8 bf16) of row `r` in a swizzled step.
+KILN_DEVICE int kiln_step_offset(int r, int c) {
+    return (r * CHUNKS_PER_ROW + (c ^ (r & 7))) * 8;
+}
+
+// Dynamic shared memory: WARPS_N * WARP_ELEMENTS bf16. Two blocks a multiprocessor (the
+// registers of the combine's batch fit that).
+extern "C" __global__ void __launch_bounds__(THREADS, 2) kiln_attention_decode(
+    const kiln_u16* __restrict__ q, const kiln_u16* __restrict__ k_cache, const kiln_u16* __restrict__ v_cache,
+    const kiln_i32* __restrict__ query_offsets, const kiln_i32* __restrict__ context_lens,
+    const kiln_i32* __restrict__ page_offsets, const kiln_u32* __restrict__ page_ids, kiln_u16* __restrict__ out,
+    float* __restrict__ partial_out, float* __restrict__ partial_lse, int q_heads, int kv_heads, int page_shift,
+    float scale_log2, int splits) {
+    kiln_wait_prior();
+    extern __shared__ kiln_chunk16 shared_chunks[];
+    __shared__ float warp_max[WARPS_N][16], warp_sum[WARPS_N][16];
+    __shared__ int is_last_block;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int group = lane >> 2, thread_in_group = lane & 3;
+    const int sequence = blockIdx.z;
+    const int kv_head = blockIdx.y / splits, split = blockIdx.y % splits;
+    const int q_begin = query_offsets[sequence];
+    const int q_len = query_offsets[sequence + 1] - q_begin;
+    const int context = context_lens[sequence];
+    const int total_queries = query_offsets[gridDim.z];
+    const kiln_u32* pages = page_ids + page_offsets[sequence];
+    const int heads_per_group = q_heads / kv_heads;
+    const int row0 = blockIdx.x * 16;
+    const int rows = min(heads_per_group - row0, 16);
+    if (q_len != 1 || context <= 0 || rows <= 0) return;
+
+    // This split's keys [kv_begin, kv_end), in steps of 16; `used` splits hold keys.
+    const int chunk = ((context + splits - 1) / splits + STEP_KEYS - 1) / STEP_KEYS * STEP_KEYS;
+    const int used = (context + chunk - 1) / chunk;
+    if (split >= used) return;
+    const int kv_begin = split * chunk;
+    const int kv_end = min(context, kv_begin + chunk);
+    const int steps = (kv_end - kv_begin + STEP_KEYS - 1) / STEP_KEYS;
+    const int my_steps = warp < steps ? (steps - warp + WARPS_N - 1) / WARPS_N : 0;
+    kiln_u16* stages = reinterpret_cast<kiln_u16*>(shared_chunks) + warp * WARP_ELEMENTS;
+
+    // The page of key (lane % 16) of this warp's step k (0 when the step or key is past the end).
+    auto step_page = [&](int k) -> kiln_u32 {
+        const int position = kv_begin + (warp + k * WARPS_N) * STEP_KEYS + (lane & 15);
+        return (k < my_steps && position < kv_end) ? pages[position >> page_shift] : 0u;
+    };
+    // K and V of step k into `stage`: 16-byte chunks, lanes along a row; keys past kv_end zeroed.
+    auto load_step = [&](int k, int stage, kiln_u32 page) {
+        const int start = kv_begin + (warp + k * WARPS_N) * STEP_KEYS;
+        kiln_u16* k_stage = stages + stage * 2 * STEP_ELEMENTS;
+        kiln_u16* v_stage = k_stage + STEP_ELEMENTS;
+#pragma unroll
+        for (int i = 0; i < STEP_CHUNKS_PER_LANE; ++i) {
+            const int index = lane + 32 * i;
+            const int r = index / CHUNKS_PER_ROW, c = index % CHUNKS_PER_ROW;
+            const kiln_u32 row_page = __shfl_sync(KILN_FULL_MASK, page, r);
+            const int position = start + r;
+            const bool valid = position < kv_end;
+            const kiln_u64 offset =
+                ((((kiln_u64)row_page * kv_heads + kv_head) << page_shift) |
+                 (kiln_u64)(position & ((1 << page_shift) - 1))) *
+                    HEAD_DIM +
+                c * 8;
+            const int smem_offset = kiln_step_offset(r, c);
+            kiln_cp_async_16(kiln_smem_address(k_stage + smem_offset), valid ? k_cache + offset : k_cache, valid);
+            kiln_cp_async_16(kiln_smem_address(v_stage + smem_offset), valid ? v_cache + offset : v_cache, valid);
+        }
+    };
+
+    // The pages of the first STREAM_STAGES steps, then Q, all requested before the first copy
+    // waits on a page id.
+    kiln_u32 first_pages[STREAM_STAGES];
+#pragma unroll
+    for (int k = 0; k < STREAM_STAGES; ++k) first_pages[k] = step_page(k);
+
+    // Q rows as A fragments (rows past the group are zeros): a[e] holds row group + 8 (e & 1),
+    // bf16 pair thread_in_group + 4 (e >> 1) of each 16 columns.
+    kiln_u32 q_fragments[HEAD_DIM / 16][4];
+    {
+        const kiln_u32* q_words = reinterpret_cast<const kiln_u32*>(
+            q + ((kiln_u64)q_begin * q_heads + kv_head * heads_per_group + row0) * HEAD_DIM);
+#pragma unroll
+        for (int kd = 0; kd < HEAD_DIM / 16; ++kd) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = group + (e & 1) * 8;
+                const int word = kd * 8 + thread_in_group + (e >> 1) * 4;
+                q_fragments[kd][e] = r < rows ? q_words[r * (HEAD_DIM / 2) + word] : 0u;
+            }
+        }
+    }
+
+#pragma unroll
+    for (int k = 0; k < STREAM_STAGES; ++k) {
+        if (k < my_steps) load_step(k, k, first_pages[k]);
+        kiln_cp_async_commit();
+    }
+    kiln_u32 next_page = step_page(STREAM_STAGES);
+
+    // Rows group + 8 hold heads only in a group of more than 8.
+    const bool upper_rows = rows > 8;
+    float o[HEAD_DIM / 8][4];
+#pragma unroll
+    for (int n = 0; n < HEAD_DIM / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float row_max[2] = {KILN_NEG_INF, KILN_NEG_INF};  // in units of scale_log2 * q.k
+    float row_sum[2] = {0.0f, 0.0f};                  // this thread's columns only, until the end
+
+    for (int k = 0; k < my_steps; ++k) {
+        const int stage = k % STREAM_STAGES;
+        kiln_cp_async_wait<STREAM_STAGES - 1>();
+        __syncwarp();
+        const kiln_u16* k_stage = stages + stage * 2 * STEP_ELEMENTS;
+        const kiln_u16* v_stage = k_stage + STEP_ELEMENTS;
+
+        // S = Q K^T over the step's 16 keys (two blocks of 8).
+        float s[2][4];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+        for (int kd = 0; kd < HEAD_DIM / 16; kd += 2) {
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const int key = j * 8 + (lane & 7);
+                kiln_u32 b[4];
+                kiln_ldmatrix_x4(b, kiln_smem_address(k_stage + kiln_step_offset(key, kd * 2 + (lane >> 3))));
+                kiln_mma_bf16_16816(s[j], q_fragments[kd], b[0], b[1]);
+                kiln_mma_bf16_16816(s[j], q_fragments[kd + 1], b[2], b[3]);
+            }
+        }
+
+        // Keys past kv_end (only in the split's last step).
+        const int start = kv_begin + (warp + k * WARPS_N) * STEP_KEYS;
+        if (start + STEP_KEYS > kv_end) {
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    if (start + j * 8 + 2 * thread_in_group + (e & 1) >= kv_end) s[j][e] = KILN_NEG_INF;
+                }
+            }
+        }
+
+        // Online softmax (as kiln_attention), the upper rows only where they hold heads.
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            if (h == 1 && !upper_rows) continue;
+            float m = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
+            m = fmaxf(m, __shfl_xor_sync(KILN_FULL_MASK, m, 1));
+            m = fmaxf(m, __shfl_xor_sync(KILN_FULL_MASK, m, 2));
+            const float new_max = fmaxf(row_max[h], m * scale_log2);
+            const float base = new_max == KILN_NEG_INF ? 0.0f : new_max;
+            const float alpha = kiln_exp2_approx(row_max[h] - base);
+            row_max[h] = new_max;
+            row_sum[h] *= alpha;
+#pragma unroll
+            for (int n = 0; n < HEAD_DIM / 8; ++n) {
+                o[n][2 * h] *= alpha;
+                o[n][2 * h + 1] *= alpha;
+            }
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float p = kiln_exp2_approx(fmaf(s[j][2 * h + e], scale_log2, -base));
+                    s[j][2 * h + e] = p;
+                    row_sum[h] += p;
+                }
+            }
+        }
+
+        // O += P V: P from the S accumulators (zeros for rows without heads), V by transposed ldmatrix.
+        const kiln_u32 p[4] = {
+            kiln_pack_bf16x2(s[0][0], s[0][1]),
+            upper_rows ? kiln_pack_bf16x2(s[0][2], s[0][3]) : 0u,
+            kiln_pack_bf16x2(s[1][0], s[1][1]),
+            upper_rows ? kiln_pack_bf16x2(s[1][2], s[1][3]) : 0u,
+        };
+        const int v_key = (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+        for (int nd = 0; nd < HEAD_DIM / 16; ++nd) {
+            kiln_u32 b[4];
+            kiln_ldmatrix_x4_trans(b, kiln_smem_address(v_stage + kiln_step_offset(v_key, nd * 2 + (lane >> 4))));
+            kiln_mma_bf16_16816(o[2 * nd], p, b[0], b[1]);
+            kiln_mma_bf16_16816(o[2 * nd + 1], p, b[2], b[3]);
+        }
+
+        // Every lane is done with the stage: step k + STREAM_STAGES into it, then the page of the
+        // step after that.
+        __syncwarp();
+        if (k + STREAM_STAGES < my_steps) load_step(k + STREAM_STAGES, stage, next_page);
+        kiln_cp_async_commit();
+        next_page = step_page(k + STREAM_STAGES + 1);
+    }
+    kiln_cp_async_wait<0>();
+    __syncwarp();
+
+    // Row sums over the quad, in a fixed order.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        row_sum[h] += __shfl_xor_sync(KILN_FULL_MASK, row_sum[h], 1);
+        row_sum[h] += __shfl_xor_sync(KILN_FULL_MASK, row_sum[h], 2);
+    }
+
+    // Each warp's rows (unnormalized, f32) into its own stages, its maxima and sums beside.
+    float* merge = reinterpret_cast<float*>(stages);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        if (h == 1 && !upper_rows) continue;
+        const int r = group + 8 * h;
+        if (thread_in_group == 0) {
+            warp_max[warp][r] = row_max[h];
+            warp_sum[warp][r] = row_sum[h];
+        }
+#pragma unroll
+        for (int n = 0; n < HEAD_DIM / 8; ++n) {
+            *reinterpret_cast<float2*>(merge + r * MERGE_ROW + n * 8 + 2 * thread_in_group) =
+                make_float2(o[n][2 * h], o[n][2 * h + 1]);
+        }
+    }
+    __syncthreads();
+
+    // The block's rows: the warps merged in warp order (warp 0 holds the split's first keys, so
+    // the maximum is finite), 4 columns per item; the output itself when one split holds the
+    // context, else the partial and its log-sum.
+    const kiln_u64 query_row0 = (kiln_u64)q_begin * q_heads + kv_head * heads_per_group + row0;
+    const kiln_u64 split_stride = (kiln_u64)total_queries * q_heads;
+    const float* merged = reinterpret_cast<const float*>(shared_chunks);
+    for (int item = tid; item < rows * (HEAD_DIM / 4); item += THREADS) {
+        const int r = item / (HEAD_DIM / 4), d = (item % (HEAD_DIM / 4)) * 4;
+        float m = KILN_NEG_INF;
+#pragma unroll
+        for (int w = 0; w < WARPS_N; ++w) m = fmaxf(m, warp_max[w][r]);
+        float sum = 0.0f;
+        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+        for (int w = 0; w < WARPS_N; ++w) {
+            const float f = kiln_exp2_approx(warp_max[w][r] - m);
+            const float4 part = *reinterpret_cast<const float4*>(merged + w * (WARP_ELEMENTS / 2) + r * MERGE_ROW + d);
+            sum = fmaf(warp_sum[w][r], f, sum);
+            acc.x = fmaf(part.x, f, acc.x);
+            acc.y = fmaf(part.y, f, acc.y);
+            acc.z = fmaf(part.z, f, acc.z);
+            acc.w = fmaf(part.w, f, acc.w);
+        }
+        const float inverse = 1.0f / sum;
+        const kiln_u64 query_row = query_row0 + r;
+        if (used == 1) {
+            *reinterpret_cast<uint2*>(out + query_row * HEAD_DIM + d) = make_uint2(
+                kiln_pack_bf16x2(acc.x * inverse, acc.y * inverse), kiln_pack_bf16x2(acc.z * inverse, acc.w * inverse));
+        } else {
+            const kiln_u64 partial_row = split * split_stride + query_row;
+            *reinterpret_cast<float4*>(partial_out + partial_row * HEAD_DIM + d) =
+                make_float4(acc.x * inverse, acc.y * inverse, acc.z * inverse, acc.w * inverse);
+            if (d == 0) partial_lse[partial_row] = m + __log2f(sum);
+        }
+    }
+    if (used == 1) return;
+
+    // The ticket: the last of the `used` blocks of this group to finish combines the partials.
+    __threadfence();
+    __syncthreads();
+    const int ticket_index = (sequence * (int)gridDim.x + (int)blockIdx.x) * kv_heads + kv_head;
+    if (tid == 0) {
+        const kiln_u32 ticket = atomicAdd(&kiln_attention_tickets[ticket_index], 1u);
+        is_last_block = ticket == (kiln_u32)used - 1u;
+        if (is_last_block) kiln_attention_tickets[ticket_index] = 0u;  // every split has taken its ticket
+    }
+    __syncthreads();
+    if (!is_last_block) return;
+    __threadfence();
+
+    // out = sum_s w_s O_s / sum_s w_s, w_s = 2^(lse_s - M), M = max_s lse_s, in split order. The
+    // first batch of this thread's partials is requested before the log-sums are gathered.
+    float* lse = reinterpret_cast<float*>(shared_chunks);  // [used][rows]
+    auto partial = [&](int item, int s) -> float4 {
+        const int r = item / (HEAD_DIM / 4), d = (item % (HEAD_DIM / 4)) * 4;
+        return __ldcg(reinterpret_cast<const float4*>(partial_out + (s * split_stride + query_row0 + r) * HEAD_DIM + d));
+    };
+    const int items = rows * (HEAD_DIM / 4);
+    float4 parts[COMBINE_BATCH];
+#pragma unroll
+    for (int b = 0; b < COMBINE_BATCH; ++b) {
+        if (tid < items && b < used) parts[b] = partial(tid, b);
+    }
+    for (int i = tid; i < used * rows; i += THREADS) {
+        lse[i] = __ldcg(partial_lse + (i / rows) * split_stride + query_row0 + i % rows);
+    }
+    __syncthreads();
+    for (int item = tid; item < items; item += THREADS) {
+        const int r = item / (HEAD_DIM / 4), d = (item % (HEAD_DIM / 4)) * 4;
+        float m = KILN_NEG_INF;
+        for (int s = 0; s < used; ++s) m = fmaxf(m, lse[s * rows + r]);
+        float sum = 0.0f;
+        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (int s0 = 0; s0 < used; s0 += COMBINE_BATCH) {
+            if (s0 > 0 || item != tid) {
+#pragma unroll
+                for (int b = 0; b < COMBINE_BATCH; ++b) {
+                    if (s0 + b < used) parts[b] = partial(item, s0 + b);
+                }
+            }
+#pragma unroll
+            for (int b = 0; b < COMBINE_BATCH; ++b) {
+                if (s0 + b < used) {
+                    const float w = kiln_exp2_approx(lse[(s0 + b) * rows + r] - m);
+                    sum += w;
+                    acc.x = fmaf(parts[b].x, w, acc.x);
+                    acc.y = fmaf(parts[b].y, w, acc.y);
+                    acc.z = fmaf(parts[b].z, w, acc.z);
+                    acc.w = fmaf(parts[b].w, w, acc.w);
+                }
+            }
+        }
+        const float inverse = 1.0f / sum;
+        *reinterpret_cast<uint2*>(out + (query_row0 + r) * HEAD_DIM + d) = make_uint2(
+            kiln_pack_bf16x2(acc.x * inverse, acc.y * inverse), kiln_pack_bf16x2(acc.z * inverse, acc.w * inverse));
+    }
+}
+#endif  // STREAMING
 
 // Writes new tokens' K and V into their slots: k_new, v_new [token][kv_head][HEAD_DIM] bf16,
 // slots[token] = page * page_tokens + slot. One 16-byte chunk per thread, grid-stride.

@@ -12,6 +12,11 @@
 //! (the last split block of each group to finish, by a ticket counter that every launch leaves at
 //! zero); `splits` is chosen from the batch and the heads only ([`decode_splits`]), never from the context length,
 //! so the grid of a decode step is the same at every step.
+//!
+//! Two kernels ([`AttentionKernel`]): the tiled kernel serves every call (prefill, chunked
+//! prefill, decode); the streaming kernel serves decode (one query token per sequence) and is
+//! the default there ([`AttentionVariant::DECODE`]); [`AttentionVariant::DECODE_TILED`] keeps the
+//! tiled kernel's decode of the same shape selectable.
 
 use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::LaunchConfig;
@@ -22,26 +27,51 @@ use crate::kernels::ATTENTION;
 use crate::memory::{DeviceMemory, DeviceView};
 use crate::runtime::{driver_error, Gpu};
 
+/// The kernel of `kernels/attention.cu` a variant runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AttentionKernel {
+    /// `kiln_attention`: block-wide K/V tiles, `STAGES` deep, shared by the block's warps; any
+    /// number of query tokens.
+    Tiled,
+    /// `kiln_attention_decode`: one query token per sequence; each warp streams its own steps of
+    /// 16 keys through its own three-stage pipeline (no block barrier until the end), Q in
+    /// registers, the splits combined by the last block with every partial in flight at once.
+    Streaming,
+}
+
 /// The work split of one thread block: `warps_m` warps of 16 rows each, and `warps_n` warps that
-/// share each tile of `warps_n * warp_keys` keys.
+/// share each tile of `warps_n * warp_keys` keys (the streaming kernel: `warps_n` warps that take
+/// turns over steps of `warp_keys` = 16 keys).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct AttentionVariant {
     pub warps_m: u32,
     pub warps_n: u32,
     pub warp_keys: u32,
+    pub kernel: AttentionKernel,
 }
 
 impl AttentionVariant {
     /// Prefill: 64 rows by 4 warps, 64 keys a tile.
-    pub const PREFILL: AttentionVariant = AttentionVariant { warps_m: 4, warps_n: 1, warp_keys: 64 };
+    pub const PREFILL: AttentionVariant =
+        AttentionVariant { warps_m: 4, warps_n: 1, warp_keys: 64, kernel: AttentionKernel::Tiled };
     /// Prefill: 128 rows by 8 warps, 64 keys a tile.
-    pub const PREFILL_WIDE: AttentionVariant = AttentionVariant { warps_m: 8, warps_n: 1, warp_keys: 64 };
-    /// Decode: 16 rows (the query heads of a group), 4 warps sharing 64 keys a tile.
-    pub const DECODE: AttentionVariant = AttentionVariant { warps_m: 1, warps_n: 4, warp_keys: 16 };
-    /// Decode: as [`AttentionVariant::DECODE`] with 128 keys a tile.
-    pub const DECODE_WIDE: AttentionVariant = AttentionVariant { warps_m: 1, warps_n: 4, warp_keys: 32 };
+    pub const PREFILL_WIDE: AttentionVariant =
+        AttentionVariant { warps_m: 8, warps_n: 1, warp_keys: 64, kernel: AttentionKernel::Tiled };
+    /// Decode (the default): the streaming kernel, 16 rows (the query heads of a group), 4 warps
+    /// each streaming its own steps of 16 keys, three in flight.
+    pub const DECODE: AttentionVariant =
+        AttentionVariant { warps_m: 1, warps_n: 4, warp_keys: 16, kernel: AttentionKernel::Streaming };
+    /// Decode on the tiled kernel: 16 rows, 4 warps sharing 64 keys a tile (the decode default
+    /// before the streaming kernel). Not in [`AttentionVariant::ALL`]: its name
+    /// (`warps_m x warps_n x warp_keys`) is [`AttentionVariant::DECODE`]'s.
+    pub const DECODE_TILED: AttentionVariant =
+        AttentionVariant { warps_m: 1, warps_n: 4, warp_keys: 16, kernel: AttentionKernel::Tiled };
+    /// Decode on the tiled kernel: 16 rows, 4 warps sharing 128 keys a tile.
+    pub const DECODE_WIDE: AttentionVariant =
+        AttentionVariant { warps_m: 1, warps_n: 4, warp_keys: 32, kernel: AttentionKernel::Tiled };
 
-    /// Every variant; the tests run each.
+    /// Every named variant (distinct names); the tests run each, and
+    /// [`AttentionVariant::DECODE_TILED`] beside them.
     pub const ALL: [AttentionVariant; 4] =
         [Self::PREFILL, Self::PREFILL_WIDE, Self::DECODE, Self::DECODE_WIDE];
 
@@ -57,16 +87,27 @@ impl AttentionVariant {
         self.warps_n * self.warp_keys
     }
 
-    /// K/V tiles in flight (the kernel's `STAGES`).
+    /// K/V tiles in flight (the kernel's `STAGES`; the streaming kernel's `STREAM_STAGES` per warp).
     pub fn stages(&self) -> u32 {
-        STAGES
+        match self.kernel {
+            AttentionKernel::Tiled => STAGES,
+            AttentionKernel::Streaming => STREAM_STAGES,
+        }
     }
 
-    /// Dynamic shared memory: Q rows, then [`AttentionVariant::stages`] stages of K and V tiles,
-    /// rows padded by 16 bytes.
+    /// Dynamic shared memory. Tiled: Q rows, then [`AttentionVariant::stages`] stages of K and V
+    /// tiles, rows padded by 16 bytes. Streaming: per warp, [`AttentionVariant::stages`] steps of
+    /// K and V rows (unpadded, swizzled).
     pub fn shared_bytes(&self, head_dim: usize) -> usize {
-        let row = (head_dim + 8) * 2;
-        (self.rows() as usize + 2 * self.stages() as usize * self.keys() as usize) * row
+        match self.kernel {
+            AttentionKernel::Tiled => {
+                let row = (head_dim + 8) * 2;
+                (self.rows() as usize + 2 * self.stages() as usize * self.keys() as usize) * row
+            }
+            AttentionKernel::Streaming => {
+                self.warps_n as usize * self.stages() as usize * 2 * self.warp_keys as usize * head_dim * 2
+            }
+        }
     }
 
     /// The default for a call whose sequences have at most `max_query_tokens` queries.
@@ -79,11 +120,20 @@ impl AttentionVariant {
     }
 
     fn validate(&self, head_dim: usize) -> Result<()> {
-        let served = self.warps_m * self.warps_n <= 8
-            && self.warp_keys.is_multiple_of(16)
-            && self.warp_keys > 0
-            && (self.keys() as usize * head_dim / 8).is_multiple_of(self.threads() as usize)
-            && (self.rows() as usize * head_dim / 8).is_multiple_of(self.threads() as usize);
+        let served = match self.kernel {
+            AttentionKernel::Tiled => {
+                self.warps_m * self.warps_n <= 8
+                    && self.warp_keys.is_multiple_of(16)
+                    && self.warp_keys > 0
+                    && (self.keys() as usize * head_dim / 8).is_multiple_of(self.threads() as usize)
+                    && (self.rows() as usize * head_dim / 8).is_multiple_of(self.threads() as usize)
+            }
+            AttentionKernel::Streaming => {
+                // Four warps: the block shape the kernel's registers (two blocks a
+                // multiprocessor) and the compile check are made for.
+                self.warps_m == 1 && self.warps_n == 4 && self.warp_keys == 16 && head_dim.is_multiple_of(64)
+            }
+        };
         if !served {
             return Err(Error::NotServed { op: "attention kernel", reason: format!("variant {self:?}") });
         }
@@ -91,16 +141,23 @@ impl AttentionVariant {
     }
 }
 
-/// K/V stages of every variant (the kernel's default `STAGES`).
+/// K/V stages of every tiled variant (the kernel's default `STAGES`).
 const STAGES: u32 = 2;
+
+/// Steps in flight per warp of the streaming kernel (its `STREAM_STAGES`).
+const STREAM_STAGES: u32 = 3;
+
+/// Most splits the streaming kernel combines (its `MAX_COMBINE_SPLITS`: the log-sums it gathers
+/// in shared memory); [`decode_splits`] gives at most 64.
+const MAX_STREAMING_SPLITS: u32 = 64;
 
 /// Ticket counters of the combine (`KILN_ATTENTION_TICKETS` in the kernel): one per
 /// (sequence, row tile, kv head) of a split launch. [`decode_splits`] gives 1 split long before
 /// a batch has this many groups.
 const TICKETS: usize = 65_536;
 
-/// Decode blocks of the default variant resident on one multiprocessor (its shared memory,
-/// about 74 KB at head dim 128, fits twice on sm_80 and three times on sm_90).
+/// Decode blocks of the default variant resident on one multiprocessor: its 96 KiB of shared
+/// memory at head dim 128 (and 194 registers a thread) fit twice on sm_90.
 const DECODE_BLOCKS_PER_MULTIPROCESSOR: usize = 2;
 
 /// Head sizes the kernel is compiled for.
@@ -278,13 +335,19 @@ fn check_shape(shape: &AttentionShape) -> Result<u32> {
     Ok(shape.page_tokens.trailing_zeros())
 }
 
-fn defines(head_dim: usize, variant: AttentionVariant) -> [(&'static str, String); 4] {
-    [
+/// The defines of a variant, in the order of `kernels::ATTENTION`'s define sets (`STREAMING`
+/// only for the streaming kernel, so the tiled kernel's modules keep their names).
+fn defines(head_dim: usize, variant: AttentionVariant) -> Vec<(&'static str, String)> {
+    let mut defines = vec![
         ("HEAD_DIM", head_dim.to_string()),
         ("WARPS_M", variant.warps_m.to_string()),
         ("WARPS_N", variant.warps_n.to_string()),
         ("WARP_KEYS", variant.warp_keys.to_string()),
-    ]
+    ];
+    if variant.kernel == AttentionKernel::Streaming {
+        defines.push(("STREAMING", "1".to_owned()));
+    }
+    defines
 }
 
 fn function(
@@ -330,6 +393,23 @@ pub fn attention(
             reason: "between 1 and 1024".into(),
         });
     }
+    if variant.kernel == AttentionKernel::Streaming {
+        if batch.max_query_tokens > 1 {
+            return Err(Error::NotServed {
+                op: "attention kernel",
+                reason: format!(
+                    "{variant:?} takes one query token a sequence, the batch has up to {}",
+                    batch.max_query_tokens
+                ),
+            });
+        }
+        if splits > MAX_STREAMING_SPLITS {
+            return Err(Error::NotServed {
+                op: "attention kernel",
+                reason: format!("{variant:?} combines at most {MAX_STREAMING_SPLITS} splits, not {splits}"),
+            });
+        }
+    }
     let q_bytes = batch.total_queries * shape.q_heads * shape.head_dim * 2;
     let cache_bytes = cache.pages * shape.kv_heads * shape.page_tokens * shape.head_dim * 2;
     check_len("attention q", q.len_bytes(), q_bytes)?;
@@ -356,7 +436,11 @@ pub fn attention(
         return Ok(());
     }
 
-    let kernel = function(gpu, shape.head_dim, variant, "kiln_attention")?;
+    let entry = match variant.kernel {
+        AttentionKernel::Tiled => "kiln_attention",
+        AttentionKernel::Streaming => "kiln_attention_decode",
+    };
+    let kernel = function(gpu, shape.head_dim, variant, entry)?;
     let shared = variant.shared_bytes(shape.head_dim);
     let optin = gpu.facts().shared_memory_per_block_optin_bytes as usize;
     if shared > optin {
@@ -370,7 +454,7 @@ pub fn attention(
             CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             shared as i32,
         )
-        .map_err(|e| driver_error("cuFuncSetAttribute(kiln_attention)", e))?;
+        .map_err(|e| driver_error("cuFuncSetAttribute(attention)", e))?;
     let group = shape.group();
     let row_tiles = (batch.max_query_tokens * group).div_ceil(variant.rows() as usize);
     let grid_y = shape.kv_heads * splits as usize;
@@ -415,7 +499,9 @@ pub fn attention(
         launch.arg(pointer);
     }
     launch.arg(&q_heads).arg(&kv_heads).arg(&page_shift).arg(&scale_log2).arg(&splits_arg);
-    // SAFETY: the arguments match `kiln_attention`'s signature (10 pointers, 3 i32, f32, i32).
+    // SAFETY: the arguments match the signature of `kiln_attention` and `kiln_attention_decode`
+    // (10 pointers, 3 i32, f32, i32); the streaming kernel is given one query token a sequence
+    // and at most MAX_STREAMING_SPLITS splits (checked above).
     // With splits > 1, the grid's (sequence, row tile, kv head) groups index the kernel's
     // `TICKETS` counters in bounds (checked above); launches of this module run in this stream's
     // order, so no two share a counter at once.
@@ -424,7 +510,7 @@ pub fn attention(
     // the scratch were checked above to hold what the kernel touches; the dynamic shared memory
     // was raised to what the launch asks for. All buffers come from this device's pool, which
     // reuses memory only in this stream's order, so they outlive the kernel.
-    unsafe { launch.launch(config) }.map_err(|e| driver_error("cuLaunchKernel(kiln_attention)", e))?;
+    unsafe { launch.launch(config) }.map_err(|e| driver_error("cuLaunchKernel(attention)", e))?;
 
     Ok(())
 }
@@ -500,9 +586,48 @@ mod tests {
                 assert!(variant.shared_bytes(head_dim) <= 227 * 1024, "{variant:?} {head_dim}");
             }
         }
+        AttentionVariant::DECODE_TILED.validate(128).unwrap();
         assert_eq!(AttentionVariant::PREFILL.shared_bytes(128), (64 + 256) * 272);
-        let bad = AttentionVariant { warps_m: 1, warps_n: 1, warp_keys: 8 };
+        assert_eq!(AttentionVariant::DECODE_TILED.shared_bytes(128), (16 + 256) * 272);
+        // The streaming decode: 4 warps x 3 stages x (K + V) x 16 keys x 256 bytes, twice per
+        // sm_90 multiprocessor and within sm_86's 99 KiB opt-in (beside its 516 static bytes).
+        assert_eq!(AttentionVariant::DECODE.shared_bytes(128), 96 * 1024);
+        assert_eq!(AttentionVariant::DECODE.shared_bytes(64), 48 * 1024);
+        assert!(AttentionVariant::DECODE.shared_bytes(128) + 516 <= 99 * 1024);
+        assert_eq!(AttentionVariant::default_for(1), AttentionVariant::DECODE);
+        let bad = AttentionVariant { warps_m: 1, warps_n: 1, warp_keys: 8, kernel: AttentionKernel::Tiled };
         assert!(matches!(bad.validate(128), Err(Error::NotServed { .. })));
+        for bad in [
+            AttentionVariant { warps_m: 2, ..AttentionVariant::DECODE },
+            AttentionVariant { warp_keys: 32, ..AttentionVariant::DECODE },
+            AttentionVariant { warps_n: 8, ..AttentionVariant::DECODE },
+        ] {
+            assert!(matches!(bad.validate(128), Err(Error::NotServed { .. })), "{bad:?}");
+        }
+        // Names (warps_m x warps_n x warp_keys) are distinct within ALL.
+        let names: std::collections::HashSet<(u32, u32, u32)> =
+            AttentionVariant::ALL.iter().map(|v| (v.warps_m, v.warps_n, v.warp_keys)).collect();
+        assert_eq!(names.len(), AttentionVariant::ALL.len());
+    }
+
+    #[test]
+    fn defines_name_the_compiled_define_sets() {
+        // The launcher's defines are one of kernels::ATTENTION's sets, so the compile check
+        // covers every variant the launcher builds.
+        for variant in AttentionVariant::ALL.into_iter().chain([AttentionVariant::DECODE_TILED]) {
+            for head_dim in HEAD_DIMS {
+                let defines = defines(head_dim, variant);
+                let declared = ATTENTION.define_sets.iter().any(|set| {
+                    set.len() == defines.len()
+                        && set.iter().zip(&defines).all(|((k, v), (dk, dv))| k == dk && v == dv)
+                });
+                let compiled_for_all_heads =
+                    variant != AttentionVariant::PREFILL_WIDE && variant != AttentionVariant::DECODE_WIDE;
+                if compiled_for_all_heads || head_dim == 128 {
+                    assert!(declared, "{variant:?} at head dim {head_dim}: {defines:?}");
+                }
+            }
+        }
     }
 
     #[test]
