@@ -1495,3 +1495,592 @@ kiln_sample(const float* __restrict__ logits, long long vocab, long long row_str
                           stats, stats_per_row, tokens);
     }
 }
+
+// ---- The fused path ---------------------------------------------------------------------------
+//
+// Serves greedy rows and rows with 1 <= top_k <= FUSED_KMAX (with any temperature, top-p, min-p
+// and penalties) in one launch of `kiln_sample_fused` on a (slices, rows) grid, with about one
+// block per multiprocessor at batch 1. Where the microseconds went on the lists path: its blocks
+// selected their local top-k with three 2048-bin radix levels and a dozen block scans, and its
+// last block pruned the union of the lists by the best block's k-th token, which for a flat tail
+// (every block's k-th far below the row's) left thousands of candidates to select again, serially.
+// Here:
+//   1. Block (s, r) loads slice s once (every load in flight), applies the penalties of the
+//      history tokens in it, and finds its local top-k with one 256-bin histogram of the distance
+//      below the slice maximum d = M - x (bins of the float bits of d: 3 mantissa bits, so the
+//      bins are narrow near the maximum, where the top-k lies). d is monotone in the order key,
+//      so every token of a lower bin comes earlier in the order, and the bin that holds the k-th
+//      token bounds a superset of the local top-k (a few tokens more). Only when that bin holds
+//      too many tokens (ties, a +inf maximum) do radix levels over the packed (key, index) follow,
+//      down to the exact k-th if need be. The superset is ranked in shared memory and the block
+//      writes its exact local top-k *in the order*, as packed (key, ~index) u64.
+//   2. The last block of the row (an atomic ticket, reset by that block) bounds the row's k-th
+//      token from below by the k-th largest of the lists' first h entries (h * slices >= k: the
+//      slices' maxima at batch 1) and by the best block's k-th, both k distinct tokens of the row,
+//      so every token of the row's top-k is at or above the bound. The lists are sorted, so it
+//      reads each list only down to the bound (usually k + a few tokens in all), ranks those, and
+//      finishes on the top-k in the order: weights from the first, top-p by a scan in rank order,
+//      min-p, and the draw by prefix sums in index order.
+// Every quantity is an integer or the reference's fp32 operation on the same value (a value is
+// recovered exactly from its order key; -0.0 comes back as +0.0, which gives the same weights),
+// so the token is the reference's whatever the slices and the order of the atomics. A row whose
+// candidates overflow the last block's buffers (ties across many slices) is sampled by that block
+// on the single-block path. Rows the fused code does not serve take step 1 of the mass path
+// (when the launcher runs it) or the single-block path.
+
+#define FUSED_KMAX 256            // the largest top-k the fused path serves
+#define FUSED_SLICE_MAX 8192      // logits one block holds
+#define FUSED_LIST_CAP 512        // a block's superset of its local top-k
+#define FUSED_BINS 256            // histogram bins (of d, then of the packed key's bytes)
+#define FUSED_BIN_BASE 856        // (127 - 20) << 3: d below 2^-20 shares bin 0 with d = 0
+#define FUSED_HEAD_CAP 512        // the lists' first entries the last block stages
+#define FUSED_SURV_CAP 2048       // tokens at or above the bound the last block ranks
+#define FUSED_RANK_MAX 512        // ranked by counting up to this many, by a bitonic sort above
+#define FUSED_OVERFLOW 1
+#if THREADS < FUSED_KMAX
+#error "the fused path needs THREADS >= FUSED_KMAX (one thread per top-k token)"
+#endif
+
+struct FusedShared {
+    // The slice; in the last block: the staged heads [0, HEAD_CAP), the survivors
+    // [HEAD_CAP, HEAD_CAP + SURV_CAP) and three u32 arrays of THREADS (per-list state) after them.
+    union {
+        float vals[FUSED_SLICE_MAX];
+        kiln_u64 buf[FUSED_SLICE_MAX / 2];
+    };
+    kiln_u64 list[FUSED_LIST_CAP];  // the block's superset; in the last block, the top-k in order
+    kiln_u32 bins[FUSED_BINS];
+    kiln_u64 warp_u64[SAMPLE_WARPS];
+    kiln_u32 warp_u32[SAMPLE_WARPS];
+    kiln_u64 best, bound;
+    kiln_u32 valid, listed, chosen, above, count, nopen, nsurv, total;
+    int last;
+};
+static_assert((FUSED_HEAD_CAP + FUSED_SURV_CAP) * 8 + 3 * THREADS * 4 <= FUSED_SLICE_MAX * 4,
+              "the last block's arrays fit in the slice buffer");
+static_assert(2 * FUSED_LIST_CAP >= THREADS, "the last block's open lists (u32) fit in `list`");
+
+// The float of an order key (not 0): exact, but -0.0 comes back as +0.0.
+__device__ __forceinline__ float fused_value(kiln_u32 key) {
+    return __uint_as_float((key & 0x80000000u) ? (key & 0x7FFFFFFFu) : ~key);
+}
+
+// The bin of a token of value x <= M (not NaN) below the slice maximum M: non-decreasing in
+// M - x, so a lower bin holds only tokens earlier in the order, and equal values share a bin.
+__device__ __forceinline__ int fused_dbin(float x, float M) {
+    const float d = x == M ? 0.0f : M - x;  // >= 0; +inf below a +inf maximum or at -inf
+    const int b = (int)(__float_as_uint(d) >> 20) - FUSED_BIN_BASE;
+    return min(max(b, 0), FUSED_BINS - 1);
+}
+
+// Adds one to bins[bin] for the lanes with bin >= 0; lanes with the same bin as the warp's first
+// such lane add together (a row of ties lands in one bin).
+__device__ __forceinline__ void fused_count(kiln_u32* bins, int bin) {
+    const kiln_u32 active = __ballot_sync(KILN_FULL_MASK, bin >= 0);
+    if (active == 0u) return;
+    const int leader_bin = __shfl_sync(KILN_FULL_MASK, bin, __ffs(active) - 1);
+    const kiln_u32 same = __ballot_sync(KILN_FULL_MASK, bin >= 0 && bin == leader_bin);
+    const int lane = threadIdx.x & 31;
+    if (bin >= 0 && bin == leader_bin) {
+        if (lane == __ffs(same) - 1) atomicAdd(&bins[bin], (kiln_u32)__popc(same));
+    } else if (bin >= 0) {
+        atomicAdd(&bins[bin], 1u);
+    }
+}
+
+// One warp (warp 0) finds the first bin, in the order (bin 0 first, or bin 255 first when
+// `descending`), at which the running count reaches `target` (>= 1, at most the total): its
+// index in sh.chosen, `base` plus the count before it in sh.above, its count in sh.count.
+// Followed by a barrier of the whole block.
+__device__ __forceinline__ void fused_pick(FusedShared& sh, bool descending, kiln_u32 target, kiln_u32 base) {
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        kiln_u32 sum = 0u;
+#pragma unroll
+        for (int q = 0; q < FUSED_BINS / 32; ++q) {
+            const int o = lane * (FUSED_BINS / 32) + q;
+            sum += sh.bins[descending ? FUSED_BINS - 1 - o : o];
+        }
+        kiln_u32 inclusive = sum;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const kiln_u32 n = __shfl_up_sync(KILN_FULL_MASK, inclusive, o);
+            if (lane >= o) inclusive += n;
+        }
+        const kiln_u32 before = inclusive - sum;
+        if (before < target && inclusive >= target) {
+            kiln_u32 acc = before;
+            for (int q = 0; q < FUSED_BINS / 32; ++q) {
+                const int o = lane * (FUSED_BINS / 32) + q;
+                const int b = descending ? FUSED_BINS - 1 - o : o;
+                const kiln_u32 c = sh.bins[b];
+                if (acc + c >= target) {
+                    sh.chosen = (kiln_u32)b;
+                    sh.above = base + acc;
+                    sh.count = c;
+                    break;
+                }
+                acc += c;
+            }
+        }
+    }
+    __syncthreads();
+}
+
+// Appends `e` (when `take`) to out[] at a slot taken from `*counter` (one atomic per warp);
+// entries past `cap` are counted, not written.
+__device__ __forceinline__ void fused_append(bool take, kiln_u64 e, kiln_u64* out, kiln_u32* counter, kiln_u32 cap) {
+    const kiln_u32 mask = __ballot_sync(KILN_FULL_MASK, take);
+    if (mask == 0u) return;
+    const int lane = threadIdx.x & 31, leader = __ffs(mask) - 1;
+    kiln_u32 at = 0u;
+    if (lane == leader) at = atomicAdd(counter, (kiln_u32)__popc(mask));
+    at = __shfl_sync(KILN_FULL_MASK, at, leader) + (kiln_u32)__popc(mask & ((1u << lane) - 1u));
+    if (take && at < cap) out[at] = e;
+}
+
+// For each nonzero entry e of a[0, n) (distinct), f(e, rank) with rank the count of entries
+// above it: g threads (a power of two within a warp) per entry, g as large as the block allows.
+template <class F> __device__ __forceinline__ void fused_rank(const kiln_u64* a, int n, F f) {
+    int g = 1;
+    while (g < 32 && 2 * g * n <= THREADS) g <<= 1;
+    const int per_round = THREADS / g;
+    for (int base = 0; base < n; base += per_round) {
+        const int j = base + (int)threadIdx.x / g, part = (int)threadIdx.x & (g - 1);
+        const kiln_u64 e = j < n ? a[j] : 0ull;
+        kiln_u32 rank = 0u;
+        for (int i = part; i < n; i += g) rank += a[i] > e ? 1u : 0u;
+        for (int o = g >> 1; o > 0; o >>= 1) rank += __shfl_xor_sync(KILN_FULL_MASK, rank, o);
+        if (j < n && part == 0 && e != 0ull) f(e, rank);
+    }
+}
+
+// Sorts a[0, size) descending in place (size a power of two, THREADS-strided pairs).
+__device__ __forceinline__ void fused_bitonic(kiln_u64* a, int size) {
+    for (int k = 2; k <= size; k <<= 1) {
+        for (int stride = k >> 1; stride > 0; stride >>= 1) {
+            for (int t = threadIdx.x; t < size / 2; t += THREADS) {
+                const int i = 2 * t - (t & (stride - 1));
+                const kiln_u64 x = a[i], y = a[i + stride];
+                if ((i & k) == 0 ? x < y : x > y) {
+                    a[i] = y;
+                    a[i + stride] = x;
+                }
+            }
+            __syncthreads();
+        }
+    }
+}
+
+// The block's sum of a u32 (every thread gets it).
+__device__ __forceinline__ kiln_u32 fused_sum(kiln_u32 v, FusedShared& sh) {
+    kiln_u32 total;
+    fast_scan(v, sh.warp_u32, total);
+    return total;
+}
+
+// The block's largest u64 (every thread gets it).
+__device__ __forceinline__ kiln_u64 fused_max(kiln_u64 v, FusedShared& sh) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const kiln_u64 n = __shfl_xor_sync(KILN_FULL_MASK, v, o);
+        v = n > v ? n : v;
+    }
+    if (threadIdx.x == 0) sh.best = 0ull;
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0 && v != 0ull) atomicMax(&sh.best, v);
+    __syncthreads();
+    const kiln_u64 out = sh.best;
+    __syncthreads();
+    return out;
+}
+
+// The scratch of the fused path (`SampleScratch`): for row r and block s, slot r * slots + s of
+// `counts` (entries in the list) and the list at `lists + slot * FUSED_KMAX` (packed (key, ~index),
+// descending: the block's top tokens in the order). `tickets` (one per row) is zero on entry and
+// left zero.
+struct FusedWork {
+    kiln_u32* tickets;
+    kiln_u32* counts;
+    kiln_u64* lists;
+    int slots;
+    long long slice_len;
+};
+
+// Block (s, r) of a fused row. Returns FUSED_OVERFLOW in the last block of a row whose candidates
+// overflow its buffers (the caller then samples the row on the single-block path), else 0.
+__device__ __forceinline__ int sample_row_fused(int r, kiln_u32 k, bool penalties, const float* __restrict__ x,
+                                               long long vocab, const KilnSampleParams* __restrict__ p,
+                                               const kiln_u64* __restrict__ steps, kiln_u32 h0, kiln_u32 h1,
+                                               const kiln_u32* __restrict__ history, kiln_u32* __restrict__ counts,
+                                               kiln_u32* __restrict__ tokens, const FusedWork& work) {
+    __shared__ FusedShared sh;
+    const int s = blockIdx.x;
+    const long long lo = (long long)s * work.slice_len;
+    const long long hi_raw = lo + work.slice_len < vocab ? lo + work.slice_len : vocab;
+    const int n = hi_raw > lo ? (int)(hi_raw - lo) : 0;  // the launcher keeps n <= FUSED_SLICE_MAX
+    {
+        constexpr int PER = FUSED_SLICE_MAX / THREADS;
+        float v[PER];
+#pragma unroll
+        for (int u = 0; u < PER; ++u) {
+            const int i = u * THREADS + (int)threadIdx.x;
+            v[u] = i < n ? __ldg(&x[lo + i]) : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < PER; ++u) {
+            const int i = u * THREADS + (int)threadIdx.x;
+            if (i < n) sh.vals[i] = v[u];
+        }
+    }
+    if (threadIdx.x == 0) {
+        sh.best = 0ull;
+        sh.valid = 0u;
+        sh.listed = 0u;
+    }
+    for (int b = threadIdx.x; b < FUSED_BINS; b += THREADS) sh.bins[b] = 0u;
+    __syncthreads();
+    if (penalties) {
+        // As on the lists path: the history tokens of this slice, counted in `counts` (zero on
+        // entry and on exit), the penalty applied by the thread that takes a token's count.
+        kiln_u32* count = counts + (long long)r * vocab;
+        for (kiln_u32 j = h0 + threadIdx.x; j < h1; j += THREADS) {
+            const kiln_u32 t = history[j];
+            if ((long long)t >= lo && (long long)t < lo + n) atomicAdd(&count[t], 1u);
+        }
+        __syncthreads();
+        for (kiln_u32 j = h0 + threadIdx.x; j < h1; j += THREADS) {
+            const kiln_u32 t = history[j];
+            if ((long long)t < lo || (long long)t >= lo + n) continue;
+            const kiln_u32 c = atomicExch(&count[t], 0u);
+            if (c) {
+                const float l = sh.vals[t - lo];
+                const float v = l > 0.0f ? l / p->repetition : l * p->repetition;
+                sh.vals[t - lo] = v - (((float)c * p->frequency) + p->presence);
+            }
+        }
+        __syncthreads();
+    }
+
+    // The slice's maximum and candidates (not NaN).
+    {
+        kiln_u64 best = 0ull;
+        kiln_u32 valid = 0u;
+        for (int j = threadIdx.x; j < n; j += THREADS) {
+            const kiln_u32 key = sample_order_key(sh.vals[j]);
+            if (key != 0u) {
+                ++valid;
+                const kiln_u64 packed = fast_pack(key, (kiln_u32)(lo + j));
+                best = packed > best ? packed : best;
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const kiln_u64 other = __shfl_xor_sync(KILN_FULL_MASK, best, o);
+            best = other > best ? other : best;
+        }
+        valid = __reduce_add_sync(KILN_FULL_MASK, valid);
+        if ((threadIdx.x & 31) == 0) {
+            if (best != 0ull) atomicMax(&sh.best, best);
+            if (valid != 0u) atomicAdd(&sh.valid, valid);
+        }
+        __syncthreads();
+    }
+    const kiln_u64 slice_best = sh.best;
+    const kiln_u32 valid = sh.valid;
+    const long long slot = (long long)r * work.slots + s;
+    kiln_u64* out = work.lists + slot * FUSED_KMAX;
+    kiln_u32 written = 0u;
+    if (valid != 0u && k == 1u) {
+        if (threadIdx.x == 0) out[0] = slice_best;
+        written = 1u;
+    } else if (valid != 0u) {
+        // The selection: a token is listed when its d-bin is below `dbin`, or equal to it and
+        // (when the radix levels ran) its packed key's bits above `shift` at least `prefix`'s.
+        int dbin = FUSED_BINS - 1;
+        int shift = 64;
+        kiln_u64 prefix = 0ull;
+        const float M = fused_value((kiln_u32)(slice_best >> 32));
+        const int n_warps = (n + 31) & ~31;  // whole warps in the loops below (warp-wide votes)
+        if (valid > k) {
+            for (int j = threadIdx.x; j < n_warps; j += THREADS) {
+                int bin = -1;
+                if (j < n) {
+                    const float v = sh.vals[j];
+                    if (sample_order_key(v) != 0u) bin = fused_dbin(v, M);
+                }
+                fused_count(sh.bins, bin);
+            }
+            __syncthreads();
+            fused_pick(sh, false, k, 0u);
+            dbin = (int)sh.chosen;
+            kiln_u32 above = sh.above;
+            bool done = above + sh.count <= FUSED_LIST_CAP;
+            // Rare: the bin is crowded. Radix levels of 8 bits over the packed (key, ~index) of
+            // the bin's tokens, until the tokens at or above the chosen prefix fit (at the last
+            // level, exactly k).
+            while (!done) {
+                shift -= 8;
+                const kiln_u64 high = shift == 56 ? 0ull : (~0ull << (shift + 8));
+                __syncthreads();  // every thread has read sh.* of the level before
+                for (int b = threadIdx.x; b < FUSED_BINS; b += THREADS) sh.bins[b] = 0u;
+                __syncthreads();
+                for (int j = threadIdx.x; j < n_warps; j += THREADS) {
+                    int digit = -1;
+                    if (j < n) {
+                        const float v = sh.vals[j];
+                        const kiln_u32 key = sample_order_key(v);
+                        if (key != 0u && fused_dbin(v, M) == dbin) {
+                            const kiln_u64 packed = fast_pack(key, (kiln_u32)(lo + j));
+                            if ((packed & high) == prefix) digit = (int)((packed >> shift) & 0xFFull);
+                        }
+                    }
+                    fused_count(sh.bins, digit);
+                }
+                __syncthreads();
+                fused_pick(sh, true, k - above, above);
+                prefix |= (kiln_u64)sh.chosen << shift;
+                above = sh.above;
+                done = above + sh.count <= FUSED_LIST_CAP || shift == 0;
+            }
+        }
+        for (int j = threadIdx.x; j < n_warps; j += THREADS) {
+            bool take = false;
+            kiln_u64 packed = 0ull;
+            if (j < n) {
+                const float v = sh.vals[j];
+                const kiln_u32 key = sample_order_key(v);
+                if (key != 0u) {
+                    packed = fast_pack(key, (kiln_u32)(lo + j));
+                    const int b = fused_dbin(v, M);
+                    take = b < dbin || (b == dbin && (shift == 64 || (packed >> shift) >= (prefix >> shift)));
+                }
+            }
+            fused_append(take, packed, sh.list, &sh.listed, FUSED_LIST_CAP);
+        }
+        __syncthreads();
+        // The superset ranked: its first k entries, in the order, are the slice's top-k.
+        const int listed = (int)sh.listed;  // <= FUSED_LIST_CAP by the selection
+        written = min((kiln_u32)listed, k);
+        fused_rank(sh.list, listed, [&](kiln_u64 e, kiln_u32 rank) {
+            if (rank < written) out[rank] = e;
+        });
+    }
+    if (threadIdx.x == 0) work.counts[slot] = written;
+
+    // The last block of the row to finish goes on; every thread fences its own writes first.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const kiln_u32 ticket = atomicAdd(&work.tickets[r], 1u);
+        sh.last = ticket == gridDim.x - 1u;
+        if (sh.last) {
+            work.tickets[r] = 0u;  // every block of the row has taken its ticket
+            __threadfence();
+        }
+    }
+    __syncthreads();
+    if (!sh.last) return 0;
+
+    const int blocks = (int)gridDim.x;  // <= THREADS (launcher)
+    const kiln_u64* lists = work.lists + (long long)r * work.slots * FUSED_KMAX;
+    const bool owner = (int)threadIdx.x < blocks;  // thread b owns list b
+    const kiln_u32 c = owner ? __ldcg(&work.counts[(long long)r * work.slots + threadIdx.x]) : 0u;
+    kiln_u64* heads = sh.buf;
+    kiln_u64* surv = sh.buf + FUSED_HEAD_CAP;
+    kiln_u32* pos = reinterpret_cast<kiln_u32*>(sh.buf + FUSED_HEAD_CAP + FUSED_SURV_CAP);
+    kiln_u32* cnt = pos + THREADS;
+    kiln_u32* more = cnt + THREADS;
+    kiln_u32* open_list = reinterpret_cast<kiln_u32*>(sh.list);
+    if (owner) cnt[threadIdx.x] = c;  // published by the barriers of the sums below
+    if (k == 1u) {
+        // Greedy (or top-k 1): the best of the slices' maxima.
+        const kiln_u64 best = fused_max(c != 0u ? __ldcg(&lists[(long long)threadIdx.x * FUSED_KMAX]) : 0ull, sh);
+        if (threadIdx.x == 0) tokens[r] = best != 0ull ? 0xFFFFFFFFu - (kiln_u32)best : NO_TOKEN;
+        return 0;
+    }
+    const kiln_u32 total = fused_sum(c, sh);
+    if (total == 0u) {  // every logit of the row is NaN
+        if (threadIdx.x == 0) tokens[r] = NO_TOKEN;
+        return 0;
+    }
+    // The bound: every token of the row's top-k is at or above it (0 when the row has at most k
+    // candidates: every listed token is kept).
+    kiln_u64 bound = 0ull;
+    int h = 0;
+    if (total > k) {
+        // The best block's k-th token.
+        const kiln_u64 kth = c == k ? __ldcg(&lists[(long long)threadIdx.x * FUSED_KMAX + (k - 1u)]) : 0ull;
+        const kiln_u64 local = fused_max(kth, sh);
+        // The k-th largest of the lists' first h entries, h the least from ceil(k / blocks) up
+        // (doubling) with at least k of them.
+        h = (int)((k + (kiln_u32)blocks - 1u) / (kiln_u32)blocks);
+        while (fused_sum(min(c, (kiln_u32)h), sh) < k) h = min(2 * h, (int)k);
+        if (blocks * h > FUSED_HEAD_CAP) return FUSED_OVERFLOW;
+        for (int e = threadIdx.x; e < blocks * h; e += THREADS) {
+            const int b = e / h, i = e - b * h;
+            heads[e] = (kiln_u32)i < cnt[b] ? __ldcg(&lists[(long long)b * FUSED_KMAX + i]) : 0ull;
+        }
+        if (threadIdx.x == 0) sh.bound = 0ull;
+        __syncthreads();
+        fused_rank(heads, blocks * h, [&](kiln_u64 e, kiln_u32 rank) {
+            if (rank == k - 1u) sh.bound = e;
+        });
+        __syncthreads();
+        bound = sh.bound > local ? sh.bound : local;
+    }
+
+    // The survivors: every list down to the bound. First the staged heads, then rounds in which
+    // each list still at or above the bound reads its next entries (the open lists share the
+    // block's threads).
+    if (threadIdx.x == 0) sh.nsurv = 0u;
+    __syncthreads();
+    for (int base = 0; base < blocks * h; base += THREADS) {
+        const int e = base + (int)threadIdx.x;
+        const kiln_u64 v = e < blocks * h ? heads[e] : 0ull;
+        fused_append(v != 0ull && v >= bound, v, surv, &sh.nsurv, FUSED_SURV_CAP);
+    }
+    if (owner) {
+        const kiln_u32 staged = min(c, (kiln_u32)h);
+        pos[threadIdx.x] = staged;
+        more[threadIdx.x] = c > staged && (staged == 0u || heads[threadIdx.x * h + staged - 1u] >= bound) ? 1u : 0u;
+    }
+    for (;;) {
+        if (threadIdx.x == 0) sh.nopen = 0u;
+        __syncthreads();
+        if (owner && more[threadIdx.x] != 0u) open_list[atomicAdd(&sh.nopen, 1u)] = threadIdx.x;
+        __syncthreads();
+        const int open = (int)sh.nopen;
+        if (open == 0) break;
+        const int q = THREADS / open;
+        const int t = threadIdx.x;
+        bool take = false;
+        kiln_u64 v = 0ull;
+        if (t < open * q) {
+            const int b = (int)open_list[t / q];
+            const kiln_u32 i = pos[b] + (kiln_u32)(t % q);
+            if (i < cnt[b]) {
+                v = __ldcg(&lists[(long long)b * FUSED_KMAX + i]);
+                take = v >= bound;
+            }
+            if (t % q == q - 1) more[b] = take && i + 1u < cnt[b] ? 1u : 0u;
+        }
+        fused_append(take, v, surv, &sh.nsurv, FUSED_SURV_CAP);
+        __syncthreads();
+        if (owner && more[threadIdx.x] != 0u) pos[threadIdx.x] += (kiln_u32)q;
+        if (owner && pos[threadIdx.x] >= cnt[threadIdx.x]) more[threadIdx.x] = 0u;
+    }
+    // `more` of an open list is written by its chunk's last thread in the round and read by its
+    // owner after the barrier; a list that closed keeps 0.
+    const int m_n = (int)sh.nsurv;
+    if (m_n > FUSED_SURV_CAP) return FUSED_OVERFLOW;
+
+    // The top-k in the order, into sh.list.
+    const int kk = min((int)k, m_n);
+    kiln_u64* top = sh.list;
+    if (m_n <= FUSED_RANK_MAX) {
+        fused_rank(surv, m_n, [&](kiln_u64 e, kiln_u32 rank) {
+            if ((int)rank < kk) top[rank] = e;
+        });
+    } else {
+        int size = 1;
+        while (size < m_n) size <<= 1;
+        for (int j = m_n + (int)threadIdx.x; j < size; j += THREADS) surv[j] = 0ull;
+        __syncthreads();
+        fused_bitonic(surv, size);
+        for (int j = threadIdx.x; j < kk; j += THREADS) top[j] = surv[j];
+    }
+    __syncthreads();
+
+    // Token j of the order (thread j): its weight from the first; top-p in rank order; min-p;
+    // the draw in index order.
+    const int j = threadIdx.x;
+    const bool mine = j < kk;
+    const kiln_u64 e = mine ? top[j] : 0ull;
+    const float v = fused_value((kiln_u32)(e >> 32));
+    float m = fused_value((kiln_u32)(top[0] >> 32)) / p->temperature;
+    m = fminf(fmaxf(m, -3.40282347e38f), 3.40282347e38f);
+    const kiln_u32 w = mine ? sample_weight(v, p->temperature, m) : 0u;
+    kiln_u64 mass;
+    const kiln_u64 before = fast_scan((kiln_u64)w, sh.warp_u64, mass);
+    bool kept = mine;
+    if (p->top_p_units < (1u << 24)) {
+        // max(1, ceil(mass * p_units / 2^24)), exact in 128 bits; the cutoff is the first rank
+        // whose inclusive mass reaches it.
+        const kiln_u64 lo_p = mass * (kiln_u64)p->top_p_units, hi_p = __umul64hi(mass, (kiln_u64)p->top_p_units);
+        const kiln_u64 add = lo_p + 0xFFFFFFull;
+        const kiln_u64 carry = add < lo_p ? 1ull : 0ull;
+        kiln_u64 target = (add >> 24) | ((hi_p + carry) << 40);
+        if (target == 0ull) target = 1ull;
+        kept = mine && before < target;
+    }
+    const kiln_u32 kw = kept && w >= p->min_weight ? w : 0u;
+    kiln_u32* kept_weight = reinterpret_cast<kiln_u32*>(surv);  // the survivors are no longer read
+    kiln_u32* kept_index = kept_weight + FUSED_KMAX;
+    const kiln_u32 index = 0xFFFFFFFFu - (kiln_u32)e;
+    if (mine) {
+        kept_weight[j] = kw;
+        kept_index[j] = index;
+    }
+    kiln_u64 kept_mass;
+    fast_scan((kiln_u64)kw, sh.warp_u64, kept_mass);  // its barriers publish kept_*
+    const kiln_u64 u = sample_uniform(p->seed, steps[r], p->stream);
+    const kiln_u64 target = __umul64hi(u, kept_mass);  // < kept_mass: the first token is kept
+    kiln_u64 inclusive = 0ull;
+    if (kw != 0u) {
+        for (int i = 0; i < kk; ++i) inclusive += kept_index[i] <= index ? (kiln_u64)kept_weight[i] : 0ull;
+    }
+    if (threadIdx.x == 0) tokens[r] = NO_TOKEN;
+    __syncthreads();
+    if (kw != 0u && inclusive - kw <= target && target < inclusive) tokens[r] = index;
+    return 0;
+}
+
+// One launch: grid (slices, rows). Fused rows (greedy, or 1 <= top_k <= FUSED_KMAX) use every
+// block of their row; with `mass_path`, rows at temperature > 0 without top-k take step 1 of the
+// mass path on its own slices (blocks below their count), `kiln_sample_mass` and
+// `kiln_sample_mass_pick` following; every other row (and greedy rows read from the LM head's
+// statistics) runs on block 0 alone.
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+kiln_sample_fused(const float* __restrict__ logits, long long vocab, long long row_stride,
+                  const KilnSampleParams* __restrict__ params, const kiln_u64* __restrict__ steps,
+                  const kiln_u32* __restrict__ history_offsets, const kiln_u32* __restrict__ history,
+                  kiln_u32* __restrict__ counts, float* __restrict__ scratch, const kiln_u64* __restrict__ stats,
+                  int stats_per_row, kiln_u32* __restrict__ tokens, kiln_u32* tickets, kiln_u32* fused_counts,
+                  kiln_u64* fused_lists, int fused_slots, long long fused_slice_len, int mass_path,
+                  kiln_u64* mass_maxima, int mass_slots, long long mass_slice_len) {
+    kiln_wait_prior();
+    const int r = blockIdx.y;
+    const KilnSampleParams p = params[r];
+    const kiln_u32 h0 = history_offsets[r], h1 = history_offsets[r + 1];
+    const bool penalties = sample_penalized(p, counts, h0, h1);
+    if (sample_mass_row(p, mass_path)) {
+        if ((long long)blockIdx.x * mass_slice_len >= vocab) return;  // beyond the mass path's slices
+        MassWork work = {};
+        work.maxima = mass_maxima;
+        work.slots = mass_slots;
+        work.slice_len = mass_slice_len;
+        sample_mass_maxima(r, penalties, logits + (long long)r * row_stride, scratch + (long long)r * vocab, vocab,
+                           p, h0, h1, history, counts + (long long)r * vocab, work);
+        return;
+    }
+    const bool greedy = p.temperature == 0.0f;
+    const bool from_stats = greedy && stats != nullptr && !penalties;
+    bool single;
+    if (!from_stats && (greedy || (p.top_k >= 1u && p.top_k <= FUSED_KMAX))) {
+        FusedWork work;
+        work.tickets = tickets;
+        work.counts = fused_counts;
+        work.lists = fused_lists;
+        work.slots = fused_slots;
+        work.slice_len = fused_slice_len;
+        single = sample_row_fused(r, greedy ? 1u : p.top_k, penalties, logits + (long long)r * row_stride, vocab,
+                                  params + r, steps, h0, h1, history, counts, tokens, work) == FUSED_OVERFLOW;
+    } else {
+        single = blockIdx.x == 0;
+    }
+    if (single) {
+        sample_row_single(r, logits, vocab, row_stride, params, steps, history_offsets, history, counts, scratch,
+                          stats, stats_per_row, tokens);
+    }
+}
