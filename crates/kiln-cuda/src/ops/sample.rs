@@ -27,7 +27,14 @@
 //!   head's statistics, and greedy rows without penalties once the rows fill a quarter of the
 //!   device) run on one block per row.
 //!
-//! Every path gives the reference's token; [`SamplePath`] restricts the choice (for tests).
+//! The fused path ([`SamplePath::Fused`], [`SamplePath::FusedMass`]) serves greedy rows and rows
+//! with `1 <= top_k <=` [`FUSED_KMAX`] in one launch (`kiln_sample_fused`, on a grid of
+//! [`fused_slices`]): each block lists its slice's top-k in the order, found from one histogram
+//! of the distance below the slice maximum, and the last block of the row bounds the row's k-th
+//! token by the lists' first entries, reads the lists down to that bound and finishes on the
+//! top-k.
+//!
+//! Every path gives the reference's token; [`SamplePath`] chooses among them.
 
 use cudarc::driver::LaunchConfig;
 use kiln_core::ops::sample::{SamplingParams, NO_TOKEN, PROBABILITY_BITS, WEIGHT_BITS};
@@ -174,7 +181,7 @@ const MIN_SLICE: usize = 2048;
 /// Which rows may take a multi-block path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SamplePath {
-    /// Every row a multi-block path serves takes it.
+    /// Every row a multi-block path serves takes it (the top-k lists and the mass path).
     Auto,
     /// Every row runs on one block (the reference path of the GPU tests and benchmarks).
     SingleBlock,
@@ -182,20 +189,69 @@ pub enum SamplePath {
     TopKBlocks,
     /// Only rows at temperature > 0 with top-k off run on many blocks (the mass path).
     MassBlocks,
+    /// One launch: greedy rows and rows with `1 <= top_k <=` [`FUSED_KMAX`] on the fused path,
+    /// every other row on one block. The fastest path for a batch whose every row has a top-k.
+    Fused,
+    /// The fused path for greedy and top-k rows, the mass path for rows at temperature > 0 with
+    /// top-k off (four launches, as [`SamplePath::Auto`]).
+    FusedMass,
 }
 
 impl SamplePath {
     /// Every path, for tests that compare each with the reference.
-    pub const ALL: [SamplePath; 4] =
-        [SamplePath::Auto, SamplePath::SingleBlock, SamplePath::TopKBlocks, SamplePath::MassBlocks];
+    pub const ALL: [SamplePath; 6] = [
+        SamplePath::Auto,
+        SamplePath::SingleBlock,
+        SamplePath::TopKBlocks,
+        SamplePath::MassBlocks,
+        SamplePath::Fused,
+        SamplePath::FusedMass,
+    ];
 
     fn top_k_blocks(self) -> bool {
         matches!(self, SamplePath::Auto | SamplePath::TopKBlocks)
     }
 
     fn mass_blocks(self) -> bool {
-        matches!(self, SamplePath::Auto | SamplePath::MassBlocks)
+        matches!(self, SamplePath::Auto | SamplePath::MassBlocks | SamplePath::FusedMass)
     }
+
+    fn fused(self) -> bool {
+        matches!(self, SamplePath::Fused | SamplePath::FusedMass)
+    }
+}
+
+/// The largest `top_k` the fused path serves (`FUSED_KMAX` in `sample.cu`).
+pub const FUSED_KMAX: u32 = 256;
+/// Logits one block of the fused path holds (`FUSED_SLICE_MAX`).
+const FUSED_SLICE_MAX: usize = 8192;
+/// The shortest slice of the fused path: bounds its slices per row, hence the scratch.
+const FUSED_MIN_SLICE: usize = 1024;
+
+/// Slices per row the fused path's scratch is laid out for: an upper bound of [`fused_slices`]
+/// and of [`slices`] (the fused launch also runs the mass path's first step on the latter).
+fn fused_slots(vocab: usize) -> usize {
+    vocab.div_ceil(FUSED_MIN_SLICE).max(slots(vocab)).clamp(1, SAMPLE_THREADS as usize)
+}
+
+/// The fused path's grid for `rows` rows of `vocab` logits on a device of `multiprocessors`:
+/// (slices per row, logits per slice). About one block (of [`SAMPLE_THREADS`]) per
+/// multiprocessor in all, so that at batch 1 every block reads a short slice and the row's lists
+/// come together in one wave; each slice between `FUSED_MIN_SLICE` and `FUSED_SLICE_MAX` logits
+/// (fewer when the vocabulary is small). `None` when the vocabulary needs more slices than the
+/// last block can combine.
+pub fn fused_slices(rows: usize, vocab: usize, multiprocessors: usize) -> Option<(usize, usize)> {
+    if rows == 0 || vocab == 0 {
+        return None;
+    }
+    let fewest = vocab.div_ceil(FUSED_SLICE_MAX);
+    let wanted = multiprocessors.max(1).div_ceil(rows);
+    let count = wanted.clamp(fewest, vocab.div_ceil(FUSED_MIN_SLICE).max(fewest));
+    if count > SAMPLE_THREADS as usize {
+        return None;
+    }
+    let slice_len = vocab.div_ceil(count);
+    Some((vocab.div_ceil(slice_len), slice_len))
 }
 
 /// Bins of the mass path's histogram per row (`MASS_BINS` in `sample.cu`).
@@ -238,6 +294,9 @@ struct ScratchLayout {
     maxima: usize,
     histogram: usize,
     row_state: usize,
+    fused_slots: usize,
+    fused_counts: usize,
+    fused_lists: usize,
     bytes: usize,
 }
 
@@ -256,7 +315,10 @@ impl ScratchLayout {
         let maxima = align(overflow_indices + lists);
         let histogram = align(maxima + rows * slots * 8);
         let row_state = align(histogram + rows * MASS_BINS * 8);
-        let bytes = align(row_state + rows * 4 * 8);
+        let fused_slots = fused_slots(vocab);
+        let fused_counts = align(row_state + rows * 4 * 8);
+        let fused_lists = align(fused_counts + rows * fused_slots * 4);
+        let bytes = align(fused_lists + rows * fused_slots * FUSED_KMAX as usize * 8);
         ScratchLayout {
             slots,
             tickets,
@@ -269,13 +331,16 @@ impl ScratchLayout {
             maxima,
             histogram,
             row_state,
+            fused_slots,
+            fused_counts,
+            fused_lists,
             bytes,
         }
     }
 }
 
 /// Bytes of the [`SampleScratch`] of `rows` rows of `vocab` logits
-/// (`rows * (ceil(vocab / 2048) * 8 KiB + 32 KiB)` and a little).
+/// (`rows * (ceil(vocab / 2048) * 8 KiB + ceil(vocab / 1024) * 2 KiB + 32 KiB)` and a little).
 pub fn scratch_bytes(rows: usize, vocab: usize) -> usize {
     ScratchLayout::new(rows, vocab).bytes
 }
@@ -366,12 +431,14 @@ pub fn sample_with_path(
         }
         None => (0u64, 0i32),
     };
+    let multiprocessors = gpu.facts().multiprocessors as usize;
     let grid = match path {
-        SamplePath::SingleBlock => None,
-        _ => slices(rows, vocab, gpu.facts().multiprocessors as usize),
+        SamplePath::SingleBlock | SamplePath::Fused => None,
+        _ => slices(rows, vocab, multiprocessors),
     };
+    let fused_grid = if path.fused() { fused_slices(rows, vocab, multiprocessors) } else { None };
     let owned;
-    let scratch = match (grid, buffers.scratch) {
+    let scratch = match (grid.or(fused_grid), buffers.scratch) {
         (None, _) => None,
         (Some(_), Some(scratch)) => {
             if scratch.rows < rows || scratch.vocab != vocab {
@@ -392,7 +459,7 @@ pub fn sample_with_path(
     };
     let (slice_count, slice_len) = grid.unwrap_or((1, vocab));
     let fast_kmax: i32 = if scratch.is_some() && path.top_k_blocks() { FAST_KMAX as i32 } else { 0 };
-    let mass_path = i32::from(scratch.is_some() && path.mass_blocks());
+    let mass_path = i32::from(scratch.is_some() && grid.is_some() && path.mass_blocks());
     // Greedy rows without penalties stream on one block per row once the rows alone fill a
     // quarter of the device (33 rows on 132 multiprocessors): the blocks then read together at
     // close to the memory's rate, with no lists, no ticket and no waves of short blocks.
@@ -410,8 +477,6 @@ pub fn sample_with_path(
     let slice_len = slice_len as i64;
     let threads = SAMPLE_THREADS.to_string();
     let penalties = if buffers.penalty.is_some() { "1" } else { "0" };
-    let function =
-        gpu.function(&SAMPLE, "kiln_sample", &[("THREADS", &threads), ("PENALTIES", penalties)])?;
     let config = LaunchConfig {
         grid_dim: (slice_count as u32, rows as u32, 1),
         block_dim: (SAMPLE_THREADS, 1, 1),
@@ -424,51 +489,99 @@ pub fn sample_with_path(
     let (offsets, history, tokens) =
         (buffers.history_offsets.device_ptr(), buffers.history.device_ptr(), buffers.tokens.device_ptr());
     let (vocab, row_stride) = (vocab as i64, buffers.row_stride as i64);
-    let mut launch = gpu.launch_builder(&function);
-    launch
-        .arg(&logits)
-        .arg(&vocab)
-        .arg(&row_stride)
-        .arg(&params)
-        .arg(&steps)
-        .arg(&offsets)
-        .arg(&history)
-        .arg(&counts)
-        .arg(&scratch)
-        .arg(&stats)
-        .arg(&stats_per_row)
-        .arg(&tokens)
-        .arg(&fast_kmax)
-        .arg(&greedy_single)
-        .arg(&tickets)
-        .arg(&list_counts)
-        .arg(&list_cuts)
-        .arg(&list_values)
-        .arg(&list_indices)
-        .arg(&overflow_values)
-        .arg(&overflow_indices)
-        .arg(&slots)
-        .arg(&slice_len)
-        .arg(&mass_path)
-        .arg(&maxima);
-    // SAFETY: the arguments match `kiln_sample`'s signature (pointer, i64, i64, 7 pointers, i32,
-    // pointer, i32, i32, 7 pointers, i32, i64, i32, pointer); every buffer was checked above to hold what `rows`
-    // rows touch; `counts` and `scratch` are null only with PENALTIES=0, `stats` only with zero
-    // statistics per row; the history words are read within `history_offsets`' ranges, which the
-    // caller built with `encode_histories` (the kernel also skips a token beyond the vocabulary).
-    // The multi-block paths run only with `fast_kmax > 0` or `mass_path`, which need a scratch laid out by
-    // `ScratchLayout` for at least `rows` rows of this vocabulary (checked above), whose tickets
-    // are zero (zeroed at allocation, left zero by every launch), and a grid of `slices`: each
-    // slice at most FAST_SLICE_MAX logits, at most `slots` and SAMPLE_THREADS slices per row. The
-    // blocks come from this device's pool, which reuses memory only in this stream's order (an
-    // internal scratch is freed after the launch is queued, in stream order).
-    unsafe { launch.launch(config) }.map_err(|e| driver_error("cuLaunchKernel(kiln_sample)", e))?;
+    let defines = [("THREADS", threads.as_str()), ("PENALTIES", penalties)];
+    match (fused_grid, base != 0) {
+        (Some((fused_count, fused_len)), true) => {
+            let function = gpu.function(&SAMPLE, "kiln_sample_fused", &defines)?;
+            // The mass path's first step runs in this launch on its own slices: the grid covers both.
+            let blocks = if mass_path != 0 { fused_count.max(slice_count) } else { fused_count };
+            let fused_config = LaunchConfig { grid_dim: (blocks as u32, rows as u32, 1), ..config };
+            let (fused_counts, fused_lists) = (at(layout.fused_counts), at(layout.fused_lists));
+            let fused_slots = layout.fused_slots as i32;
+            let fused_len = fused_len as i64;
+            let mut launch = gpu.launch_builder(&function);
+            launch
+                .arg(&logits)
+                .arg(&vocab)
+                .arg(&row_stride)
+                .arg(&params)
+                .arg(&steps)
+                .arg(&offsets)
+                .arg(&history)
+                .arg(&counts)
+                .arg(&scratch)
+                .arg(&stats)
+                .arg(&stats_per_row)
+                .arg(&tokens)
+                .arg(&tickets)
+                .arg(&fused_counts)
+                .arg(&fused_lists)
+                .arg(&fused_slots)
+                .arg(&fused_len)
+                .arg(&mass_path)
+                .arg(&maxima)
+                .arg(&slots)
+                .arg(&slice_len);
+            // SAFETY: the arguments match `kiln_sample_fused`'s signature (pointer, i64, i64, 7
+            // pointers, i32, 4 pointers, i32, i64, i32, pointer, i32, i64); every buffer was
+            // checked above to hold what `rows` rows touch, `counts` and `scratch` are null only
+            // with PENALTIES=0 and `stats` only with zero statistics per row. The scratch is laid
+            // out by `ScratchLayout` for at least `rows` rows of this vocabulary (checked above):
+            // `fused_slots` >= the grid's slices (`fused_slices` and `slices` stay within
+            // `fused_slots`, at most SAMPLE_THREADS), each fused slice at most FUSED_SLICE_MAX
+            // logits, each mass slice within `slots`; the tickets are zero (zeroed at allocation,
+            // left zero by every launch).
+            unsafe { launch.launch(fused_config) }
+                .map_err(|e| driver_error("cuLaunchKernel(kiln_sample_fused)", e))?;
+        }
+        _ => {
+            let function = gpu.function(&SAMPLE, "kiln_sample", &defines)?;
+            let mut launch = gpu.launch_builder(&function);
+            launch
+                .arg(&logits)
+                .arg(&vocab)
+                .arg(&row_stride)
+                .arg(&params)
+                .arg(&steps)
+                .arg(&offsets)
+                .arg(&history)
+                .arg(&counts)
+                .arg(&scratch)
+                .arg(&stats)
+                .arg(&stats_per_row)
+                .arg(&tokens)
+                .arg(&fast_kmax)
+                .arg(&greedy_single)
+                .arg(&tickets)
+                .arg(&list_counts)
+                .arg(&list_cuts)
+                .arg(&list_values)
+                .arg(&list_indices)
+                .arg(&overflow_values)
+                .arg(&overflow_indices)
+                .arg(&slots)
+                .arg(&slice_len)
+                .arg(&mass_path)
+                .arg(&maxima);
+            // SAFETY: the arguments match `kiln_sample`'s signature (pointer, i64, i64, 7 pointers, i32,
+            // pointer, i32, i32, 7 pointers, i32, i64, i32, pointer); every buffer was checked above to hold what `rows`
+            // rows touch; `counts` and `scratch` are null only with PENALTIES=0, `stats` only with zero
+            // statistics per row; the history words are read within `history_offsets`' ranges, which the
+            // caller built with `encode_histories` (the kernel also skips a token beyond the vocabulary).
+            // The multi-block paths run only with `fast_kmax > 0` or `mass_path`, which need a scratch laid out by
+            // `ScratchLayout` for at least `rows` rows of this vocabulary (checked above), whose tickets
+            // are zero (zeroed at allocation, left zero by every launch), and a grid of `slices`: each
+            // slice at most FAST_SLICE_MAX logits, at most `slots` and SAMPLE_THREADS slices per row. The
+            // blocks come from this device's pool, which reuses memory only in this stream's order (an
+            // internal scratch is freed after the launch is queued, in stream order).
+            unsafe { launch.launch(config) }.map_err(|e| driver_error("cuLaunchKernel(kiln_sample)", e))?;
+        }
+    }
     if mass_path == 0 {
         return Ok(());
     }
     // The mass path's steps 2 and 3, on the same grid (every launch of the sequence has its
     // fixed grid, so the three can be captured together).
-    let defines = [("THREADS", threads.as_str()), ("PENALTIES", penalties)];
     let mass = gpu.function(&SAMPLE, "kiln_sample_mass", &defines)?;
     let mut launch = gpu.launch_builder(&mass);
     launch
@@ -588,13 +701,36 @@ mod tests {
         assert_eq!(slices(1, 151_936, 132), Some((75, 2026)));
         assert_eq!(slices(64, 151_936, 132), Some((19, 7997)));
         assert_eq!(slices(1, SAMPLE_THREADS as usize * FAST_SLICE_MAX + 1, 132), None);
+        for vocab in [1usize, 7, 1000, 1025, 2048, 8192, 8193, 32_000, 151_936, 262_144, 1 << 23] {
+            for rows in [1usize, 2, 8, 64, 256] {
+                for sms in [1usize, 108, 132] {
+                    let (count, len) = fused_slices(rows, vocab, sms).unwrap();
+                    assert!(len <= FUSED_SLICE_MAX && count <= SAMPLE_THREADS as usize, "{vocab} {rows}");
+                    assert!(count <= fused_slots(vocab), "{vocab} {rows}: {count} fused slices");
+                    assert!((count - 1) * len < vocab && count * len >= vocab, "{vocab} {rows}");
+                    // The fused launch also covers the mass path's slices.
+                    if let Some((mass, _)) = slices(rows, vocab, sms) {
+                        assert!(mass <= fused_slots(vocab), "{vocab} {rows}: {mass} mass slices");
+                    }
+                }
+            }
+        }
+        assert_eq!(fused_slices(1, 151_936, 132), Some((132, 1152)));
+        assert_eq!(fused_slices(64, 151_936, 132), Some((19, 7997)));
+        assert_eq!(fused_slices(1, SAMPLE_THREADS as usize * FUSED_SLICE_MAX + 1, 132), None);
         let layout = ScratchLayout::new(3, 151_936);
         let lists = 3 * 75 * FAST_BLOCK_CAP * 4;
         assert!(layout.counts >= 3 * 4 && layout.cuts >= layout.counts + 3 * 75 * 4);
         assert!(layout.values >= layout.cuts + 3 * 75 * 8 && layout.indices >= layout.values + lists);
         assert!(layout.overflow_values >= layout.indices + lists);
         assert!(layout.overflow_indices >= layout.overflow_values + lists);
-        assert!(layout.bytes >= layout.overflow_indices + lists && layout.cuts.is_multiple_of(8));
+        assert!(layout.maxima >= layout.overflow_indices + lists && layout.cuts.is_multiple_of(8));
+        assert_eq!(layout.fused_slots, 149);
+        assert!(layout.fused_counts >= layout.row_state + 3 * 4 * 8);
+        assert!(
+            layout.fused_lists >= layout.fused_counts + 3 * 149 * 4 && layout.fused_lists.is_multiple_of(8)
+        );
+        assert!(layout.bytes >= layout.fused_lists + 3 * 149 * FUSED_KMAX as usize * 8);
     }
 
     #[test]
