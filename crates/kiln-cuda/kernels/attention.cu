@@ -502,6 +502,22 @@ KILN_DEVICE int kiln_step_offset(int r, int c) {
     return (r * CHUNKS_PER_ROW + (c ^ (r & 7))) * 8;
 }
 
+// An L2 policy that evicts the lines it brings in first: K and V are read once per step, and
+// should not push out what is read again (the page tables, Q, the partials, weights).
+KILN_DEVICE kiln_u64 kiln_evict_first_policy() {
+    kiln_u64 policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    return policy;
+}
+
+// kiln_cp_async_16 under an L2 cache policy.
+KILN_DEVICE void kiln_cp_async_16_policy(kiln_u32 shared_address, const void* global, bool valid, kiln_u64 policy) {
+    int source_bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;" ::"r"(shared_address),
+                 "l"(global), "r"(source_bytes), "l"(policy)
+                 : "memory");
+}
+
 // Dynamic shared memory: WARPS_N * WARP_ELEMENTS bf16. Two blocks a multiprocessor (the
 // registers of the combine's batch fit that).
 extern "C" __global__ void __launch_bounds__(THREADS, 2) kiln_attention_decode(
@@ -538,6 +554,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) kiln_attention_decode(
     const int steps = (kv_end - kv_begin + STEP_KEYS - 1) / STEP_KEYS;
     const int my_steps = warp < steps ? (steps - warp + WARPS_N - 1) / WARPS_N : 0;
     kiln_u16* stages = reinterpret_cast<kiln_u16*>(shared_chunks) + warp * WARP_ELEMENTS;
+    const kiln_u64 policy = kiln_evict_first_policy();
 
     // The page of key (lane % 16) of this warp's step k (0 when the step or key is past the end).
     auto step_page = [&](int k) -> kiln_u32 {
@@ -562,8 +579,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) kiln_attention_decode(
                     HEAD_DIM +
                 c * 8;
             const int smem_offset = kiln_step_offset(r, c);
-            kiln_cp_async_16(kiln_smem_address(k_stage + smem_offset), valid ? k_cache + offset : k_cache, valid);
-            kiln_cp_async_16(kiln_smem_address(v_stage + smem_offset), valid ? v_cache + offset : v_cache, valid);
+            kiln_cp_async_16_policy(kiln_smem_address(k_stage + smem_offset), valid ? k_cache + offset : k_cache,
+                                    valid, policy);
+            kiln_cp_async_16_policy(kiln_smem_address(v_stage + smem_offset), valid ? v_cache + offset : v_cache,
+                                    valid, policy);
         }
     };
 
@@ -772,15 +791,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) kiln_attention_decode(
     // out = sum_s w_s O_s / sum_s w_s, w_s = 2^(lse_s - M), M = max_s lse_s, in split order. The
     // first batch of this thread's partials is requested before the log-sums are gathered.
     float* lse = reinterpret_cast<float*>(shared_chunks);  // [used][rows]
-    auto partial = [&](int item, int s) -> float4 {
-        const int r = item / (HEAD_DIM / 4), d = (item % (HEAD_DIM / 4)) * 4;
-        return __ldcg(reinterpret_cast<const float4*>(partial_out + (s * split_stride + query_row0 + r) * HEAD_DIM + d));
+    const kiln_u64 split_floats = split_stride * HEAD_DIM;
+    // Item `item`'s 4 columns of split 0's partial; split s's are s * split_floats further.
+    auto partials = [&](int item) -> const float* {
+        return partial_out + (query_row0 + item / (HEAD_DIM / 4)) * HEAD_DIM + (item % (HEAD_DIM / 4)) * 4;
     };
     const int items = rows * (HEAD_DIM / 4);
     float4 parts[COMBINE_BATCH];
+    if (tid < items) {
+        const float* first = partials(tid);
 #pragma unroll
-    for (int b = 0; b < COMBINE_BATCH; ++b) {
-        if (tid < items && b < used) parts[b] = partial(tid, b);
+        for (int b = 0; b < COMBINE_BATCH; ++b) {
+            if (b < used) parts[b] = __ldcg(reinterpret_cast<const float4*>(first + b * split_floats));
+        }
     }
     for (int i = tid; i < used * rows; i += THREADS) {
         lse[i] = __ldcg(partial_lse + (i / rows) * split_stride + query_row0 + i % rows);
@@ -789,14 +812,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) kiln_attention_decode(
     for (int item = tid; item < items; item += THREADS) {
         const int r = item / (HEAD_DIM / 4), d = (item % (HEAD_DIM / 4)) * 4;
         float m = KILN_NEG_INF;
+#pragma unroll 16
         for (int s = 0; s < used; ++s) m = fmaxf(m, lse[s * rows + r]);
         float sum = 0.0f;
         float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         for (int s0 = 0; s0 < used; s0 += COMBINE_BATCH) {
             if (s0 > 0 || item != tid) {
+                const float* batch = partials(item) + s0 * split_floats;
 #pragma unroll
                 for (int b = 0; b < COMBINE_BATCH; ++b) {
-                    if (s0 + b < used) parts[b] = partial(item, s0 + b);
+                    if (s0 + b < used) parts[b] = __ldcg(reinterpret_cast<const float4*>(batch + b * split_floats));
                 }
             }
 #pragma unroll

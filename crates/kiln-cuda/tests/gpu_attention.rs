@@ -1,15 +1,17 @@
 //! GPU tests of the attention kernels against the float64 CPU reference
 //! (`kiln_core::ops::attention::paged_attention`): prefill over ragged batches, chunked prefill
-//! after cached positions, and split decode, over GQA ratios, head dims, page sizes and every
-//! kernel variant, on fresh random inputs (the seed is printed), with outputs poisoned (NaN)
-//! before each launch and every element checked; decode twice, bit for bit; the K/V append
-//! byte for byte. Needs an NVIDIA GPU: `cargo test -p kiln-cuda --features gpu-tests --test
+//! after cached positions, and split decode (the streaming kernel and the tiled one), over GQA
+//! ratios, head dims, page sizes and every kernel variant, on fresh random inputs (the seed is
+//! printed), with outputs and scratch poisoned (NaN) before each launch and every element
+//! checked; decode repeated, bit for bit; the K/V append byte for byte. Needs an NVIDIA GPU: `cargo test -p kiln-cuda --features gpu-tests --test
 //! gpu_attention -- --test-threads 1`.
 
 use kiln_core::ops::attention::{paged_attention, AttentionSequence, AttentionShape};
 use kiln_core::ops::primitives::{bf16_bits_to_f32, f32_to_bf16_bits};
+use kiln_core::Error;
 use kiln_cuda::ops::attention::{
-    attention, decode_splits, kv_append, scratch_bytes, AttentionVariant, KvBuffers, PagedBatch,
+    attention, decode_splits, kv_append, scratch_bytes, AttentionKernel, AttentionVariant, KvBuffers,
+    PagedBatch,
 };
 use kiln_cuda::{DeviceMemory, Gpu};
 
@@ -252,8 +254,10 @@ fn decode_matches_float64_and_repeats_bit_for_bit() {
             for (variant, splits) in [
                 (AttentionVariant::DECODE, None),
                 (AttentionVariant::DECODE, Some(1)),
-                (AttentionVariant::DECODE_WIDE, Some(7)),
+                (AttentionVariant::DECODE, Some(7)),
                 (AttentionVariant::DECODE, Some(64)),
+                (AttentionVariant::DECODE_TILED, None),
+                (AttentionVariant::DECODE_WIDE, Some(7)),
                 (AttentionVariant::PREFILL, None),
             ] {
                 let case = Case {
@@ -270,6 +274,105 @@ fn decode_matches_float64_and_repeats_bit_for_bit() {
             }
         }
     }
+}
+
+/// The streaming decode kernel at its edges: contexts shorter than a step, than the splits (splits
+/// past the context take no ticket), one split holding the whole context (the output written
+/// directly), long contexts through many pipeline turns; groups of 1 to 32 query heads (two row
+/// tiles), sequences without a query beside ones with; three runs in a row (the ticket counters
+/// must come back to zero), against the reference and bit for bit.
+#[test]
+fn streaming_decode_at_its_edges_matches_float64_and_repeats_bit_for_bit() {
+    let (gpu, mut rng) = (gpu(), Rng::fresh());
+    let contexts = [1, 2, 15, 16, 17, 31, 33, 64, 100, 129, 1000, 4096];
+    for head_dim in [64, 128] {
+        for (i, &(q_heads, kv_heads, page_tokens)) in
+            [(32, 8, 64), (32, 1, 16), (6, 6, 1), (16, 2, 8), (8, 1, 128)].iter().enumerate()
+        {
+            // Ragged: every listed context once (shuffled into batches of up to 5), plus a
+            // sequence with no query (its rows are not written, the others must be right).
+            let mut lengths: Vec<usize> = contexts.to_vec();
+            lengths.push(1 + rng.below(6000));
+            for j in (1..lengths.len()).rev() {
+                lengths.swap(j, rng.below(j + 1));
+            }
+            for batch in lengths.chunks(5) {
+                let mut sequences: Vec<(usize, usize)> = batch.iter().map(|&c| (1, c)).collect();
+                if i % 2 == 0 {
+                    sequences.insert(rng.below(sequences.len() + 1), (0, 1 + rng.below(300)));
+                }
+                for splits in [None, Some(1), Some(2), Some(33), Some(64)] {
+                    let case = Case {
+                        q_heads,
+                        kv_heads,
+                        head_dim,
+                        page_tokens,
+                        sequences: sequences.clone(),
+                        splits,
+                        variant: AttentionVariant::DECODE,
+                    };
+                    let outputs = check(&gpu, &mut rng, &case, 3);
+                    assert!(
+                        outputs[0] == outputs[1] && outputs[1] == outputs[2],
+                        "streaming decode differs between runs: {sequences:?} {splits:?}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// A long context through the streaming kernel's pipeline: hundreds of steps per warp unsplit,
+/// and the default splits; against the reference and against the tiled kernel's decode.
+#[test]
+fn streaming_decode_over_a_long_context_matches_float64() {
+    let (gpu, mut rng) = (gpu(), Rng::fresh());
+    let context = 30_000 + rng.below(3000);
+    for splits in [Some(1), None, Some(64)] {
+        for variant in [AttentionVariant::DECODE, AttentionVariant::DECODE_TILED] {
+            let case = Case {
+                q_heads: 8,
+                kv_heads: 2,
+                head_dim: 128,
+                page_tokens: 64,
+                sequences: vec![(1, context)],
+                splits,
+                variant,
+            };
+            let outputs = check(&gpu, &mut rng, &case, 2);
+            assert!(outputs[0] == outputs[1], "long decode differs between runs: {splits:?} {variant:?}");
+        }
+    }
+}
+
+/// The streaming kernel takes one query token a sequence and at most 64 splits; it says so
+/// instead of running.
+#[test]
+fn streaming_decode_refuses_what_it_does_not_serve() {
+    let gpu = gpu();
+    assert_eq!(AttentionVariant::DECODE.kernel, AttentionKernel::Streaming);
+    assert_eq!(AttentionVariant::default_for(1), AttentionVariant::DECODE);
+    let shape = AttentionShape { q_heads: 8, kv_heads: 2, head_dim: 64, page_tokens: 16, scale: 0.125 };
+    let pages: Vec<u32> = (0..4).collect();
+    let q = gpu.alloc(2 * 8 * 64 * 2).expect("device allocation");
+    let out = gpu.alloc(2 * 8 * 64 * 2).expect("device allocation");
+    let cache_bytes = 4 * 2 * 16 * 64 * 2;
+    let (k, v) = (gpu.alloc(cache_bytes).expect("k"), gpu.alloc(cache_bytes).expect("v"));
+    let cache = KvBuffers { k: &k, v: &v, pages: 4 };
+    let scratch = gpu.alloc(scratch_bytes(&shape, 2, 65)).expect("scratch");
+    let prefill = [AttentionSequence { query_tokens: 2, context_tokens: 40, pages: &pages }];
+    let batch = PagedBatch::upload(&gpu, &shape, &prefill, 4).expect("batch upload");
+    let refused =
+        attention(&gpu, &shape, &batch, &q, cache, &out, Some(&scratch), 1, Some(AttentionVariant::DECODE));
+    assert!(matches!(refused, Err(Error::NotServed { .. })), "{refused:?}");
+    let decode = [AttentionSequence { query_tokens: 1, context_tokens: 40, pages: &pages }];
+    let batch = PagedBatch::upload(&gpu, &shape, &decode, 4).expect("batch upload");
+    let refused =
+        attention(&gpu, &shape, &batch, &q, cache, &out, Some(&scratch), 65, Some(AttentionVariant::DECODE));
+    assert!(matches!(refused, Err(Error::NotServed { .. })), "{refused:?}");
+    attention(&gpu, &shape, &batch, &q, cache, &out, Some(&scratch), 64, Some(AttentionVariant::DECODE))
+        .expect("64 splits are served");
+    gpu.synchronize().expect("attention run");
 }
 
 /// The combine of the splits runs in the attention launch (the last block of a group, by ticket
