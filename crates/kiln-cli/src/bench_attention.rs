@@ -12,7 +12,9 @@
 //! `KILN_TUNING=strict` an uncertified key fails by name before anything is timed). The shapes are
 //! Llama-3-8B's, so `kiln tune certify --shapes llama3-8b` certifies every key this benchmark asks
 //! for. Prefill also times each prefill variant; decode also times the declared default (the
-//! splits of [`decode_splits`](kiln_cuda::ops::attention::decode_splits)) when the certificate chose otherwise.
+//! splits of [`decode_splits`](kiln_cuda::ops::attention::decode_splits)) when the certificate chose otherwise,
+//! and the tiled kernel's decode at those splits (`tiled`, the decode default before the
+//! streaming kernel; its configuration name is the streaming default's).
 //!
 //! Both as a ratio to PyTorch's `scaled_dot_product_attention` (flash backend) on the same shapes
 //! (unpaged), read from the JSON of `bench/peers/attention.py` (`--peer`). Timing: CUDA events,
@@ -226,11 +228,13 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
                 .collect::<Result<Vec<_>>>()?;
             let q = random_device(&gpu, batch_size * Q_HEADS * HEAD_DIM * 2, &mut seed)?;
             let out = gpu.alloc(batch_size * Q_HEADS * HEAD_DIM * 2)?;
-            let configs: Vec<(&str, AttentionConfig)> = if default == certified {
+            let mut configs: Vec<(&str, AttentionConfig)> = if default == certified {
                 vec![("certified=default", certified)]
             } else {
                 vec![("certified", certified), ("default", default)]
             };
+            // The tiled kernel's decode at the default splits, beside the streaming default.
+            configs.push(("tiled", AttentionConfig { variant: AttentionVariant::DECODE_TILED, ..default }));
             for (tag, config) in configs {
                 let splits = config.splits;
                 let scratch = gpu.alloc(scratch_bytes(&shape, batch_size, splits).max(16))?;
