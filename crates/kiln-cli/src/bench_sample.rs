@@ -5,6 +5,9 @@
 //! Logits are random (never zeros) and rotate over several sets so they do not all sit in L2;
 //! the step counters advance on every launch. Times are CUDA-event medians per launch. The
 //! sampler's scratch is allocated once per batch, as a decode loop (or a captured graph) does.
+//! Columns: the default path, the fused path in one launch (`SamplePath::Fused`: rows without
+//! top-k run on one block each, so only its top-k and greedy rows are fast), and the fused path
+//! with the mass path (`SamplePath::FusedMass`).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -84,7 +87,8 @@ pub fn run(args: &BenchSampleArgs) -> Result<()> {
     }
     let mut table = format!(
         "Sampler, vocabulary {vocab}, on {} ({})\n\n\
-         | mode | batch | time_us | all paths us | torch_us | torch / kiln |\n| --- | ---: | ---: | ---: | ---: | ---: |\n",
+         | mode | batch | time_us | fused_us | fused_mass_us | torch_us | torch / kiln | torch / fused |\n\
+         | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n",
         gpu.facts().name,
         gpu.arch()
     );
@@ -133,13 +137,17 @@ pub fn run(args: &BenchSampleArgs) -> Result<()> {
                 })
             };
             let us = time(DEFAULT_PATH)?;
-            // Every multi-block path (the mass path for rows without top-k too), for comparison.
-            let all_us = time(SamplePath::Auto)?;
+            // The fused path in one launch (rows without top-k then run on one block each), and
+            // with the mass path for those rows.
+            let fused_us = time(SamplePath::Fused)?;
+            let fused_mass_us = time(SamplePath::FusedMass)?;
             let torch = peer.get(name).and_then(|m| m.get(&batch.to_string())).copied();
+            let ratio = |kiln: f64| torch.map_or("-".to_owned(), |t| format!("{:.2}x", t / kiln));
             table.push_str(&format!(
-                "| {name} | {batch} | {us:.1} | {all_us:.1} | {} | {} |\n",
+                "| {name} | {batch} | {us:.1} | {fused_us:.1} | {fused_mass_us:.1} | {} | {} | {} |\n",
                 torch.map_or("-".to_owned(), |t| format!("{t:.1}")),
-                torch.map_or("-".to_owned(), |t| format!("{:.2}x", t / us)),
+                ratio(us),
+                ratio(fused_us),
             ));
         }
     }

@@ -12,7 +12,7 @@ use kiln_core::DType;
 use kiln_cuda::ops::lm_head::{lm_head, LmHeadBuffers};
 use kiln_cuda::ops::sample::{
     encode_histories, encode_params, sample_with_path, PenaltyScratch, SampleBuffers, SamplePath,
-    SampleScratch, FAST_KMAX, MAX_SAMPLE_ROWS,
+    SampleScratch, FAST_KMAX, FUSED_KMAX, MAX_SAMPLE_ROWS,
 };
 use kiln_cuda::{DeviceMemory, Gpu};
 
@@ -279,8 +279,9 @@ fn tokens_equal_the_cpu_reference_in_every_mode() {
 }
 
 /// One scratch serves many launches (its tickets and mass histograms are left at zero), in the
-/// modes of both multi-block paths: the same logits sampled
-/// again and again give the reference's token every time, at vocab 151936 for batches 1 and 64.
+/// modes of every multi-block path, the launches alternating between the paths: the same logits
+/// sampled again and again give the reference's token every time, at vocab 151936 for batches 1
+/// and 64.
 #[test]
 fn a_scratch_is_reused_across_launches() {
     let gpu = Gpu::open(0).expect("the GPU tests need CUDA device 0");
@@ -308,6 +309,7 @@ fn a_scratch_is_reused_across_launches() {
                 })
                 .collect();
             let steps: Vec<u64> = (0..rows).map(|_| rng.next()).collect();
+            let path = [SamplePath::Auto, SamplePath::Fused, SamplePath::FusedMass][launch % 3];
             let (got, _) = run_gpu(
                 &gpu,
                 &[],
@@ -318,7 +320,7 @@ fn a_scratch_is_reused_across_launches() {
                 false,
                 None,
                 Some(&logits_dev),
-                SamplePath::Auto,
+                path,
                 Some(&scratch),
             );
             for r in 0..rows {
@@ -327,12 +329,193 @@ fn a_scratch_is_reused_across_launches() {
                     .unwrap_or(NO_TOKEN);
                 if got[r] != want {
                     failures += 1;
-                    println!("rows {rows} launch {launch} row {r}: gpu {} cpu {want} ({p:?})", got[r]);
+                    println!(
+                        "{path:?} rows {rows} launch {launch} row {r}: gpu {} cpu {want} ({p:?})",
+                        got[r]
+                    );
                 }
             }
         }
         assert_eq!(failures, 0, "rows {rows}: {failures} tokens differ");
     }
+}
+
+/// A row shaped to stress the fused path's selection: `shape` picks it.
+fn edge_row(rng: &mut Rng, vocab: usize, shape: usize) -> Vec<f32> {
+    match shape {
+        0 => vec![f32::NEG_INFINITY; vocab],
+        1 => vec![f32::NAN; vocab],
+        2 => vec![1.5; vocab],
+        // +inf among finite logits: the ties at +inf take all the mass.
+        3 => (0..vocab)
+            .map(|_| if rng.below(300) == 0 { f32::INFINITY } else { rng.uniform(-10.0, 10.0) })
+            .collect(),
+        // The whole top in one run of indices (one slice holds every top-k token).
+        4 => {
+            let start = rng.below(vocab);
+            (0..vocab)
+                .map(|i| {
+                    if i >= start && i < start + 400 {
+                        rng.uniform(20.0, 30.0)
+                    } else {
+                        rng.uniform(-5.0, 5.0)
+                    }
+                })
+                .collect()
+        }
+        // A spread beyond the histogram's range (distances of 1e30).
+        5 => (0..vocab)
+            .map(|_| match rng.below(3) {
+                0 => 1e30 * rng.uniform(-1.0, 1.0),
+                1 => f32::NEG_INFINITY,
+                _ => rng.uniform(-3.0, 3.0),
+            })
+            .collect(),
+        // Near-ties: thousands of distinct values within a few ulps (one histogram bin).
+        6 => (0..vocab).map(|_| f32::from_bits(10.0f32.to_bits() - rng.below(4000) as u32)).collect(),
+        // A maximum of -0.0 / +0.0 shared by many tokens, the rest negative.
+        7 => (0..vocab)
+            .map(|_| match rng.below(4) {
+                0 => -0.0,
+                1 => 0.0,
+                _ => -rng.uniform(0.0, 3.0).abs() - 1e-3,
+            })
+            .collect(),
+        // Fewer candidates than top-k: a few finite logits among NaN.
+        8 => (0..vocab)
+            .map(|_| if rng.below(vocab / 20 + 1) == 0 { rng.uniform(-2.0, 2.0) } else { f32::NAN })
+            .collect(),
+        // Few distinct values (many ties at the top) and a model-like peak.
+        9 => (0..vocab).map(|_| rng.below(3) as f32).collect(),
+        _ => rng.row(vocab),
+    }
+}
+
+/// The fused paths on rows shaped against their selection (all -inf, all NaN, all tied, +inf
+/// ties, the whole top in one slice, spreads of 1e30, near-ties, a maximum of -0.0 / +0.0, fewer
+/// candidates than k, few distinct values), each row with its own top-k (1, 2, 3, 50, 255, 256,
+/// 257 and random), some greedy, some with top-p, min-p and penalties that hit the top tokens;
+/// against the CPU reference, with the penalty counts left at zero.
+#[test]
+fn fused_paths_equal_the_cpu_reference_on_edge_rows() {
+    let gpu = Gpu::open(0).expect("the GPU tests need CUDA device 0");
+    let mut rng = Rng::fresh();
+    let mut failures = Vec::new();
+    let mut checked = 0usize;
+    for launch in 0..12 {
+        let (vocab, rows) = match launch % 3 {
+            0 => (151_936, 11),
+            1 => (5000 + rng.below(3000), 64),
+            _ => (300 + rng.below(2000), 200),
+        };
+        let logits: Vec<f32> = (0..rows).flat_map(|r| edge_row(&mut rng, vocab, (r + launch) % 11)).collect();
+        let params: Vec<(SamplingParams, u64)> = (0..rows)
+            .map(|r| {
+                let top_k = match (r + launch) % 9 {
+                    0 => 1,
+                    1 => 2,
+                    2 => 3,
+                    3 => 50,
+                    4 => FUSED_KMAX - 1,
+                    5 => FUSED_KMAX,
+                    6 => FUSED_KMAX + 1,
+                    _ => 1 + rng.below(FUSED_KMAX as usize) as u32,
+                };
+                let mut p = SamplingParams {
+                    temperature: if rng.below(6) == 0 { 0.0 } else { rng.uniform(0.05, 3.0) },
+                    top_k,
+                    seed: rng.next(),
+                    ..SamplingParams::default()
+                };
+                if rng.below(2) == 0 {
+                    p.top_p = rng.uniform(0.05, 1.0);
+                }
+                if rng.below(3) == 0 {
+                    p.min_p = rng.uniform(0.0, 0.5);
+                }
+                if rng.below(2) == 0 {
+                    p.repetition_penalty = rng.uniform(0.7, 1.8);
+                    p.presence_penalty = rng.uniform(-0.5, 1.0);
+                    p.frequency_penalty = rng.uniform(-0.3, 0.6);
+                }
+                (p, rng.next())
+            })
+            .collect();
+        let steps: Vec<u64> = (0..rows).map(|_| rng.next()).collect();
+        // Histories that hit the row's best tokens (penalties move them across the top-k).
+        let histories: Vec<Vec<u32>> = (0..rows)
+            .map(|r| {
+                let row = &logits[r * vocab..(r + 1) * vocab];
+                let mut order: Vec<usize> = (0..vocab).filter(|&i| !row[i].is_nan()).collect();
+                order.sort_by(|&a, &b| row[b].partial_cmp(&row[a]).unwrap().then(a.cmp(&b)));
+                let best = order.len().min(300);
+                (0..rng.below(200))
+                    .map(|_| if best > 0 && rng.below(2) == 0 { order[rng.below(best)] } else { rng.below(vocab) } as u32)
+                    .collect()
+            })
+            .collect();
+        let history_refs: Vec<&[u32]> = histories.iter().map(Vec::as_slice).collect();
+        let want: Vec<u32> = (0..rows)
+            .map(|r| {
+                let (p, stream) = params[r];
+                sample(&logits[r * vocab..(r + 1) * vocab], &p, &histories[r], steps[r], stream)
+                    .unwrap_or(NO_TOKEN)
+            })
+            .collect();
+        let scratch = SampleScratch::new(&gpu, rows, vocab).expect("scratch");
+        for path in [SamplePath::Fused, SamplePath::FusedMass] {
+            for penalty in [true, false] {
+                let want_here: Vec<u32> = if penalty {
+                    want.clone()
+                } else {
+                    (0..rows)
+                        .map(|r| {
+                            let (p, stream) = params[r];
+                            let plain = SamplingParams {
+                                repetition_penalty: 1.0,
+                                presence_penalty: 0.0,
+                                frequency_penalty: 0.0,
+                                ..p
+                            };
+                            sample(&logits[r * vocab..(r + 1) * vocab], &plain, &[], steps[r], stream)
+                                .unwrap_or(NO_TOKEN)
+                        })
+                        .collect()
+                };
+                let (got, counts) = run_gpu(
+                    &gpu,
+                    &logits,
+                    vocab,
+                    &params,
+                    &steps,
+                    &history_refs,
+                    penalty,
+                    None,
+                    None,
+                    path,
+                    Some(&scratch),
+                );
+                if counts.iter().any(|&b| b != 0) {
+                    failures.push(format!("{path:?}: the penalty counts were not left at zero"));
+                }
+                for r in 0..rows {
+                    if got[r] != want_here[r] {
+                        failures.push(format!(
+                            "{path:?} penalties {penalty}: vocab {vocab} rows {rows} row {r} shape {}: gpu {} cpu {} ({:?})",
+                            (r + launch) % 11,
+                            got[r],
+                            want_here[r],
+                            params[r].0
+                        ));
+                    }
+                    checked += 1;
+                }
+            }
+        }
+    }
+    println!("{checked} cases checked");
+    let shown: Vec<&String> = failures.iter().take(20).collect();
+    assert!(failures.is_empty(), "{} of {checked} cases differ:\n{shown:#?}", failures.len());
 }
 
 #[test]
@@ -460,7 +643,7 @@ fn gpu_frequencies_match_the_exact_distribution() {
         for launch in 0..launches {
             let params: Vec<(SamplingParams, u64)> = (0..rows).map(|_| (p, 0)).collect();
             let steps: Vec<u64> = (0..rows).map(|r| (launch * rows + r) as u64).collect();
-            let path = if launch % 2 == 0 { SamplePath::Auto } else { SamplePath::SingleBlock };
+            let path = [SamplePath::Auto, SamplePath::SingleBlock, SamplePath::Fused][launch % 3];
             let (got, _) = run_gpu(
                 &gpu,
                 &[],
