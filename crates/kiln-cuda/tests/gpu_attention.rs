@@ -147,6 +147,12 @@ fn run_gpu(gpu: &Gpu, case: &Case, inputs: &Inputs, runs: usize) -> Vec<Vec<u8>>
 /// Runs `case` and checks every element against the float64 reference; returns the output bytes.
 fn check(gpu: &Gpu, rng: &mut Rng, case: &Case, runs: usize) -> Vec<Vec<u8>> {
     let inputs = inputs(rng, case);
+    let want = reference(case, &inputs);
+    check_on(gpu, case, &inputs, &want, runs)
+}
+
+/// The float64 reference of `case` on `inputs`.
+fn reference(case: &Case, inputs: &Inputs) -> Vec<f64> {
     let sequences: Vec<AttentionSequence<'_>> = case
         .sequences
         .iter()
@@ -157,9 +163,12 @@ fn check(gpu: &Gpu, rng: &mut Rng, case: &Case, runs: usize) -> Vec<Vec<u8>> {
             pages,
         })
         .collect();
-    let want =
-        paged_attention(&inputs.shape, &inputs.q, &inputs.k, &inputs.v, &sequences).expect("reference");
-    let outputs = run_gpu(gpu, case, &inputs, runs);
+    paged_attention(&inputs.shape, &inputs.q, &inputs.k, &inputs.v, &sequences).expect("reference")
+}
+
+/// Runs `case` on `inputs` and checks every element against `want`; returns the output bytes.
+fn check_on(gpu: &Gpu, case: &Case, inputs: &Inputs, want: &[f64], runs: usize) -> Vec<Vec<u8>> {
+    let outputs = run_gpu(gpu, case, inputs, runs);
     let label = format!(
         "q_heads {} kv_heads {} head_dim {} page {} sequences {:?} splits {:?} {:?}",
         case.q_heads,
@@ -172,7 +181,7 @@ fn check(gpu: &Gpu, rng: &mut Rng, case: &Case, runs: usize) -> Vec<Vec<u8>> {
     );
     for got in &outputs {
         let (mut error, mut norm, mut worst) = (0f64, 0f64, 0f64);
-        for (i, (chunk, &w)) in got.chunks_exact(2).zip(&want).enumerate() {
+        for (i, (chunk, &w)) in got.chunks_exact(2).zip(want).enumerate() {
             let g = f64::from(bf16_bits_to_f32(u16::from_le_bytes([chunk[0], chunk[1]])));
             assert!(g.is_finite(), "{label}: element {i} is {g} (unwritten or NaN), want {w}");
             error += (g - w) * (g - w);
@@ -301,17 +310,21 @@ fn streaming_decode_at_its_edges_matches_float64_and_repeats_bit_for_bit() {
                 if i % 2 == 0 {
                     sequences.insert(rng.below(sequences.len() + 1), (0, 1 + rng.below(300)));
                 }
+                // One set of inputs and its reference for every split count.
+                let mut case = Case {
+                    q_heads,
+                    kv_heads,
+                    head_dim,
+                    page_tokens,
+                    sequences: sequences.clone(),
+                    splits: None,
+                    variant: AttentionVariant::DECODE,
+                };
+                let inputs = inputs(&mut rng, &case);
+                let want = reference(&case, &inputs);
                 for splits in [None, Some(1), Some(2), Some(33), Some(64)] {
-                    let case = Case {
-                        q_heads,
-                        kv_heads,
-                        head_dim,
-                        page_tokens,
-                        sequences: sequences.clone(),
-                        splits,
-                        variant: AttentionVariant::DECODE,
-                    };
-                    let outputs = check(&gpu, &mut rng, &case, 3);
+                    case.splits = splits;
+                    let outputs = check_on(&gpu, &case, &inputs, &want, 3);
                     assert!(
                         outputs[0] == outputs[1] && outputs[1] == outputs[2],
                         "streaming decode differs between runs: {sequences:?} {splits:?}"
@@ -327,19 +340,21 @@ fn streaming_decode_at_its_edges_matches_float64_and_repeats_bit_for_bit() {
 #[test]
 fn streaming_decode_over_a_long_context_matches_float64() {
     let (gpu, mut rng) = (gpu(), Rng::fresh());
-    let context = 30_000 + rng.below(3000);
+    let mut case = Case {
+        q_heads: 8,
+        kv_heads: 2,
+        head_dim: 128,
+        page_tokens: 64,
+        sequences: vec![(1, 30_000 + rng.below(3000))],
+        splits: None,
+        variant: AttentionVariant::DECODE,
+    };
+    let inputs = inputs(&mut rng, &case);
+    let want = reference(&case, &inputs);
     for splits in [Some(1), None, Some(64)] {
         for variant in [AttentionVariant::DECODE, AttentionVariant::DECODE_TILED] {
-            let case = Case {
-                q_heads: 8,
-                kv_heads: 2,
-                head_dim: 128,
-                page_tokens: 64,
-                sequences: vec![(1, context)],
-                splits,
-                variant,
-            };
-            let outputs = check(&gpu, &mut rng, &case, 2);
+            (case.splits, case.variant) = (splits, variant);
+            let outputs = check_on(&gpu, &case, &inputs, &want, 2);
             assert!(outputs[0] == outputs[1], "long decode differs between runs: {splits:?} {variant:?}");
         }
     }
