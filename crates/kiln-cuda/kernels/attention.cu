@@ -588,9 +588,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) kiln_attention_decode(
 
     // The pages of the first STREAM_STAGES steps, then Q, all requested before the first copy
     // waits on a page id.
-    kiln_u32 first_pages[STREAM_STAGES];
-#pragma unroll
-    for (int k = 0; k < STREAM_STAGES; ++k) first_pages[k] = step_page(k);
+    static_assert(STREAM_STAGES == 3, "the first pages are three registers");
+    kiln_u32 first_pages[STREAM_STAGES] = {step_page(0), step_page(1), step_page(2)};
 
     // Q rows as A fragments (rows past the group are zeros): a[e] holds row group + 8 (e & 1),
     // bf16 pair thread_in_group + 4 (e >> 1) of each 16 columns.
@@ -609,10 +608,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) kiln_attention_decode(
         }
     }
 
-#pragma unroll
+    // The first steps in flight, one commit group each (empty past my_steps). A loop that is not
+    // unrolled (the pages rotate through registers): one copy of the copy code, short to fetch.
+#pragma unroll 1
     for (int k = 0; k < STREAM_STAGES; ++k) {
-        if (k < my_steps) load_step(k, k, first_pages[k]);
+        if (k < my_steps) load_step(k, k, first_pages[0]);
         kiln_cp_async_commit();
+        first_pages[0] = first_pages[1];
+        first_pages[1] = first_pages[2];
     }
     kiln_u32 next_page = step_page(STREAM_STAGES);
 
