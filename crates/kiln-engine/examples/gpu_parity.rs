@@ -16,8 +16,8 @@
 //! two tokens exceeds twice that step's largest logit difference (a parting not explained by
 //! rounding).
 //!
-//! `gpu_parity MODEL REFERENCE_DIR|- [--steps N] [--tolerance T] [--no-graphs]` (`-`: five prompts of
-//! random ids instead of the reference's)
+//! `gpu_parity MODEL REFERENCE_DIR|- [--steps N] [--tolerance T] [--no-graphs]
+//! [--no-integer-products]` (`-`: five prompts of random ids instead of the reference's)
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -40,10 +40,12 @@ fn main() -> ExitCode {
 
 fn run() -> Result<bool> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let usage = || Error::InvalidArgument {
+    let usage = || {
+        Error::InvalidArgument {
         name: "arguments",
         value: args.join(" "),
-        reason: "usage: gpu_parity MODEL REFERENCE_DIR [--steps N] [--tolerance T] [--no-graphs]".into(),
+        reason: "usage: gpu_parity MODEL REFERENCE_DIR [--steps N] [--tolerance T] [--no-graphs] [--no-integer-products]".into(),
+    }
     };
     let model_path = PathBuf::from(args.first().ok_or_else(usage)?);
     let dir = PathBuf::from(args.get(1).ok_or_else(usage)?);
@@ -51,6 +53,7 @@ fn run() -> Result<bool> {
     let steps: usize = flag("--steps").map_or(Ok(64), |v| v.parse().map_err(|_| usage()))?;
     let tolerance: f32 = flag("--tolerance").map_or(Ok(3e-2), |v| v.parse().map_err(|_| usage()))?;
     let graphs = !args.iter().any(|a| a == "--no-graphs");
+    let integer_products = !args.iter().any(|a| a == "--no-integer-products");
 
     let model = load_model(&model_path)?;
     let prompts: Vec<Vec<u32>> = if dir.as_os_str() == "-" {
@@ -89,16 +92,19 @@ fn run() -> Result<bool> {
     let options = GpuOptions {
         max_context: (longest + steps + 1).min(model.config().context_length),
         graphs,
+        integer_products,
         ..GpuOptions::default()
     };
+    let overlapped = gpu.overlaps_launches();
     let mut engine = GpuEngine::new(gpu, &model, options)?;
     let load = engine.load_report();
     println!(
-        "model {} | weights {:.1} MB on the GPU in {:.3} s ({:.2} GB/s) | graphs {graphs}",
+        "model {} | weights {:.1} MB on the GPU in {:.3} s ({:.2} GB/s) | graphs {graphs} | integer products {integer_products} | overlapped launches {}",
         model_path.display(),
         load.weight_bytes as f64 / 1e6,
         load.seconds,
-        load.gigabytes_per_second()
+        load.gigabytes_per_second(),
+        overlapped
     );
     println!("| prompt | tokens | identical greedy tokens | parts at step | CPU margin there | max abs logit diff there | max abs logit diff (all steps) | max |logit| | max diff / max |logit| |");
     println!("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
