@@ -229,18 +229,29 @@ KILN_DEVICE void kiln_cp_async_wait() {
 }
 
 // ---- launches that overlap (programmatic dependent launch, sm_90 and later) ----------------
-// Kiln launches its kernels so that each may start while the one before it on the stream is still
+// Kiln launches its kernels so that each may start while the one before it on the stream is
 // finishing (the host side: `kiln_cuda::launch`). Every kernel therefore calls kiln_wait_prior()
 // in every thread before it reads or writes anything an earlier kernel may write: the call returns
 // once the kernels before it have finished and their writes are visible. What a kernel may do
-// before it is read what no kernel writes (weights) into registers or shared memory. After the
-// wait, the next kernel on the stream is allowed to start (its own blocks wait in turn), so at
-// most two kernels are in flight. On earlier architectures, and for kernels launched without
-// overlap, both instructions are absent or return at once. Global loads written as inline PTX
-// are `asm volatile`, so the compiler keeps them after the wait.
+// before it is read what no kernel writes (weights) into registers or shared memory. Global loads
+// written as inline PTX are `asm volatile`, so the compiler keeps them after the wait.
+//
+// KILN_HANDOFF says when the next kernel may start (`kiln_cuda::launch::HANDOFF_ENV`):
+// 0: once every block of this kernel has exited (the default: no block of the next kernel shares
+//    a multiprocessor with a block of this one, so no cached line of this kernel's outputs is
+//    seen stale); 1: once every block has passed its wait, then an acquire fence at GPU scope
+//    before the block reads anything; 2: once every block has passed its wait, no fence.
+#ifndef KILN_HANDOFF
+#define KILN_HANDOFF 0
+#endif
 KILN_DEVICE void kiln_wait_prior() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
+#if KILN_HANDOFF == 1
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+#endif
+#if KILN_HANDOFF >= 1
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 #endif
 }

@@ -16,7 +16,14 @@ pub const CONVERT: KernelSource = KernelSource {
 pub const COPY: KernelSource = KernelSource {
     name: "copy",
     source: include_str!("../kernels/copy.cu"),
-    define_sets: &[&[], &[("UNROLL", "1")], &[("UNROLL", "8")]],
+    // The two measurement hand-offs of the prelude's kiln_wait_prior (KILN_HANDOFF) compile too.
+    define_sets: &[
+        &[],
+        &[("UNROLL", "1")],
+        &[("UNROLL", "8")],
+        &[("KILN_HANDOFF", "1")],
+        &[("KILN_HANDOFF", "2")],
+    ],
     fmad: true,
 };
 

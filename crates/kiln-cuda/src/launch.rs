@@ -12,6 +12,13 @@
 //!
 //! Overlap is on by default where the device supports it; [`crate::Gpu::set_overlap_launches`]
 //! or `KILN_OVERLAP_LAUNCHES=0` turns it off (every launch then waits for the one before it).
+//!
+//! When the next kernel may start is the kernels' `KILN_HANDOFF` (the prelude): by default once
+//! every block of the kernel before it has exited, so that no block of the next kernel shares a
+//! multiprocessor with one of the kernel before it (a line of that kernel's outputs cached in the
+//! multiprocessor's L1 could otherwise be read stale). `KILN_LAUNCH_HANDOFF=fence` or `early`
+//! compiles the kernels to let the next one start as soon as every block has passed its wait
+//! (with or without an acquire fence after the wait): for measurement only.
 
 use std::ffi::c_void;
 use std::marker::PhantomData;
@@ -22,6 +29,19 @@ use crate::Gpu;
 
 /// The environment variable that turns overlapping launches off (`0`).
 pub const OVERLAP_ENV: &str = "KILN_OVERLAP_LAUNCHES";
+
+/// The environment variable that picks the kernels' hand-off (`exit`, `fence`, `early`).
+pub const HANDOFF_ENV: &str = "KILN_LAUNCH_HANDOFF";
+
+/// The `KILN_HANDOFF` define for every kernel compile, when the environment asks for a hand-off
+/// other than the default (`exit`).
+pub(crate) fn handoff_define() -> Option<&'static str> {
+    match std::env::var(HANDOFF_ENV).ok()?.trim() {
+        "fence" => Some("1"),
+        "early" => Some("2"),
+        _ => None,
+    }
+}
 
 /// Whether a device of compute capability `major.minor` can overlap launches, and the environment
 /// does not turn it off.

@@ -346,8 +346,11 @@ impl Gpu {
         entry: &str,
         defines: &[(&str, &str)],
     ) -> Result<CudaFunction> {
-        let defines: Vec<(String, String)> =
+        let mut defines: Vec<(String, String)> =
             defines.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+        if let Some(handoff) = crate::launch::handoff_define() {
+            defines.push(("KILN_HANDOFF".to_owned(), handoff.to_owned()));
+        }
         let key: FunctionKey = (kernel.name, entry.to_owned(), defines.clone());
         let mut modules = self.modules.lock().map_err(|_| poisoned("kernel module table"))?;
         if let Some((_, function)) = modules.get(&key) {

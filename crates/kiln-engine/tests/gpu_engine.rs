@@ -109,8 +109,23 @@ fn overlapped_launches_equal_serial_launches_bit_for_bit() {
     // Each kernel of a step may start while the one before it finishes (sm_90 and later); it
     // waits inside for that kernel's writes, so the logits are the same bits as with every launch
     // waiting for the one before it, captured or not.
-    let model = model("Qwen3ForCausalLM", true, 8);
-    let prompt = random_ids(4, 24, 300);
+    // Wide enough that every matrix product runs many blocks a multiprocessor, with outputs
+    // that share cache lines between blocks (the accumulating products into the residual).
+    let dir = std::env::temp_dir().join(format!("kiln-gpu-engine-overlap-{}", std::process::id()));
+    let spec = TinySpec {
+        architecture: "Qwen3ForCausalLM",
+        hidden: 768,
+        heads: 12,
+        kv_heads: 4,
+        head_dim: 64,
+        ffn: 2048,
+        vocab: 4096,
+        layers: 4,
+        tied: true,
+    };
+    write_tiny_model(&dir, &spec, 8).expect("model");
+    let model = load_model(&dir).expect("load");
+    let prompt = random_ids(4, 24, 4096);
     let run = |overlap: bool, graphs: bool| -> Vec<Vec<u32>> {
         let gpu = kiln_cuda::Gpu::open(0).expect("a CUDA GPU");
         gpu.set_overlap_launches(overlap);
@@ -120,7 +135,7 @@ fn overlapped_launches_equal_serial_launches_bit_for_bit() {
         let mut seq = engine.new_sequence(greedy()).expect("sequence");
         let (mut tokens, first) = engine.step_with_logits(&mut [(&mut seq, &prompt)]).expect("prefill");
         let mut rows = vec![first[0].iter().map(|v| v.to_bits()).collect()];
-        for _ in 0..8 {
+        for _ in 0..24 {
             let (next, logits) = engine.step_with_logits(&mut [(&mut seq, &[tokens[0]])]).expect("decode");
             rows.push(logits[0].iter().map(|v| v.to_bits()).collect());
             tokens = next;
