@@ -68,6 +68,11 @@ static_assert(W_T >= 3 && W_T <= 5, "W_T must be 3 (Q8_0), 4 (Q4_0) or 5 (Q4_1)"
 static_assert(TOKENS >= 1 && TOKENS <= 8, "TOKENS must be 1..8");
 static_assert(LPR == 8 || LPR == 16 || LPR == 32, "LPR must be 8, 16 or 32");
 static_assert(EPI != 2 || HAS_BIAS == 0, "SwiGLU takes no bias");
+// FUSE = 1: the product kernel rounds x itself into dynamic shared memory (TOKENS x cols x 2.25
+// bytes), with no separate rounding launch; 0: x comes rounded in the scratch.
+#ifndef FUSE
+#define FUSE 0
+#endif
 
 #if W_T == 3
 #define UNIT_WORDS 34
@@ -127,6 +132,17 @@ __device__ __forceinline__ float2 i8_ldg8(const float2* p) {
     return r;
 }
 
+// x's planes and scales: from the scratch (global, read-only for the kernel) or, FUSE, from the
+// block's shared copy.
+#if FUSE
+extern __shared__ __align__(16) uint4 i8_x_shared[];
+__device__ __forceinline__ uint4 i8_ldx16(const uint4* p) { return *p; }
+__device__ __forceinline__ float2 i8_ldx8(const float2* p) { return *p; }
+#else
+__device__ __forceinline__ uint4 i8_ldx16(const uint4* p) { return i8_ldg16(p); }
+__device__ __forceinline__ float2 i8_ldx8(const float2* p) { return i8_ldg8(p); }
+#endif
+
 __device__ __forceinline__ int i8_round(float v, float inv) {
     int q = __float2int_rn(v * inv);
     return max(-127, min(127, q));
@@ -155,17 +171,16 @@ __device__ __forceinline__ void i8_issue_round(kiln_u8* stage, const kiln_u8* co
     }
 }
 
-// Rounds x (TOKENS x cols, f32 or bf16) to int8 per block of 32 values into the scratch: 8
-// threads a block, 4 values each; any grid (grid-stride), blocks of a multiple of 32 threads.
-extern "C" __global__ void kiln_linear_i8_quantize(const void* __restrict__ x, uint4* __restrict__ xq, int cols) {
-    kiln_wait_prior();
+// Rounds x (TOKENS x cols, f32 or bf16) to int8 per block of 32 values into `xq` (the scratch,
+// or shared memory): 8 threads a block of 32, 4 values each; thread `first` takes quads first,
+// first + stride, ...; `stride` a multiple of 32, so every lane of a warp takes part.
+__device__ __forceinline__ void i8_quantize(const void* __restrict__ x, uint4* xq, int cols, int first, int stride) {
     const int units = cols >> 7;
     float2* xs = reinterpret_cast<float2*>(xq + 2 * TOKENS * 8 * units);
     const int quads = cols >> 2;
     const int total = TOKENS * quads;  // a multiple of 32: every lane of a warp takes part
     kiln_u32* xw = reinterpret_cast<kiln_u32*>(xq);
-    const int stride = gridDim.x * blockDim.x;
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+    for (int i = first; i < total; i += stride) {
         const int t = i / quads, v = i - t * quads;
         const float4 a = i8_load_x4(x, (long long)t * cols + 4 * v);
         float m = fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(a.z), fabsf(a.w)));
@@ -205,13 +220,17 @@ extern "C" __global__ void kiln_linear_i8_quantize(const void* __restrict__ x, u
     }
 }
 
+// The separate rounding launch: x into the scratch; any grid, blocks of a multiple of 32 threads.
+extern "C" __global__ void kiln_linear_i8_quantize(const void* __restrict__ x, uint4* __restrict__ xq, int cols) {
+    kiln_wait_prior();
+    i8_quantize(x, xq, cols, blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS, WARPS <= 4 ? 2 : 1)
-kiln_linear_i8(const kiln_u8* __restrict__ weight, const float* __restrict__ bias, const uint4* __restrict__ xq,
+kiln_linear_i8(const kiln_u8* __restrict__ weight, const float* __restrict__ bias, const void* __restrict__ xin,
                float* __restrict__ out, int rows, int cols, long long row_bytes) {
     __shared__ __align__(16) kiln_u8 i8_stage[WARPS][STAGE_BYTES];
     const int units = cols >> 7;
-    const uint4* xr = xq + TOKENS * 8 * units;  // the second plane
-    const float2* xs = reinterpret_cast<const float2*>(xq + 2 * TOKENS * 8 * units);
 
     // ---- the products ------------------------------------------------------------------------------
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -232,6 +251,17 @@ kiln_linear_i8(const kiln_u8* __restrict__ weight, const float* __restrict__ bia
     // overlap its end); x is read only after it.
     if (g < groups) i8_issue_round(stage, wrow, 0, units, sl, side);
     kiln_wait_prior();
+#if FUSE
+    // x (the kernel's input) rounded by the block itself into shared memory, as the separate
+    // rounding launch would write it into the scratch: the same values, no launch of its own.
+    uint4* xq = i8_x_shared;
+    i8_quantize(xin, xq, cols, threadIdx.x, THREADS);
+    __syncthreads();
+#else
+    const uint4* xq = reinterpret_cast<const uint4*>(xin);  // the scratch
+#endif
+    const uint4* xr = xq + TOKENS * 8 * units;  // the second plane
+    const float2* xs = reinterpret_cast<const float2*>(xq + 2 * TOKENS * 8 * units);
     if (g < groups) {
         float acc[WR][TOKENS];
 #pragma unroll
@@ -251,11 +281,11 @@ kiln_linear_i8(const kiln_u8* __restrict__ weight, const float* __restrict__ bia
                 const int uu = u0 < units ? u0 : 0;
 #pragma unroll
                 for (int b = 0; b < 4; ++b) {
-                    px[b][0] = i8_ldg16(xq + (2 * b) * units + uu);
-                    px[b][1] = i8_ldg16(xq + (2 * b + 1) * units + uu);
-                    px[b][2] = i8_ldg16(xr + (2 * b) * units + uu);
-                    px[b][3] = i8_ldg16(xr + (2 * b + 1) * units + uu);
-                    ps[b] = i8_ldg8(xs + b * units + uu);
+                    px[b][0] = i8_ldx16(xq + (2 * b) * units + uu);
+                    px[b][1] = i8_ldx16(xq + (2 * b + 1) * units + uu);
+                    px[b][2] = i8_ldx16(xr + (2 * b) * units + uu);
+                    px[b][3] = i8_ldx16(xr + (2 * b + 1) * units + uu);
+                    ps[b] = i8_ldx8(xs + b * units + uu);
                 }
             }
 #endif
@@ -327,11 +357,11 @@ kiln_linear_i8(const kiln_u8* __restrict__ weight, const float* __restrict__ bia
                         const uint4 lo = px[b][0], hi = px[b][1], lo2 = px[b][2], hi2 = px[b][3];
                         const float2 sc = ps[b];
 #else
-                        const uint4 lo = i8_ldg16(xq + (t * 8 + 2 * b) * units + u);
-                        const uint4 hi = i8_ldg16(xq + (t * 8 + 2 * b + 1) * units + u);
-                        const uint4 lo2 = i8_ldg16(xr + (t * 8 + 2 * b) * units + u);
-                        const uint4 hi2 = i8_ldg16(xr + (t * 8 + 2 * b + 1) * units + u);
-                        const float2 sc = i8_ldg8(xs + (t * 4 + b) * units + u);
+                        const uint4 lo = i8_ldx16(xq + (t * 8 + 2 * b) * units + u);
+                        const uint4 hi = i8_ldx16(xq + (t * 8 + 2 * b + 1) * units + u);
+                        const uint4 lo2 = i8_ldx16(xr + (t * 8 + 2 * b) * units + u);
+                        const uint4 hi2 = i8_ldx16(xr + (t * 8 + 2 * b + 1) * units + u);
+                        const float2 sc = i8_ldx8(xs + (t * 4 + b) * units + u);
 #endif
 #pragma unroll
                         for (int i = 0; i < WR; ++i) {

@@ -19,8 +19,8 @@ use std::time::Instant;
 use half::{bf16, f16};
 use kiln_core::{DType, Error};
 use kiln_cuda::ops::linear::{
-    embed_rows, f32_to_bf16, linear, linear_with_scratch, to_bf16_weights, Epilogue, LinearCall,
-    LinearVariant, INT8_VARIANTS, LINEAR_VARIANTS,
+    embed_rows, f32_to_bf16, int8_fused_shared_bytes, linear, linear_with_scratch, to_bf16_weights, Epilogue,
+    LinearCall, LinearVariant, INT8_FUSED_ENV, INT8_VARIANTS, LINEAR_VARIANTS,
 };
 use kiln_cuda::{DeviceMemory, Gpu};
 use kiln_engine::formats::quant::dequantize_row;
@@ -443,6 +443,7 @@ fn int8_variants_stay_within_their_rounding_bound() {
     let mut rng = Rng::fresh();
     let mut checked = 0usize;
     let mut refused = 0usize;
+    let mut fused = 0usize;
     let mut failures = Vec::new();
     for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
         let weights: Vec<Weights> =
@@ -459,20 +460,32 @@ fn int8_variants_stay_within_their_rounding_bound() {
                 let epilogue = [Epilogue::Store, Epilogue::Accumulate, Epilogue::SwiGlu][pair % 3];
                 let input = if pair < 3 { DType::F32 } else { DType::BF16 };
                 let bias = epilogue != Epilogue::SwiGlu && tokens % 2 == 1;
-                for w in &weights {
-                    let call =
-                        LinearCall { weight: dtype, rows: w.rows, cols: w.cols, tokens, input, epilogue };
-                    if mma_refuses(&call, Some(variant)) {
-                        refused += 1;
-                        continue;
+                // One token: x rounded inside the product kernel where it fits (the default), and
+                // by a launch of its own (KILN_INT8_FUSED=0).
+                let separate_too: &[bool] = if tokens == 1 { &[false, true] } else { &[false] };
+                for &separate in separate_too {
+                    if separate {
+                        std::env::set_var(INT8_FUSED_ENV, "0");
                     }
-                    failures.extend(check_case(
-                        &gpu,
-                        &mut rng,
-                        w,
-                        &Case { call, variant: Some(variant), bias },
-                    ));
-                    checked += 1;
+                    for w in &weights {
+                        let call =
+                            LinearCall { weight: dtype, rows: w.rows, cols: w.cols, tokens, input, epilogue };
+                        if mma_refuses(&call, Some(variant)) {
+                            refused += 1;
+                            continue;
+                        }
+                        if int8_fused_shared_bytes(&call, variant).is_some() {
+                            fused += 1;
+                        }
+                        failures.extend(check_case(
+                            &gpu,
+                            &mut rng,
+                            w,
+                            &Case { call, variant: Some(variant), bias },
+                        ));
+                        checked += 1;
+                    }
+                    std::env::remove_var(INT8_FUSED_ENV);
                 }
             }
         }
@@ -498,8 +511,9 @@ fn int8_variants_stay_within_their_rounding_bound() {
         };
         assert!(mma_refuses(&call, Some(INT8_VARIANTS[0])), "{dtype} on the integer path");
     }
-    println!("{checked} integer-path cases checked, {refused} refused (checked by name)");
+    println!("{checked} integer-path cases checked ({fused} with x rounded inside the product kernel), {refused} refused (checked by name)");
     assert!(checked > 300, "only {checked} integer-path cases ran");
+    assert!(fused > 50, "only {fused} cases rounded x inside the product kernel");
     assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
 }
 

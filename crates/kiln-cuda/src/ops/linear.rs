@@ -576,9 +576,18 @@ pub fn linear_with_scratch(
         })?;
         super::check_buffer("linear", "scratch", scratch.len_bytes, call.int8_scratch_bytes())?;
         check_alignment("scratch", scratch, 16)?;
-        int8_quantize(gpu, call, &defines, x, scratch)?;
-        let (function, config) = int8_launch(gpu, call, variant, &defines)?;
-        (scratch.ptr, function, config)
+        if let Some(shared) = int8_fused_shared_bytes(call, variant) {
+            // One launch: the product kernel rounds x itself into shared memory.
+            let mut defines = defines.clone();
+            defines.push(("FUSE", "1".to_owned()));
+            let (function, mut config) = int8_launch(gpu, call, variant, &defines)?;
+            config.shared_mem_bytes = shared as u32;
+            (x.ptr, function, config)
+        } else {
+            int8_quantize(gpu, call, &defines, x, scratch)?;
+            let (function, config) = int8_launch(gpu, call, variant, &defines)?;
+            (scratch.ptr, function, config)
+        }
     } else {
         let function = gpu.function(&LINEAR, "kiln_linear", &define_refs(&defines))?;
         let blocks = u32::try_from(call.rows.div_ceil(variant.rows as usize))
@@ -603,7 +612,25 @@ pub fn linear_with_scratch(
     // HAS_BIAS = 0 makes the kernel ignore it; the views' owners keep the memory alive until the
     // stream has run the kernel (the `DeviceView` contract).
     unsafe { launch.launch(config) }.map_err(|e| driver_error("cuLaunchKernel(kiln_linear)", e))?;
-    Ok(if variant.int8 { 2 } else { 1 })
+    Ok(if variant.int8 && config.shared_mem_bytes == 0 { 2 } else { 1 })
+}
+
+/// The environment variable that turns the integer path's fused rounding off (`0`): x is then
+/// always rounded by a launch of its own into the scratch (for measurement).
+pub const INT8_FUSED_ENV: &str = "KILN_INT8_FUSED";
+
+/// Shared memory of the integer path's fused rounding for `call` on `variant`, when it serves
+/// the call: one token, and x's two planes and scales (2.25 bytes a column) beside the warps'
+/// weight stages within the 48 KiB a block gets without an opt-in.
+pub fn int8_fused_shared_bytes(call: &LinearCall, variant: LinearVariant) -> Option<usize> {
+    let words = int8_unit_words(call.weight)?;
+    if !variant.int8 || call.tokens != 1 || std::env::var(INT8_FUSED_ENV).is_ok_and(|v| v.trim() == "0") {
+        return None;
+    }
+    let gates = if matches!(call.epilogue, Epilogue::SwiGlu) { 2 } else { 1 };
+    let stage = (variant.warps * variant.unroll * variant.rows) as usize * gates * 32 * words * 4;
+    let shared = int8_scratch_bytes(call.tokens, call.cols);
+    (stage + shared <= 48 * 1024).then_some(shared)
 }
 
 /// The integer path's first launch: x as two int8 planes and block scales into `scratch`.
