@@ -171,6 +171,8 @@ __device__ __forceinline__ void i8_issue_round(kiln_u8* stage, const kiln_u8* co
     }
 }
 
+#define I8_BATCH 8
+
 // Rounds x (TOKENS x cols, f32 or bf16) to int8 per block of 32 values into `xq` (the scratch,
 // or shared memory): 8 threads a block of 32, 4 values each; thread `first` takes quads first,
 // first + stride, ...; `stride` a multiple of 32, so every lane of a warp takes part.
@@ -180,42 +182,56 @@ __device__ __forceinline__ void i8_quantize(const void* __restrict__ x, uint4* x
     const int quads = cols >> 2;
     const int total = TOKENS * quads;  // a multiple of 32: every lane of a warp takes part
     kiln_u32* xw = reinterpret_cast<kiln_u32*>(xq);
-    for (int i = first; i < total; i += stride) {
-        const int t = i / quads, v = i - t * quads;
-        const float4 a = i8_load_x4(x, (long long)t * cols + 4 * v);
-        float m = fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(a.z), fabsf(a.w)));
-        float s = (a.x + a.y) + (a.z + a.w);
+    // I8_BATCH quads a thread are loaded before any is rounded, so their loads wait for memory
+    // together (a block rounding a whole row of x takes many quads a thread).
+    for (int base = first; base < total; base += I8_BATCH * stride) {
+        float4 batch[I8_BATCH];
 #pragma unroll
-        for (int o = 1; o < 8; o <<= 1) {
-            m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
-            s += __shfl_xor_sync(0xFFFFFFFFu, s, o);
+        for (int k = 0; k < I8_BATCH; ++k) {
+            const int i = base + k * stride;
+            const int t = i / quads, v = i - t * quads;
+            batch[k] = i < total ? i8_load_x4(x, (long long)t * cols + 4 * v) : make_float4(0.f, 0.f, 0.f, 0.f);
         }
-        const float inv = m > 0.0f ? 127.0f / m : 0.0f;
-        const float d1 = m / 127.0f;
-        const float inv2 = 254.0f * inv;
-        const int q0 = i8_round(a.x, inv), q1 = i8_round(a.y, inv), q2 = i8_round(a.z, inv),
-                  q3 = i8_round(a.w, inv);
-        // The rests x - d1 q (|rest| <= d1 / 2, so |254 rest / d1| <= 127).
-        const int r0 = i8_round(a.x - d1 * (float)q0, inv2), r1 = i8_round(a.y - d1 * (float)q1, inv2),
-                  r2 = i8_round(a.z - d1 * (float)q2, inv2), r3 = i8_round(a.w - d1 * (float)q3, inv2);
-        int qs = 254 * (q0 + q1 + q2 + q3) + (r0 + r1 + r2 + r3);
 #pragma unroll
-        for (int o = 1; o < 8; o <<= 1) qs += __shfl_xor_sync(0xFFFFFFFFu, qs, o);
-        const kiln_u32 packed = (kiln_u32)(q0 & 0xFF) | ((kiln_u32)(q1 & 0xFF) << 8) |
-                                ((kiln_u32)(q2 & 0xFF) << 16) | ((kiln_u32)(q3 & 0xFF) << 24);
-        const kiln_u32 rest = (kiln_u32)(r0 & 0xFF) | ((kiln_u32)(r1 & 0xFF) << 8) |
-                              ((kiln_u32)(r2 & 0xFF) << 16) | ((kiln_u32)(r3 & 0xFF) << 24);
-        const int c = v >> 2, u = c >> 3, j = c & 7;
-        xw[(((t * 8 + j) * units) + u) * 4 + (v & 3)] = packed;
-        xw[((((TOKENS + t) * 8 + j) * units) + u) * 4 + (v & 3)] = rest;
-        if ((v & 7) == 0) {
-            const int b = v >> 3;
+        for (int k = 0; k < I8_BATCH; ++k) {
+            const int i = base + k * stride;
+            if (i >= total) break;  // the same for every lane of a warp (stride and total multiples of 32)
+            const int t = i / quads, v = i - t * quads;
+            const float4 a = batch[k];
+            float m = fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(a.z), fabsf(a.w)));
+            float s = (a.x + a.y) + (a.z + a.w);
+#pragma unroll
+            for (int o = 1; o < 8; o <<= 1) {
+                m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+                s += __shfl_xor_sync(0xFFFFFFFFu, s, o);
+            }
+            const float inv = m > 0.0f ? 127.0f / m : 0.0f;
+            const float d1 = m / 127.0f;
+            const float inv2 = 254.0f * inv;
+            const int q0 = i8_round(a.x, inv), q1 = i8_round(a.y, inv), q2 = i8_round(a.z, inv),
+                      q3 = i8_round(a.w, inv);
+            // The rests x - d1 q (|rest| <= d1 / 2, so |254 rest / d1| <= 127).
+            const int r0 = i8_round(a.x - d1 * (float)q0, inv2), r1 = i8_round(a.y - d1 * (float)q1, inv2),
+                      r2 = i8_round(a.z - d1 * (float)q2, inv2), r3 = i8_round(a.w - d1 * (float)q3, inv2);
+            int qs = 254 * (q0 + q1 + q2 + q3) + (r0 + r1 + r2 + r3);
+#pragma unroll
+            for (int o = 1; o < 8; o <<= 1) qs += __shfl_xor_sync(0xFFFFFFFFu, qs, o);
+            const kiln_u32 packed = (kiln_u32)(q0 & 0xFF) | ((kiln_u32)(q1 & 0xFF) << 8) |
+                                    ((kiln_u32)(q2 & 0xFF) << 16) | ((kiln_u32)(q3 & 0xFF) << 24);
+            const kiln_u32 rest = (kiln_u32)(r0 & 0xFF) | ((kiln_u32)(r1 & 0xFF) << 8) |
+                                  ((kiln_u32)(r2 & 0xFF) << 16) | ((kiln_u32)(r3 & 0xFF) << 24);
+            const int c = v >> 2, u = c >> 3, j = c & 7;
+            xw[(((t * 8 + j) * units) + u) * 4 + (v & 3)] = packed;
+            xw[((((TOKENS + t) * 8 + j) * units) + u) * 4 + (v & 3)] = rest;
+            if ((v & 7) == 0) {
+                const int b = v >> 3;
 #if W_T == 4
-            const float second = __int_as_float(qs);
+                const float second = __int_as_float(qs);
 #else
-            const float second = s;
+                const float second = s;
 #endif
-            xs[(t * 4 + (b & 3)) * units + (b >> 2)] = make_float2(d1 * (1.0f / 254.0f), second);
+                xs[(t * 4 + (b & 3)) * units + (b >> 2)] = make_float2(d1 * (1.0f / 254.0f), second);
+            }
         }
     }
 }
