@@ -238,9 +238,9 @@ KILN_DEVICE void kiln_cp_async_wait() {
 //
 // KILN_HANDOFF says when the next kernel may start (`kiln_cuda::launch::HANDOFF_ENV`):
 // 0: once every block of this kernel has exited (the default: no block of the next kernel shares
-//    a multiprocessor with a block of this one, so no cached line of this kernel's outputs is
-//    seen stale); 1: once every block has passed its wait, then an acquire fence at GPU scope
-//    before the block reads anything; 2: once every block has passed its wait, no fence.
+//    a multiprocessor with a block of this one); 1: once every block has passed its wait, then an
+//    acquire fence at GPU scope before the block reads anything; 2: once every block has passed
+//    its wait, no fence. 2 broke the default model's decode on an H200 (see kiln_cuda::launch).
 #ifndef KILN_HANDOFF
 #define KILN_HANDOFF 0
 #endif

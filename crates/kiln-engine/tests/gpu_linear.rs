@@ -460,12 +460,12 @@ fn int8_variants_stay_within_their_rounding_bound() {
                 let epilogue = [Epilogue::Store, Epilogue::Accumulate, Epilogue::SwiGlu][pair % 3];
                 let input = if pair < 3 { DType::F32 } else { DType::BF16 };
                 let bias = epilogue != Epilogue::SwiGlu && tokens % 2 == 1;
-                // One token: x rounded inside the product kernel where it fits (the default), and
-                // by a launch of its own (KILN_INT8_FUSED=0).
-                let separate_too: &[bool] = if tokens == 1 { &[false, true] } else { &[false] };
-                for &separate in separate_too {
-                    if separate {
-                        std::env::set_var(INT8_FUSED_ENV, "0");
+                // One token: x rounded by a launch of its own (the default), and inside the product
+                // kernel where it fits (KILN_INT8_FUSED=1).
+                let fused_too: &[bool] = if tokens == 1 { &[false, true] } else { &[false] };
+                for &fuse in fused_too {
+                    if fuse {
+                        std::env::set_var(INT8_FUSED_ENV, "1");
                     }
                     for w in &weights {
                         let call =

@@ -615,16 +615,20 @@ pub fn linear_with_scratch(
     Ok(if variant.int8 && config.shared_mem_bytes == 0 { 2 } else { 1 })
 }
 
-/// The environment variable that turns the integer path's fused rounding off (`0`): x is then
-/// always rounded by a launch of its own into the scratch (for measurement).
+/// The environment variable that turns the integer path's fused rounding on (`1`): at one token
+/// the product kernel then rounds x itself into shared memory, with no launch of its own. Off by
+/// default: on an H200 every block rounding the whole of x cost more than the launch it saves
+/// (Llama-3-8B shape Q4_0 decode 281.7 tok/s fused against 356.4 with the rounding launch,
+/// `bench/results/2026-11-30-h200-overlap/`).
 pub const INT8_FUSED_ENV: &str = "KILN_INT8_FUSED";
 
-/// Shared memory of the integer path's fused rounding for `call` on `variant`, when it serves
-/// the call: one token, and x's two planes and scales (2.25 bytes a column) beside the warps'
-/// weight stages within the 48 KiB a block gets without an opt-in.
+/// Shared memory of the integer path's fused rounding for `call` on `variant`, when it is turned
+/// on ([`INT8_FUSED_ENV`]) and serves the call: one token, and x's two planes and scales (2.25
+/// bytes a column) beside the warps' weight stages within the 48 KiB a block gets without an
+/// opt-in.
 pub fn int8_fused_shared_bytes(call: &LinearCall, variant: LinearVariant) -> Option<usize> {
     let words = int8_unit_words(call.weight)?;
-    if !variant.int8 || call.tokens != 1 || std::env::var(INT8_FUSED_ENV).is_ok_and(|v| v.trim() == "0") {
+    if !variant.int8 || call.tokens != 1 || !std::env::var(INT8_FUSED_ENV).is_ok_and(|v| v.trim() == "1") {
         return None;
     }
     let gates = if matches!(call.epilogue, Epilogue::SwiGlu) { 2 } else { 1 };
