@@ -21,9 +21,7 @@
 //! hand-off broke the default model's decode (`gpu_parity`: logits off by more than the largest
 //! logit within a few steps, while the default hand-off and serial launches agree with the CPU
 //! to 1e-2), most likely through lines of the residual stream that blocks of the accumulating
-//! product had cached in a multiprocessor's L1 and the next kernel's blocks on it then read; the
-//! default hand-off was also the faster one there (Llama-3-8B shape F16 decode 245.0 tok/s
-//! against 233.1).
+//! product had cached in a multiprocessor's L1 and the next kernel's blocks on it then read.
 
 use std::ffi::c_void;
 use std::marker::PhantomData;
