@@ -1,7 +1,8 @@
 //! The kernel compile check: every kernel of the registry, with every declared define set, through
 //! NVRTC for every supported architecture. Fails on a compile error, a warning, a register spill
 //! or a stack frame, and fails (never skips) when NVRTC cannot be found: CI installs the
-//! `nvidia-cuda-nvrtc` wheel and points `KILN_NVRTC_PATH` at it (see `scripts/test`).
+//! `nvidia-cuda-nvrtc` wheel and points `KILN_NVRTC_PATH` at it (see `scripts/test`). Also checks
+//! that every kernel waits for the kernels before it (`kiln_wait_prior()`) before it can leave.
 
 use kiln_cuda::{compile_only, kernels, Arch};
 
@@ -96,4 +97,77 @@ fn a_stack_frame_and_a_warning_are_caught() {
     let f = image.resources.iter().find(|r| r.function == "f").unwrap_or_else(|| panic!("{}", image.log));
     assert!(f.stack_frame_bytes >= 256, "{f:?}\n{}", image.log);
     assert!(!image.warnings().is_empty(), "no warning in:\n{}", image.log);
+}
+
+/// The body of each `__global__` function of `source`: from its first `{` to the matching `}`.
+fn global_bodies(source: &str) -> Vec<(String, &str)> {
+    let mut bodies = Vec::new();
+    let mut rest = source;
+    while let Some(at) = rest.find("__global__") {
+        let from = &rest[at..];
+        let Some(open) = from.find('{') else { break };
+        let name = from[..open]
+            .split('(')
+            .next()
+            .and_then(|head| head.split_whitespace().last())
+            .unwrap_or("?")
+            .to_owned();
+        let mut depth = 0usize;
+        let mut end = from.len();
+        for (i, c) in from[open..].char_indices() {
+            match c {
+                '{' => depth += 1,
+                '}' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        end = open + i + 1;
+                        break;
+                    }
+                }
+                _ => {}
+            }
+        }
+        bodies.push((name, &from[open..end]));
+        rest = &from[end..];
+    }
+    bodies
+}
+
+/// What is wrong with the waits of `source`'s kernels, and how many kernels it has.
+fn wait_failures(family: &str, source: &str) -> (usize, Vec<String>) {
+    let mut failures = Vec::new();
+    let bodies = global_bodies(source);
+    for (name, body) in &bodies {
+        match body.find("kiln_wait_prior()") {
+            None => failures.push(format!("{family}: {name} never calls kiln_wait_prior()")),
+            Some(wait) => {
+                if body.find("return").is_some_and(|ret| ret < wait) {
+                    failures.push(format!("{family}: {name} may return before kiln_wait_prior()"));
+                }
+            }
+        }
+    }
+    (bodies.len(), failures)
+}
+
+#[test]
+fn every_kernel_waits_for_the_kernels_before_it() {
+    // Kiln's launches may overlap the kernel before them (`kiln_cuda::launch`): every kernel must
+    // call kiln_wait_prior() before it reads or writes what an earlier kernel may write, and no
+    // block may leave before the call (a grid whose blocks all left early could finish before
+    // the kernel it follows).
+    let mut kernels = 0;
+    let mut failures = Vec::new();
+    for kernel in kernels::ALL {
+        let (count, found) = wait_failures(kernel.name, kernel.source);
+        kernels += count;
+        failures.extend(found);
+    }
+    assert!(kernels >= 20, "only {kernels} kernels found in the registry's sources");
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    // The check itself finds a missing wait and an early return.
+    let missing = "extern \"C\" __global__ void a(int* p) { if (p) { p[0] = 1; } }";
+    let early = "extern \"C\" __global__ void b(int* p) { if (!p) return; kiln_wait_prior(); p[0] = 1; }";
+    assert_eq!(wait_failures("t", missing).1.len(), 1);
+    assert_eq!(wait_failures("t", early).1.len(), 1);
 }
