@@ -225,6 +225,80 @@ __device__ __forceinline__ void kiln_norm_load_weight(KilnRaw8<W_T> (&wr)[EARLY_
     }
 }
 
+#ifndef I8_PLANES
+#define I8_PLANES 0
+#endif
+#ifndef I8_SECOND_INT
+#define I8_SECOND_INT 0
+#endif
+#if I8_PLANES
+// I8_PLANES = 1 (fp32 output, one group, n a multiple of 128): the output y is also written as
+// the integer-path matrix products take x (`kernels/linear_i8.cu`, `kiln_linear_i8_quantize`)
+// into `planes`, with the same operations in the same order, so that the products need no
+// rounding launch of their own: per block of 32 values, d1 = amax / 127, q = rn(y 127 / amax),
+// rest = rn((y - d1 q) 254 127 / amax), the two int8 planes and (d1 / 254, second), where second
+// is the block's integer sum 254 sum q + sum rest (I8_SECOND_INT, for Q4_0 weights) or its float
+// sum, added quad by quad as the rounding launch adds them. A lane holds 8 values (two quads) of a
+// block; a block is 4 lanes.
+__device__ __forceinline__ int kiln_norm_i8_round(float v, float inv) {
+    const int q = __float2int_rn(v * inv);
+    return max(-127, min(127, q));
+}
+
+__device__ __forceinline__ void kiln_norm_i8_planes(const float (&p)[8], void* planes, long long token,
+                                                    long long tokens, int col, int n, bool valid) {
+    const int units = n >> 7;
+    float m = fmaxf(fmaxf(fmaxf(fabsf(p[0]), fabsf(p[1])), fmaxf(fabsf(p[2]), fabsf(p[3]))),
+                    fmaxf(fmaxf(fabsf(p[4]), fabsf(p[5])), fmaxf(fabsf(p[6]), fabsf(p[7]))));
+    float s = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+#pragma unroll
+    for (int o = 1; o < 4; o <<= 1) {
+        m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+        s += __shfl_xor_sync(0xFFFFFFFFu, s, o);
+    }
+    const float inv = m > 0.0f ? 127.0f / m : 0.0f;
+    const float d1 = m / 127.0f;
+    const float inv2 = 254.0f * inv;
+    int q[8], r[8];
+    int qs = 0;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        q[k] = kiln_norm_i8_round(p[k], inv);
+        r[k] = kiln_norm_i8_round(p[k] - d1 * (float)q[k], inv2);
+        qs += 254 * q[k] + r[k];
+    }
+#pragma unroll
+    for (int o = 1; o < 4; o <<= 1) qs += __shfl_xor_sync(0xFFFFFFFFu, qs, o);
+    if (!valid) return;
+    const unsigned int lo = (unsigned int)(q[0] & 0xFF) | ((unsigned int)(q[1] & 0xFF) << 8) |
+                            ((unsigned int)(q[2] & 0xFF) << 16) | ((unsigned int)(q[3] & 0xFF) << 24);
+    const unsigned int hi = (unsigned int)(q[4] & 0xFF) | ((unsigned int)(q[5] & 0xFF) << 8) |
+                            ((unsigned int)(q[6] & 0xFF) << 16) | ((unsigned int)(q[7] & 0xFF) << 24);
+    const unsigned int rlo = (unsigned int)(r[0] & 0xFF) | ((unsigned int)(r[1] & 0xFF) << 8) |
+                             ((unsigned int)(r[2] & 0xFF) << 16) | ((unsigned int)(r[3] & 0xFF) << 24);
+    const unsigned int rhi = (unsigned int)(r[4] & 0xFF) | ((unsigned int)(r[5] & 0xFF) << 8) |
+                             ((unsigned int)(r[6] & 0xFF) << 16) | ((unsigned int)(r[7] & 0xFF) << 24);
+    // Quads v, v + 1 (v = col / 4, even): words v & 3, v & 3 + 1 of 16-byte chunk c = col / 16,
+    // chunk j = c % 8 of unit u = c / 8.
+    const int v = col >> 2, c = v >> 2, u = c >> 3, j = c & 7;
+    unsigned int* xw = static_cast<unsigned int*>(planes);
+    const long long first = ((token * 8 + j) * units + u) * 4 + (v & 3);
+    const long long second = (((tokens + token) * 8 + j) * units + u) * 4 + (v & 3);
+    *reinterpret_cast<uint2*>(xw + first) = make_uint2(lo, hi);
+    *reinterpret_cast<uint2*>(xw + second) = make_uint2(rlo, rhi);
+    if ((v & 7) == 0) {
+        const int b = v >> 3;
+        float2* xs = reinterpret_cast<float2*>(xw + 2 * tokens * 8 * units * 4);
+#if I8_SECOND_INT
+        const float sum = __int_as_float(qs);
+#else
+        const float sum = s;
+#endif
+        xs[(token * 4 + (b & 3)) * units + (b >> 2)] = make_float2(d1 * (1.0f / 254.0f), sum);
+    }
+}
+#endif
+
 // Normalizes one segment from its loads and writes its outputs. `sums` holds the block's two
 // rows of unit sums for this group (alternate groups use alternate pairs, so that a warp ahead
 // by one group never writes sums another warp still reads).
@@ -233,7 +307,7 @@ __device__ __forceinline__ void kiln_norm_segment(
     KilnRaw8<W_T> (&br)[EARLY_WEIGHT && HAS_BIAS ? UNITS_PER_WARP : 1], void* residual, const void* __restrict__ weight,
     const void* __restrict__ bias, const void* __restrict__ gate, void* __restrict__ out, void* __restrict__ scales,
     float eps, float qscale, long long base, long long wbase, bool active, int n, int units, int warp_in_row,
-    int lane, float* mean_sums, float* square_sums) {
+    int lane, float* mean_sums, float* square_sums, long long i8_tokens) {
     // x as loaded (KILN_NORM_RAW), or as fp32 values after the gate.
     KilnRaw8<X_T>(&xr)[UNITS_PER_WARP] = in.x;
     float xv[KILN_NORM_RAW ? 1 : UNITS_PER_WARP][8];
@@ -357,6 +431,9 @@ __device__ __forceinline__ void kiln_norm_segment(
                 kiln_raw8_pack<(OUT_T <= KILN_BF16 ? OUT_T : KILN_F32)>(p, packed);
                 kiln_raw8_store<(OUT_T <= KILN_BF16 ? OUT_T : KILN_F32)>(out, base + col, packed);
             }
+#if I8_PLANES
+            kiln_norm_i8_planes(p, scales, base / n, i8_tokens, col, n, valid);
+#endif
         } else if (OUT_T == KILN_OUT_FP8) {
             if (valid) {
                 unsigned int e[4];
@@ -467,7 +544,7 @@ kiln_norm(const void* __restrict__ x, void* residual, const void* __restrict__ w
         float* sums = shared_sums[PERSISTENT ? parity : 0][0][row_in_block];
         kiln_norm_segment(current, wr, br, residual, weight, bias, gate, out, scales, eps, qscale, seg * n,
                           groups == 1 ? 0 : (seg % groups) * n, seg < segments, n, units, warp_in_row, lane, sums,
-                          shared_sums[PERSISTENT ? parity : 0][1][row_in_block]);
+                          shared_sums[PERSISTENT ? parity : 0][1][row_in_block], segments);
         if (!more) break;
         current = next;
         group = next_group;

@@ -867,3 +867,116 @@ fn bandwidth_of_one_token_products() {
         }
     }
 }
+
+fn norm_buffers<'a>(
+    x: &'a DeviceMemory,
+    weight: &'a DeviceMemory,
+    out: &'a DeviceMemory,
+) -> kiln_cuda::ops::norm::NormBuffers<'a> {
+    kiln_cuda::ops::norm::NormBuffers {
+        x,
+        residual: None,
+        weight: Some(weight),
+        bias: None,
+        gate: None,
+        out,
+        scales: None,
+    }
+}
+
+#[test]
+fn norm_planes_equal_the_rounding_launch_bit_for_bit() {
+    // The decode norm can write its output rounded as the integer-path products take it
+    // (`norm_with_int8_planes`), so the product after it runs without a rounding launch
+    // (`linear_prequantized`). The planes must be the very bytes the rounding launch writes from
+    // the norm's fp32 output, and the products the same bits, for every weight format (Q4_0
+    // keeps an integer block sum, the others a float one), one and several tokens, rows of one
+    // unit of 128 to 32 units; the fp32 output is unchanged.
+    use kiln_core::ops::norm::RmsNorm;
+    use kiln_cuda::ops::linear::{int8_scratch_bytes, linear_prequantized};
+    use kiln_cuda::ops::norm::{norm, norm_with_int8_planes, NormCall};
+    let gpu = Gpu::open(0).expect("the GPU tests need CUDA device 0");
+    let mut rng = Rng::fresh();
+    let mut checked = 0;
+    for dtype in [DType::Q4_0, DType::Q8_0, DType::Q4_1] {
+        for (cols, tokens) in [(128usize, 1usize), (1536, 1), (4096, 1), (4096, 3), (2048, 8)] {
+            let rows = 96;
+            let w = Weights::new(&gpu, dtype, &random_weights(&mut rng, dtype, 2 * rows, cols), rows, cols);
+            let x: Vec<f32> = (0..tokens * cols).map(|_| rng.uniform(-4.0, 4.0)).collect();
+            let gamma: Vec<f32> = (0..cols).map(|_| rng.uniform(0.5, 1.5)).collect();
+            let (x_dev, gamma_dev) = (upload(&gpu, &to_bytes(&x)), upload(&gpu, &to_bytes(&gamma)));
+            let call = NormCall {
+                spec: RmsNorm::llama(1e-5, DType::F32).into(),
+                rows: tokens,
+                hidden: cols,
+                x_type: DType::F32,
+                weight_type: DType::F32,
+            };
+            let scratch_bytes = int8_scratch_bytes(tokens, cols);
+            for epilogue in [Epilogue::Store, Epilogue::SwiGlu] {
+                let product = LinearCall { weight: dtype, rows, cols, tokens, input: DType::F32, epilogue };
+                // The norm, then the product with its own rounding launch.
+                let (h_a, scratch_a, out_a) = (
+                    poisoned(&gpu, tokens * cols * 4),
+                    poisoned(&gpu, scratch_bytes),
+                    poisoned(&gpu, tokens * rows * 4),
+                );
+                norm(&gpu, &call, norm_buffers(&x_dev, &gamma_dev, &h_a), None).expect("norm");
+                let launches = linear_with_scratch(
+                    &gpu,
+                    &product,
+                    w.device.view(),
+                    None,
+                    h_a.view(),
+                    out_a.view(),
+                    None,
+                    Some(scratch_a.view()),
+                )
+                .expect("product with its rounding launch");
+                assert_eq!(launches, 2, "{dtype} {cols} columns: the default should round x itself");
+                // The norm writing the planes, then the product without a rounding launch.
+                let (h_b, scratch_b, out_b) = (
+                    poisoned(&gpu, tokens * cols * 4),
+                    poisoned(&gpu, scratch_bytes),
+                    poisoned(&gpu, tokens * rows * 4),
+                );
+                norm_with_int8_planes(
+                    &gpu,
+                    &call,
+                    norm_buffers(&x_dev, &gamma_dev, &h_b),
+                    None,
+                    scratch_b.view(),
+                    dtype,
+                )
+                .expect("norm with planes");
+                let launches = linear_prequantized(
+                    &gpu,
+                    &product,
+                    w.device.view(),
+                    None,
+                    scratch_b.view(),
+                    out_b.view(),
+                    None,
+                )
+                .expect("product on the planes");
+                assert_eq!(launches, 1);
+                gpu.synchronize().expect("sync");
+                let what = format!("{dtype} {tokens}x{cols} {epilogue:?}");
+                let (h_a, h_b) = (h_a.to_host_bytes().expect("h"), h_b.to_host_bytes().expect("h"));
+                assert!(h_a == h_b, "{what}: the norm's fp32 output changed");
+                let (s_a, s_b) = (
+                    scratch_a.to_host_bytes().expect("scratch"),
+                    scratch_b.to_host_bytes().expect("scratch"),
+                );
+                assert!(guard_intact(&s_b, scratch_bytes), "{what}: the norm wrote past the planes");
+                if let Some(i) = (0..scratch_bytes).find(|&i| s_a[i] != s_b[i]) {
+                    panic!("{what}: planes differ from the rounding launch's first at byte {i} of {scratch_bytes}");
+                }
+                let (o_a, o_b) = (out_a.to_host_bytes().expect("out"), out_b.to_host_bytes().expect("out"));
+                assert!(o_a[..tokens * rows * 4] == o_b[..tokens * rows * 4], "{what}: the products differ");
+                checked += 1;
+            }
+        }
+    }
+    assert_eq!(checked, 30);
+}

@@ -548,6 +548,40 @@ pub fn linear_with_scratch(
     variant: Option<LinearVariant>,
     scratch: Option<DeviceView>,
 ) -> Result<usize> {
+    linear_inner(gpu, call, weight, bias, Some(x), out, variant, scratch)
+}
+
+/// The integer-path product of `call` with x already rounded into `scratch` (by
+/// [`crate::ops::norm::norm_with_int8_planes`]): one launch, no rounding launch. `variant`, or
+/// [`LinearVariant::default_for`], must be an integer-path one.
+pub fn linear_prequantized(
+    gpu: &Gpu,
+    call: &LinearCall,
+    weight: DeviceView,
+    bias: Option<DeviceView>,
+    scratch: DeviceView,
+    out: DeviceView,
+    variant: Option<LinearVariant>,
+) -> Result<usize> {
+    let variant = variant.unwrap_or_else(|| LinearVariant::default_for(call));
+    if !variant.int8 {
+        return Err(not_served(format!("x rounded ahead for the non-integer variant {}", variant.label())));
+    }
+    linear_inner(gpu, call, weight, bias, None, out, Some(variant), Some(scratch))
+}
+
+/// [`linear_with_scratch`], or with `x` None the integer path on a scratch rounded ahead.
+#[allow(clippy::too_many_arguments)]
+fn linear_inner(
+    gpu: &Gpu,
+    call: &LinearCall,
+    weight: DeviceView,
+    bias: Option<DeviceView>,
+    x: Option<DeviceView>,
+    out: DeviceView,
+    variant: Option<LinearVariant>,
+    scratch: Option<DeviceView>,
+) -> Result<usize> {
     let variant = variant.unwrap_or_else(|| {
         if scratch.is_some() {
             LinearVariant::default_for(call)
@@ -558,14 +592,16 @@ pub fn linear_with_scratch(
     let defines = call.defines(variant, bias.is_some())?;
     let (w_bytes, x_bytes, out_bytes) = call.buffer_bytes()?;
     super::check_buffer("linear", "weight", weight.len_bytes, w_bytes)?;
-    super::check_buffer("linear", "x", x.len_bytes, x_bytes)?;
+    if let Some(x) = x {
+        super::check_buffer("linear", "x", x.len_bytes, x_bytes)?;
+        check_alignment("x", x, 16)?;
+    }
     super::check_buffer("linear", "out", out.len_bytes, out_bytes)?;
     if let Some(bias) = bias {
         super::check_buffer("linear", "bias", bias.len_bytes, call.rows * 4)?;
         check_alignment("bias", bias, 4)?;
     }
     check_alignment("weight", weight, 16)?;
-    check_alignment("x", x, 16)?;
     check_alignment("out", out, 4)?;
 
     let (x_arg, function, config) = if variant.int8 {
@@ -576,7 +612,11 @@ pub fn linear_with_scratch(
         })?;
         super::check_buffer("linear", "scratch", scratch.len_bytes, call.int8_scratch_bytes())?;
         check_alignment("scratch", scratch, 16)?;
-        if let Some(shared) = int8_fused_shared_bytes(call, variant) {
+        if x.is_none() {
+            // x was rounded into the scratch ahead of this call.
+            let (function, config) = int8_launch(gpu, call, variant, &defines)?;
+            (scratch.ptr, function, config)
+        } else if let Some((x, shared)) = x.zip(int8_fused_shared_bytes(call, variant)) {
             // One launch: the product kernel rounds x itself into shared memory.
             let mut defines = defines.clone();
             defines.push(("FUSE", "1".to_owned()));
@@ -584,11 +624,13 @@ pub fn linear_with_scratch(
             config.shared_mem_bytes = shared as u32;
             (x.ptr, function, config)
         } else {
+            let x = x.ok_or_else(|| not_served("no x to round".to_owned()))?;
             int8_quantize(gpu, call, &defines, x, scratch)?;
             let (function, config) = int8_launch(gpu, call, variant, &defines)?;
             (scratch.ptr, function, config)
         }
     } else {
+        let x = x.ok_or_else(|| not_served("no x for the CUDA-core path".to_owned()))?;
         let function = gpu.function(&LINEAR, "kiln_linear", &define_refs(&defines))?;
         let blocks = u32::try_from(call.rows.div_ceil(variant.rows as usize))
             .map_err(|_| not_served(format!("{} rows", call.rows)))?;
@@ -612,7 +654,8 @@ pub fn linear_with_scratch(
     // HAS_BIAS = 0 makes the kernel ignore it; the views' owners keep the memory alive until the
     // stream has run the kernel (the `DeviceView` contract).
     unsafe { launch.launch(config) }.map_err(|e| driver_error("cuLaunchKernel(kiln_linear)", e))?;
-    Ok(if variant.int8 && config.shared_mem_bytes == 0 { 2 } else { 1 })
+    // The integer path's rounding launch ran unless x came rounded or the product rounded it.
+    Ok(if variant.int8 && x.is_some() && config.shared_mem_bytes == 0 { 2 } else { 1 })
 }
 
 /// The environment variable that turns the integer path's fused rounding on (`1`): at one token

@@ -13,7 +13,7 @@ use kiln_core::ops::quantize::{Quantizer, QUANT_BLOCK};
 use kiln_core::{DType, Error, Result};
 
 use crate::kernels::NORM;
-use crate::memory::DeviceMemory;
+use crate::memory::{DeviceMemory, DeviceView};
 use crate::runtime::{driver_error, Gpu};
 
 /// One shape of the norm kernel: warps that share a segment (a row or a group), segments per
@@ -265,8 +265,63 @@ pub fn norm(
     buffers: NormBuffers<'_>,
     variant: Option<NormVariant>,
 ) -> Result<()> {
+    norm_launch(gpu, call, buffers, variant, None)
+}
+
+/// [`norm`] whose fp32 output is also written, into `planes`, as the integer-path matrix
+/// products take their x ([`crate::ops::linear`]'s scratch layout: two int8 planes and the block
+/// scales, the very bytes of the products' own rounding launch), so that the product after it
+/// needs no rounding launch ([`crate::ops::linear::linear_prequantized`]). `weight` is that
+/// product's weight format (Q4_0 keeps an integer block sum, Q8_0 and Q4_1 a float one). Serves
+/// RMSNorm and LayerNorm with an fp32 output, one group, rows of a multiple of 128 values.
+pub fn norm_with_int8_planes(
+    gpu: &Gpu,
+    call: &NormCall,
+    buffers: NormBuffers<'_>,
+    variant: Option<NormVariant>,
+    planes: DeviceView,
+    weight: DType,
+) -> Result<()> {
+    let not_served = |reason: String| Error::NotServed { op: "norm with int8 planes", reason };
+    if call.spec.out != NormOutput::Float(DType::F32) || call.spec.groups != 1 {
+        return Err(not_served(format!(
+            "output {:?} in {} groups (fp32, one group)",
+            call.spec.out, call.spec.groups
+        )));
+    }
+    if call.hidden == 0 || !call.hidden.is_multiple_of(crate::ops::linear::INT8_UNIT) {
+        return Err(not_served(format!("rows of {} values (a multiple of 128)", call.hidden)));
+    }
+    let second_int = match weight {
+        DType::Q4_0 => true,
+        DType::Q8_0 | DType::Q4_1 => false,
+        other => return Err(not_served(format!("{other} weights (Q8_0, Q4_0, Q4_1)"))),
+    };
+    let needed = crate::ops::linear::int8_scratch_bytes(call.rows, call.hidden);
+    super::check_buffer("norm", "planes", planes.len_bytes, needed)?;
+    if !planes.ptr.is_multiple_of(16) {
+        return Err(Error::InvalidArgument {
+            name: "planes",
+            value: format!("{:#x}", planes.ptr),
+            reason: "must be 16-byte aligned".into(),
+        });
+    }
+    norm_launch(gpu, call, buffers, variant, Some((planes.ptr, second_int)))
+}
+
+fn norm_launch(
+    gpu: &Gpu,
+    call: &NormCall,
+    buffers: NormBuffers<'_>,
+    variant: Option<NormVariant>,
+    planes: Option<(u64, bool)>,
+) -> Result<()> {
     let variant = variant.unwrap_or_else(|| NormVariant::default_for(call.segment_len()));
     let mut defines = call.defines(variant)?;
+    if let Some((_, second_int)) = planes {
+        defines.push(("I8_PLANES", "1".to_owned()));
+        defines.push(("I8_SECOND_INT", if second_int { "1" } else { "0" }.to_owned()));
+    }
     let (x_bytes, w_bytes, out_bytes, scale_bytes) = call.buffer_bytes()?;
     let s = &call.spec;
     let len = |m: Option<&DeviceMemory>| m.map_or(0, DeviceMemory::len_bytes);
@@ -328,7 +383,9 @@ pub fn norm(
     let ptr = |m: Option<&DeviceMemory>| m.map_or(0u64, DeviceMemory::device_ptr);
     let (x, out) = (buffers.x.device_ptr(), buffers.out.device_ptr());
     let (residual, weight, bias) = (ptr(buffers.residual), ptr(buffers.weight), ptr(buffers.bias));
-    let (gate, scales) = (ptr(buffers.gate), ptr(buffers.scales));
+    let gate = ptr(buffers.gate);
+    // With planes the kernel's `scales` argument is the planes (an fp32 output has no scales).
+    let scales = planes.map_or(ptr(buffers.scales), |(p, _)| p);
     let mut launch = gpu.launch_builder(&function);
     launch
         .arg(&x)

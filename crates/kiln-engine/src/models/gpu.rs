@@ -73,6 +73,10 @@ pub struct GpuOptions {
     /// block of 32, `kiln_cuda::ops::linear::INT8_VARIANTS`); false: dequantized in registers
     /// against fp32 x (slower, closer to the CPU forward).
     pub integer_products: bool,
+    /// The decode norms before the q/k/v and gate/up products also write their output rounded
+    /// as those products take it on the integer path (`norm_with_int8_planes`), which then run
+    /// without a rounding launch of their own. Off by default: not yet measured on a GPU.
+    pub norm_rounds_x: bool,
 }
 
 impl Default for GpuOptions {
@@ -86,6 +90,7 @@ impl Default for GpuOptions {
             kv_fill: None,
             graphs: true,
             integer_products: true,
+            norm_rounds_x: false,
             matvec_tokens: MATVEC_TOKENS,
         }
     }
@@ -776,6 +781,39 @@ impl GpuEngine {
         linear::linear_with_scratch(&self.gpu, &call, l.weight, bias, x, out, None, scratch)
     }
 
+    /// The weight format of `group` when the norm before it should also write its output rounded
+    /// for the integer path ([`GpuOptions::norm_rounds_x`]): one fused matrix whose default
+    /// product for `t` tokens of fp32 x (`fp32_matvec`) is an integer-path one.
+    fn rounds_ahead(
+        &self,
+        group: &[DeviceLinear],
+        rows: usize,
+        t: usize,
+        epilogue: Epilogue,
+        fp32_matvec: bool,
+    ) -> Option<DType> {
+        let o = &self.options;
+        if !(fp32_matvec && o.integer_products && o.norm_rounds_x && group.len() == 1 && t <= MATVEC_TOKENS) {
+            return None;
+        }
+        let l = &group[0];
+        let call = LinearCall { weight: l.dtype, rows, cols: l.cols, tokens: t, input: DType::F32, epilogue };
+        linear::LinearVariant::default_for(&call).int8.then_some(l.dtype)
+    }
+
+    /// The integer-path product of `l` on x the norm before it rounded into the scratch.
+    fn matvec_rounded(
+        &self,
+        l: &DeviceLinear,
+        rows: usize,
+        tokens: usize,
+        epilogue: Epilogue,
+        out: DeviceView,
+    ) -> Result<usize> {
+        let call = LinearCall { weight: l.dtype, rows, cols: l.cols, tokens, input: DType::F32, epilogue };
+        linear::linear_prequantized(&self.gpu, &call, l.weight, l.bias, self.ws.int8.view(), out, None)
+    }
+
     /// The norm variant for `rows` rows into `out`: certified, or the declared default.
     fn norm_variant(&self, rows: usize, out: DType) -> Result<Option<norm_op::NormVariant>> {
         let Some(store) = &self.tuning else { return Ok(None) };
@@ -1072,10 +1110,27 @@ impl GpuEngine {
             let half = if matvec { DType::F32 } else { self.gemm_type(&layer.qkv) };
             let h = if matvec { &ws.h } else { &ws.h16 };
             let variant = if half == DType::F16 { None } else { norm_t };
-            norm_op::norm(gpu, &norm_call(t, half), self.norm_buffers(&ws.x, &layer.attn_norm, h), variant)?;
-            launches += 1;
-            launches +=
-                self.linear_group(&layer.qkv, h.view(), half, t, ws.qkv.view(), Epilogue::Store, matvec)?;
+            let buffers = self.norm_buffers(&ws.x, &layer.attn_norm, h);
+            let ahead =
+                self.rounds_ahead(&layer.qkv, qkv_width, t, Epilogue::Store, matvec && half == DType::F32);
+            if let Some(weight) = ahead {
+                norm_op::norm_with_int8_planes(
+                    gpu,
+                    &norm_call(t, half),
+                    buffers,
+                    variant,
+                    ws.int8.view(),
+                    weight,
+                )?;
+                launches += 1;
+                launches +=
+                    self.matvec_rounded(&layer.qkv[0], qkv_width, t, Epilogue::Store, ws.qkv.view())?;
+            } else {
+                norm_op::norm(gpu, &norm_call(t, half), buffers, variant)?;
+                launches += 1;
+                launches +=
+                    self.linear_group(&layer.qkv, h.view(), half, t, ws.qkv.view(), Epilogue::Store, matvec)?;
+            }
             let (k_cache, v_cache) = &self.kv[index];
             forward::qkv_prepare(
                 gpu,
@@ -1137,9 +1192,23 @@ impl GpuEngine {
             // MLP.
             let half = if matvec { DType::F32 } else { self.gemm_type(&layer.gate_up) };
             let variant = if half == DType::F16 { None } else { norm_t };
-            norm_op::norm(gpu, &norm_call(t, half), self.norm_buffers(&ws.x, &layer.ffn_norm, h), variant)?;
+            let buffers = self.norm_buffers(&ws.x, &layer.ffn_norm, h);
+            let ahead =
+                self.rounds_ahead(&layer.gate_up, c.ffn, t, Epilogue::SwiGlu, matvec && half == DType::F32);
+            if let Some(weight) = ahead {
+                norm_op::norm_with_int8_planes(
+                    gpu,
+                    &norm_call(t, half),
+                    buffers,
+                    variant,
+                    ws.int8.view(),
+                    weight,
+                )?;
+            } else {
+                norm_op::norm(gpu, &norm_call(t, half), buffers, variant)?;
+            }
             launches += 1;
-            launches += self.mlp(layer, h.view(), half, t, matvec)?;
+            launches += self.mlp(layer, h.view(), half, t, matvec, ahead.is_some())?;
         }
         // The last token of each sequence: final norm, LM head, sampler. More rows than the
         // matrix-vector kernels take at once go through cuBLAS when the head is 16-bit.
@@ -1392,14 +1461,28 @@ impl GpuEngine {
     }
 
     /// gate|up with SwiGLU, then the down projection added into the residual stream.
-    fn mlp(&self, layer: &DeviceLayer, h: DeviceView, half: DType, t: usize, matvec: bool) -> Result<usize> {
+    /// The MLP from the normed `h`; `rounded`: the norm also wrote h rounded for the integer
+    /// path into the scratch ([`GpuEngine::rounds_ahead`]).
+    fn mlp(
+        &self,
+        layer: &DeviceLayer,
+        h: DeviceView,
+        half: DType,
+        t: usize,
+        matvec: bool,
+        rounded: bool,
+    ) -> Result<usize> {
         let c = &self.config;
         let ws = &self.ws;
         let mut launches = 0;
         let down_in_type;
         if matvec && layer.gate_up.len() == 1 {
             let l = &layer.gate_up[0];
-            for start in (0..t).step_by(MATVEC_TOKENS) {
+            if rounded {
+                launches +=
+                    self.matvec_rounded(l, c.ffn, t, Epilogue::SwiGlu, ws.mlp.slice(0, t * c.ffn * 4)?)?;
+            }
+            for start in (0..t).step_by(MATVEC_TOKENS).filter(|_| !rounded) {
                 let n = (t - start).min(MATVEC_TOKENS);
                 launches += self.matvec(
                     l,
