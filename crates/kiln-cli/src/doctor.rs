@@ -29,6 +29,9 @@ struct GpuReport {
     facts: DeviceFacts,
     /// From the device file; `None` when the product is not listed.
     peak_memory_bandwidth_gb_per_s: Option<f64>,
+    /// Kernels launched to start as the one before them finishes (sm_90 and later, unless
+    /// `KILN_OVERLAP_LAUNCHES=0`).
+    overlapped_launches: bool,
 }
 
 /// The live check on GPU 0: compile, load from the cache, run, verify.
@@ -127,7 +130,11 @@ fn examine() -> Report {
                         .and_then(|f| f.peak_memory_bandwidth_bytes_per_s(&facts.name))
                         .map(|b| b / 1e9)
                         .ok();
-                    gpus.push(GpuReport { facts, peak_memory_bandwidth_gb_per_s: peak });
+                    gpus.push(GpuReport {
+                        facts,
+                        peak_memory_bandwidth_gb_per_s: peak,
+                        overlapped_launches: gpu.overlaps_launches(),
+                    });
                 }
                 Err(e) => problems.push(Problem {
                     problem: format!("GPU {ordinal} cannot be opened: {e}"),
@@ -252,7 +259,7 @@ fn render(report: &Report) -> String {
         let f = &gpu.facts;
         let _ = writeln!(
             s,
-            "  cuda:{} {}  compute {}.{} ({})  {}  {} SMs  L2 {}  driver CUDA {}{}",
+            "  cuda:{} {}  compute {}.{} ({})  {}  {} SMs  L2 {}  driver CUDA {}{}  launches {}",
             f.ordinal,
             f.name,
             f.compute_capability.0,
@@ -262,7 +269,8 @@ fn render(report: &Report) -> String {
             f.multiprocessors,
             bytes(f.l2_cache_bytes),
             f.driver_cuda_version,
-            gpu.peak_memory_bandwidth_gb_per_s.map(|p| format!("  peak {p:.0} GB/s")).unwrap_or_default()
+            gpu.peak_memory_bandwidth_gb_per_s.map(|p| format!("  peak {p:.0} GB/s")).unwrap_or_default(),
+            if gpu.overlapped_launches { "overlapped" } else { "serial" }
         );
     }
     if let Some(cache) = &report.kernel_cache {
