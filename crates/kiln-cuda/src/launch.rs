@@ -6,9 +6,10 @@
 //! finishing: its blocks request what no kernel writes (weights) and then wait, in the kernel,
 //! with `kiln_wait_prior()` (the prelude) until the kernels before it have finished and their
 //! writes are visible. Every Kiln kernel calls it in every thread before touching anything an
-//! earlier kernel may write, so a kernel launched this way reads the same data, and gives the same
-//! bits, as one launched the ordinary way. CUDA graph capture records the overlap as a
-//! programmatic edge, so captured decode steps keep it.
+//! earlier kernel may write (the compile test checks the sources), so with the default hand-off
+//! below a kernel launched this way reads the same data, and gives the same bits, as one launched
+//! the ordinary way (`tests/gpu_engine`, `gpu_parity`). CUDA graph capture records the overlap as
+//! a programmatic edge, so captured decode steps keep it.
 //!
 //! Overlap is on by default where the device supports it; [`crate::Gpu::set_overlap_launches`]
 //! or `KILN_OVERLAP_LAUNCHES=0` turns it off (every launch then waits for the one before it).
@@ -46,7 +47,7 @@ pub(crate) fn handoff_define() -> Option<&'static str> {
     }
 }
 
-/// Whether a device of compute capability `major.minor` can overlap launches, and the environment
+/// Whether a device of compute capability `major`.x can overlap launches, and the environment
 /// does not turn it off.
 pub(crate) fn overlap_default(major: u32) -> bool {
     major >= 9 && std::env::var(OVERLAP_ENV).map_or(true, |v| v.trim() != "0")
