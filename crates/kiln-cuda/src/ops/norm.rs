@@ -282,21 +282,7 @@ pub fn norm_with_int8_planes(
     planes: DeviceView,
     weight: DType,
 ) -> Result<()> {
-    let not_served = |reason: String| Error::NotServed { op: "norm with int8 planes", reason };
-    if call.spec.out != NormOutput::Float(DType::F32) || call.spec.groups != 1 {
-        return Err(not_served(format!(
-            "output {:?} in {} groups (fp32, one group)",
-            call.spec.out, call.spec.groups
-        )));
-    }
-    if call.hidden == 0 || !call.hidden.is_multiple_of(crate::ops::linear::INT8_UNIT) {
-        return Err(not_served(format!("rows of {} values (a multiple of 128)", call.hidden)));
-    }
-    let second_int = match weight {
-        DType::Q4_0 => true,
-        DType::Q8_0 | DType::Q4_1 => false,
-        other => return Err(not_served(format!("{other} weights (Q8_0, Q4_0, Q4_1)"))),
-    };
+    let second_int = int8_planes_served(call, weight)?;
     let needed = crate::ops::linear::int8_scratch_bytes(call.rows, call.hidden);
     super::check_buffer("norm", "planes", planes.len_bytes, needed)?;
     if !planes.ptr.is_multiple_of(16) {
@@ -307,6 +293,26 @@ pub fn norm_with_int8_planes(
         });
     }
     norm_launch(gpu, call, buffers, variant, Some((planes.ptr, second_int)))
+}
+
+/// Whether [`norm_with_int8_planes`] serves `call` for products on `weight`, and then whether the
+/// planes keep an integer block sum (Q4_0) rather than a float one.
+pub fn int8_planes_served(call: &NormCall, weight: DType) -> Result<bool> {
+    let not_served = |reason: String| Error::NotServed { op: "norm with int8 planes", reason };
+    if call.spec.out != NormOutput::Float(DType::F32) || call.spec.groups != 1 {
+        return Err(not_served(format!(
+            "output {:?} in {} groups (fp32, one group)",
+            call.spec.out, call.spec.groups
+        )));
+    }
+    if call.hidden == 0 || !call.hidden.is_multiple_of(crate::ops::linear::INT8_UNIT) {
+        return Err(not_served(format!("rows of {} values (a multiple of 128)", call.hidden)));
+    }
+    match weight {
+        DType::Q4_0 => Ok(true),
+        DType::Q8_0 | DType::Q4_1 => Ok(false),
+        other => Err(not_served(format!("{other} weights (Q8_0, Q4_0, Q4_1)"))),
+    }
 }
 
 fn norm_launch(
@@ -460,5 +466,24 @@ mod tests {
         assert!(call.validate(NORM_VARIANTS[0]).is_err());
         assert_eq!(call.validate(variant(2, 1, false)).unwrap(), 16);
         assert!(call.validate(variant(2, 2, true)).is_err());
+    }
+
+    #[test]
+    fn int8_planes_serve_fp32_rows_of_whole_units_for_the_integer_formats() {
+        let call = NormCall {
+            spec: RmsNorm::llama(1e-5, DType::F32).into(),
+            rows: 2,
+            hidden: 4096,
+            x_type: DType::F32,
+            weight_type: DType::F32,
+        };
+        assert!(int8_planes_served(&call, DType::Q4_0).unwrap());
+        assert!(!int8_planes_served(&call, DType::Q8_0).unwrap());
+        assert!(!int8_planes_served(&call, DType::Q4_1).unwrap());
+        let named = |r: Result<bool>| matches!(r, Err(Error::NotServed { op: "norm with int8 planes", .. }));
+        assert!(named(int8_planes_served(&call, DType::BF16)));
+        assert!(named(int8_planes_served(&NormCall { hidden: 576, ..call }, DType::Q4_0)));
+        let bf16_out = NormCall { spec: RmsNorm::llama(1e-5, DType::BF16).into(), ..call };
+        assert!(named(int8_planes_served(&bf16_out, DType::Q4_0)));
     }
 }
