@@ -270,22 +270,16 @@ __device__ __forceinline__ void kiln_norm_i8_planes(const float (&p)[8], void* p
 #pragma unroll
     for (int o = 1; o < 4; o <<= 1) qs += __shfl_xor_sync(0xFFFFFFFFu, qs, o);
     if (!valid) return;
-    const unsigned int lo = (unsigned int)(q[0] & 0xFF) | ((unsigned int)(q[1] & 0xFF) << 8) |
-                            ((unsigned int)(q[2] & 0xFF) << 16) | ((unsigned int)(q[3] & 0xFF) << 24);
-    const unsigned int hi = (unsigned int)(q[4] & 0xFF) | ((unsigned int)(q[5] & 0xFF) << 8) |
-                            ((unsigned int)(q[6] & 0xFF) << 16) | ((unsigned int)(q[7] & 0xFF) << 24);
-    const unsigned int rlo = (unsigned int)(r[0] & 0xFF) | ((unsigned int)(r[1] & 0xFF) << 8) |
-                             ((unsigned int)(r[2] & 0xFF) << 16) | ((unsigned int)(r[3] & 0xFF) << 24);
-    const unsigned int rhi = (unsigned int)(r[4] & 0xFF) | ((unsigned int)(r[5] & 0xFF) << 8) |
-                             ((unsigned int)(r[6] & 0xFF) << 16) | ((unsigned int)(r[7] & 0xFF) << 24);
+    const uint2 planes_q = make_uint2(kiln_bytes4(q[0], q[1], q[2], q[3]), kiln_bytes4(q[4], q[5], q[6], q[7]));
+    const uint2 planes_r = make_uint2(kiln_bytes4(r[0], r[1], r[2], r[3]), kiln_bytes4(r[4], r[5], r[6], r[7]));
     // Quads v, v + 1 (v = col / 4, even): words v & 3, v & 3 + 1 of 16-byte chunk c = col / 16,
     // chunk j = c % 8 of unit u = c / 8.
     const int v = col >> 2, c = v >> 2, u = c >> 3, j = c & 7;
     unsigned int* xw = static_cast<unsigned int*>(planes);
     const long long first = ((token * 8 + j) * units + u) * 4 + (v & 3);
     const long long second = (((tokens + token) * 8 + j) * units + u) * 4 + (v & 3);
-    *reinterpret_cast<uint2*>(xw + first) = make_uint2(lo, hi);
-    *reinterpret_cast<uint2*>(xw + second) = make_uint2(rlo, rhi);
+    *reinterpret_cast<uint2*>(xw + first) = planes_q;
+    *reinterpret_cast<uint2*>(xw + second) = planes_r;
     if ((v & 7) == 0) {
         const int b = v >> 3;
         float2* xs = reinterpret_cast<float2*>(xw + 2 * tokens * 8 * units * 4);

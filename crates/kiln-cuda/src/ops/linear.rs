@@ -385,37 +385,35 @@ impl LinearCall {
                 reason: "the SwiGLU epilogue takes no bias".to_owned(),
             });
         }
-        if variant.int8 {
-            self.check_int8(variant)?;
-            return Ok(vec![
-                ("W_T", w_t.to_string()),
-                ("X_T", x_t.to_string()),
-                ("TOKENS", self.tokens.to_string()),
-                ("EPI", self.epilogue.code().to_string()),
-                ("HAS_BIAS", flag(has_bias)),
-                ("WARPS", variant.warps.to_string()),
-                ("RL", variant.rows.to_string()),
-                ("UNR", variant.unroll.to_string()),
-                ("LPR", int8_lanes_per_row(self.cols).to_string()),
-            ]);
-        }
-        if variant.mma {
-            self.check_tensor_core(variant)?;
-        } else {
-            self.check_cuda_core(variant)?;
-        }
-        Ok(vec![
+        let mut defines = vec![
             ("W_T", w_t.to_string()),
             ("X_T", x_t.to_string()),
             ("TOKENS", self.tokens.to_string()),
             ("EPI", self.epilogue.code().to_string()),
             ("HAS_BIAS", flag(has_bias)),
             ("WARPS", variant.warps.to_string()),
+        ];
+        if variant.int8 {
+            self.check_int8(variant)?;
+            defines.extend([
+                ("RL", variant.rows.to_string()),
+                ("UNR", variant.unroll.to_string()),
+                ("LPR", int8_lanes_per_row(self.cols).to_string()),
+            ]);
+            return Ok(defines);
+        }
+        if variant.mma {
+            self.check_tensor_core(variant)?;
+        } else {
+            self.check_cuda_core(variant)?;
+        }
+        defines.extend([
             ("ROWS", variant.rows.to_string()),
             ("UNROLL", variant.unroll.to_string()),
             ("STAGE", flag(variant.stage_x)),
             ("MMA", flag(variant.mma)),
-        ])
+        ]);
+        Ok(defines)
     }
 
     /// The `mma` variants: BF16 or F16 weights, 2 to 8 tokens, 16 or 32 rows a block, x read

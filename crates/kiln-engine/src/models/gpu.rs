@@ -801,6 +801,23 @@ impl GpuEngine {
         linear::LinearVariant::default_for(&call).int8.then_some(l.dtype)
     }
 
+    /// The norm `call` before a product group; with `ahead` (the group's weight format, from
+    /// [`GpuEngine::rounds_ahead`]) it also writes its output rounded for the integer path.
+    fn norm_before(
+        &self,
+        call: &NormCall,
+        buffers: NormBuffers<'_>,
+        variant: Option<norm_op::NormVariant>,
+        ahead: Option<DType>,
+    ) -> Result<()> {
+        match ahead {
+            Some(weight) => {
+                norm_op::norm_with_int8_planes(&self.gpu, call, buffers, variant, self.ws.int8.view(), weight)
+            }
+            None => norm_op::norm(&self.gpu, call, buffers, variant),
+        }
+    }
+
     /// The integer-path product of `l` on x the norm before it rounded into the scratch.
     fn matvec_rounded(
         &self,
@@ -1113,21 +1130,12 @@ impl GpuEngine {
             let buffers = self.norm_buffers(&ws.x, &layer.attn_norm, h);
             let ahead =
                 self.rounds_ahead(&layer.qkv, qkv_width, t, Epilogue::Store, matvec && half == DType::F32);
-            if let Some(weight) = ahead {
-                norm_op::norm_with_int8_planes(
-                    gpu,
-                    &norm_call(t, half),
-                    buffers,
-                    variant,
-                    ws.int8.view(),
-                    weight,
-                )?;
-                launches += 1;
+            self.norm_before(&norm_call(t, half), buffers, variant, ahead)?;
+            launches += 1;
+            if ahead.is_some() {
                 launches +=
                     self.matvec_rounded(&layer.qkv[0], qkv_width, t, Epilogue::Store, ws.qkv.view())?;
             } else {
-                norm_op::norm(gpu, &norm_call(t, half), buffers, variant)?;
-                launches += 1;
                 launches +=
                     self.linear_group(&layer.qkv, h.view(), half, t, ws.qkv.view(), Epilogue::Store, matvec)?;
             }
@@ -1195,18 +1203,7 @@ impl GpuEngine {
             let buffers = self.norm_buffers(&ws.x, &layer.ffn_norm, h);
             let ahead =
                 self.rounds_ahead(&layer.gate_up, c.ffn, t, Epilogue::SwiGlu, matvec && half == DType::F32);
-            if let Some(weight) = ahead {
-                norm_op::norm_with_int8_planes(
-                    gpu,
-                    &norm_call(t, half),
-                    buffers,
-                    variant,
-                    ws.int8.view(),
-                    weight,
-                )?;
-            } else {
-                norm_op::norm(gpu, &norm_call(t, half), buffers, variant)?;
-            }
+            self.norm_before(&norm_call(t, half), buffers, variant, ahead)?;
             launches += 1;
             launches += self.mlp(layer, h.view(), half, t, matvec, ahead.is_some())?;
         }
@@ -1481,19 +1478,20 @@ impl GpuEngine {
             if rounded {
                 launches +=
                     self.matvec_rounded(l, c.ffn, t, Epilogue::SwiGlu, ws.mlp.slice(0, t * c.ffn * 4)?)?;
-            }
-            for start in (0..t).step_by(MATVEC_TOKENS).filter(|_| !rounded) {
-                let n = (t - start).min(MATVEC_TOKENS);
-                launches += self.matvec(
-                    l,
-                    c.ffn,
-                    n,
-                    half,
-                    Epilogue::SwiGlu,
-                    None,
-                    h.slice(start * c.hidden * 4, n * c.hidden * 4)?,
-                    ws.mlp.slice(start * c.ffn * 4, n * c.ffn * 4)?,
-                )?;
+            } else {
+                for start in (0..t).step_by(MATVEC_TOKENS) {
+                    let n = (t - start).min(MATVEC_TOKENS);
+                    launches += self.matvec(
+                        l,
+                        c.ffn,
+                        n,
+                        half,
+                        Epilogue::SwiGlu,
+                        None,
+                        h.slice(start * c.hidden * 4, n * c.hidden * 4)?,
+                        ws.mlp.slice(start * c.ffn * 4, n * c.ffn * 4)?,
+                    )?;
+                }
             }
             down_in_type = DType::F32;
             launches += self.linear_group(
