@@ -39,6 +39,20 @@ pub struct KernelSource {
     pub fmad: bool,
 }
 
+impl KernelSource {
+    /// The one architecture this family is built for with its architecture-specific features
+    /// (`sm_90a`), from [`crate::kernels::ARCH_SPECIFIC`]; `None` for the families every
+    /// architecture builds.
+    pub fn specific_arch(&self) -> Option<Arch> {
+        crate::kernels::ARCH_SPECIFIC.iter().find(|(name, _)| *name == self.name).map(|(_, arch)| *arch)
+    }
+
+    /// Whether the family builds for `arch`.
+    pub fn serves(&self, arch: Arch) -> bool {
+        self.specific_arch().is_none_or(|served| served == arch)
+    }
+}
+
 /// A compute capability as a number: 90 for `sm_90`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 #[serde(into = "String")]
@@ -84,18 +98,23 @@ pub struct CompileOptions {
     pub defines: Vec<(String, String)>,
     /// Whether FMA contraction is allowed (`--fmad`).
     pub fmad: bool,
+    /// Whether to target the architecture-specific features (`sm_90a`: wgmma, setmaxnreg), for
+    /// the kernels of [`crate::kernels::ARCH_SPECIFIC`]. Such an image runs on that
+    /// architecture only.
+    pub arch_specific: bool,
 }
 
 impl CompileOptions {
     /// The options for `kernel` on `arch` with `defines`.
     pub fn for_kernel(kernel: &KernelSource, arch: Arch, defines: Vec<(String, String)>) -> CompileOptions {
-        CompileOptions { arch, defines, fmad: kernel.fmad }
+        let arch_specific = kernel.specific_arch() == Some(arch);
+        CompileOptions { arch, defines, fmad: kernel.fmad, arch_specific }
     }
 
     /// The command-line options handed to NVRTC.
     pub fn nvrtc_options(&self) -> Vec<String> {
         let mut options = vec![
-            format!("--gpu-architecture={}", self.arch),
+            format!("--gpu-architecture={}{}", self.arch, if self.arch_specific { "a" } else { "" }),
             "--std=c++17".to_owned(),
             format!("--fmad={}", self.fmad),
             "--ptxas-options=-v".to_owned(),
@@ -137,6 +156,17 @@ impl CompiledKernel {
 
 /// Compiles `kernel` with `options` (no cache, no GPU needed).
 pub fn compile(kernel: &KernelSource, options: &CompileOptions) -> Result<CompiledKernel> {
+    if !kernel.serves(options.arch) {
+        return Err(Error::NotServed {
+            op: "kernel compile",
+            reason: format!(
+                "{} is built for {}a only, not {}",
+                kernel.name,
+                kernel.specific_arch().map_or_else(String::new, |a| a.to_string()),
+                options.arch
+            ),
+        });
+    }
     let nvrtc = nvrtc::nvrtc()?;
     let flags = options.nvrtc_options();
     let started = Instant::now();
@@ -335,11 +365,28 @@ ptxas info    : Used 10 registers, 368 bytes cmem[0]\n";
 
     #[test]
     fn options_carry_arch_fmad_and_defines() {
-        let options =
-            CompileOptions { arch: Arch(80), defines: vec![("BLOCK".into(), "256".into())], fmad: false };
+        let options = CompileOptions {
+            arch: Arch(80),
+            defines: vec![("BLOCK".into(), "256".into())],
+            fmad: false,
+            arch_specific: false,
+        };
         let flags = options.nvrtc_options();
         assert!(flags.contains(&"--gpu-architecture=sm_80".to_owned()));
         assert!(flags.contains(&"--fmad=false".to_owned()));
         assert!(flags.contains(&"-DBLOCK=256".to_owned()));
+        let specific = CompileOptions { arch: Arch(90), arch_specific: true, ..options };
+        assert!(specific.nvrtc_options().contains(&"--gpu-architecture=sm_90a".to_owned()));
+    }
+
+    #[test]
+    fn arch_specific_families_target_their_arch_only() {
+        let prefill = crate::kernels::ATTENTION_PREFILL;
+        assert_eq!(prefill.specific_arch(), Some(Arch(90)));
+        assert!(prefill.serves(Arch(90)) && !prefill.serves(Arch(80)) && !prefill.serves(Arch(89)));
+        assert!(CompileOptions::for_kernel(&prefill, Arch(90), Vec::new()).arch_specific);
+        let plain = crate::kernels::ATTENTION;
+        assert!(plain.serves(Arch(80)) && plain.serves(Arch(90)));
+        assert!(!CompileOptions::for_kernel(&plain, Arch(90), Vec::new()).arch_specific);
     }
 }

@@ -2,7 +2,7 @@
 //! check (`tests/kernels_compile.rs`) compiles each for every supported architecture and each of
 //! its define sets, and fails on an error, a warning, or a register spill.
 
-use crate::compile::KernelSource;
+use crate::compile::{Arch, KernelSource};
 
 /// Conversions between f32 and bf16, fp16, fp8 (bit-exact with the CPU reference).
 pub const CONVERT: KernelSource = KernelSource {
@@ -403,6 +403,15 @@ pub const ATTENTION: KernelSource = KernelSource {
         &[("HEAD_DIM", "128"), ("WARPS_M", "1"), ("WARPS_N", "4"), ("WARP_KEYS", "16"), ("STREAMING", "1")],
         &[("HEAD_DIM", "64"), ("WARPS_M", "1"), ("WARPS_N", "4"), ("WARP_KEYS", "16"), ("STREAMING", "1")],
     ],
+    fmad: true,
+};
+
+/// Causal GQA prefill attention on Hopper's warpgroup tensor cores (`kiln_attention_prefill`,
+/// wgmma): built for sm_90a only ([`ARCH_SPECIFIC`]). Define: `HEAD_DIM` (128).
+pub const ATTENTION_PREFILL: KernelSource = KernelSource {
+    name: "attention_prefill",
+    source: include_str!("../kernels/attention_prefill.cu"),
+    define_sets: &[&[("HEAD_DIM", "128")]],
     fmad: true,
 };
 
@@ -847,5 +856,21 @@ pub const LINEAR_I8: KernelSource = KernelSource {
 };
 
 /// Every kernel source of Kiln.
-pub const ALL: &[KernelSource] =
-    &[CONVERT, COPY, NORM, ROPE, EMBEDDING, LM_HEAD, ATTENTION, SAMPLE, FORWARD, LINEAR, LINEAR_I8];
+pub const ALL: &[KernelSource] = &[
+    CONVERT,
+    COPY,
+    NORM,
+    ROPE,
+    EMBEDDING,
+    LM_HEAD,
+    ATTENTION,
+    ATTENTION_PREFILL,
+    SAMPLE,
+    FORWARD,
+    LINEAR,
+    LINEAR_I8,
+];
+
+/// The families built for an architecture-specific target (`sm_90a`: wgmma, setmaxnreg), each
+/// with the one architecture it serves; the compile check skips them, by name, on the others.
+pub const ARCH_SPECIFIC: &[(&str, Arch)] = &[(ATTENTION_PREFILL.name, Arch(90))];

@@ -15,6 +15,7 @@ fn every_kernel_compiles_for_every_architecture_without_warnings_or_spills() {
     eprintln!("NVRTC {}.{}", version.0, version.1);
     let mut failures = Vec::new();
     let mut compiled = 0;
+    let mut skipped = 0;
     // KILN_KERNELS=linear_i8,norm checks only those families (and then skips the count check).
     let only: Option<Vec<String>> =
         std::env::var("KILN_KERNELS").ok().map(|v| v.split(',').map(|s| s.trim().to_owned()).collect());
@@ -24,6 +25,17 @@ fn every_kernel_compiles_for_every_architecture_without_warnings_or_spills() {
     for kernel in selected.iter().copied() {
         assert!(!kernel.define_sets.is_empty(), "{}: declares no define set", kernel.name);
         for arch in Arch::SUPPORTED {
+            // A family built for one architecture's specific target (sm_90a) is skipped, by
+            // name, on the others; it must serve one of the supported ones.
+            if !kernel.serves(arch) {
+                eprintln!(
+                    "{} {arch}: skipped, built for {:?} (arch-specific) only",
+                    kernel.name,
+                    kernel.specific_arch()
+                );
+                skipped += 1;
+                continue;
+            }
             for defines in kernel.define_sets {
                 let what = format!("{} {arch} {defines:?}", kernel.name);
                 let image = match compile_only(kernel, arch, defines) {
@@ -53,7 +65,14 @@ fn every_kernel_compiles_for_every_architecture_without_warnings_or_spills() {
         }
     }
     assert!(failures.is_empty(), "kernel compile check failed:\n{}", failures.join("\n"));
-    assert!(compiled >= selected.len() * Arch::SUPPORTED.len());
+    for kernel in &selected {
+        assert!(
+            Arch::SUPPORTED.iter().any(|&arch| kernel.serves(arch)),
+            "{} serves none of the supported architectures",
+            kernel.name
+        );
+    }
+    assert!(compiled + skipped >= selected.len() * Arch::SUPPORTED.len());
 }
 
 #[test]

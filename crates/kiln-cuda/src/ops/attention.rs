@@ -16,14 +16,18 @@
 //! Two kernels ([`AttentionKernel`]): the tiled kernel serves every call (prefill, chunked
 //! prefill, decode); the streaming kernel serves decode (one query token per sequence) and is
 //! the default there ([`AttentionVariant::DECODE`]); [`AttentionVariant::DECODE_TILED`] keeps the
-//! tiled kernel's decode of the same shape selectable.
+//! tiled kernel's decode of the same shape selectable. On sm_90, a third kernel
+//! (`kernels/attention_prefill.cu`, Hopper's warpgroup MMA) serves prefill at head dim 128
+//! without splits: [`AttentionVariant::PREFILL_WGMMA`], chosen explicitly or by
+//! [`PREFILL_KERNEL_ENV`]`=wgmma` for calls that leave the variant to the default.
 
 use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::LaunchConfig;
 use kiln_core::ops::attention::{validate_sequences, AttentionSequence, AttentionShape};
 use kiln_core::{Error, Result};
 
-use crate::kernels::ATTENTION;
+use crate::compile::Arch;
+use crate::kernels::{ATTENTION, ATTENTION_PREFILL};
 use crate::memory::{DeviceMemory, DeviceView};
 use crate::runtime::{driver_error, Gpu};
 
@@ -37,6 +41,10 @@ pub enum AttentionKernel {
     /// 16 keys through its own three-stage pipeline (no block barrier until the end), Q in
     /// registers, the splits combined by the last block with every partial in flight at once.
     Streaming,
+    /// `kiln_attention_prefill` (`kernels/attention_prefill.cu`): two warpgroups of 64 rows on
+    /// Hopper's wgmma (sm_90 only), 128 keys a tile, two tiles in flight; prefill and chunked
+    /// prefill without splits, head dim 128.
+    Warpgroup,
 }
 
 /// The work split of one thread block: `warps_m` warps of 16 rows each, and `warps_n` warps that
@@ -70,6 +78,12 @@ impl AttentionVariant {
     pub const DECODE_WIDE: AttentionVariant =
         AttentionVariant { warps_m: 1, warps_n: 4, warp_keys: 32, kernel: AttentionKernel::Tiled };
 
+    /// Prefill on Hopper's warpgroup MMA: 128 rows by two warpgroups (eight warps), 128 keys a
+    /// tile. sm_90 only, head dim 128, one split. Not in [`AttentionVariant::ALL`] (it serves
+    /// fewer shapes and devices).
+    pub const PREFILL_WGMMA: AttentionVariant =
+        AttentionVariant { warps_m: 8, warps_n: 1, warp_keys: 128, kernel: AttentionKernel::Warpgroup };
+
     /// Every named variant (distinct names); the tests run each, and
     /// [`AttentionVariant::DECODE_TILED`] beside them.
     pub const ALL: [AttentionVariant; 4] =
@@ -90,7 +104,7 @@ impl AttentionVariant {
     /// K/V tiles in flight (the kernel's `STAGES`; the streaming kernel's `STREAM_STAGES` per warp).
     pub fn stages(&self) -> u32 {
         match self.kernel {
-            AttentionKernel::Tiled => STAGES,
+            AttentionKernel::Tiled | AttentionKernel::Warpgroup => STAGES,
             AttentionKernel::Streaming => STREAM_STAGES,
         }
     }
@@ -107,13 +121,23 @@ impl AttentionVariant {
             AttentionKernel::Streaming => {
                 self.warps_n as usize * self.stages() as usize * 2 * self.warp_keys as usize * head_dim * 2
             }
+            // 1 KiB to align the swizzled arrays to their 1024-byte pattern, then Q rows and the
+            // stages of K and V tiles, unpadded.
+            AttentionKernel::Warpgroup => {
+                1024 + (self.rows() as usize + 2 * self.stages() as usize * self.keys() as usize)
+                    * head_dim
+                    * 2
+            }
         }
     }
 
     /// The default for a call whose sequences have at most `max_query_tokens` queries.
+    /// [`PREFILL_KERNEL_ENV`]`=wgmma` makes prefill's default [`AttentionVariant::PREFILL_WGMMA`].
     pub fn default_for(max_query_tokens: usize) -> AttentionVariant {
         if max_query_tokens <= 1 {
             AttentionVariant::DECODE
+        } else if prefill_wgmma_requested() {
+            AttentionVariant::PREFILL_WGMMA
         } else {
             AttentionVariant::PREFILL
         }
@@ -133,12 +157,23 @@ impl AttentionVariant {
                 // multiprocessor) and the compile check are made for.
                 self.warps_m == 1 && self.warps_n == 4 && self.warp_keys == 16 && head_dim.is_multiple_of(64)
             }
+            AttentionKernel::Warpgroup => *self == AttentionVariant::PREFILL_WGMMA && head_dim == 128,
         };
         if !served {
             return Err(Error::NotServed { op: "attention kernel", reason: format!("variant {self:?}") });
         }
         Ok(())
     }
+}
+
+/// The environment variable that selects prefill's default kernel: `wgmma` for
+/// [`AttentionVariant::PREFILL_WGMMA`] (sm_90 only); unset or `tiled` for
+/// [`AttentionVariant::PREFILL`]. Read once per process.
+pub const PREFILL_KERNEL_ENV: &str = "KILN_PREFILL_ATTENTION";
+
+fn prefill_wgmma_requested() -> bool {
+    static REQUESTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *REQUESTED.get_or_init(|| std::env::var(PREFILL_KERNEL_ENV).is_ok_and(|v| v.trim() == "wgmma"))
 }
 
 /// K/V stages of every tiled variant (the kernel's default `STAGES`).
@@ -338,6 +373,9 @@ fn check_shape(shape: &AttentionShape) -> Result<u32> {
 /// The defines of a variant, in the order of `kernels::ATTENTION`'s define sets (`STREAMING`
 /// only for the streaming kernel, so the tiled kernel's modules keep their names).
 fn defines(head_dim: usize, variant: AttentionVariant) -> Vec<(&'static str, String)> {
+    if variant.kernel == AttentionKernel::Warpgroup {
+        return vec![("HEAD_DIM", head_dim.to_string())];
+    }
     let mut defines = vec![
         ("HEAD_DIM", head_dim.to_string()),
         ("WARPS_M", variant.warps_m.to_string()),
@@ -358,7 +396,8 @@ fn function(
 ) -> Result<cudarc::driver::CudaFunction> {
     let defines = defines(head_dim, variant);
     let refs: Vec<(&str, &str)> = defines.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    gpu.function(&ATTENTION, entry, &refs)
+    let source = if variant.kernel == AttentionKernel::Warpgroup { &ATTENTION_PREFILL } else { &ATTENTION };
+    gpu.function(source, entry, &refs)
 }
 
 fn as_i32(what: &'static str, value: usize) -> Result<i32> {
@@ -432,13 +471,31 @@ pub fn attention(
         }
         _ => (0, 0),
     };
+    if variant.kernel == AttentionKernel::Warpgroup {
+        if splits != 1 {
+            return Err(Error::NotServed {
+                op: "attention kernel",
+                reason: format!("{variant:?} does not split the context ({splits} splits asked)"),
+            });
+        }
+        if gpu.arch() != Arch(90) {
+            return Err(Error::NotServed {
+                op: "attention kernel",
+                reason: format!("{variant:?} needs sm_90 (wgmma), the device is {}", gpu.arch()),
+            });
+        }
+    }
     if batch.batch == 0 || batch.total_queries == 0 {
         return Ok(());
+    }
+    if variant.kernel == AttentionKernel::Warpgroup {
+        return prefill_wgmma(gpu, shape, batch, q, cache, out, variant, page_shift);
     }
 
     let entry = match variant.kernel {
         AttentionKernel::Tiled => "kiln_attention",
         AttentionKernel::Streaming => "kiln_attention_decode",
+        AttentionKernel::Warpgroup => "kiln_attention_prefill",
     };
     let kernel = function(gpu, shape.head_dim, variant, entry)?;
     let shared = variant.shared_bytes(shape.head_dim);
@@ -512,6 +569,74 @@ pub fn attention(
     // reuses memory only in this stream's order, so they outlive the kernel.
     unsafe { launch.launch(config) }.map_err(|e| driver_error("cuLaunchKernel(attention)", e))?;
 
+    Ok(())
+}
+
+/// The launch of `kiln_attention_prefill` (checked by [`attention`]: one split, sm_90, the
+/// buffers' lengths).
+#[allow(clippy::too_many_arguments)]
+fn prefill_wgmma(
+    gpu: &Gpu,
+    shape: &AttentionShape,
+    batch: &PagedBatch,
+    q: &DeviceMemory,
+    cache: KvBuffers<'_>,
+    out: &DeviceMemory,
+    variant: AttentionVariant,
+    page_shift: u32,
+) -> Result<()> {
+    let kernel = function(gpu, shape.head_dim, variant, "kiln_attention_prefill")?;
+    let shared = variant.shared_bytes(shape.head_dim);
+    let optin = gpu.facts().shared_memory_per_block_optin_bytes as usize;
+    if shared > optin {
+        return Err(Error::NotServed {
+            op: "attention kernel",
+            reason: format!("{variant:?} needs {shared} bytes of shared memory, the device gives {optin}"),
+        });
+    }
+    kernel
+        .set_attribute(
+            CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            shared as i32,
+        )
+        .map_err(|e| driver_error("cuFuncSetAttribute(attention_prefill)", e))?;
+    let row_tiles = (batch.max_query_tokens * shape.group()).div_ceil(variant.rows() as usize);
+    if row_tiles > i32::MAX as usize || shape.kv_heads > 65_535 || batch.batch > 65_535 {
+        return Err(Error::NotServed {
+            op: "attention kernel",
+            reason: format!("grid of {row_tiles} x {} x {} blocks", shape.kv_heads, batch.batch),
+        });
+    }
+    let config = LaunchConfig {
+        grid_dim: (row_tiles as u32, shape.kv_heads as u32, batch.batch as u32),
+        block_dim: (variant.threads(), 1, 1),
+        shared_mem_bytes: shared as u32,
+    };
+    let (q_heads, kv_heads) = (as_i32("q_heads", shape.q_heads)?, as_i32("kv_heads", shape.kv_heads)?);
+    let page_shift = page_shift as i32;
+    let scale_log2 = shape.scale * std::f32::consts::LOG2_E;
+    let pointers = [
+        q.device_ptr(),
+        cache.k.device_ptr(),
+        cache.v.device_ptr(),
+        batch.query_offsets.ptr,
+        batch.context_lens.ptr,
+        batch.page_offsets.ptr,
+        batch.page_ids.ptr,
+        out.device_ptr(),
+    ];
+    let mut launch = gpu.launch_builder(&kernel);
+    for pointer in &pointers {
+        launch.arg(pointer);
+    }
+    launch.arg(&q_heads).arg(&kv_heads).arg(&page_shift).arg(&scale_log2);
+    // SAFETY: the arguments match the signature of `kiln_attention_prefill` (8 pointers, 3 i32,
+    // f32). `batch` was validated against the shape and the cache's page count when uploaded, so
+    // every page id and offset the kernel reads is in bounds; [`attention`] checked q, out and
+    // the caches to hold what the kernel touches; the dynamic shared memory was raised to what
+    // the launch asks for. All buffers come from this device's pool, which reuses memory only in
+    // this stream's order, so they outlive the kernel.
+    unsafe { launch.launch(config) }.map_err(|e| driver_error("cuLaunchKernel(attention_prefill)", e))?;
     Ok(())
 }
 
@@ -628,6 +753,25 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn the_wgmma_prefill_variant_is_compiled_and_served_at_head_dim_128() {
+        let variant = AttentionVariant::PREFILL_WGMMA;
+        variant.validate(128).unwrap();
+        assert!(matches!(variant.validate(64), Err(Error::NotServed { .. })));
+        // 1 KiB of alignment, 128 Q rows and 2 stages of 128 K and 128 V rows, 256 bytes each.
+        assert_eq!(variant.shared_bytes(128), 1024 + (128 + 512) * 256);
+        assert!(variant.shared_bytes(128) <= 227 * 1024);
+        assert_eq!((variant.threads(), variant.rows(), variant.keys()), (256, 128, 128));
+        let defines = defines(128, variant);
+        assert!(ATTENTION_PREFILL.define_sets.iter().any(|set| {
+            set.len() == defines.len()
+                && set.iter().zip(&defines).all(|((k, v), (dk, dv))| k == dk && v == dv)
+        }));
+        // The tiled kernels' shapes do not pass as the wgmma one.
+        let other = AttentionVariant { kernel: AttentionKernel::Warpgroup, ..AttentionVariant::PREFILL_WIDE };
+        assert!(matches!(other.validate(128), Err(Error::NotServed { .. })));
     }
 
     #[test]
