@@ -458,3 +458,99 @@ fn kv_append_writes_each_token_at_its_slot_and_nothing_else() {
         }
     }
 }
+
+/// The wgmma prefill kernel (`kernels/attention_prefill.cu`, sm_90 only) against the float64
+/// reference: every GQA ratio and several page sizes, ragged batches whose lengths straddle its
+/// 128-row and 128-key tiles, chunks after cached positions, and a 1024-token sequence at the
+/// benchmark's shape (32/8 heads, page 64); each case run twice, bit for bit. On any other
+/// architecture the kernel must refuse (checked, not skipped).
+#[test]
+fn wgmma_prefill_matches_float64_and_repeats_bit_for_bit() {
+    let (gpu, mut rng) = (gpu(), Rng::fresh());
+    let variant = AttentionVariant::PREFILL_WGMMA;
+    if gpu.arch() != kiln_cuda::Arch(90) {
+        let case = Case {
+            q_heads: 8,
+            kv_heads: 2,
+            head_dim: 128,
+            page_tokens: 16,
+            sequences: vec![(40, 40)],
+            splits: Some(1),
+            variant,
+        };
+        let inputs = inputs(&mut rng, &case);
+        let sequences =
+            [AttentionSequence { query_tokens: 40, context_tokens: 40, pages: &inputs.tables[0] }];
+        let batch = PagedBatch::upload(&gpu, &inputs.shape, &sequences, inputs.pages).expect("batch upload");
+        let q = upload(&gpu, &bytes(&inputs.q));
+        let (k, v) = (upload(&gpu, &bytes(&inputs.k)), upload(&gpu, &bytes(&inputs.v)));
+        let out = poisoned(&gpu, inputs.q.len() * 2);
+        let cache = KvBuffers { k: &k, v: &v, pages: inputs.pages };
+        let refused = attention(&gpu, &inputs.shape, &batch, &q, cache, &out, None, 1, Some(variant));
+        assert!(
+            matches!(refused, Err(Error::NotServed { .. })),
+            "{} ran the wgmma kernel: {refused:?}",
+            gpu.arch()
+        );
+        println!("{}: the wgmma prefill refuses, as it must off sm_90", gpu.arch());
+        return;
+    }
+    let edges = [1, 2, 31, 32, 33, 127, 128, 129, 255, 256, 257, 300];
+    for (i, &(q_heads, kv_heads)) in RATIOS.iter().enumerate() {
+        let page_tokens = [1, 16, 64, 8, 128][i];
+        let mut lengths: Vec<usize> = (0..1 + rng.below(4)).map(|_| 1 + rng.below(600)).collect();
+        lengths.push(edges[rng.below(edges.len())]);
+        let cases = [
+            lengths.iter().map(|&n| (n, n)).collect::<Vec<_>>(),
+            // Chunks after cached positions, one chunk per sequence.
+            (0..1 + rng.below(3))
+                .map(|_| {
+                    let chunk = 1 + rng.below(300);
+                    (chunk, chunk + rng.below(700))
+                })
+                .collect(),
+        ];
+        for sequences in cases {
+            let case =
+                Case { q_heads, kv_heads, head_dim: 128, page_tokens, sequences, splits: Some(1), variant };
+            let outputs = check(&gpu, &mut rng, &case, 2);
+            assert!(outputs[0] == outputs[1], "wgmma prefill differs between two runs: {:?}", case.sequences);
+        }
+    }
+    let case = Case {
+        q_heads: 32,
+        kv_heads: 8,
+        head_dim: 128,
+        page_tokens: 64,
+        sequences: vec![(1024, 1024)],
+        splits: Some(1),
+        variant,
+    };
+    let outputs = check(&gpu, &mut rng, &case, 2);
+    assert!(outputs[0] == outputs[1], "wgmma prefill differs between two runs at 1024 tokens");
+}
+
+/// The wgmma prefill serves head dim 128 and one split only; it says so instead of running.
+#[test]
+fn wgmma_prefill_refuses_what_it_does_not_serve() {
+    let gpu = gpu();
+    let variant = AttentionVariant::PREFILL_WGMMA;
+    assert_eq!(variant.kernel, AttentionKernel::Warpgroup);
+    for (head_dim, splits) in [(64, 1), (128, 3)] {
+        let shape = AttentionShape { q_heads: 8, kv_heads: 2, head_dim, page_tokens: 16, scale: 0.125 };
+        let pages: Vec<u32> = (0..4).collect();
+        let q = gpu.alloc(40 * 8 * head_dim * 2).expect("device allocation");
+        let out = gpu.alloc(40 * 8 * head_dim * 2).expect("device allocation");
+        let cache_bytes = 4 * 2 * 16 * head_dim * 2;
+        let (k, v) = (gpu.alloc(cache_bytes).expect("k"), gpu.alloc(cache_bytes).expect("v"));
+        let cache = KvBuffers { k: &k, v: &v, pages: 4 };
+        let scratch = gpu.alloc(scratch_bytes(&shape, 40, 3).max(16)).expect("scratch");
+        let prefill = [AttentionSequence { query_tokens: 40, context_tokens: 40, pages: &pages }];
+        let batch = PagedBatch::upload(&gpu, &shape, &prefill, 4).expect("batch upload");
+        let refused = attention(&gpu, &shape, &batch, &q, cache, &out, Some(&scratch), splits, Some(variant));
+        assert!(
+            matches!(refused, Err(Error::NotServed { .. })),
+            "head dim {head_dim}, {splits} splits: {refused:?}"
+        );
+    }
+}
