@@ -111,6 +111,38 @@ fn ratio(peer: &Peer, table: &str, key: &str, kiln_us: f64) -> String {
         .map_or("-".into(), |us| format!("{us:.1} / {:.2}x", us / kiln_us))
 }
 
+/// A row saying how far the wgmma prefill's output is from the tiled kernel's on the benchmark's
+/// own inputs (both against float64 are in the GPU tests, at lengths a CPU reference can reach).
+fn prefill_agreement(
+    gpu: &Gpu,
+    shape: &AttentionShape,
+    batch: &PagedBatch,
+    q: &DeviceMemory,
+    cache: KvBuffers<'_>,
+    len: usize,
+) -> Result<String> {
+    let mut outputs = Vec::new();
+    for variant in [AttentionVariant::PREFILL, AttentionVariant::PREFILL_WGMMA] {
+        let out = gpu.alloc(len * Q_HEADS * HEAD_DIM * 2)?;
+        out.fill_bytes(0xFF)?; // bf16 NaN
+        attention(gpu, shape, batch, q, cache, &out, None, 1, Some(variant))?;
+        gpu.synchronize()?;
+        outputs.push(out.to_host_bytes()?);
+    }
+    let value = |b: &[u8]| kiln_core::ops::primitives::bf16_bits_to_f32(u16::from_le_bytes([b[0], b[1]]));
+    let (mut worst, mut unwritten) = (0f32, 0usize);
+    for (a, b) in outputs[0].chunks_exact(2).zip(outputs[1].chunks_exact(2)).take(len * Q_HEADS * HEAD_DIM) {
+        let (a, b) = (value(a), value(b));
+        if !b.is_finite() {
+            unwritten += 1;
+        }
+        worst = worst.max((a - b).abs());
+    }
+    Ok(format!(
+        "| {len} | wgmma vs 4x1x64: max abs difference {worst:.2e}, {unwritten} non-finite elements | | | |"
+    ))
+}
+
 /// Runs the benchmark and prints the tables.
 pub fn run(args: &BenchAttentionArgs) -> Result<()> {
     let gpu = Gpu::open(0)?;
@@ -164,7 +196,11 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
         let cache = KvBuffers { k: &k, v: &v, pages: pages.len() };
         let flops = 4.0 * (Q_HEADS * HEAD_DIM) as f64 * (len * (len + 1) / 2) as f64;
         let mut configs = vec![prefill_config];
-        for variant in [AttentionVariant::PREFILL, AttentionVariant::PREFILL_WIDE] {
+        let mut variants = vec![AttentionVariant::PREFILL, AttentionVariant::PREFILL_WIDE];
+        if gpu.arch() == kiln_cuda::Arch(90) {
+            variants.push(AttentionVariant::PREFILL_WGMMA);
+        }
+        for variant in variants {
             if !configs.iter().any(|c| c.variant == variant && c.splits == 1) {
                 configs.push(AttentionConfig { variant, splits: 1 });
             }
@@ -175,13 +211,22 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
                 let splits = config.splits;
                 attention(&gpu, &shape, &batch, &q, cache, &out, Some(&scratch), splits, Some(config.variant))
             })?;
-            let tag = if config == prefill_config { "certified " } else { "" };
+            let tag = match () {
+                _ if config == prefill_config => "certified ",
+                _ if config.variant == AttentionVariant::PREFILL_WGMMA => "wgmma ",
+                _ => "",
+            };
             let line = format!(
                 "| {len} | {tag}{} | {us:.1} | {:.1} | {} |",
                 config.label(),
                 flops / us / 1e6,
                 ratio(&peer, "prefill", &len.to_string(), us)
             );
+            println!("{line}");
+            let _ = writeln!(report, "{line}");
+        }
+        if gpu.arch() == kiln_cuda::Arch(90) {
+            let line = prefill_agreement(&gpu, &shape, &batch, &q, cache, len)?;
             println!("{line}");
             let _ = writeln!(report, "{line}");
         }
