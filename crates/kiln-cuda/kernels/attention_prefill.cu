@@ -313,6 +313,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kiln_attention_prefill(
             p[kk][2] = kiln_pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5]);
             p[kk][3] = kiln_pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7]);
         }
+        // P and the rescaled O are written before the fence (the A operand too must not be
+        // written between the fence and the wgmma that reads it).
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(p[kk][i])::"memory");
+        }
         kiln_wgmma_hold(o);
         kiln_wgmma_fence();
 #pragma unroll
