@@ -26,8 +26,21 @@
 // the products of the current one, so a warp keeps loads in flight while it computes (2-byte
 // weights; quantized weights are decoded at the load either way).
 //
+// STAGES > 0 (with XSLOT, without PIPE) takes the weights through a per-warp ring of STAGES steps
+// in shared memory, filled by cp.async STAGES - 1 steps ahead of the products, so the bytes in
+// flight are no longer bounded by registers, and the ring runs on across tiles, so the loads of
+// the next tile are in flight while the block adds up the last one (the launcher sizes the grid
+// to the resident blocks: persistent). Each lane copies and later reads only its own 16 bytes,
+// so no lane waits for another. Rows past the vocabulary and elements past `hidden` are copied
+// as zeros (cp.async's source size 0). At 8 rows the kernel is bound by its instructions, not
+// its bytes: every product is rounded and summed as `unit_sum` says (8 FMUL + 7 FADD per 8
+// weights and row, 31 FADD per 32 unit sums), about 2 fp32 instructions per weight and row,
+// which at 151936 x 4096 x 8 rows is ~300 us of the H200's issue slots alone; the ring frees
+// the registers of the next step's weights and keeps addressing off the products' path.
+//
 // Compile-time constants: ROWS (1..8), W_T (0 bf16, 1 fp16, 2 Q8_0, 3 Q4_0, 4 Q4_1), WARPS,
-// VROWS (VROWS x next_pow2(ROWS) <= 32), XSLOT, PIPE, ROW_SCALE, SOFT_CAP, STATS (0 / 1).
+// VROWS (VROWS x next_pow2(ROWS) <= 32), XSLOT, PIPE, STAGES (0, 2, 4, 8), ROW_SCALE, SOFT_CAP,
+// STATS (0 / 1).
 // Compiled with --fmad=false; the one fused operation (Q4_1's d * q + m) is an explicit
 // __fmaf_rn.
 
@@ -49,6 +62,9 @@
 #ifndef PIPE
 #define PIPE 0
 #endif
+#ifndef STAGES
+#define STAGES 0
+#endif
 #ifndef ROW_SCALE
 #define ROW_SCALE 0
 #endif
@@ -64,6 +80,11 @@
 #define GROUP (32 / SLOTS)
 static_assert(ROWS >= 1 && ROWS <= 8, "ROWS must be 1..8");
 static_assert(SLOTS <= 32 && (SLOTS & (SLOTS - 1)) == 0, "VROWS x next_pow2(ROWS) must be a power of two <= 32");
+static_assert(STAGES == 0 || (STAGES >= 2 && (STAGES & (STAGES - 1)) == 0), "STAGES must be 0 or a power of two >= 2");
+// The shared-memory ring of the STAGES path holds 2-byte weights; quantized ones are decoded at
+// the load, straight into registers.
+#define RING (STAGES > 0 && W_T <= 1)
+static_assert(STAGES == 0 || PIPE == 0, "STAGES replaces PIPE");
 
 // 16 bytes streamed past L1 (W is read once).
 __device__ __forceinline__ uint4 lm_load_stream16(const void* p) {
@@ -311,16 +332,93 @@ __device__ __forceinline__ void lm_step(const LmW (&cur)[VROWS], const float (&h
     }
 }
 
+// The end of a tile: after every warp's unit sums are in `partial`, one thread per (row, token)
+// adds them left to right, applies the epilogue and writes the logit (and, with STATS, the
+// tile's largest logit per row). Every thread of the block calls it.
+__device__ __forceinline__ void lm_finish_tile(const float* partial, const float* __restrict__ row_scale,
+                                               float* __restrict__ logits, kiln_u64* __restrict__ stats,
+                                               kiln_u64* tile_max, long long vocab, int units, int tile,
+                                               long long tiles, long long t, float logit_scale, float cap) {
+    const int stride = tile + 1;
+    const long long v0 = t * tile;
+#if STATS
+    if (threadIdx.x < ROWS) tile_max[threadIdx.x] = 0ull;
+#endif
+    __syncthreads();
+    for (int p = threadIdx.x; p < ROWS * tile; p += blockDim.x) {
+        const int r = p / tile, i = p - r * tile;
+        const long long v = v0 + i;
+        if (v < vocab) {
+            float acc = 0.0f;
+            for (int u = 0; u < units; ++u) acc = acc + partial[(u * ROWS + r) * stride + i];
+            float y = acc;
+#if ROW_SCALE
+            y = y * row_scale[r];
+#endif
+            y = y * logit_scale;
+#if SOFT_CAP
+            y = cap * lm_tanh_poly(y / cap);
+#endif
+            logits[(long long)r * vocab + v] = y;
+#if STATS
+            const kiln_u64 packed = ((kiln_u64)lm_order_key(y) << 32) | (kiln_u64)(0xFFFFFFFFu - (kiln_u32)v);
+            atomicMax(&tile_max[r], packed);
+#endif
+        }
+    }
+#if STATS
+    __syncthreads();
+    if (threadIdx.x < ROWS) stats[(long long)threadIdx.x * tiles + t] = tile_max[threadIdx.x];
+#endif
+    __syncthreads();
+}
+
+#if RING
+// Copies one step of weights (vocabulary rows t * tile + g * VROWS + (i ^ xi), unit u, this
+// lane's 16 bytes) into ring slot `dst` (this lane's address of row 0; rows 512 bytes apart) and
+// commits the group; past the last tile, past the vocabulary or past `hidden` it copies zeros
+// (an empty group past the last tile keeps the group count of every step the same). Row
+// indices fit 32 bits (the vocabulary is below 2^32) and so do rows of 2-byte weights
+// (`hidden` is an int), so each row's address is one 32 x 32 + 64-bit multiply-add.
+__device__ __forceinline__ void lm_issue(const kiln_u8* __restrict__ weights, kiln_u32 row_bytes, kiln_u32 vocab,
+                                         int hidden, int tile, long long tiles, int lane, int xi, kiln_u32 dst,
+                                         long long t, int u, int g) {
+    if (t < tiles) {
+        const int e0 = u * 256 + lane * 8;
+        const kiln_u32 vb = (kiln_u32)t * (kiln_u32)tile + (kiln_u32)(g * VROWS);
+        const kiln_u8* row0 = weights + (kiln_u64)vb * row_bytes + 2 * e0;
+        if (vb + VROWS <= vocab && u * 256 + 256 <= hidden) {
+#pragma unroll
+            for (int i = 0; i < VROWS; ++i) {
+                kiln_cp_async_16(dst + i * 512, row0 + (kiln_u64)(kiln_u32)(i ^ xi) * row_bytes, true);
+            }
+        } else {
+            // The last tile or a partial last unit.
+            const bool inside = e0 < hidden;
+#pragma unroll
+            for (int i = 0; i < VROWS; ++i) {
+                const kiln_u32 ii = (kiln_u32)(i ^ xi);
+                const bool valid = inside && vb + ii < vocab;
+                kiln_cp_async_16(dst + i * 512, valid ? row0 + (kiln_u64)ii * row_bytes : weights, valid);
+            }
+        }
+    }
+    kiln_cp_async_commit();
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, const float* __restrict__ row_scale,
              float* __restrict__ logits, kiln_u64* __restrict__ stats, long long vocab, int hidden,
              long long row_bytes, int tile, float logit_scale, float cap) {
     kiln_wait_prior();
     // Unit sums: [unit][row][token of the tile], rows of `tile + 1` floats (padded against bank
-    // conflicts on the writes).
-    extern __shared__ float partial[];
+    // conflicts on the writes); with RING, each warp's ring follows (16-byte aligned).
+    extern __shared__ __align__(16) float partial[];
 #if STATS
     __shared__ kiln_u64 tile_max[ROWS];
+#else
+    kiln_u64* tile_max = nullptr;
 #endif
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -332,11 +430,78 @@ kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, c
     // row i ^ xi of the step and h row r ^ xr.
     const int xs = XSLOT ? lane / GROUP : 0;
     const int xi = xs / ROWS_P2, xr = xs % ROWS_P2;
+
+#if STAGES
+    // Steps run over (tile, unit, group of VROWS tokens), tile-major then unit-major; the ring's
+    // producer runs STAGES - 1 steps ahead of the products, across tile ends.
+    const int my_units = warp < units ? (units - warp + WARPS - 1) / WARPS : 0;
+    const int groups = tile / VROWS;
+    const int steps_per_tile = my_units * groups;
+#if RING
+    const int ring_offset = (units * ROWS * stride + 3) & ~3;
+    const kiln_u32 ring = kiln_smem_address(reinterpret_cast<const uint4*>(partial + ring_offset) +
+                                            warp * (STAGES * VROWS * 32) + lane);
+    // The ring path serves 2-byte weights: rows of 2 * hidden bytes, which fit 32 bits.
+    const kiln_u32 ring_row_bytes = (kiln_u32)row_bytes, ring_vocab = (kiln_u32)vocab;
+    long long pt = my_units > 0 ? (long long)blockIdx.x : tiles;
+    int pu = warp, pg = 0, pslot = 0, cslot = 0;
+#pragma unroll
+    for (int k = 0; k < STAGES - 1; ++k) {
+        lm_issue(weights, ring_row_bytes, ring_vocab, hidden, tile, tiles, lane, xi, ring + pslot * (VROWS * 512), pt, pu, pg);
+        pslot = (pslot + 1) & (STAGES - 1);
+        if (++pg == groups) {
+            pg = 0;
+            pu += WARPS;
+            if (pu >= units) {
+                pu = warp;
+                pt += gridDim.x;
+            }
+        }
+    }
+#endif
+    float hv[ROWS_P2][8];
+    int hu = -1;
+    for (long long t = blockIdx.x; t < tiles; t += gridDim.x) {
+        int u = warp, g = 0;
+        for (int k = 0; k < steps_per_tile; ++k) {
+            LmW cur[VROWS];
+#if RING
+            kiln_cp_async_wait<STAGES - 2>();
+            lm_issue(weights, ring_row_bytes, ring_vocab, hidden, tile, tiles, lane, xi, ring + pslot * (VROWS * 512), pt, pu, pg);
+            pslot = (pslot + 1) & (STAGES - 1);
+            if (++pg == groups) {
+                pg = 0;
+                pu += WARPS;
+                if (pu >= units) {
+                    pu = warp;
+                    pt += gridDim.x;
+                }
+            }
+            const uint4* slot = reinterpret_cast<const uint4*>(partial + ring_offset) +
+                                (warp * STAGES + cslot) * (VROWS * 32) + lane;
+#pragma unroll
+            for (int i = 0; i < VROWS; ++i) cur[i].q = slot[i * 32];
+            cslot = (cslot + 1) & (STAGES - 1);
+#else
+            lm_fetch_step(weights, row_bytes, vocab, hidden, t * tile, u, g * VROWS, lane, xi, cur);
+#endif
+            if (u != hu) {
+                lm_load_h(h, hidden, u, lane, xr, hv);
+                hu = u;
+            }
+            lm_step(cur, hv, lane, partial + (long long)u * ROWS * stride + g * VROWS, stride, tile - g * VROWS);
+            if (++g == groups) {
+                g = 0;
+                u += WARPS;
+            }
+        }
+        lm_finish_tile(partial, row_scale, logits, stats, tile_max, vocab, units, tile, tiles, t, logit_scale, cap);
+    }
+#else
 #if PIPE
     const int my_units = warp < units ? (units - warp + WARPS - 1) / WARPS : 0;
     const int steps = my_units * (tile / VROWS);
 #endif
-
     for (long long t = blockIdx.x; t < tiles; t += gridDim.x) {
         const long long v0 = t * tile;
         float hv[ROWS_P2][8];
@@ -376,35 +541,7 @@ kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, c
             }
         }
 #endif
-#if STATS
-        if (threadIdx.x < ROWS) tile_max[threadIdx.x] = 0ull;
-#endif
-        __syncthreads();
-        for (int p = threadIdx.x; p < ROWS * tile; p += blockDim.x) {
-            const int r = p / tile, i = p - r * tile;
-            const long long v = v0 + i;
-            if (v < vocab) {
-                float acc = 0.0f;
-                for (int u = 0; u < units; ++u) acc = acc + partial[(u * ROWS + r) * stride + i];
-                float y = acc;
-#if ROW_SCALE
-                y = y * row_scale[r];
-#endif
-                y = y * logit_scale;
-#if SOFT_CAP
-                y = cap * lm_tanh_poly(y / cap);
-#endif
-                logits[(long long)r * vocab + v] = y;
-#if STATS
-                const kiln_u64 packed = ((kiln_u64)lm_order_key(y) << 32) | (kiln_u64)(0xFFFFFFFFu - (kiln_u32)v);
-                atomicMax(&tile_max[r], packed);
-#endif
-            }
-        }
-#if STATS
-        __syncthreads();
-        if (threadIdx.x < ROWS) stats[(long long)threadIdx.x * tiles + t] = tile_max[threadIdx.x];
-#endif
-        __syncthreads();
+        lm_finish_tile(partial, row_scale, logits, stats, tile_max, vocab, units, tile, tiles, t, logit_scale, cap);
     }
+#endif
 }

@@ -65,6 +65,83 @@ fn same_bits(a: f32, b: f32) -> bool {
     a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())
 }
 
+/// Runs one random case (random epilogue, statistics or not, row scale or not) of `variant` at
+/// `rows` x `vocab` x `hidden` and compares logits and statistics with the CPU reference bit for
+/// bit. `Ok(false)` when the variant does not serve the case; `Err` describes a mismatch.
+fn check_case(
+    gpu: &Gpu,
+    rng: &mut Rng,
+    dtype: DType,
+    rows: usize,
+    variant: LmHeadVariant,
+    (vocab, hidden): (usize, usize),
+) -> Result<bool, String> {
+    let with_stats = rng.below(2) == 0;
+    let head = LmHead {
+        hidden,
+        vocab,
+        weight: dtype,
+        logit_scale: if rng.below(2) == 0 { 1.0 } else { rng.uniform(0.1, 2.0) },
+        soft_cap: (rng.below(2) == 0).then(|| rng.uniform(5.0, 50.0)),
+        stats_block: with_stats.then_some(variant.tile as usize),
+    };
+    if plan(&head, rows, variant).is_err() {
+        return Ok(false); // the variant carries more sums per step than 32 at this row count
+    }
+    let row_scale: Option<Vec<f32>> =
+        (rng.below(2) == 0).then(|| (0..rows).map(|_| rng.uniform(0.2, 3.0)).collect());
+    let h: Vec<f32> = (0..rows * hidden).map(|_| rng.uniform(-2.0, 2.0)).collect();
+    let w = random_weights(rng, dtype, vocab, hidden);
+    let want = head.run(&h, &w, row_scale.as_deref()).expect("CPU reference");
+
+    let h_dev = upload(gpu, &h.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<_>>());
+    let w_dev = upload(gpu, &w);
+    let scale_dev =
+        row_scale.as_ref().map(|s| upload(gpu, &s.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<_>>()));
+    let logits_dev = poisoned(gpu, rows * vocab * 4);
+    let stats_dev = poisoned(gpu, rows * vocab.div_ceil(variant.tile as usize) * 8);
+    let buffers = LmHeadBuffers {
+        h: &h_dev,
+        weights: &w_dev,
+        row_scale: scale_dev.as_ref(),
+        logits: &logits_dev,
+        stats: with_stats.then_some(&stats_dev),
+    };
+    lm_head(gpu, &head, rows, buffers, Some(variant)).expect("launch");
+    let got = f32s(&logits_dev.to_host_bytes().expect("copy back"));
+    assert_eq!(row_bytes(dtype, hidden).unwrap() * vocab, w.len());
+    let what = format!(
+        "{dtype} rows {rows} {vocab}x{hidden} {} {head:?} row_scale {}",
+        variant.label(),
+        row_scale.is_some()
+    );
+    let mismatches: Vec<usize> = (0..rows * vocab).filter(|&i| !same_bits(got[i], want.logits[i])).collect();
+    if let Some(&i) = mismatches.first() {
+        return Err(format!(
+            "{what}: {} logits differ; first [{}][{}] gpu {:e} ({:#x}) cpu {:e} ({:#x})",
+            mismatches.len(),
+            i / vocab,
+            i % vocab,
+            got[i],
+            got[i].to_bits(),
+            want.logits[i],
+            want.logits[i].to_bits()
+        ));
+    }
+    if with_stats {
+        let bytes = stats_dev.to_host_bytes().expect("copy back");
+        let stats: Vec<u64> = bytes
+            .chunks_exact(8)
+            .take(want.stats.len())
+            .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        if stats != want.stats {
+            return Err(format!("{what}: block statistics differ"));
+        }
+    }
+    Ok(true)
+}
+
 #[test]
 fn logits_and_statistics_equal_the_cpu_reference_for_every_dtype_row_count_and_variant() {
     let gpu = Gpu::open(0).expect("the GPU tests need CUDA device 0");
@@ -82,72 +159,11 @@ fn logits_and_statistics_equal_the_cpu_reference_for_every_dtype_row_count_and_v
                 if dtype != DType::BF16 && (k + rows) % LM_HEAD_VARIANTS.len() > 1 {
                     continue;
                 }
-                let (vocab, hidden) = shapes[(rows + k + rng.below(shapes.len())) % shapes.len()];
-                let with_stats = rng.below(2) == 0;
-                let head = LmHead {
-                    hidden,
-                    vocab,
-                    weight: dtype,
-                    logit_scale: if rng.below(2) == 0 { 1.0 } else { rng.uniform(0.1, 2.0) },
-                    soft_cap: (rng.below(2) == 0).then(|| rng.uniform(5.0, 50.0)),
-                    stats_block: with_stats.then_some(variant.tile as usize),
-                };
-                if plan(&head, rows, *variant).is_err() {
-                    continue; // the variant carries more sums per step than 32 at this row count
+                let shape = shapes[(rows + k + rng.below(shapes.len())) % shapes.len()];
+                match check_case(&gpu, &mut rng, dtype, rows, *variant, shape) {
+                    Ok(ran) => checked += usize::from(ran),
+                    Err(failure) => failures.push(failure),
                 }
-                let row_scale: Option<Vec<f32>> =
-                    (rng.below(2) == 0).then(|| (0..rows).map(|_| rng.uniform(0.2, 3.0)).collect());
-                let h: Vec<f32> = (0..rows * hidden).map(|_| rng.uniform(-2.0, 2.0)).collect();
-                let w = random_weights(&mut rng, dtype, vocab, hidden);
-                let want = head.run(&h, &w, row_scale.as_deref()).expect("CPU reference");
-
-                let h_dev = upload(&gpu, &h.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<_>>());
-                let w_dev = upload(&gpu, &w);
-                let scale_dev = row_scale
-                    .as_ref()
-                    .map(|s| upload(&gpu, &s.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<_>>()));
-                let logits_dev = poisoned(&gpu, rows * vocab * 4);
-                let stats_dev = poisoned(&gpu, rows * vocab.div_ceil(variant.tile as usize) * 8);
-                let buffers = LmHeadBuffers {
-                    h: &h_dev,
-                    weights: &w_dev,
-                    row_scale: scale_dev.as_ref(),
-                    logits: &logits_dev,
-                    stats: with_stats.then_some(&stats_dev),
-                };
-                lm_head(&gpu, &head, rows, buffers, Some(*variant)).expect("launch");
-                let got = f32s(&logits_dev.to_host_bytes().expect("copy back"));
-                assert_eq!(row_bytes(dtype, hidden).unwrap() * vocab, w.len());
-                let what = format!(
-                    "{dtype} rows {rows} {vocab}x{hidden} {variant:?} {head:?} row_scale {}",
-                    row_scale.is_some()
-                );
-                let mismatches: Vec<usize> =
-                    (0..rows * vocab).filter(|&i| !same_bits(got[i], want.logits[i])).collect();
-                if let Some(&i) = mismatches.first() {
-                    failures.push(format!(
-                        "{what}: {} logits differ; first [{}][{}] gpu {:e} ({:#x}) cpu {:e} ({:#x})",
-                        mismatches.len(),
-                        i / vocab,
-                        i % vocab,
-                        got[i],
-                        got[i].to_bits(),
-                        want.logits[i],
-                        want.logits[i].to_bits()
-                    ));
-                }
-                if with_stats {
-                    let bytes = stats_dev.to_host_bytes().expect("copy back");
-                    let stats: Vec<u64> = bytes
-                        .chunks_exact(8)
-                        .take(want.stats.len())
-                        .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
-                        .collect();
-                    if stats != want.stats {
-                        failures.push(format!("{what}: block statistics differ"));
-                    }
-                }
-                checked += 1;
             }
         }
     }
@@ -157,7 +173,35 @@ fn logits_and_statistics_equal_the_cpu_reference_for_every_dtype_row_count_and_v
 }
 
 #[test]
-fn the_default_variant_serves_the_benchmark_shape() {
+fn ring_variants_equal_the_cpu_reference_when_blocks_loop_over_many_tiles() {
+    // Vocabularies of tens of thousands of rows give a persistent (ring) grid several tiles
+    // per block, so each block's ring runs on across tile ends; partial units (896 = 3.5,
+    // 576 = 2.25) exercise the zero-filled copies, and the quantized weights the ring-less
+    // path of the same loop.
+    let gpu = Gpu::open(0).expect("the GPU tests need CUDA device 0");
+    let mut rng = Rng::fresh();
+    let rings: Vec<LmHeadVariant> = LM_HEAD_VARIANTS.iter().copied().filter(|v| v.stages > 0).collect();
+    assert!(!rings.is_empty(), "no ring variant is listed");
+    let mut checked = 0usize;
+    let mut failures = Vec::new();
+    for (k, variant) in rings.iter().enumerate() {
+        for rows in [8, 4, 1 + rng.below(MAX_ROWS)] {
+            let dtype = [DType::BF16, DType::F16, DType::BF16, DType::Q4_1][(k + rows) % 4];
+            let hidden = [896, 2048, 576][rng.below(3)];
+            let vocab = 20_000 + rng.below(5_000);
+            match check_case(&gpu, &mut rng, dtype, rows, *variant, (vocab, hidden)) {
+                Ok(ran) => checked += usize::from(ran),
+                Err(failure) => failures.push(failure),
+            }
+        }
+    }
+    println!("{checked} cases checked");
+    assert!(failures.is_empty(), "{} of {checked} cases failed:\n{}", failures.len(), failures.join("\n"));
+    assert!(checked >= 2 * rings.len(), "only {checked} cases ran");
+}
+
+#[test]
+fn the_default_and_ring_variants_serve_the_benchmark_shape() {
     let gpu = Gpu::open(0).expect("the GPU tests need CUDA device 0");
     let mut rng = Rng::fresh();
     let (vocab, hidden) = (151_936, 4096);
@@ -189,5 +233,30 @@ fn the_default_variant_serves_the_benchmark_shape() {
         let got = f32s(&logits_dev.to_host_bytes().expect("copy back"));
         let bad = (0..rows * vocab).filter(|&i| !same_bits(got[i], want.logits[i])).count();
         assert_eq!(bad, 0, "{rows} rows: {bad} logits differ from the CPU reference");
+        // The ring variants at the benchmark shape (their own tiles, no statistics): the same
+        // logits, from blocks that each loop over dozens of tiles.
+        let plain = LmHead { stats_block: None, ..head };
+        for variant in LM_HEAD_VARIANTS.iter().copied().filter(|v| v.stages > 0) {
+            if plan(&plain, rows, variant).is_err() {
+                continue;
+            }
+            logits_dev.fill_bytes(0xA7).expect("poison");
+            let buffers = LmHeadBuffers {
+                h: &h_dev,
+                weights: &w_dev,
+                row_scale: None,
+                logits: &logits_dev,
+                stats: None,
+            };
+            lm_head(&gpu, &plain, rows, buffers, Some(variant)).expect("launch");
+            let got = f32s(&logits_dev.to_host_bytes().expect("copy back"));
+            let bad = (0..rows * vocab).filter(|&i| !same_bits(got[i], want.logits[i])).count();
+            assert_eq!(
+                bad,
+                0,
+                "{rows} rows, {}: {bad} logits differ from the CPU reference",
+                variant.label()
+            );
+        }
     }
 }

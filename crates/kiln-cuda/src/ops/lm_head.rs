@@ -17,8 +17,10 @@ use crate::runtime::{driver_error, Gpu};
 
 /// One shape of the kernel: warps per block (splitting `hidden` in units of 256), vocabulary
 /// rows each warp loads per step, vocabulary rows per tile, whether the lanes hold permuted
-/// slots (a reduction with no selects: `XSLOT`) and whether each step's loads are issued one
-/// step ahead (`PIPE`). Every variant computes the same bits.
+/// slots (a reduction with no selects: `XSLOT`), whether each step's loads are issued one
+/// step ahead in registers (`PIPE`), and the depth of the shared-memory ring that cp.async
+/// fills ahead of the products across tiles, on a persistent grid (`STAGES`, 0 for none).
+/// Every variant computes the same bits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct LmHeadVariant {
     pub warps: u32,
@@ -26,27 +28,43 @@ pub struct LmHeadVariant {
     pub tile: u32,
     pub permuted: bool,
     pub pipelined: bool,
+    pub stages: u32,
 }
 
 impl LmHeadVariant {
     const fn plain(warps: u32, vocab_rows: u32, tile: u32) -> LmHeadVariant {
-        LmHeadVariant { warps, vocab_rows, tile, permuted: false, pipelined: false }
+        LmHeadVariant { warps, vocab_rows, tile, permuted: false, pipelined: false, stages: 0 }
     }
 
     const fn fast(warps: u32, vocab_rows: u32, tile: u32) -> LmHeadVariant {
-        LmHeadVariant { warps, vocab_rows, tile, permuted: true, pipelined: true }
+        LmHeadVariant { warps, vocab_rows, tile, permuted: true, pipelined: true, stages: 0 }
     }
 
-    /// A short label: `8w/4v/64t`, with `x` for permuted slots and `p` for pipelined loads.
+    const fn ring(warps: u32, vocab_rows: u32, tile: u32, stages: u32) -> LmHeadVariant {
+        LmHeadVariant { warps, vocab_rows, tile, permuted: true, pipelined: false, stages }
+    }
+
+    /// A short label: `8w/4v/64t`, with `x` for permuted slots, `p` for pipelined loads and
+    /// `s4` for a ring of 4 stages.
     pub fn label(&self) -> String {
         format!(
-            "{}w/{}v/{}t{}{}",
+            "{}w/{}v/{}t{}{}{}",
             self.warps,
             self.vocab_rows,
             self.tile,
             if self.permuted { "x" } else { "" },
-            if self.pipelined { "p" } else { "" }
+            if self.pipelined { "p" } else { "" },
+            if self.stages > 0 { format!("s{}", self.stages) } else { String::new() }
         )
+    }
+
+    /// Bytes of the ring in shared memory: per warp, `stages` steps of `vocab_rows` rows of 32
+    /// lanes' 16 bytes (2-byte weights; quantized weights take no ring).
+    fn ring_bytes(&self, weight: DType) -> usize {
+        if self.stages == 0 || !matches!(weight, DType::BF16 | DType::F16) {
+            return 0;
+        }
+        (self.warps * self.stages * self.vocab_rows) as usize * 512
     }
 }
 
@@ -65,7 +83,19 @@ pub const LM_HEAD_VARIANTS: &[LmHeadVariant] = &[
     LmHeadVariant::fast(8, 8, 128),
     LmHeadVariant::fast(8, 2, 64),
     LmHeadVariant::fast(4, 2, 64),
-    LmHeadVariant { warps: 16, vocab_rows: 4, tile: 32, permuted: false, pipelined: true },
+    LmHeadVariant { warps: 16, vocab_rows: 4, tile: 32, permuted: false, pipelined: true, stages: 0 },
+    // The ring (cp.async ahead of the products, persistent grid), for 4 and 8 rows first. With
+    // 16 warps each warp keeps one unit of 4096 for the whole launch (h loaded once).
+    LmHeadVariant::ring(4, 4, 16, 4),
+    LmHeadVariant::ring(4, 4, 32, 4),
+    LmHeadVariant::ring(8, 4, 16, 2),
+    LmHeadVariant::ring(16, 4, 32, 2),
+    LmHeadVariant::ring(16, 4, 16, 4),
+    LmHeadVariant::ring(8, 2, 16, 4),
+    LmHeadVariant::ring(4, 8, 16, 4),
+    LmHeadVariant::ring(4, 8, 32, 2),
+    LmHeadVariant::ring(8, 8, 32, 2),
+    LmHeadVariant::ring(16, 8, 32, 2),
 ];
 
 impl LmHeadVariant {
@@ -114,6 +144,8 @@ pub struct LmHeadPlan {
     pub tiles: usize,
     pub shared_bytes: usize,
     pub threads: u32,
+    /// One block per resident slot, each looping over tiles (the ring runs on across them).
+    pub persistent: bool,
 }
 
 /// Checks what the kernel serves for `rows` rows on `variant` and plans the launch.
@@ -126,7 +158,12 @@ pub fn plan(head: &LmHead, rows: usize, variant: LmHeadVariant) -> Result<LmHead
         return Err(not_served(format!("hidden {} for {} weights", head.hidden, head.weight)));
     }
     let slots = variant.vocab_rows as usize * rows.next_power_of_two();
-    if !variant.vocab_rows.is_power_of_two() || slots > 32 || ![1, 2, 4, 8, 16, 32].contains(&variant.warps) {
+    if !variant.vocab_rows.is_power_of_two()
+        || slots > 32
+        || ![1, 2, 4, 8, 16, 32].contains(&variant.warps)
+        || ![0, 2, 4, 8].contains(&variant.stages)
+        || (variant.stages > 0 && variant.pipelined)
+    {
         return Err(not_served(format!("variant {variant:?} for {rows} rows")));
     }
     let tile = head.stats_block.unwrap_or(variant.tile as usize);
@@ -137,7 +174,8 @@ pub fn plan(head: &LmHead, rows: usize, variant: LmHeadVariant) -> Result<LmHead
         )));
     }
     let units = head.hidden.div_ceil(256);
-    let shared_bytes = units * rows * (tile + 1) * 4;
+    // The unit sums, then (16-byte aligned) the ring.
+    let shared_bytes = (units * rows * (tile + 1)).next_multiple_of(4) * 4 + variant.ring_bytes(head.weight);
     let flag = |b: bool| if b { "1" } else { "0" }.to_owned();
     let defines = vec![
         ("ROWS", rows.to_string()),
@@ -146,6 +184,7 @@ pub fn plan(head: &LmHead, rows: usize, variant: LmHeadVariant) -> Result<LmHead
         ("VROWS", variant.vocab_rows.to_string()),
         ("XSLOT", flag(variant.permuted)),
         ("PIPE", flag(variant.pipelined)),
+        ("STAGES", variant.stages.to_string()),
         ("ROW_SCALE", flag(false)),
         ("SOFT_CAP", flag(head.soft_cap.is_some())),
         ("STATS", flag(head.stats_block.is_some())),
@@ -156,6 +195,7 @@ pub fn plan(head: &LmHead, rows: usize, variant: LmHeadVariant) -> Result<LmHead
         tiles: head.vocab.div_ceil(tile),
         shared_bytes,
         threads: variant.warps * 32,
+        persistent: variant.stages > 0,
     })
 }
 
@@ -207,8 +247,15 @@ pub fn lm_head(
             )
             .map_err(|e| driver_error("cuFuncSetAttribute", e))?;
     }
-    let blocks =
-        u32::try_from(plan.tiles.min(1 << 20)).map_err(|_| not_served(format!("{} tiles", plan.tiles)))?;
+    let mut grid = plan.tiles.min(1 << 20);
+    if plan.persistent {
+        let resident = function
+            .occupancy_max_active_blocks_per_multiprocessor(plan.threads, plan.shared_bytes, None)
+            .map_err(|e| driver_error("cuOccupancyMaxActiveBlocksPerMultiprocessor(kiln_lm_head)", e))?;
+        let multiprocessors = gpu.facts().multiprocessors.max(1) as usize;
+        grid = grid.min(resident.max(1) as usize * multiprocessors);
+    }
+    let blocks = u32::try_from(grid).map_err(|_| not_served(format!("{} tiles", plan.tiles)))?;
     let config = LaunchConfig {
         grid_dim: (blocks, 1, 1),
         block_dim: (plan.threads, 1, 1),
@@ -262,6 +309,30 @@ mod tests {
                 assert!(plan.shared_bytes <= 48 * 1024 * 3, "{rows} rows: {plan:?}");
             }
         }
+    }
+
+    #[test]
+    fn ring_variants_plan_their_ring_and_a_persistent_grid() {
+        let h200_optin = 227 * 1024;
+        for variant in LM_HEAD_VARIANTS.iter().copied().filter(|v| v.stages > 0) {
+            for rows in 1..=MAX_ROWS {
+                let Ok(bf16) = plan(&head(4096, DType::BF16), rows, variant) else { continue };
+                let sums = (16 * rows * (variant.tile as usize + 1)).next_multiple_of(4) * 4;
+                let ring = (variant.warps * variant.stages * variant.vocab_rows) as usize * 512;
+                assert_eq!(bf16.shared_bytes, sums + ring, "{} at {rows} rows", variant.label());
+                assert!(bf16.shared_bytes + 64 <= h200_optin, "{} at {rows} rows", variant.label());
+                assert!(bf16.persistent);
+                assert!(bf16.defines.contains(&("STAGES", variant.stages.to_string())));
+                // Quantized weights are decoded at the load: no ring.
+                let q8 = plan(&head(4096, DType::Q8_0), rows, variant).unwrap();
+                assert_eq!(q8.shared_bytes, sums, "{} at {rows} rows", variant.label());
+            }
+        }
+        let both = LmHeadVariant { pipelined: true, ..LmHeadVariant::ring(4, 4, 16, 4) };
+        assert!(matches!(plan(&head(4096, DType::BF16), 8, both), Err(Error::NotServed { .. })));
+        let odd = LmHeadVariant::ring(4, 4, 16, 3);
+        assert!(matches!(plan(&head(4096, DType::BF16), 8, odd), Err(Error::NotServed { .. })));
+        assert_eq!(LmHeadVariant::ring(4, 8, 16, 4).label(), "4w/8v/16txs4");
     }
 
     #[test]
