@@ -91,6 +91,8 @@ pub const LM_HEAD_VARIANTS: &[LmHeadVariant] = &[
     LmHeadVariant::ring(8, 4, 16, 2),
     LmHeadVariant::ring(16, 4, 32, 2),
     LmHeadVariant::ring(16, 4, 16, 4),
+    LmHeadVariant::ring(16, 4, 64, 2),
+    LmHeadVariant::ring(8, 4, 32, 4),
     LmHeadVariant::ring(8, 2, 16, 4),
     LmHeadVariant::ring(4, 8, 16, 4),
     LmHeadVariant::ring(4, 8, 32, 2),
