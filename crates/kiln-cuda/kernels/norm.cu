@@ -8,13 +8,17 @@
 // lane, loaded with 16-byte loads), reduces, and writes.
 //
 // What makes it fast is the instruction count per element, since a norm moves only 4 bytes per
-// bf16 element and the H200 issues about 8 warp instructions per element-time of DRAM: every
-// rounding to bf16 / fp16 is the hardware's packed conversion (`cvt.rn.bf16x2.f32`, one
-// instruction for two elements, round to nearest even like the reference; the NaN it makes is
-// the canonical one the GPU's arithmetic makes anyway), the E4M3 scale of NVFP4 and the FP8
-// output use the hardware's `cvt.rn.satfinite.e4m3x2.f32` on sm_89 and later, E2M1 codes come
-// from one rounding addition per element (`kiln_f32_to_e2m1`), quantized bytes are packed with
-// `prmt`, and the unit sums of several warps are combined from shared memory four at a time.
+// bf16 element (2.6 with an NVFP4 output) and the H200 issues about 24-37 thread instructions per
+// element-time of DRAM: every rounding to bf16 / fp16 is the hardware's packed conversion
+// (`cvt.rn.bf16x2.f32`, one instruction for two elements, round to nearest even like the
+// reference; the NaN it makes is the canonical one the GPU's arithmetic makes anyway), the E4M3
+// scale of NVFP4 and the FP8 output use the hardware's `cvt.rn.satfinite.e4m3x2.f32` on sm_89
+// and later, INT8 and E2M1 codes come from fp32 additions alone (a rounding "magic" addition
+// whose low bits are the code, no conversion instruction: `kiln_int8_fast`, `kiln_e2m1_fast`)
+// after one multiplication by an approximate reciprocal of the block's divisor, with the
+// reference's division only for the rare block that comes within 1e-4 of a rounding tie, the
+// block maximum's shuffle runs outside any branch, quantized bytes are packed with `prmt`, and
+// the unit sums of several warps are combined from shared memory four at a time.
 //
 // A segment is one norm: a row, or one group of a row (`n` elements, `groups` per row). Unit `u`
 // of a segment (elements 256u .. 256u + 256) belongs to warp `u % WARPS_PER_ROW` of the row's
@@ -48,24 +52,52 @@
 #define KILN_OUT_FP8 5
 
 #define KILN_NORM_UNITS (UNITS_PER_WARP * WARPS_PER_ROW)
+// Block-quantized outputs (one scale per 16 values).
+#define KILN_NORM_BLOCKED (OUT_T == KILN_OUT_INT8 || OUT_T == KILN_OUT_NVFP4)
 #define KILN_NORM_THREADS (32 * WARPS_PER_ROW * ROWS_PER_BLOCK)
 
-// kiln_f32_to_e2m1(v), and in `clear` whether v is at least 1e-4 grid steps of its binade away
-// from every rounding tie (so that any value within 1e-6 of v has the same code): the offset of
-// |v| from the grid point it rounds to is exact (Sterbenz) for |v| below 8; NaN and infinity are
-// never clear.
-__device__ __forceinline__ unsigned int kiln_e2m1_checked(float v, bool& clear) {
-    const unsigned int bits = __float_as_uint(v);
-    const unsigned int abs_bits = bits & 0x7FFFFFFFu;
-    const unsigned int e = min(max(abs_bits >> 23, 127u), 129u);
-    const unsigned int magic_bits = (e + 22u) << 23;
-    const float a = __uint_as_float(abs_bits), magic = __uint_as_float(magic_bits);
-    const float s = a + magic;
-    const float offset = a - (s - magic);
-    // A grid step is magic * 2^-23; 0.4999 of it:
-    clear = fabsf(offset) <= magic * 5.9593e-8f;
-    const unsigned int code = min(__float_as_uint(s) - magic_bits + 2u * e - 254u, 7u);
-    return ((bits >> 28) & 0x8u) | code;
+// max(a, b), NaN when either is (PTX max.NaN, sm_80 and later): a NaN reaching a fast-path
+// check makes it fail.
+__device__ __forceinline__ float kiln_max_nan(float a, float b) {
+    float r;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+
+// 1 / x within 1 ulp (one MUFU instruction) for x in [2^-126, 2^126].
+__device__ __forceinline__ float kiln_rcp_approx(float x) {
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}
+
+// 1.5 * 2^23: for |t| < 2^22, t + KILN_ROUND_MAGIC is t rounded to the nearest integer (ties to
+// even) plus the magic, exactly, and its low bits are that integer in two's complement.
+#define KILN_ROUND_MAGIC 12582912.0f
+
+// INT8 fast path: the sum of t and the magic (its low byte is rint(t)), and in `worst` the larger
+// of `worst` and |t - rint(t)| (NaN for a NaN t).
+__device__ __forceinline__ unsigned int kiln_int8_fast(float t, float& worst) {
+    const float s = t + KILN_ROUND_MAGIC;
+    worst = kiln_max_nan(worst, fabsf(t - (s - KILN_ROUND_MAGIC)));
+    return __float_as_uint(s);
+}
+
+// NVFP4 fast path: the E2M1 code of v (sign in bit 3) in the low 4 bits of the result, for
+// |v| <= 6.4; in `worst` the larger of `worst` and g's distance to its nearest integer (NaN for a
+// NaN v). Only floating-point additions: with a = |v|, g = a + min(a, 2, 4 - a / 2) is 2a below 2,
+// a + 2 from 2 to 4 and a / 2 + 4 above, a continuous map that takes the E2M1 grid points 0, 0.5,
+// 1, 1.5, 2, 3, 4, 6 to the codes 0 .. 7 and each rounding midpoint between two of them to the
+// half-integer between their codes, so rint(g), ties to even (the even code has the even
+// mantissa), is the code of a; g's own rounding errors (below 2^-21) and v's are far inside the
+// 1e-4 margin the caller demands of `worst`. The sign adds 8 through the magic.
+__device__ __forceinline__ unsigned int kiln_e2m1_fast(float v, float& worst) {
+    const float a = fabsf(v);
+    const float g = a + fminf(fminf(a, 2.0f), __fmaf_rn(a, -0.5f, 4.0f));
+    const float magic = (KILN_ROUND_MAGIC + 4.0f) - copysignf(4.0f, v);
+    const float s = g + magic;
+    worst = kiln_max_nan(worst, fabsf(g - (s - magic)));
+    return __float_as_uint(s);
 }
 
 // ---- x as loaded ----------------------------------------------------------------------------
@@ -384,9 +416,11 @@ __device__ __forceinline__ void kiln_norm_segment(
     for (int u = 0; u < UNITS_PER_WARP; ++u) {
         const int unit = warp_in_row + u * WARPS_PER_ROW;
         const int col = unit * 256 + lane * 8;
-        // Uniform across the warp (n is a multiple of 16 for blocked outputs, so lane pairs agree).
-        if (!active || unit >= units) continue;
-        const bool valid = col < n;
+        // Uniform across the warp. Blocked outputs go on with zeros, so that the shuffle of the
+        // block maximum runs in every lane outside any branch (n is a multiple of 16 for them, so
+        // the two lanes of a block agree on `valid`).
+        if (!KILN_NORM_BLOCKED && (!active || unit >= units)) continue;
+        const bool valid = KILN_NORM_BLOCKED ? active && col < n : col < n;
         float p[8];
         if (valid) {
             float w[8], b[8], z[8];
@@ -437,60 +471,62 @@ __device__ __forceinline__ void kiln_norm_segment(
                     make_uint2(e[0] | (e[1] << 16), e[2] | (e[3] << 16));
             }
         } else {
+            // INT8 / NVFP4: lanes 2i and 2i + 1 hold one block of 16 values.
             float amax = 0.0f;
 #pragma unroll
             for (int k = 0; k < 8; ++k) amax = fmaxf(amax, fabsf(p[k]));
             amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
             if (!valid) continue;
             const long long block = (base + col) >> 4;
+            // Fast paths: t = p * (an approximate 1 / divisor) is within 4e-7 |t| of the
+            // reference's p / divisor, so its code is the reference's wherever t is 1e-4 or more
+            // from a rounding tie (`worst` says how close the closest came); otherwise, or for a
+            // divisor out of range, the reference's division.
+            float worst = 0.0f;
             if (OUT_T == KILN_OUT_INT8) {
                 const float scale = amax / 127.0f;
-                // Fast path: t = p * (1 / scale) is within 3 * 2^-24 * 128 of p / scale rounded,
-                // so rint(t) is the reference's code wherever t is 1e-4 or more from a half
-                // (|t| <= 127.0001 needs no clamp); otherwise, or for a scale that is not a
-                // normal number, the reference's division.
-                const bool normal = scale >= 1.17549435e-38f && scale <= 3.40282347e38f;
-                const float inverse = 1.0f / (normal ? scale : 1.0f);
-                bool clear = normal;
-                unsigned int q[8];
-#pragma unroll
-                for (int k = 0; k < 8; ++k) {
-                    const float t = p[k] * inverse;
-                    const float rounded = rintf(t);
-                    clear = clear && fabsf(t - rounded) <= 0.4999f;
-                    q[k] = (unsigned int)(int)rounded;
-                }
-                if (!clear) {
+                // |t| <= 127.0001 needs no clamp; the approximate reciprocal (1 ulp) and the
+                // product (half an ulp) stay within 2.3e-5 of p / scale.
+                const bool normal = scale >= 1.17549435e-38f && scale <= 8.50705917e37f;
+                const float inverse = kiln_rcp_approx(scale);
+                uint2 codes;
+                codes.x = kiln_bytes4(kiln_int8_fast(p[0] * inverse, worst), kiln_int8_fast(p[1] * inverse, worst),
+                                      kiln_int8_fast(p[2] * inverse, worst), kiln_int8_fast(p[3] * inverse, worst));
+                codes.y = kiln_bytes4(kiln_int8_fast(p[4] * inverse, worst), kiln_int8_fast(p[5] * inverse, worst),
+                                      kiln_int8_fast(p[6] * inverse, worst), kiln_int8_fast(p[7] * inverse, worst));
+                if (!(normal && worst <= 0.4999f)) {
+                    unsigned int q[8];
 #pragma unroll
                     for (int k = 0; k < 8; ++k) {
                         q[k] = scale > 0.0f ? (unsigned int)(int)fminf(fmaxf(rintf(p[k] / scale), -127.0f), 127.0f) : 0u;
                     }
+                    codes = make_uint2(kiln_bytes4(q[0], q[1], q[2], q[3]), kiln_bytes4(q[4], q[5], q[6], q[7]));
                 }
-                *reinterpret_cast<uint2*>(static_cast<signed char*>(out) + base + col) =
-                    make_uint2(kiln_bytes4(q[0], q[1], q[2], q[3]), kiln_bytes4(q[4], q[5], q[6], q[7]));
+                *reinterpret_cast<uint2*>(static_cast<signed char*>(out) + base + col) = codes;
                 if ((lane & 1) == 0) static_cast<float*>(scales)[block] = scale;
             } else {
-                const unsigned int s = kiln_e4m3x2((amax / 6.0f) * qscale, 0.0f) & 0xFFu;
-                const float divisor = kiln_e4m3_value(s) / qscale;
-                // Fast path as for INT8: v = p * (1 / divisor) is within 8 * 3 * 2^-24 of p / divisor
-                // rounded for |v| < 8 (and both codes are 7 above), so its code is the reference's
-                // wherever v is 1e-4 grid steps or more from a rounding tie.
-                const bool normal = divisor >= 1.0e-37f && divisor <= 1.0e37f;
-                const float inverse = 1.0f / (normal ? divisor : 1.0f);
-                bool clear = normal;
-                unsigned int packed = 0;
+                const float scaled = (amax / 6.0f) * qscale;
+                const unsigned int s = kiln_e4m3x2(scaled, 0.0f) & 0xFFu;
+                const float scale_value = kiln_e4m3_value(s);
+                // inverse ~ qscale / scale_value = 1 / divisor within 2.5 * 2^-23 (the reciprocal,
+                // the product, the reference's rounding of the divisor). With the scale a normal
+                // E4M3 value (exponent bits set) that did not saturate (scaled <= 448), it is at
+                // least 15/16 of `scaled`, so |v| <= 6.4 as kiln_e2m1_fast needs.
+                const float inverse = qscale * kiln_rcp_approx(scale_value);
+                const bool normal = inverse >= 1.0e-37f && inverse <= 1.0e37f && (s & 0x78u) != 0 &&
+                                    scaled <= 448.0f;
+                unsigned int c[8];
 #pragma unroll
-                for (int k = 0; k < 8; ++k) {
-                    bool c;
-                    packed |= kiln_e2m1_checked(p[k] * inverse, c) << (4 * k);
-                    clear = clear && c;
-                }
-                if (!clear) {
+                for (int k = 0; k < 8; ++k) c[k] = kiln_e2m1_fast(p[k] * inverse, worst);
+                unsigned int packed = kiln_bytes4((c[1] << 4) + c[0], (c[3] << 4) + c[2], (c[5] << 4) + c[4],
+                                                  (c[7] << 4) + c[6]);
+                if (!(normal && worst <= 0.4999f)) {
+                    const float divisor = scale_value / qscale;
                     packed = 0;
 #pragma unroll
                     for (int k = 0; k < 8; ++k) {
-                        unsigned int c = divisor > 0.0f ? kiln_f32_to_e2m1(p[k] / divisor) : 0u;
-                        packed |= c << (4 * k);
+                        unsigned int code = divisor > 0.0f ? kiln_f32_to_e2m1(p[k] / divisor) : 0u;
+                        packed |= code << (4 * k);
                     }
                 }
                 *reinterpret_cast<unsigned int*>(static_cast<unsigned char*>(out) + ((base + col) >> 1)) = packed;
@@ -504,7 +540,17 @@ __device__ __forceinline__ void kiln_norm_segment(
 #undef KILN_NORM_RELOAD
 }
 
-extern "C" __global__ void __launch_bounds__(KILN_NORM_THREADS)
+// With block-quantized outputs, registers for 1024 threads a multiprocessor (64 a thread), where
+// the quantization's temporaries would otherwise cost a quarter of the resident warps; only where
+// the inputs held fit beside them (at most 4 units a warp of 2-byte x, no residual, gate or early
+// weight), as a spill would cost more.
+#if KILN_NORM_BLOCKED && UNITS_PER_WARP <= 4 && X_T != KILN_F32 && !HAS_RESIDUAL && GATE != 1 && !EARLY_WEIGHT
+#define KILN_NORM_BOUNDS __launch_bounds__(KILN_NORM_THREADS, (1024 / KILN_NORM_THREADS < 32 ? 1024 / KILN_NORM_THREADS : 32))
+#else
+#define KILN_NORM_BOUNDS __launch_bounds__(KILN_NORM_THREADS)
+#endif
+
+extern "C" __global__ void KILN_NORM_BOUNDS
 kiln_norm(const void* __restrict__ x, void* residual, const void* __restrict__ weight,
           const void* __restrict__ bias, const void* __restrict__ gate, void* __restrict__ out,
           void* __restrict__ scales, float eps, float qscale, long long segments, int n, int groups) {

@@ -468,6 +468,96 @@ mod tests {
         assert!(call.validate(variant(2, 2, true)).is_err());
     }
 
+    /// `kernels/norm.cu`'s fast rounding of INT8 and NVFP4 codes, replayed with the same fp32
+    /// operations: the sum with the magic, and the larger of `worst` and the distance to the
+    /// rounded value (NaN-propagating, as PTX `max.NaN`).
+    const ROUND_MAGIC: f32 = 12_582_912.0;
+
+    fn max_nan(a: f32, b: f32) -> f32 {
+        if a.is_nan() || b.is_nan() {
+            f32::NAN
+        } else {
+            a.max(b)
+        }
+    }
+
+    fn int8_fast(t: f32, worst: &mut f32) -> u32 {
+        let s = t + ROUND_MAGIC;
+        *worst = max_nan(*worst, (t - (s - ROUND_MAGIC)).abs());
+        s.to_bits()
+    }
+
+    fn e2m1_fast(v: f32, worst: &mut f32) -> u32 {
+        let a = v.abs();
+        let g = a + a.min(2.0).min(a.mul_add(-0.5, 4.0));
+        let magic = (ROUND_MAGIC + 4.0) - 4.0f32.copysign(v);
+        let s = g + magic;
+        *worst = max_nan(*worst, (g - (s - magic)).abs());
+        s.to_bits()
+    }
+
+    /// Inputs: every 4099th float, and the neighbourhood of every E2M1 rounding midpoint and of
+    /// every INT8 half-integer.
+    fn probe_floats() -> Vec<f32> {
+        let mut values: Vec<f32> = (0..=u32::MAX).step_by(4099).map(f32::from_bits).collect();
+        let midpoints = [0.25f32, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 6.4];
+        let halves = (-128..=127).map(|k| k as f32 + 0.5);
+        for m in midpoints.into_iter().chain(halves) {
+            for signed in [m, -m] {
+                let b = signed.to_bits() as i64;
+                values.extend((-3000..=3000).map(|d| f32::from_bits((b + d) as u32)));
+            }
+        }
+        values.extend([f32::NAN, -f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0]);
+        values
+    }
+
+    #[test]
+    fn fast_quantization_replayed_on_the_cpu_equals_the_reference_wherever_it_claims_to() {
+        use kiln_core::ops::quantize::f32_to_e2m1;
+        let (mut e2m1_clear, mut int8_clear) = (0usize, 0usize);
+        for v in probe_floats() {
+            // The kernel takes the fast code when worst <= 0.4999, for the |v| it serves, and the
+            // reference sees a quotient within 4e-7 |v| of v (NVFP4; 1.8e-7 |v| for INT8): both
+            // ends of a wider interval must give the fast code.
+            let ends = [v * (1.0 - 1e-6), v * (1.0 + 1e-6)];
+            let int8_ends = [v * (1.0 - 2.5e-7), v * (1.0 + 2.5e-7)];
+            if v.is_nan() || v.abs() <= 6.4 {
+                let mut worst = 0.0;
+                let code = (e2m1_fast(v, &mut worst) & 0xF) as u8;
+                if worst <= 0.4999 {
+                    e2m1_clear += 1;
+                    for end in ends {
+                        assert_eq!(code, f32_to_e2m1(end), "E2M1 of {v} ({:#010x}) near {end}", v.to_bits());
+                    }
+                } else {
+                    assert!(worst.is_nan() || worst > 0.4999);
+                }
+            }
+            if v.is_nan() || v.abs() <= 127.0001 {
+                let mut worst = 0.0;
+                let code = (int8_fast(v, &mut worst) & 0xFF) as u8 as i8;
+                if worst <= 0.4999 {
+                    int8_clear += 1;
+                    for end in int8_ends {
+                        let want = end.round_ties_even().clamp(-127.0, 127.0) as i8;
+                        assert_eq!(code, want, "INT8 of {v} ({:#010x}) near {end}", v.to_bits());
+                    }
+                }
+            }
+        }
+        // NaN never takes the fast path, and most inputs do.
+        for nan in [f32::NAN, -f32::NAN] {
+            let mut worst = 0.0;
+            e2m1_fast(nan, &mut worst);
+            assert!(worst.is_nan());
+            let mut worst = 0.0;
+            int8_fast(nan, &mut worst);
+            assert!(worst.is_nan());
+        }
+        assert!(e2m1_clear > 400_000 && int8_clear > 400_000, "{e2m1_clear} {int8_clear}");
+    }
+
     #[test]
     fn int8_planes_serve_fp32_rows_of_whole_units_for_the_integer_formats() {
         let call = NormCall {
