@@ -386,11 +386,12 @@ __device__ __forceinline__ void lm_issue(const kiln_u8* __restrict__ weights, ki
     if (t < tiles) {
         const int e0 = u * 256 + lane * 8;
         const kiln_u32 vb = (kiln_u32)t * (kiln_u32)tile + (kiln_u32)(g * VROWS);
-        const kiln_u8* row0 = weights + (kiln_u64)vb * row_bytes + 2 * e0;
+        const kiln_u64 row0 = (kiln_u64)weights + (kiln_u64)vb * row_bytes + (kiln_u64)(2 * e0);
         if (vb + VROWS <= vocab && u * 256 + 256 <= hidden) {
 #pragma unroll
             for (int i = 0; i < VROWS; ++i) {
-                kiln_cp_async_16(dst + i * 512, row0 + (kiln_u64)(kiln_u32)(i ^ xi) * row_bytes, true);
+                const kiln_u64 source = row0 + (kiln_u64)(kiln_u32)(i ^ xi) * row_bytes;
+                kiln_cp_async_16(dst + i * 512, reinterpret_cast<const void*>(source), true);
             }
         } else {
             // The last tile or a partial last unit.
@@ -399,7 +400,8 @@ __device__ __forceinline__ void lm_issue(const kiln_u8* __restrict__ weights, ki
             for (int i = 0; i < VROWS; ++i) {
                 const kiln_u32 ii = (kiln_u32)(i ^ xi);
                 const bool valid = inside && vb + ii < vocab;
-                kiln_cp_async_16(dst + i * 512, valid ? row0 + (kiln_u64)ii * row_bytes : weights, valid);
+                const kiln_u64 source = valid ? row0 + (kiln_u64)ii * row_bytes : (kiln_u64)weights;
+                kiln_cp_async_16(dst + i * 512, reinterpret_cast<const void*>(source), valid);
             }
         }
     }
