@@ -111,8 +111,9 @@ fn ratio(peer: &Peer, table: &str, key: &str, kiln_us: f64) -> String {
         .map_or("-".into(), |us| format!("{us:.1} / {:.2}x", us / kiln_us))
 }
 
-/// A row saying how far the wgmma prefill's output is from the tiled kernel's on the benchmark's
+/// A row saying how far a wgmma prefill's output is from the tiled kernel's on the benchmark's
 /// own inputs (both against float64 are in the GPU tests, at lengths a CPU reference can reach).
+#[allow(clippy::too_many_arguments)]
 fn prefill_agreement(
     gpu: &Gpu,
     shape: &AttentionShape,
@@ -120,9 +121,11 @@ fn prefill_agreement(
     q: &DeviceMemory,
     cache: KvBuffers<'_>,
     len: usize,
+    name: &str,
+    wgmma: AttentionVariant,
 ) -> Result<String> {
     let mut outputs = Vec::new();
-    for variant in [AttentionVariant::PREFILL, AttentionVariant::PREFILL_WGMMA] {
+    for variant in [AttentionVariant::PREFILL, wgmma] {
         let out = gpu.alloc(len * Q_HEADS * HEAD_DIM * 2)?;
         out.fill_bytes(0xFF)?; // bf16 NaN
         attention(gpu, shape, batch, q, cache, &out, None, 1, Some(variant))?;
@@ -139,7 +142,7 @@ fn prefill_agreement(
         worst = worst.max((a - b).abs());
     }
     Ok(format!(
-        "| {len} | wgmma vs 4x1x64: max abs difference {worst:.2e}, {unwritten} non-finite elements | | | |"
+        "| {len} | {name} vs 4x1x64: max abs difference {worst:.2e}, {unwritten} non-finite elements | | | |"
     ))
 }
 
@@ -198,7 +201,7 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
         let mut configs = vec![prefill_config];
         let mut variants = vec![AttentionVariant::PREFILL, AttentionVariant::PREFILL_WIDE];
         if gpu.arch() == kiln_cuda::Arch(90) {
-            variants.push(AttentionVariant::PREFILL_WGMMA);
+            variants.extend([AttentionVariant::PREFILL_WGMMA, AttentionVariant::PREFILL_WGMMA_PINGPONG]);
         }
         for variant in variants {
             if !configs.iter().any(|c| c.variant == variant && c.splits == 1) {
@@ -214,6 +217,7 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
             let tag = match () {
                 _ if config == prefill_config => "certified ",
                 _ if config.variant == AttentionVariant::PREFILL_WGMMA => "wgmma ",
+                _ if config.variant == AttentionVariant::PREFILL_WGMMA_PINGPONG => "wgmma-pingpong ",
                 _ => "",
             };
             let line = format!(
@@ -226,9 +230,14 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
             let _ = writeln!(report, "{line}");
         }
         if gpu.arch() == kiln_cuda::Arch(90) {
-            let line = prefill_agreement(&gpu, &shape, &batch, &q, cache, len)?;
-            println!("{line}");
-            let _ = writeln!(report, "{line}");
+            for (name, variant) in [
+                ("wgmma", AttentionVariant::PREFILL_WGMMA),
+                ("wgmma-pingpong", AttentionVariant::PREFILL_WGMMA_PINGPONG),
+            ] {
+                let line = prefill_agreement(&gpu, &shape, &batch, &q, cache, len, name, variant)?;
+                println!("{line}");
+                let _ = writeln!(report, "{line}");
+            }
         }
     }
 

@@ -124,7 +124,168 @@ KILN_DEVICE void kiln_wgmma_m64n128_rs_transposed_b(float (&d)[64], const kiln_u
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
 }
 
-// Dynamic shared memory (SHARED_BYTES in the launcher): up to 1 KiB of alignment, Q
+// S = Q K^T of one K tile for this warpgroup (64 rows of Q at q_group, 128 keys at k_tile):
+// issued and committed, not waited. Step kd takes 16 columns of HEAD_DIM, 32 bytes into column
+// half kd / 4.
+KILN_DEVICE void kiln_prefill_scores(float (&s)[64], kiln_u32 q_group, kiln_u32 k_tile) {
+    kiln_wgmma_fence();
+#pragma unroll
+    for (int kd = 0; kd < HEAD_DIM / 16; ++kd) {
+        const kiln_u32 column = (kd & 3) * 32;
+        const kiln_u64 a = kiln_wgmma_descriptor(q_group + (kd >> 2) * HALF_BYTES(BLOCK_M) + column, 16, 1024);
+        const kiln_u64 b = kiln_wgmma_descriptor(k_tile + (kd >> 2) * HALF_BYTES(BLOCK_N) + column, 16, 1024);
+        kiln_wgmma_m64n128_ss(s, a, b, kd > 0);
+    }
+    kiln_wgmma_commit();
+}
+
+// This thread's rows of one warpgroup: the positions of its two rows (16 w + g and + 8 within
+// the warpgroup), and the first and last positions of the warpgroup's rows.
+struct kiln_prefill_rows {
+    int position[2];
+    int first_position, last_position;
+};
+
+// Waits for the scores of kiln_prefill_scores, masks keys past a row's position or past kv_end
+// (only where the tile reaches them), updates the online softmax (maxima in units of
+// scale_log2 * q.k, this thread's share of the row sums) and adds P V of the tile's V rows at
+// v_tile to o (waited).
+KILN_DEVICE void kiln_prefill_update(float (&s)[64], float (&o)[64], float (&row_max)[2], float (&row_sum)[2],
+                                     const kiln_prefill_rows& rows, int tile_start, int kv_end, kiln_u32 v_tile,
+                                     float scale_log2, int thread_in_group) {
+    kiln_wgmma_wait_all();
+    kiln_wgmma_hold(s);
+    if (tile_start + BLOCK_N > kv_end || tile_start + BLOCK_N - 1 > rows.first_position) {
+#pragma unroll
+        for (int j = 0; j < BLOCK_N / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = tile_start + j * 8 + 2 * thread_in_group + (e & 1);
+                if (key > rows.position[e >> 1] || key >= kv_end) s[4 * j + e] = KILN_NEG_INF;
+            }
+        }
+    }
+
+    // New row maxima (over the quad that shares a row), rescale, exponentiate.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float m = KILN_NEG_INF;
+#pragma unroll
+        for (int j = 0; j < BLOCK_N / 8; ++j) m = fmaxf(m, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+        m = fmaxf(m, __shfl_xor_sync(KILN_FULL_MASK, m, 1));
+        m = fmaxf(m, __shfl_xor_sync(KILN_FULL_MASK, m, 2));
+        const float new_max = fmaxf(row_max[h], m * scale_log2);
+        // A row that has seen no key yet keeps -inf; subtracting 0 then gives 0 weights, not NaN.
+        const float base = new_max == KILN_NEG_INF ? 0.0f : new_max;
+        const float alpha = kiln_exp2_approx(row_max[h] - base);
+        row_max[h] = new_max;
+        row_sum[h] *= alpha;
+#pragma unroll
+        for (int j = 0; j < HEAD_DIM / 8; ++j) {
+            o[4 * j + 2 * h] *= alpha;
+            o[4 * j + 2 * h + 1] *= alpha;
+        }
+#pragma unroll
+        for (int j = 0; j < BLOCK_N / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const float p = kiln_exp2_approx(fmaf(s[4 * j + 2 * h + e], scale_log2, -base));
+                s[4 * j + 2 * h + e] = p;
+                row_sum[h] += p;
+            }
+        }
+    }
+
+    // O += P V: P as A fragments (keys 16 kk .. 16 kk + 15: accumulator columns 2 kk and
+    // 2 kk + 1), V's step kk 16 rows (2048 bytes) further, its column halves HALF_BYTES apart.
+    kiln_u32 p[BLOCK_N / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+        p[kk][0] = kiln_pack_bf16x2(s[8 * kk + 0], s[8 * kk + 1]);
+        p[kk][1] = kiln_pack_bf16x2(s[8 * kk + 2], s[8 * kk + 3]);
+        p[kk][2] = kiln_pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5]);
+        p[kk][3] = kiln_pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+    // P and the rescaled O are written before the fence (an A operand too must not be written
+    // between the fence and the wgmma that reads it).
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(p[kk][i])::"memory");
+    }
+    kiln_wgmma_hold(o);
+    kiln_wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+        const kiln_u64 b = kiln_wgmma_descriptor(v_tile + kk * 16 * 128, HALF_BYTES(BLOCK_N), 1024);
+        kiln_wgmma_m64n128_rs_transposed_b(o, p[kk], b);
+    }
+    kiln_wgmma_commit();
+    kiln_wgmma_wait_all();
+    kiln_wgmma_hold(o);
+}
+
+// Row sums over the quad, in a fixed order, then this thread's rows (of the warpgroup starting
+// at group_row0) into out, normalized.
+KILN_DEVICE void kiln_prefill_store(kiln_u16* __restrict__ out, float (&o)[64], float (&row_sum)[2], int group_row0,
+                                    int rows, int heads_per_group, int q_begin, int q_heads, int kv_head,
+                                    int warp_in_group, int group, int thread_in_group) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        row_sum[h] += __shfl_xor_sync(KILN_FULL_MASK, row_sum[h], 1);
+        row_sum[h] += __shfl_xor_sync(KILN_FULL_MASK, row_sum[h], 2);
+        const int row = group_row0 + 16 * warp_in_group + group + 8 * h;
+        if (row >= rows) continue;
+        const int token = q_begin + row / heads_per_group;
+        const int head = kv_head * heads_per_group + row % heads_per_group;
+        const float inverse = row_sum[h] > 0.0f ? 1.0f / row_sum[h] : 0.0f;
+        kiln_u16* out_row = out + ((kiln_u64)token * q_heads + head) * HEAD_DIM + 2 * thread_in_group;
+#pragma unroll
+        for (int j = 0; j < HEAD_DIM / 8; ++j) {
+            *reinterpret_cast<kiln_u32*>(out_row + 8 * j) =
+                kiln_pack_bf16x2(o[4 * j + 2 * h] * inverse, o[4 * j + 2 * h + 1] * inverse);
+        }
+    }
+}
+
+// The rows of warpgroup `warpgroup` of the block at row0 (rows past the sequence take the last
+// row's position, so they see keys and stay finite; their output is not stored).
+KILN_DEVICE kiln_prefill_rows kiln_prefill_rows_of(int row0, int warpgroup, int warp_in_group, int group, int rows,
+                                                   int first_position, int heads_per_group) {
+    kiln_prefill_rows r;
+    const int group_row0 = row0 + 64 * warpgroup;
+    r.first_position = first_position + min(group_row0, rows - 1) / heads_per_group;
+    r.last_position = first_position + min(group_row0 + 63, rows - 1) / heads_per_group;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = min(group_row0 + 16 * warp_in_group + group + 8 * h, rows - 1);
+        r.position[h] = first_position + row / heads_per_group;
+    }
+    return r;
+}
+
+// Q row r, 16-byte chunk c of the block's rows: its address in q (rows past the sequence read
+// nothing: `valid` false).
+KILN_DEVICE const kiln_u16* kiln_prefill_q_source(const kiln_u16* q, int row0, int r, int c, int rows,
+                                                   int heads_per_group, int q_begin, int q_heads, int kv_head,
+                                                   bool& valid) {
+    const int row = row0 + r;
+    valid = row < rows;
+    const int token = valid ? row / heads_per_group : 0;
+    const int head = kv_head * heads_per_group + (valid ? row % heads_per_group : 0);
+    return valid ? q + ((kiln_u64)(q_begin + token) * q_heads + head) * HEAD_DIM + c * 8 : q;
+}
+
+// The element offset of chunk c of the K (or V) row of `position` in the cache.
+KILN_DEVICE kiln_u64 kiln_prefill_kv_offset(kiln_u32 page, int position, int c, int kv_heads, int kv_head,
+                                            int page_shift) {
+    return (((kiln_u64)page * kv_heads + kv_head) << page_shift | (kiln_u64)(position & ((1 << page_shift) - 1))) *
+               HEAD_DIM +
+           c * 8;
+}
+
+// ---- kiln_attention_prefill: every thread loads and computes ----------------------------------
+// Dynamic shared memory (the launcher's shared_bytes): up to 1 KiB of alignment, Q
 // [2][BLOCK_M][128 B], then per stage K [2][BLOCK_N][128 B] and V [2][BLOCK_N][128 B].
 extern "C" __global__ void __launch_bounds__(THREADS, 1) kiln_attention_prefill(
     const kiln_u16* __restrict__ q, const kiln_u16* __restrict__ k_cache, const kiln_u16* __restrict__ v_cache,
@@ -161,12 +322,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kiln_attention_prefill(
     for (int i = 0; i < Q_CHUNKS_PER_THREAD; ++i) {
         const int index = tid + i * THREADS;
         const int r = index / CHUNKS_PER_ROW, c = index % CHUNKS_PER_ROW;
-        const int row = row0 + r;
-        const bool valid = row < rows;
-        const int token = valid ? row / heads_per_group : 0;
-        const int head = kv_head * heads_per_group + (valid ? row % heads_per_group : 0);
-        const kiln_u16* source = q + ((kiln_u64)(q_begin + token) * q_heads + head) * HEAD_DIM + c * 8;
-        kiln_cp_async_16(q_smem + kiln_swizzled(BLOCK_M, r, c), valid ? source : q, valid);
+        bool valid;
+        const kiln_u16* source =
+            kiln_prefill_q_source(q, row0, r, c, rows, heads_per_group, q_begin, q_heads, kv_head, valid);
+        kiln_cp_async_16(q_smem + kiln_swizzled(BLOCK_M, r, c), source, valid);
     }
 
     // The page of each K/V row this thread copies in tile `t` (0 past kv_end, not read), read one
@@ -188,10 +347,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kiln_attention_prefill(
             const int r = index / CHUNKS_PER_ROW, c = index % CHUNKS_PER_ROW;
             const int position = t * BLOCK_N + r;
             const bool valid = position < kv_end;
-            const kiln_u64 offset =
-                (((kiln_u64)ids[i] * kv_heads + kv_head) << page_shift | (kiln_u64)(position & ((1 << page_shift) - 1))) *
-                    HEAD_DIM +
-                c * 8;
+            const kiln_u64 offset = kiln_prefill_kv_offset(ids[i], position, c, kv_heads, kv_head, page_shift);
             const kiln_u32 at = kiln_swizzled(BLOCK_N, r, c);
             kiln_cp_async_16(k_stage + at, valid ? k_cache + offset : k_cache, valid);
             kiln_cp_async_16(k_stage + TILE_BYTES + at, valid ? v_cache + offset : v_cache, valid);
@@ -207,19 +363,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kiln_attention_prefill(
         kiln_cp_async_commit();
     }
 
-    // This warpgroup's rows, and this thread's two rows of them (16 w + g and + 8 within the
-    // warpgroup, w the warp in the warpgroup): rows past the sequence take the last row's
-    // position, so they see keys and stay finite (their output is not stored).
     const int group_row0 = row0 + 64 * warpgroup;
     const bool group_active = group_row0 < rows;
-    const int group_first_position = first_position + min(group_row0, rows - 1) / heads_per_group;
-    const int group_last_position = first_position + min(group_row0 + 63, rows - 1) / heads_per_group;
-    int row_position[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int row = min(group_row0 + 16 * warp_in_group + group + 8 * h, rows - 1);
-        row_position[h] = first_position + row / heads_per_group;
-    }
+    const kiln_prefill_rows my_rows =
+        kiln_prefill_rows_of(row0, warpgroup, warp_in_group, group, rows, first_position, heads_per_group);
     const kiln_u32 q_group = q_smem + warpgroup * 64 * 128;
 
     // Accumulator layout of wgmma.m64nN (per warp, as mma.m16n8): d[4 j + 2 h + e] is row
@@ -227,8 +374,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kiln_attention_prefill(
     float o[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) o[i] = 0.0f;
-    float row_max[2] = {KILN_NEG_INF, KILN_NEG_INF};  // in units of scale_log2 * q.k
-    float row_sum[2] = {0.0f, 0.0f};                  // this thread's columns only, until the end
+    float row_max[2] = {KILN_NEG_INF, KILN_NEG_INF};
+    float row_sum[2] = {0.0f, 0.0f};
 
     for (int t = 0; t < tiles; ++t) {
         // Tile t (and Q) landed for every thread, and every warpgroup is done with tile t - 1,
@@ -243,112 +390,189 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kiln_attention_prefill(
         }
 
         const int tile_start = t * BLOCK_N;
-        if (!group_active || tile_start > group_last_position) continue;
+        // A warpgroup skips the tiles past its own causal limit.
+        if (!group_active || tile_start > my_rows.last_position) continue;
         const kiln_u32 k_tile = kv_smem + (t & 1) * 2 * TILE_BYTES;
-        const kiln_u32 v_tile = k_tile + TILE_BYTES;
-
-        // S = Q K^T: 16 columns of HEAD_DIM a step; step kd is 32 bytes into column half kd / 4.
         float s[64];
-        kiln_wgmma_fence();
-#pragma unroll
-        for (int kd = 0; kd < HEAD_DIM / 16; ++kd) {
-            const kiln_u32 column = (kd & 3) * 32;
-            const kiln_u64 a = kiln_wgmma_descriptor(q_group + (kd >> 2) * HALF_BYTES(BLOCK_M) + column, 16, 1024);
-            const kiln_u64 b = kiln_wgmma_descriptor(k_tile + (kd >> 2) * HALF_BYTES(BLOCK_N) + column, 16, 1024);
-            kiln_wgmma_m64n128_ss(s, a, b, kd > 0);
-        }
-        kiln_wgmma_commit();
-        kiln_wgmma_wait_all();
-        kiln_wgmma_hold(s);
-
-        // Mask keys past a row's position or past kv_end, only where the tile reaches them.
-        if (tile_start + BLOCK_N > kv_end || tile_start + BLOCK_N - 1 > group_first_position) {
-#pragma unroll
-            for (int j = 0; j < BLOCK_N / 8; ++j) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int key = tile_start + j * 8 + 2 * thread_in_group + (e & 1);
-                    if (key > row_position[e >> 1] || key >= kv_end) s[4 * j + e] = KILN_NEG_INF;
-                }
-            }
-        }
-
-        // Online softmax: new row maxima (over the quad that shares a row), rescale, exponentiate.
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            float m = KILN_NEG_INF;
-#pragma unroll
-            for (int j = 0; j < BLOCK_N / 8; ++j) m = fmaxf(m, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
-            m = fmaxf(m, __shfl_xor_sync(KILN_FULL_MASK, m, 1));
-            m = fmaxf(m, __shfl_xor_sync(KILN_FULL_MASK, m, 2));
-            const float new_max = fmaxf(row_max[h], m * scale_log2);
-            // A row that has seen no key yet keeps -inf; subtracting 0 then gives 0 weights, not NaN.
-            const float base = new_max == KILN_NEG_INF ? 0.0f : new_max;
-            const float alpha = kiln_exp2_approx(row_max[h] - base);
-            row_max[h] = new_max;
-            row_sum[h] *= alpha;
-#pragma unroll
-            for (int j = 0; j < HEAD_DIM / 8; ++j) {
-                o[4 * j + 2 * h] *= alpha;
-                o[4 * j + 2 * h + 1] *= alpha;
-            }
-#pragma unroll
-            for (int j = 0; j < BLOCK_N / 8; ++j) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float p = kiln_exp2_approx(fmaf(s[4 * j + 2 * h + e], scale_log2, -base));
-                    s[4 * j + 2 * h + e] = p;
-                    row_sum[h] += p;
-                }
-            }
-        }
-
-        // O += P V: P as A fragments (keys 16 kk .. 16 kk + 15: accumulator columns 2 kk and
-        // 2 kk + 1), V's step kk 16 rows (2048 bytes) further, its column halves 16 KiB apart.
-        kiln_u32 p[BLOCK_N / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-            p[kk][0] = kiln_pack_bf16x2(s[8 * kk + 0], s[8 * kk + 1]);
-            p[kk][1] = kiln_pack_bf16x2(s[8 * kk + 2], s[8 * kk + 3]);
-            p[kk][2] = kiln_pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5]);
-            p[kk][3] = kiln_pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7]);
-        }
-        // P and the rescaled O are written before the fence (the A operand too must not be
-        // written between the fence and the wgmma that reads it).
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(p[kk][i])::"memory");
-        }
-        kiln_wgmma_hold(o);
-        kiln_wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-            const kiln_u64 b = kiln_wgmma_descriptor(v_tile + kk * 16 * 128, HALF_BYTES(BLOCK_N), 1024);
-            kiln_wgmma_m64n128_rs_transposed_b(o, p[kk], b);
-        }
-        kiln_wgmma_commit();
-        kiln_wgmma_wait_all();
-        kiln_wgmma_hold(o);
+        kiln_prefill_scores(s, q_group, k_tile);
+        kiln_prefill_update(s, o, row_max, row_sum, my_rows, tile_start, kv_end, k_tile + TILE_BYTES, scale_log2,
+                            thread_in_group);
     }
     kiln_cp_async_wait<0>();
     if (!group_active) return;
+    kiln_prefill_store(out, o, row_sum, group_row0, rows, heads_per_group, q_begin, q_heads, kv_head, warp_in_group,
+                       group, thread_in_group);
+}
 
-    // Row sums over the quad, in a fixed order, then the rows of this thread into out.
+// ---- kiln_attention_prefill_pingpong: a producer warp and two consumer warpgroups taking turns ----
+// The same function and shared-memory layout (with PINGPONG_STAGES K/V stages), one more warp:
+// warp 8 only copies K/V tiles (cp.async, lanes along a row; each tile's copies waited, fenced
+// for the tensor cores and announced on the stage's `full` mbarrier), so the consumers issue no
+// copies; each consumer warp announces on the stage's `empty` mbarrier that it is done with a
+// tile. The two consumer warpgroups take turns to issue their S = Q K^T (named barriers 1 and
+// 2), so one's softmax runs while the other's product occupies the tensor cores
+// (FlashAttention-3's ping-pong schedule). Q: each warpgroup copies its own 64 rows.
+#define PINGPONG_STAGES 3
+#define PRODUCER_WARP (4 * WARPGROUPS)
+static_assert(PRODUCER_WARP == THREADS / 32, "the producer is the warp after the consumers");
+
+KILN_DEVICE void kiln_mbarrier_init(kiln_u32 barrier, kiln_u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(barrier), "r"(count) : "memory");
+}
+KILN_DEVICE void kiln_mbarrier_arrive(kiln_u32 barrier) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(barrier) : "memory");
+}
+// Waits until the phase of parity `parity` of the barrier has completed.
+KILN_DEVICE void kiln_mbarrier_wait(kiln_u32 barrier, kiln_u32 parity) {
+    asm volatile(
+        "{\n.reg .pred done;\nKILN_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra KILN_WAIT;\n}\n" ::"r"(barrier),
+        "r"(parity)
+        : "memory");
+}
+KILN_DEVICE void kiln_named_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+KILN_DEVICE void kiln_named_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Dynamic shared memory: as kiln_attention_prefill's with PINGPONG_STAGES stages.
+extern "C" __global__ void __launch_bounds__(THREADS + 32, 1) kiln_attention_prefill_pingpong(
+    const kiln_u16* __restrict__ q, const kiln_u16* __restrict__ k_cache, const kiln_u16* __restrict__ v_cache,
+    const kiln_i32* __restrict__ query_offsets, const kiln_i32* __restrict__ context_lens,
+    const kiln_i32* __restrict__ page_offsets, const kiln_u32* __restrict__ page_ids, kiln_u16* __restrict__ out,
+    int q_heads, int kv_heads, int page_shift, float scale_log2) {
+    kiln_wait_prior();
+    extern __shared__ __align__(1024) kiln_u8 shared_bytes[];
+    __shared__ alignas(8) kiln_u64 full_barriers[PINGPONG_STAGES];
+    __shared__ alignas(8) kiln_u64 empty_barriers[PINGPONG_STAGES];
+    const kiln_u32 q_smem = (kiln_smem_address(shared_bytes) + 1023u) & ~1023u;
+    const kiln_u32 kv_smem = q_smem + Q_BYTES;  // stage s: K at kv_smem + 2 s TILE_BYTES, V after it
+    const kiln_u32 full0 = kiln_smem_address(full_barriers), empty0 = kiln_smem_address(empty_barriers);
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int warpgroup = warp >> 2, warp_in_group = warp & 3;
+    const int group = lane >> 2, thread_in_group = lane & 3;
+
+    const int sequence = blockIdx.z, kv_head = blockIdx.y;
+    const int q_begin = query_offsets[sequence];
+    const int q_len = query_offsets[sequence + 1] - q_begin;
+    const int context = context_lens[sequence];
+    const int heads_per_group = q_heads / kv_heads;
+    const int rows = q_len * heads_per_group;
+    const int row0 = (gridDim.x - 1 - blockIdx.x) * BLOCK_M;
+    if (row0 >= rows) return;
+    const int first_position = context - q_len;
+    const kiln_u32* pages = page_ids + page_offsets[sequence];
+    const int last_row = min(rows, row0 + BLOCK_M) - 1;
+    const int kv_end = min(context, first_position + last_row / heads_per_group + 1);
+    const int tiles = (kv_end + BLOCK_N - 1) / BLOCK_N;
+
+    if (tid == 0) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        row_sum[h] += __shfl_xor_sync(KILN_FULL_MASK, row_sum[h], 1);
-        row_sum[h] += __shfl_xor_sync(KILN_FULL_MASK, row_sum[h], 2);
-        const int row = group_row0 + 16 * warp_in_group + group + 8 * h;
-        if (row >= rows) continue;
-        const int token = q_begin + row / heads_per_group;
-        const int head = kv_head * heads_per_group + row % heads_per_group;
-        const float inverse = row_sum[h] > 0.0f ? 1.0f / row_sum[h] : 0.0f;
-        kiln_u16* out_row = out + ((kiln_u64)token * q_heads + head) * HEAD_DIM + 2 * thread_in_group;
-#pragma unroll
-        for (int j = 0; j < HEAD_DIM / 8; ++j) {
-            *reinterpret_cast<kiln_u32*>(out_row + 8 * j) =
-                kiln_pack_bf16x2(o[4 * j + 2 * h] * inverse, o[4 * j + 2 * h + 1] * inverse);
+        for (int s = 0; s < PINGPONG_STAGES; ++s) {
+            kiln_mbarrier_init(full0 + 8 * s, 32);        // the producer's lanes
+            kiln_mbarrier_init(empty0 + 8 * s, 4 * WARPGROUPS);  // the consumer warps
         }
     }
+    __syncthreads();
+
+    if (warp == PRODUCER_WARP) {
+        // Lane l copies chunk l % 16 of rows 2 j + l / 16 (j = 0 .. 63): each instruction two
+        // whole rows. The page of row r is read by lane r % 32 into ids[r / 32], one tile ahead.
+        auto tile_pages = [&](int t, kiln_u32 (&ids)[BLOCK_N / 32]) {
+#pragma unroll
+            for (int i = 0; i < BLOCK_N / 32; ++i) {
+                const int position = t * BLOCK_N + lane + 32 * i;
+                ids[i] = (t < tiles && position < kv_end) ? pages[position >> page_shift] : 0u;
+            }
+        };
+        kiln_u32 ids[BLOCK_N / 32];
+        tile_pages(0, ids);
+        const int c = lane & 15;
+        for (int t = 0; t < tiles; ++t) {
+            const int stage = t % PINGPONG_STAGES;
+            // The consumers are done with the tile this stage held.
+            if (t >= PINGPONG_STAGES) kiln_mbarrier_wait(empty0 + 8 * stage, ((t / PINGPONG_STAGES) - 1) & 1);
+            const kiln_u32 k_stage = kv_smem + stage * 2 * TILE_BYTES;
+#pragma unroll
+            for (int j = 0; j < BLOCK_N / 2; ++j) {
+                const int r = 2 * j + (lane >> 4);
+                const kiln_u32 page = __shfl_sync(KILN_FULL_MASK, ids[j / 16], (2 * j) % 32 + (lane >> 4));
+                const int position = t * BLOCK_N + r;
+                const bool valid = position < kv_end;
+                const kiln_u64 offset = kiln_prefill_kv_offset(page, position, c, kv_heads, kv_head, page_shift);
+                const kiln_u32 at = kiln_swizzled(BLOCK_N, r, c);
+                kiln_cp_async_16(k_stage + at, valid ? k_cache + offset : k_cache, valid);
+                kiln_cp_async_16(k_stage + TILE_BYTES + at, valid ? v_cache + offset : v_cache, valid);
+            }
+            kiln_cp_async_commit();
+            tile_pages(t + 1, ids);
+            // The tile before this one has landed: make it visible to the tensor cores.
+            if (t >= 1) {
+                kiln_cp_async_wait<1>();
+                kiln_fence_proxy_async();
+                kiln_mbarrier_arrive(full0 + 8 * ((t - 1) % PINGPONG_STAGES));
+            }
+        }
+        kiln_cp_async_wait<0>();
+        kiln_fence_proxy_async();
+        kiln_mbarrier_arrive(full0 + 8 * ((tiles - 1) % PINGPONG_STAGES));
+        return;
+    }
+
+    // Consumers: this warpgroup's Q rows (zeros past the sequence), visible to its tensor cores.
+    const int tid_in_group = tid & 127;
+#pragma unroll
+    for (int i = 0; i < 64 * CHUNKS_PER_ROW / 128; ++i) {
+        const int index = tid_in_group + i * 128;
+        const int r = 64 * warpgroup + index / CHUNKS_PER_ROW, c = index % CHUNKS_PER_ROW;
+        bool valid;
+        const kiln_u16* source =
+            kiln_prefill_q_source(q, row0, r, c, rows, heads_per_group, q_begin, q_heads, kv_head, valid);
+        kiln_cp_async_16(q_smem + kiln_swizzled(BLOCK_M, r, c), source, valid);
+    }
+    kiln_cp_async_commit();
+    kiln_cp_async_wait<0>();
+    kiln_fence_proxy_async();
+    kiln_named_sync(3 + warpgroup, 128);
+
+    const int group_row0 = row0 + 64 * warpgroup;
+    const bool group_active = group_row0 < rows;
+    const kiln_prefill_rows my_rows =
+        kiln_prefill_rows_of(row0, warpgroup, warp_in_group, group, rows, first_position, heads_per_group);
+    const kiln_u32 q_group = q_smem + warpgroup * 64 * 128;
+    float o[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) o[i] = 0.0f;
+    float row_max[2] = {KILN_NEG_INF, KILN_NEG_INF};
+    float row_sum[2] = {0.0f, 0.0f};
+
+    // Turns: warpgroup w issues its scores after `bar.sync 1 + w` and hands the turn over with
+    // `bar.arrive 2 - w`; warpgroup 1 hands warpgroup 0 the first turn, and not the one after its
+    // last tile, so every barrier sees as many arrivals as waits.
+    if (warpgroup == 1) kiln_named_arrive(1, 256);
+    for (int t = 0; t < tiles; ++t) {
+        const int stage = t % PINGPONG_STAGES;
+        kiln_mbarrier_wait(full0 + 8 * stage, (t / PINGPONG_STAGES) & 1);
+        const int tile_start = t * BLOCK_N;
+        const bool compute = group_active && tile_start <= my_rows.last_position;
+        const kiln_u32 k_tile = kv_smem + stage * 2 * TILE_BYTES;
+        float s[64];
+        kiln_named_sync(1 + warpgroup, 256);
+        if (compute) kiln_prefill_scores(s, q_group, k_tile);
+        if (warpgroup == 0 || t + 1 < tiles) kiln_named_arrive(2 - warpgroup, 256);
+        if (compute) {
+            kiln_prefill_update(s, o, row_max, row_sum, my_rows, tile_start, kv_end, k_tile + TILE_BYTES, scale_log2,
+                                thread_in_group);
+        }
+        // This warp's products are complete (waited): the stage may be refilled.
+        __syncwarp();
+        if (lane == 0) kiln_mbarrier_arrive(empty0 + 8 * stage);
+    }
+    if (!group_active) return;
+    kiln_prefill_store(out, o, row_sum, group_row0, rows, heads_per_group, q_begin, q_heads, kv_head, warp_in_group,
+                       group, thread_in_group);
 }

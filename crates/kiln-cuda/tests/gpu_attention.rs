@@ -459,15 +459,22 @@ fn kv_append_writes_each_token_at_its_slot_and_nothing_else() {
     }
 }
 
-/// The wgmma prefill kernel (`kernels/attention_prefill.cu`, sm_90 only) against the float64
-/// reference: every GQA ratio and several page sizes, ragged batches whose lengths straddle its
-/// 128-row and 128-key tiles, chunks after cached positions, and a 1024-token sequence at the
-/// benchmark's shape (32/8 heads, page 64); each case run twice, bit for bit. On any other
-/// architecture the kernel must refuse (checked, not skipped).
+/// The wgmma prefill kernels (`kernels/attention_prefill.cu`, sm_90 only: the plain one and the
+/// ping-pong one) against the float64 reference: every GQA ratio and several page sizes, ragged
+/// batches whose lengths straddle their 128-row and 128-key tiles, chunks after cached
+/// positions, and a 1024-token sequence at the benchmark's shape (32/8 heads, page 64); each case
+/// run twice, bit for bit. On any other architecture the kernels must refuse (checked, not
+/// skipped).
 #[test]
 fn wgmma_prefill_matches_float64_and_repeats_bit_for_bit() {
-    let (gpu, mut rng) = (gpu(), Rng::fresh());
-    let variant = AttentionVariant::PREFILL_WGMMA;
+    let gpu = gpu();
+    for variant in [AttentionVariant::PREFILL_WGMMA, AttentionVariant::PREFILL_WGMMA_PINGPONG] {
+        check_wgmma_prefill(&gpu, variant);
+    }
+}
+
+fn check_wgmma_prefill(gpu: &Gpu, variant: AttentionVariant) {
+    let mut rng = Rng::fresh();
     if gpu.arch() != kiln_cuda::Arch(90) {
         let case = Case {
             q_heads: 8,
@@ -481,18 +488,18 @@ fn wgmma_prefill_matches_float64_and_repeats_bit_for_bit() {
         let inputs = inputs(&mut rng, &case);
         let sequences =
             [AttentionSequence { query_tokens: 40, context_tokens: 40, pages: &inputs.tables[0] }];
-        let batch = PagedBatch::upload(&gpu, &inputs.shape, &sequences, inputs.pages).expect("batch upload");
-        let q = upload(&gpu, &bytes(&inputs.q));
-        let (k, v) = (upload(&gpu, &bytes(&inputs.k)), upload(&gpu, &bytes(&inputs.v)));
-        let out = poisoned(&gpu, inputs.q.len() * 2);
+        let batch = PagedBatch::upload(gpu, &inputs.shape, &sequences, inputs.pages).expect("batch upload");
+        let q = upload(gpu, &bytes(&inputs.q));
+        let (k, v) = (upload(gpu, &bytes(&inputs.k)), upload(gpu, &bytes(&inputs.v)));
+        let out = poisoned(gpu, inputs.q.len() * 2);
         let cache = KvBuffers { k: &k, v: &v, pages: inputs.pages };
-        let refused = attention(&gpu, &inputs.shape, &batch, &q, cache, &out, None, 1, Some(variant));
+        let refused = attention(gpu, &inputs.shape, &batch, &q, cache, &out, None, 1, Some(variant));
         assert!(
             matches!(refused, Err(Error::NotServed { .. })),
             "{} ran the wgmma kernel: {refused:?}",
             gpu.arch()
         );
-        println!("{}: the wgmma prefill refuses, as it must off sm_90", gpu.arch());
+        println!("{}: {variant:?} refuses, as it must off sm_90", gpu.arch());
         return;
     }
     let edges = [1, 2, 31, 32, 33, 127, 128, 129, 255, 256, 257, 300];
@@ -513,8 +520,8 @@ fn wgmma_prefill_matches_float64_and_repeats_bit_for_bit() {
         for sequences in cases {
             let case =
                 Case { q_heads, kv_heads, head_dim: 128, page_tokens, sequences, splits: Some(1), variant };
-            let outputs = check(&gpu, &mut rng, &case, 2);
-            assert!(outputs[0] == outputs[1], "wgmma prefill differs between two runs: {:?}", case.sequences);
+            let outputs = check(gpu, &mut rng, &case, 2);
+            assert!(outputs[0] == outputs[1], "{variant:?} differs between two runs: {:?}", case.sequences);
         }
     }
     let case = Case {
@@ -526,17 +533,23 @@ fn wgmma_prefill_matches_float64_and_repeats_bit_for_bit() {
         splits: Some(1),
         variant,
     };
-    let outputs = check(&gpu, &mut rng, &case, 2);
-    assert!(outputs[0] == outputs[1], "wgmma prefill differs between two runs at 1024 tokens");
+    let outputs = check(gpu, &mut rng, &case, 2);
+    assert!(outputs[0] == outputs[1], "{variant:?} differs between two runs at 1024 tokens");
 }
 
-/// The wgmma prefill serves head dim 128 and one split only; it says so instead of running.
+/// The wgmma prefill kernels serve head dim 128 and one split only; they say so instead of
+/// running.
 #[test]
 fn wgmma_prefill_refuses_what_it_does_not_serve() {
     let gpu = gpu();
-    let variant = AttentionVariant::PREFILL_WGMMA;
-    assert_eq!(variant.kernel, AttentionKernel::Warpgroup);
-    for (head_dim, splits) in [(64, 1), (128, 3)] {
+    assert_eq!(AttentionVariant::PREFILL_WGMMA.kernel, AttentionKernel::Warpgroup);
+    assert_eq!(AttentionVariant::PREFILL_WGMMA_PINGPONG.kernel, AttentionKernel::WarpgroupPingpong);
+    for (variant, head_dim, splits) in [
+        (AttentionVariant::PREFILL_WGMMA, 64, 1),
+        (AttentionVariant::PREFILL_WGMMA, 128, 3),
+        (AttentionVariant::PREFILL_WGMMA_PINGPONG, 64, 1),
+        (AttentionVariant::PREFILL_WGMMA_PINGPONG, 128, 3),
+    ] {
         let shape = AttentionShape { q_heads: 8, kv_heads: 2, head_dim, page_tokens: 16, scale: 0.125 };
         let pages: Vec<u32> = (0..4).collect();
         let q = gpu.alloc(40 * 8 * head_dim * 2).expect("device allocation");
@@ -550,7 +563,7 @@ fn wgmma_prefill_refuses_what_it_does_not_serve() {
         let refused = attention(&gpu, &shape, &batch, &q, cache, &out, Some(&scratch), splits, Some(variant));
         assert!(
             matches!(refused, Err(Error::NotServed { .. })),
-            "head dim {head_dim}, {splits} splits: {refused:?}"
+            "{variant:?} at head dim {head_dim}, {splits} splits: {refused:?}"
         );
     }
 }

@@ -18,8 +18,10 @@
 //! the default there ([`AttentionVariant::DECODE`]); [`AttentionVariant::DECODE_TILED`] keeps the
 //! tiled kernel's decode of the same shape selectable. On sm_90, a third kernel
 //! (`kernels/attention_prefill.cu`, Hopper's warpgroup MMA) serves prefill at head dim 128
-//! without splits: [`AttentionVariant::PREFILL_WGMMA`], chosen explicitly or by
-//! [`PREFILL_KERNEL_ENV`]`=wgmma` for calls that leave the variant to the default.
+//! without splits: [`AttentionVariant::PREFILL_WGMMA`] (every thread copies and computes) and
+//! [`AttentionVariant::PREFILL_WGMMA_PINGPONG`] (a copying warp, two computing warpgroups taking
+//! turns), chosen explicitly or by [`PREFILL_KERNEL_ENV`] for calls that leave the variant to the
+//! default.
 
 use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::LaunchConfig;
@@ -45,6 +47,10 @@ pub enum AttentionKernel {
     /// Hopper's wgmma (sm_90 only), 128 keys a tile, two tiles in flight; prefill and chunked
     /// prefill without splits, head dim 128.
     Warpgroup,
+    /// `kiln_attention_prefill_pingpong` (same file, same function): one more warp copies the K/V
+    /// tiles, three stages deep, while the two warpgroups only compute, taking turns to issue
+    /// their products so one's softmax overlaps the other's matrix work.
+    WarpgroupPingpong,
 }
 
 /// The work split of one thread block: `warps_m` warps of 16 rows each, and `warps_n` warps that
@@ -83,6 +89,9 @@ impl AttentionVariant {
     /// fewer shapes and devices).
     pub const PREFILL_WGMMA: AttentionVariant =
         AttentionVariant { warps_m: 8, warps_n: 1, warp_keys: 128, kernel: AttentionKernel::Warpgroup };
+    /// [`AttentionVariant::PREFILL_WGMMA`]'s work on the ping-pong kernel (a ninth warp copies).
+    pub const PREFILL_WGMMA_PINGPONG: AttentionVariant =
+        AttentionVariant { kernel: AttentionKernel::WarpgroupPingpong, ..Self::PREFILL_WGMMA };
 
     /// Every named variant (distinct names); the tests run each, and
     /// [`AttentionVariant::DECODE_TILED`] beside them.
@@ -90,7 +99,13 @@ impl AttentionVariant {
         [Self::PREFILL, Self::PREFILL_WIDE, Self::DECODE, Self::DECODE_WIDE];
 
     fn threads(&self) -> u32 {
-        32 * self.warps_m * self.warps_n
+        let copying_warps = u32::from(self.kernel == AttentionKernel::WarpgroupPingpong);
+        32 * (self.warps_m * self.warps_n + copying_warps)
+    }
+
+    /// Whether the variant runs a kernel of `kernels/attention_prefill.cu` (wgmma, sm_90).
+    pub fn is_wgmma(&self) -> bool {
+        matches!(self.kernel, AttentionKernel::Warpgroup | AttentionKernel::WarpgroupPingpong)
     }
 
     fn rows(&self) -> u32 {
@@ -106,6 +121,7 @@ impl AttentionVariant {
         match self.kernel {
             AttentionKernel::Tiled | AttentionKernel::Warpgroup => STAGES,
             AttentionKernel::Streaming => STREAM_STAGES,
+            AttentionKernel::WarpgroupPingpong => PINGPONG_STAGES,
         }
     }
 
@@ -123,7 +139,7 @@ impl AttentionVariant {
             }
             // 1 KiB to align the swizzled arrays to their 1024-byte pattern, then Q rows and the
             // stages of K and V tiles, unpadded.
-            AttentionKernel::Warpgroup => {
+            AttentionKernel::Warpgroup | AttentionKernel::WarpgroupPingpong => {
                 1024 + (self.rows() as usize + 2 * self.stages() as usize * self.keys() as usize)
                     * head_dim
                     * 2
@@ -132,14 +148,12 @@ impl AttentionVariant {
     }
 
     /// The default for a call whose sequences have at most `max_query_tokens` queries.
-    /// [`PREFILL_KERNEL_ENV`]`=wgmma` makes prefill's default [`AttentionVariant::PREFILL_WGMMA`].
+    /// [`PREFILL_KERNEL_ENV`] may make prefill's default a wgmma variant.
     pub fn default_for(max_query_tokens: usize) -> AttentionVariant {
         if max_query_tokens <= 1 {
             AttentionVariant::DECODE
-        } else if prefill_wgmma_requested() {
-            AttentionVariant::PREFILL_WGMMA
         } else {
-            AttentionVariant::PREFILL
+            prefill_requested().unwrap_or(AttentionVariant::PREFILL)
         }
     }
 
@@ -158,6 +172,9 @@ impl AttentionVariant {
                 self.warps_m == 1 && self.warps_n == 4 && self.warp_keys == 16 && head_dim.is_multiple_of(64)
             }
             AttentionKernel::Warpgroup => *self == AttentionVariant::PREFILL_WGMMA && head_dim == 128,
+            AttentionKernel::WarpgroupPingpong => {
+                *self == AttentionVariant::PREFILL_WGMMA_PINGPONG && head_dim == 128
+            }
         };
         if !served {
             return Err(Error::NotServed { op: "attention kernel", reason: format!("variant {self:?}") });
@@ -167,17 +184,25 @@ impl AttentionVariant {
 }
 
 /// The environment variable that selects prefill's default kernel: `wgmma` for
-/// [`AttentionVariant::PREFILL_WGMMA`] (sm_90 only); unset or `tiled` for
+/// [`AttentionVariant::PREFILL_WGMMA`], `wgmma-pingpong` for
+/// [`AttentionVariant::PREFILL_WGMMA_PINGPONG`] (sm_90 only); unset or anything else for
 /// [`AttentionVariant::PREFILL`]. Read once per process.
 pub const PREFILL_KERNEL_ENV: &str = "KILN_PREFILL_ATTENTION";
 
-fn prefill_wgmma_requested() -> bool {
-    static REQUESTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *REQUESTED.get_or_init(|| std::env::var(PREFILL_KERNEL_ENV).is_ok_and(|v| v.trim() == "wgmma"))
+fn prefill_requested() -> Option<AttentionVariant> {
+    static REQUESTED: std::sync::OnceLock<Option<AttentionVariant>> = std::sync::OnceLock::new();
+    *REQUESTED.get_or_init(|| match std::env::var(PREFILL_KERNEL_ENV).as_deref().map(str::trim) {
+        Ok("wgmma") => Some(AttentionVariant::PREFILL_WGMMA),
+        Ok("wgmma-pingpong") => Some(AttentionVariant::PREFILL_WGMMA_PINGPONG),
+        _ => None,
+    })
 }
 
 /// K/V stages of every tiled variant (the kernel's default `STAGES`).
 const STAGES: u32 = 2;
+
+/// K/V stages of the ping-pong wgmma kernel (its `PINGPONG_STAGES`).
+const PINGPONG_STAGES: u32 = 3;
 
 /// Steps in flight per warp of the streaming kernel (its `STREAM_STAGES`).
 const STREAM_STAGES: u32 = 3;
@@ -373,7 +398,7 @@ fn check_shape(shape: &AttentionShape) -> Result<u32> {
 /// The defines of a variant, in the order of `kernels::ATTENTION`'s define sets (`STREAMING`
 /// only for the streaming kernel, so the tiled kernel's modules keep their names).
 fn defines(head_dim: usize, variant: AttentionVariant) -> Vec<(&'static str, String)> {
-    if variant.kernel == AttentionKernel::Warpgroup {
+    if variant.is_wgmma() {
         return vec![("HEAD_DIM", head_dim.to_string())];
     }
     let mut defines = vec![
@@ -396,7 +421,7 @@ fn function(
 ) -> Result<cudarc::driver::CudaFunction> {
     let defines = defines(head_dim, variant);
     let refs: Vec<(&str, &str)> = defines.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let source = if variant.kernel == AttentionKernel::Warpgroup { &ATTENTION_PREFILL } else { &ATTENTION };
+    let source = if variant.is_wgmma() { &ATTENTION_PREFILL } else { &ATTENTION };
     gpu.function(source, entry, &refs)
 }
 
@@ -471,7 +496,7 @@ pub fn attention(
         }
         _ => (0, 0),
     };
-    if variant.kernel == AttentionKernel::Warpgroup {
+    if variant.is_wgmma() {
         if splits != 1 {
             return Err(Error::NotServed {
                 op: "attention kernel",
@@ -488,7 +513,7 @@ pub fn attention(
     if batch.batch == 0 || batch.total_queries == 0 {
         return Ok(());
     }
-    if variant.kernel == AttentionKernel::Warpgroup {
+    if variant.is_wgmma() {
         return prefill_wgmma(gpu, shape, batch, q, cache, out, variant, page_shift);
     }
 
@@ -496,6 +521,7 @@ pub fn attention(
         AttentionKernel::Tiled => "kiln_attention",
         AttentionKernel::Streaming => "kiln_attention_decode",
         AttentionKernel::Warpgroup => "kiln_attention_prefill",
+        AttentionKernel::WarpgroupPingpong => "kiln_attention_prefill_pingpong",
     };
     let kernel = function(gpu, shape.head_dim, variant, entry)?;
     let shared = variant.shared_bytes(shape.head_dim);
@@ -572,8 +598,8 @@ pub fn attention(
     Ok(())
 }
 
-/// The launch of `kiln_attention_prefill` (checked by [`attention`]: one split, sm_90, the
-/// buffers' lengths).
+/// The launch of `kiln_attention_prefill` or `kiln_attention_prefill_pingpong` (checked by
+/// [`attention`]: one split, sm_90, the buffers' lengths).
 #[allow(clippy::too_many_arguments)]
 fn prefill_wgmma(
     gpu: &Gpu,
@@ -585,7 +611,12 @@ fn prefill_wgmma(
     variant: AttentionVariant,
     page_shift: u32,
 ) -> Result<()> {
-    let kernel = function(gpu, shape.head_dim, variant, "kiln_attention_prefill")?;
+    let entry = if variant.kernel == AttentionKernel::WarpgroupPingpong {
+        "kiln_attention_prefill_pingpong"
+    } else {
+        "kiln_attention_prefill"
+    };
+    let kernel = function(gpu, shape.head_dim, variant, entry)?;
     let shared = variant.shared_bytes(shape.head_dim);
     let optin = gpu.facts().shared_memory_per_block_optin_bytes as usize;
     if shared > optin {
@@ -630,8 +661,8 @@ fn prefill_wgmma(
         launch.arg(pointer);
     }
     launch.arg(&q_heads).arg(&kv_heads).arg(&page_shift).arg(&scale_log2);
-    // SAFETY: the arguments match the signature of `kiln_attention_prefill` (8 pointers, 3 i32,
-    // f32). `batch` was validated against the shape and the cache's page count when uploaded, so
+    // SAFETY: the arguments match the signature of both entries (8 pointers, 3 i32, f32), and
+    // the block has the entry's threads (`threads`: 256, or 288 with the copying warp). `batch` was validated against the shape and the cache's page count when uploaded, so
     // every page id and offset the kernel reads is in bounds; [`attention`] checked q, out and
     // the caches to hold what the kernel touches; the dynamic shared memory was raised to what
     // the launch asks for. All buffers come from this device's pool, which reuses memory only in
@@ -772,6 +803,16 @@ mod tests {
         // The tiled kernels' shapes do not pass as the wgmma one.
         let other = AttentionVariant { kernel: AttentionKernel::Warpgroup, ..AttentionVariant::PREFILL_WIDE };
         assert!(matches!(other.validate(128), Err(Error::NotServed { .. })));
+        // The ping-pong kernel: a ninth warp, three stages (230400 bytes, within sm_90's 227 KiB
+        // beside its 48 static bytes of barriers), the same defines.
+        let pingpong = AttentionVariant::PREFILL_WGMMA_PINGPONG;
+        pingpong.validate(128).unwrap();
+        assert!(matches!(pingpong.validate(64), Err(Error::NotServed { .. })));
+        assert_eq!(pingpong.threads(), 288);
+        assert_eq!(pingpong.shared_bytes(128), 1024 + (128 + 768) * 256);
+        assert!(pingpong.shared_bytes(128) + 48 <= 227 * 1024);
+        assert_eq!(super::defines(128, pingpong), super::defines(128, variant));
+        assert!(variant.is_wgmma() && pingpong.is_wgmma() && !AttentionVariant::PREFILL.is_wgmma());
     }
 
     #[test]
