@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use kiln_core::ops::lm_head::row_bytes;
-use kiln_core::ops::lm_head::LmHead;
+use kiln_core::ops::lm_head::{LmHead, MAX_ROWS};
 use kiln_core::{DType, Error, Result};
 use kiln_cuda::certify::{
     lm_head_variant, median_launch_us, random_lm_head_weights, rotation_sets, tasks, Family, LmHeadTask, Task,
@@ -39,6 +39,9 @@ pub struct BenchLmHeadArgs {
     /// Hidden size.
     #[arg(long, default_value_t = 4096)]
     pub hidden: usize,
+    /// Row counts timed at `--vocab` x `--hidden` (comma-separated).
+    #[arg(long, value_delimiter = ',', default_values_t = [1usize, 2, 4, 8])]
+    pub rows: Vec<usize>,
     /// Batches timed per case (the median is reported).
     #[arg(long, default_value_t = 20)]
     pub batches: usize,
@@ -105,6 +108,13 @@ impl Values {
 
 /// Runs the benchmark and prints the table.
 pub fn run(args: &BenchLmHeadArgs) -> Result<()> {
+    if let Some(&rows) = args.rows.iter().find(|&&r| r == 0 || r > MAX_ROWS) {
+        return Err(Error::InvalidArgument {
+            name: "--rows",
+            value: rows.to_string(),
+            reason: format!("the LM head serves 1 to {MAX_ROWS} rows"),
+        });
+    }
     let gpu = Gpu::open(0)?;
     let arch = gpu.arch();
     let peer: BTreeMap<String, f64> = read_peer(args.peer.as_deref(), "bench/peers/lm_head.py")?;
@@ -123,7 +133,7 @@ pub fn run(args: &BenchLmHeadArgs) -> Result<()> {
             soft_cap: None,
             stats_block: None,
         };
-        [1, 2, 4, 8].into_iter().map(|rows| LmHeadTask { head, rows }).collect()
+        args.rows.iter().map(|&rows| LmHeadTask { head, rows }).collect()
     };
     // Every case's configuration is looked up before anything runs, so that a strict-mode miss
     // fails at once, naming the key.
