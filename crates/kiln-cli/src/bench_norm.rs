@@ -2,9 +2,14 @@
 //! ceiling measured in the same run, and against PyTorch (`bench/peers/norm.py`, whose JSON
 //! output `--peer` reads).
 //!
-//! Timing: CUDA events around batches of launches, warm-up first, the median of the batches;
-//! each launch reads a different input set, rotated so that the sets together exceed the L2
-//! cache twice over. Bytes counted: every input read once (x, residual, weight), every output
+//! Timing: by default each batch of launches is captured once into a CUDA graph and the graph is
+//! replayed between CUDA events (`kiln_cuda::certify::median_graph_launch_us`), as Kiln's engine
+//! replays a decode step: the host's cost per launch (several microseconds, more than a 1 x 4096
+//! norm takes on the GPU) stays out of the figures. `--plain-launches` times the launches
+//! themselves between events instead (`median_launch_us`), the host's cost included wherever it
+//! exceeds the kernel's. The header line says which. Warm-up first, the median of the batches;
+//! the launches of a batch read different input sets, rotated so that the sets together exceed
+//! the L2 cache twice over (a graph holds `--launches` of them). Bytes counted: every input read once (x, residual, weight), every output
 //! written once (out, scales, the updated residual). Every variant of `NORM_VARIANTS` that serves
 //! a case is timed (each on its own line on stderr); the table shows the certified variant (the
 //! tuning store's winner for the case's key, else the declared default; with `KILN_TUNING=strict`
@@ -20,7 +25,9 @@ use kiln_core::ops::norm::{LayerNorm, NormOutput, NormSpec, RmsNorm, WeightMode}
 use kiln_core::ops::primitives::f32_to_bf16_bits;
 use kiln_core::ops::quantize::Quantizer;
 use kiln_core::{DType, Error, Result};
-use kiln_cuda::certify::{median_launch_us, norm_label, norm_variant, tasks, Family, NormTask, Task};
+use kiln_cuda::certify::{
+    median_graph_launch_us, median_launch_us, norm_label, norm_variant, tasks, Family, NormTask, Task,
+};
 use kiln_cuda::ops::norm::{norm, NormBuffers, NormCall, NormVariant, NORM_VARIANTS};
 use kiln_cuda::{DeviceMemory, Gpu};
 
@@ -42,6 +49,10 @@ pub struct BenchNormArgs {
     /// Time only the certified and the declared default variant of each case.
     #[arg(long)]
     pub default_only: bool,
+    /// Time plain launches between CUDA events (the host's launch cost included) instead of
+    /// replays of a CUDA graph holding a batch's launches.
+    #[arg(long)]
+    pub plain_launches: bool,
     /// The norm calls of this model (or shape set) instead of the built-in cases.
     #[command(flatten)]
     pub shapes: ShapeArgs,
@@ -112,6 +123,14 @@ pub fn run(args: &BenchNormArgs) -> Result<()> {
     // The copy ceiling: a large device-to-device copy, bytes read plus bytes written.
     let ceiling_gbs = copy_ceiling_gbs(&gpu, args.batches)?;
     println!("device: {} ({}), copy ceiling {:.0} GB/s", gpu.facts().name, gpu.arch(), ceiling_gbs);
+    println!(
+        "timing: {}",
+        if args.plain_launches {
+            "plain launches between CUDA events (host launch cost included)"
+        } else {
+            "CUDA graph replays of each batch of launches, between CUDA events (--plain-launches to time launches)"
+        }
+    );
     println!(
         "{:<20} {:>12} {:<32} {:>10} {:>9} {:>9} {:>10} {:>9}",
         "case", "shape", "variant", "time_us", "GB/s", "%copy", "torch_us", "speedup"
@@ -188,7 +207,8 @@ pub fn run(args: &BenchNormArgs) -> Result<()> {
         }
         let mut results: Vec<(NormVariant, f64)> = Vec::with_capacity(candidates.len());
         for variant in candidates {
-            let us = median_launch_us(&gpu, args.batches, args.launches, |i| {
+            let timer = if args.plain_launches { median_launch_us } else { median_graph_launch_us };
+            let us = timer(&gpu, args.batches, args.launches, &mut |i: usize| {
                 let k = i % sets;
                 let buffers = NormBuffers {
                     x: &xs[k],

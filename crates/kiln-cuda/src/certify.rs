@@ -953,6 +953,54 @@ pub fn median_launch_us(
     Ok(per_launch_us[per_launch_us.len() / 2])
 }
 
+/// As [`median_launch_us`], with the `launches` calls of a batch captured once into a CUDA graph
+/// and the graph replayed per batch, so that the host's cost per launch (microseconds: the
+/// launcher's checks, the driver's launch) stays out of the time, as in a captured decode step.
+/// The calls are warmed up plainly first (at least 3, so every kernel is compiled and loaded),
+/// then captured with `launch(launches.max(3))` onwards, then the graph replayed once before the
+/// timed batches. The captured calls read and write the same buffers at every replay.
+pub fn median_graph_launch_us(
+    gpu: &Gpu,
+    batches: usize,
+    launches: usize,
+    mut launch: impl FnMut(usize) -> Result<()>,
+) -> Result<f64> {
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
+    let launches = launches.max(1);
+    let warm_up = launches.max(3);
+    for i in 0..warm_up {
+        launch(i)?;
+    }
+    let stream = gpu.stream().clone();
+    stream
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        .map_err(|e| driver_error("cuStreamBeginCapture", e))?;
+    // The capture ends whatever a launch returned, so that the stream is never left capturing.
+    let launched = (warm_up..warm_up + launches).try_for_each(&mut launch);
+    let graph =
+        stream.end_capture(CUgraphInstantiate_flags(0)).map_err(|e| driver_error("cuStreamEndCapture", e))?;
+    launched?;
+    let graph = graph.ok_or_else(|| Error::NotServed {
+        op: "CUDA graph",
+        reason: "the capture of the timed launches recorded no work".into(),
+    })?;
+    graph.launch().map_err(|e| driver_error("cuGraphLaunch", e))?;
+    let start = gpu.context().new_event(flags).map_err(|e| driver_error("cuEventCreate", e))?;
+    let end = gpu.context().new_event(flags).map_err(|e| driver_error("cuEventCreate", e))?;
+    let mut per_launch_us = Vec::with_capacity(batches.max(1));
+    for _ in 0..batches.max(1) {
+        start.record(gpu.stream()).map_err(|e| driver_error("cuEventRecord", e))?;
+        graph.launch().map_err(|e| driver_error("cuGraphLaunch", e))?;
+        end.record(gpu.stream()).map_err(|e| driver_error("cuEventRecord", e))?;
+        end.synchronize().map_err(|e| driver_error("cuEventSynchronize", e))?;
+        let ms = start.elapsed_ms(&end).map_err(|e| driver_error("cuEventElapsedTime", e))?;
+        per_launch_us.push(f64::from(ms) * 1000.0 / launches as f64);
+    }
+    per_launch_us.sort_by(f64::total_cmp);
+    Ok(per_launch_us[per_launch_us.len() / 2])
+}
+
 /// Launches [`median_launch_us`] makes with `options` (warm-up included).
 fn launches_of(options: &CertifyOptions) -> usize {
     options.launches.max(3) + options.batches.max(1) * options.launches.max(1)

@@ -51,18 +51,24 @@ fn first_difference(want: &[u8], got: &[u8]) -> Option<usize> {
 
 /// Runs one call on the GPU and the CPU and asserts the bytes are equal.
 fn check(gpu: &Gpu, rng: &mut Rng, call: NormCall, variant: NormVariant) {
+    let xt = FloatType::of(call.x_type, "test").unwrap();
+    let x = rng.values(call.rows * call.hidden, -2.0, 2.0, xt);
+    let with_residual = rng.next().is_multiple_of(2);
+    check_on(gpu, rng, call, variant, &x, with_residual);
+}
+
+/// [`check`] on the given x (already in x's type), with or without the residual add.
+fn check_on(gpu: &Gpu, rng: &mut Rng, call: NormCall, variant: NormVariant, x: &[f32], with_residual: bool) {
     let (rows, hidden) = (call.rows, call.hidden);
     let xt = FloatType::of(call.x_type, "test").unwrap();
     let wt = FloatType::of(call.weight_type, "test").unwrap();
     let s = call.spec;
-    let x = rng.values(rows * hidden, -2.0, 2.0, xt);
     let residual = rng.values(rows * hidden, -2.0, 2.0, xt);
     let weight = rng.values(hidden, 0.25, 1.75, wt);
     let bias = rng.values(hidden, -0.5, 0.5, wt);
     let gate = rng.values(rows * hidden, -6.0, 6.0, xt);
-    let with_residual = rng.next().is_multiple_of(2);
     let inputs = NormInputs {
-        x: &x,
+        x,
         x_type: call.x_type,
         residual: with_residual.then_some(&residual[..]),
         weight: (s.weight != WeightMode::None).then_some(&weight[..]),
@@ -72,7 +78,7 @@ fn check(gpu: &Gpu, rng: &mut Rng, call: NormCall, variant: NormVariant) {
     let want = s.run(hidden, &inputs).expect("CPU reference");
 
     let (_, _, out_bytes, scale_bytes) = call.buffer_bytes().unwrap();
-    let dx = upload(gpu, &encode(&x, xt));
+    let dx = upload(gpu, &encode(x, xt));
     let dres = upload(gpu, &encode(&residual, xt));
     let dw = upload(gpu, &encode(&weight, wt));
     let db = upload(gpu, &encode(&bias, wt));
@@ -179,6 +185,71 @@ fn every_variant_matches_the_reference() {
             check(&gpu, &mut rng, call, variant);
         }
     }
+}
+
+/// Rows whose every block of 16 is one of two multisets of dyadic values with squares summing to
+/// 16, shuffled, with random signs: the mean square is exactly 1, so with eps = 1e-30 (absorbed
+/// by the 1) r is exactly 1 and y = x. Blocks {2, 1 x 11, 0.5 x 4} put INT8 codes at 63.5 times
+/// the reference's rounded scale (within 1e-6 of a tie); blocks {3, 1.75, 1.25, 0.875, 0.625,
+/// 0.375, 0.125, 1, 0.25, 0 x 7} with the NVFP4 global scale 2 (scale code 1.0, divisor 0.5
+/// exactly) put E2M1 inputs exactly on every rounding tie (0.25, 0.75, ... 5).
+fn tie_rows(rng: &mut Rng, rows: usize, hidden: usize) -> Vec<f32> {
+    const INT8_TIES: [f32; 16] =
+        [2.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.5, 0.5, 0.5, 0.5];
+    const NVFP4_TIES: [f32; 16] =
+        [3.0, 1.75, 1.25, 0.875, 0.625, 0.375, 0.125, 1.0, 0.25, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0];
+    let mut x = Vec::with_capacity(rows * hidden);
+    for _ in 0..rows * hidden / 16 {
+        let mut block = if rng.next().is_multiple_of(2) { INT8_TIES } else { NVFP4_TIES };
+        for i in (1..16).rev() {
+            block.swap(i, (rng.next() % (i as u64 + 1)) as usize);
+        }
+        x.extend(block.iter().map(|&v| if rng.next().is_multiple_of(2) { -v } else { v }));
+    }
+    x
+}
+
+#[test]
+fn quantized_outputs_on_rounding_ties_match_the_reference() {
+    let gpu = gpu();
+    let mut rng = Rng::fresh();
+    let mut checked = 0;
+    for out in [Quantizer::Int8, Quantizer::Nvfp4 { global_scale: 2.0 }] {
+        for rounding in [RmsNormRounding::HuggingFace, RmsNormRounding::Single] {
+            let spec: NormSpec = RmsNorm {
+                weight: WeightMode::None,
+                rounding,
+                out: NormOutput::Quantized(out),
+                ..RmsNorm::llama(1e-30, DType::BF16)
+            }
+            .into();
+            for &(rows, hidden) in &[(37usize, 1024usize), (300, 4096), (3, 8192)] {
+                let call = NormCall { spec, rows, hidden, x_type: DType::BF16, weight_type: DType::BF16 };
+                let x = tie_rows(&mut rng, rows, hidden);
+                // The premise: r is exactly 1 on the CPU, so the codes sit on the ties.
+                let y = spec
+                    .run(
+                        hidden,
+                        &NormInputs {
+                            x: &x,
+                            x_type: DType::BF16,
+                            residual: None,
+                            weight: None,
+                            bias: None,
+                            gate: None,
+                        },
+                    )
+                    .expect("CPU reference")
+                    .y;
+                assert_eq!(y, x, "y = x on tie rows");
+                for &variant in NORM_VARIANTS.iter().filter(|v| call.validate(**v).is_ok()) {
+                    check_on(&gpu, &mut rng, call, variant, &x, false);
+                    checked += 1;
+                }
+            }
+        }
+    }
+    assert!(checked >= NORM_VARIANTS.len() * 4, "only {checked} variant/shape pairs served");
 }
 
 fn flavors() -> Vec<NormSpec> {
