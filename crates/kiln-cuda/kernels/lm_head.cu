@@ -26,7 +26,7 @@
 // the products of the current one, so a warp keeps loads in flight while it computes (2-byte
 // weights; quantized weights are decoded at the load either way).
 //
-// STAGES > 0 (with XSLOT, without PIPE) takes the weights through a per-warp ring of STAGES steps
+// STAGES > 0 (without PIPE) takes the weights through a per-warp ring of STAGES steps
 // in shared memory, filled by cp.async STAGES - 1 steps ahead of the products, so the bytes in
 // flight are no longer bounded by registers, and the ring runs on across tiles, so the loads of
 // the next tile are in flight while the block adds up the last one (the launcher sizes the grid
