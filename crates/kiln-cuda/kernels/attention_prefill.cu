@@ -1,7 +1,9 @@
 // Causal grouped-query prefill attention over the paged KV cache on Hopper's warpgroup tensor
 // cores (wgmma, sm_90a only): the same function as kiln_attention in attention.cu for calls whose
-// context is not split (prefill and chunked prefill), FlashAttention-3's arithmetic without its
-// warp specialization.
+// context is not split (prefill and chunked prefill), in FlashAttention-3's manner. Two kernels
+// share the per-tile work: kiln_attention_prefill (every thread copies and computes, a block
+// barrier per tile) and kiln_attention_prefill_pingpong (a copying warpgroup and two computing
+// warpgroups taking turns; described at its definition).
 //
 // Layouts: as attention.cu (q, out [query_token][q_head][HEAD_DIM] bf16; k_cache, v_cache
 // [page][kv_head][slot][HEAD_DIM] bf16, position p of sequence b at page
@@ -9,11 +11,12 @@
 // sequence b (q_len tokens, context_lens[b] positions) is at position context - q_len + i and
 // attends to positions 0..= that.
 //
-// Work: a block of two warpgroups (256 threads) takes BLOCK_M = 128 rows of one sequence and
+// Work: two computing warpgroups (256 threads) take BLOCK_M = 128 rows of one sequence and
 // one KV head, row r being (query token r / G, query head kv_head * G + r % G) with
 // G = q_heads / kv_heads, so each K/V tile is read once for the G heads of a group; warpgroup w
 // owns rows 64 w .. 64 w + 63. The block walks its keys in tiles of BLOCK_N = 128, two stages
-// deep in shared memory (cp.async, 16-byte copies, the page of each key row read one tile ahead).
+// deep in shared memory (three in the ping-pong kernel; cp.async, 16-byte copies, the page of
+// each key row read one tile ahead).
 // Per tile and warpgroup: S = Q K^T by eight wgmma.m64n128k16 with Q and K from shared memory
 // (K-major), the online softmax in f32 on the accumulators (exp2, log2 e folded into the scale),
 // then O += P V by eight wgmma.m64n128k16 with P from registers (the accumulators rounded to
@@ -404,17 +407,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) kiln_attention_prefill(
                        group, thread_in_group);
 }
 
-// ---- kiln_attention_prefill_pingpong: a producer warp and two consumer warpgroups taking turns ----
-// The same function and shared-memory layout (with PINGPONG_STAGES K/V stages), one more warp:
-// warp 8 only copies K/V tiles (cp.async, lanes along a row; each tile's copies waited, fenced
-// for the tensor cores and announced on the stage's `full` mbarrier), so the consumers issue no
-// copies; each consumer warp announces on the stage's `empty` mbarrier that it is done with a
-// tile. The two consumer warpgroups take turns to issue their S = Q K^T (named barriers 1 and
-// 2), so one's softmax runs while the other's product occupies the tensor cores
-// (FlashAttention-3's ping-pong schedule). Q: each warpgroup copies its own 64 rows.
+// ---- kiln_attention_prefill_pingpong: a copying warpgroup, two computing ones taking turns ----
+// The same function and shared-memory layout (with PINGPONG_STAGES K/V stages), one more
+// warpgroup: warpgroup 2 only copies K/V tiles (cp.async, lanes along a row, each warp a quarter
+// of the rows; each tile's copies waited, fenced for the tensor cores and announced on the
+// stage's `full` mbarrier), so the computing warpgroups issue no copies; each computing warp
+// announces on the stage's `empty` mbarrier that it is done with a tile. The two computing
+// warpgroups take turns to issue their S = Q K^T (named barriers 1 and 2), so one's softmax runs
+// while the other's product occupies the tensor cores (FlashAttention-3's ping-pong schedule).
+// Q: each computing warpgroup copies its own 64 rows. Registers: 384 threads leave 168 a thread
+// at entry; setmaxnreg gives the copying warpgroup 40 and the computing ones 232 (a
+// sub-partition holds one warp of each: 40 + 2 * 232 = 504 of its 512 a lane).
 #define PINGPONG_STAGES 3
-#define PRODUCER_WARP (4 * WARPGROUPS)
-static_assert(PRODUCER_WARP == THREADS / 32, "the producer is the warp after the consumers");
+#define PRODUCER_GROUP WARPGROUPS
+#define PINGPONG_THREADS (THREADS + 128)
 
 KILN_DEVICE void kiln_mbarrier_init(kiln_u32 barrier, kiln_u32 count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(barrier), "r"(count) : "memory");
@@ -438,92 +444,14 @@ KILN_DEVICE void kiln_named_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
-// Dynamic shared memory: as kiln_attention_prefill's with PINGPONG_STAGES stages.
-extern "C" __global__ void __launch_bounds__(THREADS + 32, 1) kiln_attention_prefill_pingpong(
-    const kiln_u16* __restrict__ q, const kiln_u16* __restrict__ k_cache, const kiln_u16* __restrict__ v_cache,
-    const kiln_i32* __restrict__ query_offsets, const kiln_i32* __restrict__ context_lens,
-    const kiln_i32* __restrict__ page_offsets, const kiln_u32* __restrict__ page_ids, kiln_u16* __restrict__ out,
-    int q_heads, int kv_heads, int page_shift, float scale_log2) {
-    kiln_wait_prior();
-    extern __shared__ __align__(1024) kiln_u8 shared_bytes[];
-    __shared__ alignas(8) kiln_u64 full_barriers[PINGPONG_STAGES];
-    __shared__ alignas(8) kiln_u64 empty_barriers[PINGPONG_STAGES];
-    const kiln_u32 q_smem = (kiln_smem_address(shared_bytes) + 1023u) & ~1023u;
-    const kiln_u32 kv_smem = q_smem + Q_BYTES;  // stage s: K at kv_smem + 2 s TILE_BYTES, V after it
-    const kiln_u32 full0 = kiln_smem_address(full_barriers), empty0 = kiln_smem_address(empty_barriers);
-
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int warpgroup = warp >> 2, warp_in_group = warp & 3;
-    const int group = lane >> 2, thread_in_group = lane & 3;
-
-    const int sequence = blockIdx.z, kv_head = blockIdx.y;
-    const int q_begin = query_offsets[sequence];
-    const int q_len = query_offsets[sequence + 1] - q_begin;
-    const int context = context_lens[sequence];
-    const int heads_per_group = q_heads / kv_heads;
-    const int rows = q_len * heads_per_group;
-    const int row0 = (gridDim.x - 1 - blockIdx.x) * BLOCK_M;
-    if (row0 >= rows) return;
-    const int first_position = context - q_len;
-    const kiln_u32* pages = page_ids + page_offsets[sequence];
-    const int last_row = min(rows, row0 + BLOCK_M) - 1;
-    const int kv_end = min(context, first_position + last_row / heads_per_group + 1);
-    const int tiles = (kv_end + BLOCK_N - 1) / BLOCK_N;
-
-    if (tid == 0) {
-#pragma unroll
-        for (int s = 0; s < PINGPONG_STAGES; ++s) {
-            kiln_mbarrier_init(full0 + 8 * s, 32);        // the producer's lanes
-            kiln_mbarrier_init(empty0 + 8 * s, 4 * WARPGROUPS);  // the consumer warps
-        }
-    }
-    __syncthreads();
-
-    if (warp == PRODUCER_WARP) {
-        // Lane l copies chunk l % 16 of rows 2 j + l / 16 (j = 0 .. 63): each instruction two
-        // whole rows. The page of row r is read by lane r % 32 into ids[r / 32], one tile ahead.
-        auto tile_pages = [&](int t, kiln_u32 (&ids)[BLOCK_N / 32]) {
-#pragma unroll
-            for (int i = 0; i < BLOCK_N / 32; ++i) {
-                const int position = t * BLOCK_N + lane + 32 * i;
-                ids[i] = (t < tiles && position < kv_end) ? pages[position >> page_shift] : 0u;
-            }
-        };
-        kiln_u32 ids[BLOCK_N / 32];
-        tile_pages(0, ids);
-        const int c = lane & 15;
-        for (int t = 0; t < tiles; ++t) {
-            const int stage = t % PINGPONG_STAGES;
-            // The consumers are done with the tile this stage held.
-            if (t >= PINGPONG_STAGES) kiln_mbarrier_wait(empty0 + 8 * stage, ((t / PINGPONG_STAGES) - 1) & 1);
-            const kiln_u32 k_stage = kv_smem + stage * 2 * TILE_BYTES;
-#pragma unroll
-            for (int j = 0; j < BLOCK_N / 2; ++j) {
-                const int r = 2 * j + (lane >> 4);
-                const kiln_u32 page = __shfl_sync(KILN_FULL_MASK, ids[j / 16], (2 * j) % 32 + (lane >> 4));
-                const int position = t * BLOCK_N + r;
-                const bool valid = position < kv_end;
-                const kiln_u64 offset = kiln_prefill_kv_offset(page, position, c, kv_heads, kv_head, page_shift);
-                const kiln_u32 at = kiln_swizzled(BLOCK_N, r, c);
-                kiln_cp_async_16(k_stage + at, valid ? k_cache + offset : k_cache, valid);
-                kiln_cp_async_16(k_stage + TILE_BYTES + at, valid ? v_cache + offset : v_cache, valid);
-            }
-            kiln_cp_async_commit();
-            tile_pages(t + 1, ids);
-            // The tile before this one has landed: make it visible to the tensor cores.
-            if (t >= 1) {
-                kiln_cp_async_wait<1>();
-                kiln_fence_proxy_async();
-                kiln_mbarrier_arrive(full0 + 8 * ((t - 1) % PINGPONG_STAGES));
-            }
-        }
-        kiln_cp_async_wait<0>();
-        kiln_fence_proxy_async();
-        kiln_mbarrier_arrive(full0 + 8 * ((tiles - 1) % PINGPONG_STAGES));
-        return;
-    }
-
-    // Consumers: this warpgroup's Q rows (zeros past the sequence), visible to its tensor cores.
+// The computing warpgroups of kiln_attention_prefill_pingpong.
+KILN_DEVICE void kiln_prefill_pingpong_compute(const kiln_u16* __restrict__ q, kiln_u16* __restrict__ out,
+                                               kiln_u32 q_smem, kiln_u32 kv_smem, kiln_u32 full0, kiln_u32 empty0,
+                                               int tid, int warpgroup, int warp_in_group, int lane, int group,
+                                               int thread_in_group, int row0, int rows, int first_position,
+                                               int heads_per_group, int q_begin, int q_heads, int kv_head,
+                                               int kv_end, int tiles, float scale_log2) {
+    // This warpgroup's Q rows (zeros past the sequence), visible to its tensor cores.
     const int tid_in_group = tid & 127;
 #pragma unroll
     for (int i = 0; i < 64 * CHUNKS_PER_ROW / 128; ++i) {
@@ -560,13 +488,18 @@ extern "C" __global__ void __launch_bounds__(THREADS + 32, 1) kiln_attention_pre
         const int tile_start = t * BLOCK_N;
         const bool compute = group_active && tile_start <= my_rows.last_position;
         const kiln_u32 k_tile = kv_smem + stage * 2 * TILE_BYTES;
-        float s[64];
+        const bool hand_over = warpgroup == 0 || t + 1 < tiles;
         kiln_named_sync(1 + warpgroup, 256);
-        if (compute) kiln_prefill_scores(s, q_group, k_tile);
-        if (warpgroup == 0 || t + 1 < tiles) kiln_named_arrive(2 - warpgroup, 256);
+        // The products are issued and waited in one branch: ptxas serializes every wgmma of a
+        // kernel whose issue and wait sit in different branches.
         if (compute) {
+            float s[64];
+            kiln_prefill_scores(s, q_group, k_tile);
+            if (hand_over) kiln_named_arrive(2 - warpgroup, 256);
             kiln_prefill_update(s, o, row_max, row_sum, my_rows, tile_start, kv_end, k_tile + TILE_BYTES, scale_log2,
                                 thread_in_group);
+        } else if (hand_over) {
+            kiln_named_arrive(2 - warpgroup, 256);
         }
         // This warp's products are complete (waited): the stage may be refilled.
         __syncwarp();
@@ -575,4 +508,93 @@ extern "C" __global__ void __launch_bounds__(THREADS + 32, 1) kiln_attention_pre
     if (!group_active) return;
     kiln_prefill_store(out, o, row_sum, group_row0, rows, heads_per_group, q_begin, q_heads, kv_head, warp_in_group,
                        group, thread_in_group);
+}
+
+// Dynamic shared memory: as kiln_attention_prefill's with PINGPONG_STAGES stages.
+extern "C" __global__ void __launch_bounds__(PINGPONG_THREADS, 1) kiln_attention_prefill_pingpong(
+    const kiln_u16* __restrict__ q, const kiln_u16* __restrict__ k_cache, const kiln_u16* __restrict__ v_cache,
+    const kiln_i32* __restrict__ query_offsets, const kiln_i32* __restrict__ context_lens,
+    const kiln_i32* __restrict__ page_offsets, const kiln_u32* __restrict__ page_ids, kiln_u16* __restrict__ out,
+    int q_heads, int kv_heads, int page_shift, float scale_log2) {
+    kiln_wait_prior();
+    extern __shared__ __align__(1024) kiln_u8 shared_bytes[];
+    __shared__ alignas(8) kiln_u64 full_barriers[PINGPONG_STAGES];
+    __shared__ alignas(8) kiln_u64 empty_barriers[PINGPONG_STAGES];
+    const kiln_u32 q_smem = (kiln_smem_address(shared_bytes) + 1023u) & ~1023u;
+    const kiln_u32 kv_smem = q_smem + Q_BYTES;  // stage s: K at kv_smem + 2 s TILE_BYTES, V after it
+    const kiln_u32 full0 = kiln_smem_address(full_barriers), empty0 = kiln_smem_address(empty_barriers);
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int warpgroup = warp >> 2, warp_in_group = warp & 3;
+    const int group = lane >> 2, thread_in_group = lane & 3;
+
+    const int sequence = blockIdx.z, kv_head = blockIdx.y;
+    const int q_begin = query_offsets[sequence];
+    const int q_len = query_offsets[sequence + 1] - q_begin;
+    const int context = context_lens[sequence];
+    const int heads_per_group = q_heads / kv_heads;
+    const int rows = q_len * heads_per_group;
+    const int row0 = (gridDim.x - 1 - blockIdx.x) * BLOCK_M;
+    if (row0 >= rows) return;
+    const int first_position = context - q_len;
+    const kiln_u32* pages = page_ids + page_offsets[sequence];
+    const int last_row = min(rows, row0 + BLOCK_M) - 1;
+    const int kv_end = min(context, first_position + last_row / heads_per_group + 1);
+    const int tiles = (kv_end + BLOCK_N - 1) / BLOCK_N;
+
+    if (tid == 0) {
+#pragma unroll
+        for (int s = 0; s < PINGPONG_STAGES; ++s) {
+            kiln_mbarrier_init(full0 + 8 * s, 128);  // the copying threads
+            kiln_mbarrier_init(empty0 + 8 * s, 4 * WARPGROUPS);  // the consumer warps
+        }
+    }
+    __syncthreads();
+
+    if (warpgroup == PRODUCER_GROUP) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
+        // Warp w of this warpgroup copies rows 32 w .. 32 w + 31 of each tile: lane l chunk
+        // l % 16 of rows 32 w + 2 j + l / 16 (j = 0 .. 15), each instruction two whole rows. Lane
+        // l reads the page of row 32 w + l, one tile ahead.
+        const int warp_row0 = 32 * warp_in_group;
+        auto row_page = [&](int t) -> kiln_u32 {
+            const int position = t * BLOCK_N + warp_row0 + lane;
+            return (t < tiles && position < kv_end) ? pages[position >> page_shift] : 0u;
+        };
+        kiln_u32 page_of_lane = row_page(0);
+        const int c = lane & 15;
+        for (int t = 0; t < tiles; ++t) {
+            const int stage = t % PINGPONG_STAGES;
+            // The computing warps are done with the tile this stage held.
+            if (t >= PINGPONG_STAGES) kiln_mbarrier_wait(empty0 + 8 * stage, ((t / PINGPONG_STAGES) - 1) & 1);
+            const kiln_u32 k_stage = kv_smem + stage * 2 * TILE_BYTES;
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                const int r = warp_row0 + 2 * j + (lane >> 4);
+                const kiln_u32 page = __shfl_sync(KILN_FULL_MASK, page_of_lane, 2 * j + (lane >> 4));
+                const int position = t * BLOCK_N + r;
+                const bool valid = position < kv_end;
+                const kiln_u64 offset = kiln_prefill_kv_offset(page, position, c, kv_heads, kv_head, page_shift);
+                const kiln_u32 at = kiln_swizzled(BLOCK_N, r, c);
+                kiln_cp_async_16(k_stage + at, valid ? k_cache + offset : k_cache, valid);
+                kiln_cp_async_16(k_stage + TILE_BYTES + at, valid ? v_cache + offset : v_cache, valid);
+            }
+            kiln_cp_async_commit();
+            page_of_lane = row_page(t + 1);
+            // The tile before this one has landed: make it visible to the tensor cores.
+            if (t >= 1) {
+                kiln_cp_async_wait<1>();
+                kiln_fence_proxy_async();
+                kiln_mbarrier_arrive(full0 + 8 * ((t - 1) % PINGPONG_STAGES));
+            }
+        }
+        kiln_cp_async_wait<0>();
+        kiln_fence_proxy_async();
+        kiln_mbarrier_arrive(full0 + 8 * ((tiles - 1) % PINGPONG_STAGES));
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");
+        kiln_prefill_pingpong_compute(q, out, q_smem, kv_smem, full0, empty0, tid, warpgroup, warp_in_group, lane,
+                                      group, thread_in_group, row0, rows, first_position, heads_per_group, q_begin,
+                                      q_heads, kv_head, kv_end, tiles, scale_log2);
+    }
 }
