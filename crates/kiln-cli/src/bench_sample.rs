@@ -2,12 +2,15 @@
 //! against PyTorch's sort-based top-k / top-p with `torch.multinomial`
 //! (`bench/peers/sample.py`, whose JSON output `--peer` reads).
 //!
-//! Logits are random (never zeros) and rotate over several sets so they do not all sit in L2;
-//! the step counters advance on every launch. Times are CUDA-event medians per launch. The
-//! sampler's scratch is allocated once per batch, as a decode loop (or a captured graph) does.
-//! Columns: the default path, the fused path in one launch (`SamplePath::Fused`: rows without
-//! top-k run on one block each, so only its top-k and greedy rows are fast), and the fused path
-//! with the mass path (`SamplePath::FusedMass`).
+//! Logits are random (never zeros) and rotate over several sets so they do not all sit in L2.
+//! Times are CUDA-event medians per launch. The sampler's scratch is allocated once per batch,
+//! as a decode loop (or a captured graph) does. Columns: the default path (`SamplePath::Auto`:
+//! the fused path for greedy and top-k rows, the mass path for the others, four launches), the
+//! fused path in one launch (`SamplePath::Fused`, which `SamplePath::for_rows` picks for a batch
+//! of greedy and top-k rows; rows without top-k run on one block each, so only those rows are
+//! fast), the previous default (`SamplePath::Lists`), and the default and fused paths
+//! graph-timed: the same launches captured once in a CUDA graph and replayed, as the engine
+//! replays its decode step, so the host's launch cost is not counted.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -15,10 +18,12 @@ use std::path::PathBuf;
 use kiln_core::ops::sample::SamplingParams;
 use kiln_core::{Error, Result};
 use kiln_cuda::certify::median_launch_us;
+use kiln_cuda::cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use kiln_cuda::ops::sample::{
     encode_histories, encode_params, sample_with_path, PenaltyScratch, SampleBuffers, SamplePath,
     SampleScratch, DEFAULT_PATH,
 };
+use kiln_cuda::runtime::driver_error;
 use kiln_cuda::Gpu;
 
 use crate::bench_lm_head::{read_peer, upload, Values};
@@ -87,8 +92,8 @@ pub fn run(args: &BenchSampleArgs) -> Result<()> {
     }
     let mut table = format!(
         "Sampler, vocabulary {vocab}, on {} ({})\n\n\
-         | mode | batch | time_us | fused_us | fused_mass_us | torch_us | torch / kiln | torch / fused |\n\
-         | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n",
+         | mode | batch | time_us | fused_us | lists_us | graph_us | fused_graph_us | torch_us | torch / kiln | torch / fused |\n\
+         | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n",
         gpu.facts().name,
         gpu.arch()
     );
@@ -119,41 +124,94 @@ pub fn run(args: &BenchSampleArgs) -> Result<()> {
             let rows: Vec<(SamplingParams, u64)> = (0..batch).map(|r| (params, r as u64)).collect();
             let params_dev = upload(&gpu, &encode_params(&rows)?)?;
             let penalties = params.has_penalties();
-            let time = |path: SamplePath| {
-                median_launch_us(&gpu, args.batches, args.launches, |i| {
-                    let buffers = SampleBuffers {
-                        logits: &logits[i % sets],
-                        row_stride: vocab,
-                        params: &params_dev,
-                        steps: &steps_dev,
-                        history_offsets: &offsets_dev,
-                        history: &history_dev,
-                        penalty: penalties.then_some(PenaltyScratch { counts: &counts, scratch: &scratch }),
-                        stats: None,
-                        tokens: &out,
-                        scratch: Some(&sample_scratch),
-                    };
-                    sample_with_path(&gpu, batch, vocab, buffers, path)
-                })
+            let launch = |path: SamplePath, i: usize| {
+                let buffers = SampleBuffers {
+                    logits: &logits[i % sets],
+                    row_stride: vocab,
+                    params: &params_dev,
+                    steps: &steps_dev,
+                    history_offsets: &offsets_dev,
+                    history: &history_dev,
+                    penalty: penalties.then_some(PenaltyScratch { counts: &counts, scratch: &scratch }),
+                    stats: None,
+                    tokens: &out,
+                    scratch: Some(&sample_scratch),
+                };
+                sample_with_path(&gpu, batch, vocab, buffers, path)
+            };
+            let time =
+                |path: SamplePath| median_launch_us(&gpu, args.batches, args.launches, |i| launch(path, i));
+            let graph_time = |path: SamplePath| {
+                median_graph_launch_us(&gpu, args.batches, args.launches, |i| launch(path, i))
             };
             let us = time(DEFAULT_PATH)?;
             // The fused path in one launch (rows without top-k then run on one block each), and
-            // with the mass path for those rows.
+            // the lists with the mass path (the previous default).
             let fused_us = time(SamplePath::Fused)?;
-            let fused_mass_us = time(SamplePath::FusedMass)?;
+            let lists_us = time(SamplePath::Lists)?;
+            let graph_us = graph_time(DEFAULT_PATH)?;
+            let fused_graph_us = graph_time(SamplePath::Fused)?;
             let torch = peer.get(name).and_then(|m| m.get(&batch.to_string())).copied();
             let ratio = |kiln: f64| torch.map_or("-".to_owned(), |t| format!("{:.2}x", t / kiln));
             table.push_str(&format!(
-                "| {name} | {batch} | {us:.1} | {fused_us:.1} | {fused_mass_us:.1} | {} | {} | {} |\n",
+                "| {name} | {batch} | {us:.1} | {fused_us:.1} | {lists_us:.1} | {graph_us:.1} | {fused_graph_us:.1} \
+                 | {} | {} | {} |\n",
                 torch.map_or("-".to_owned(), |t| format!("{t:.1}")),
                 ratio(us),
                 ratio(fused_us),
             ));
         }
     }
+    table.push_str(
+        "\ntime_us, fused_us, lists_us: CUDA events around batches of launches, per launch. graph_us, \
+         fused_graph_us: the same launches captured in one CUDA graph and replayed (no host launch cost). \
+         torch: events per launch.\n",
+    );
     print!("{table}");
     if let Some(path) = &args.out {
         std::fs::write(path, &table).map_err(|e| Error::io(path, e))?;
     }
     Ok(())
+}
+
+/// The median over `batches` replays of one CUDA graph holding `launches` calls of `launch`
+/// (captured once, after a warm-up that compiles the kernels), per call, in microseconds.
+fn median_graph_launch_us(
+    gpu: &Gpu,
+    batches: usize,
+    launches: usize,
+    mut launch: impl FnMut(usize) -> Result<()>,
+) -> Result<f64> {
+    let launches = launches.max(1);
+    for i in 0..3 {
+        launch(i)?;
+    }
+    gpu.stream().synchronize().map_err(|e| driver_error("cuStreamSynchronize", e))?;
+    let stream = gpu.stream().clone();
+    stream
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        .map_err(|e| driver_error("cuStreamBeginCapture", e))?;
+    let captured = (0..launches).try_for_each(&mut launch);
+    let graph =
+        stream.end_capture(CUgraphInstantiate_flags(0)).map_err(|e| driver_error("cuStreamEndCapture", e))?;
+    captured?;
+    let graph = graph.ok_or_else(|| Error::NotServed {
+        op: "CUDA graph",
+        reason: "the capture recorded no work".into(),
+    })?;
+    graph.launch().map_err(|e| driver_error("cuGraphLaunch", e))?;
+    let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
+    let start = gpu.context().new_event(flags).map_err(|e| driver_error("cuEventCreate", e))?;
+    let end = gpu.context().new_event(flags).map_err(|e| driver_error("cuEventCreate", e))?;
+    let mut per_launch_us = Vec::with_capacity(batches.max(1));
+    for _ in 0..batches.max(1) {
+        start.record(gpu.stream()).map_err(|e| driver_error("cuEventRecord", e))?;
+        graph.launch().map_err(|e| driver_error("cuGraphLaunch", e))?;
+        end.record(gpu.stream()).map_err(|e| driver_error("cuEventRecord", e))?;
+        end.synchronize().map_err(|e| driver_error("cuEventSynchronize", e))?;
+        let ms = start.elapsed_ms(&end).map_err(|e| driver_error("cuEventElapsedTime", e))?;
+        per_launch_us.push(f64::from(ms) * 1000.0 / launches as f64);
+    }
+    per_launch_us.sort_by(f64::total_cmp);
+    Ok(per_launch_us[per_launch_us.len() / 2])
 }

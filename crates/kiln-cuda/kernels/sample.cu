@@ -1537,6 +1537,10 @@ kiln_sample(const float* __restrict__ logits, long long vocab, long long row_str
 #define FUSED_SURV_CAP 2048       // tokens at or above the bound the last block ranks
 #define FUSED_RANK_MAX 512        // ranked by counting up to this many, by a bitonic sort above
 #define FUSED_OVERFLOW 1
+// Blocks a multiprocessor keeps resident: the launcher compiles the fused kernel with 256
+// threads, so that at batch 64 (1216 blocks) several blocks share a multiprocessor, one
+// computing while another waits on its loads or at a barrier.
+#define FUSED_MIN_BLOCKS (THREADS <= 256 ? 2 : 1)
 #if THREADS < FUSED_KMAX
 #error "the fused path needs THREADS >= FUSED_KMAX (one thread per top-k token)"
 #endif
@@ -1883,19 +1887,41 @@ __device__ __forceinline__ int sample_row_fused(int r, kiln_u32 k, bool penaltie
     if (!sh.last) return 0;
 
     const int blocks = (int)gridDim.x;  // <= THREADS (launcher)
+    const kiln_u32* list_counts = work.counts + (long long)r * work.slots;
     const kiln_u64* lists = work.lists + (long long)r * work.slots * FUSED_KMAX;
     const bool owner = (int)threadIdx.x < blocks;  // thread b owns list b
-    const kiln_u32 c = owner ? __ldcg(&work.counts[(long long)r * work.slots + threadIdx.x]) : 0u;
-    kiln_u64* heads = sh.buf;
+    // The lists' first `depth` entries, column-major (entry i of list b at staged[i * blocks + b]:
+    // the first h columns are contiguous), 0 past a list's count.
+    kiln_u64* staged = sh.buf;
     kiln_u64* surv = sh.buf + FUSED_HEAD_CAP;
     kiln_u32* pos = reinterpret_cast<kiln_u32*>(sh.buf + FUSED_HEAD_CAP + FUSED_SURV_CAP);
     kiln_u32* cnt = pos + THREADS;
     kiln_u32* more = cnt + THREADS;
     kiln_u32* open_list = reinterpret_cast<kiln_u32*>(sh.list);
+    // One round trip to L2 for what the merge usually needs: each owner reads its list's count
+    // and k-th entry (kept in surv[b] until the bound is known), and the block stages the first
+    // `depth` entries of every list (each thread reads the count of the list of each entry it
+    // stages; entries past a count are left over from earlier launches and never used). Thread
+    // b stages entry 0 of list b itself.
+    const int depth = min((int)k, FUSED_HEAD_CAP / blocks);  // 0 only with more than HEAD_CAP slices
+    kiln_u32 c = 0u;
+    if (owner) {
+        c = __ldcg(&list_counts[threadIdx.x]);
+        surv[threadIdx.x] = __ldcg(&lists[(long long)threadIdx.x * FUSED_KMAX + (k - 1u)]);
+    }
+#pragma unroll 2
+    for (int e = threadIdx.x; e < depth * blocks; e += THREADS) {
+        const int i = e / blocks, b = e - i * blocks;
+        const kiln_u32 cb = __ldcg(&list_counts[b]);
+        const kiln_u64 v = __ldcg(&lists[(long long)b * FUSED_KMAX + i]);
+        staged[e] = (kiln_u32)i < cb ? v : 0ull;
+    }
     if (owner) cnt[threadIdx.x] = c;  // published by the barriers of the sums below
     if (k == 1u) {
         // Greedy (or top-k 1): the best of the slices' maxima.
-        const kiln_u64 best = fused_max(c != 0u ? __ldcg(&lists[(long long)threadIdx.x * FUSED_KMAX]) : 0ull, sh);
+        kiln_u64 first = 0ull;
+        if (c != 0u) first = depth > 0 ? staged[threadIdx.x] : __ldcg(&lists[(long long)threadIdx.x * FUSED_KMAX]);
+        const kiln_u64 best = fused_max(first, sh);
         if (threadIdx.x == 0) tokens[r] = best != 0ull ? 0xFFFFFFFFu - (kiln_u32)best : NO_TOKEN;
         return 0;
     }
@@ -1907,43 +1933,39 @@ __device__ __forceinline__ int sample_row_fused(int r, kiln_u32 k, bool penaltie
     // The bound: every token of the row's top-k is at or above it (0 when the row has at most k
     // candidates: every listed token is kept).
     kiln_u64 bound = 0ull;
-    int h = 0;
     if (total > k) {
         // The best block's k-th token.
-        const kiln_u64 kth = c == k ? __ldcg(&lists[(long long)threadIdx.x * FUSED_KMAX + (k - 1u)]) : 0ull;
-        const kiln_u64 local = fused_max(kth, sh);
+        const kiln_u64 local = fused_max(owner && c == k ? surv[threadIdx.x] : 0ull, sh);
         // The k-th largest of the lists' first h entries, h the least from ceil(k / blocks) up
-        // (doubling) with at least k of them.
-        h = (int)((k + (kiln_u32)blocks - 1u) / (kiln_u32)blocks);
+        // (doubling) with at least k of them: k distinct tokens of the row, so the row's k-th
+        // is at or above it. Staged: h <= k, and h <= HEAD_CAP / blocks past the check.
+        int h = (int)((k + (kiln_u32)blocks - 1u) / (kiln_u32)blocks);
         while (fused_sum(min(c, (kiln_u32)h), sh) < k) h = min(2 * h, (int)k);
         if (blocks * h > FUSED_HEAD_CAP) return FUSED_OVERFLOW;
-        for (int e = threadIdx.x; e < blocks * h; e += THREADS) {
-            const int b = e / h, i = e - b * h;
-            heads[e] = (kiln_u32)i < cnt[b] ? __ldcg(&lists[(long long)b * FUSED_KMAX + i]) : 0ull;
-        }
         if (threadIdx.x == 0) sh.bound = 0ull;
         __syncthreads();
-        fused_rank(heads, blocks * h, [&](kiln_u64 e, kiln_u32 rank) {
+        fused_rank(staged, blocks * h, [&](kiln_u64 e, kiln_u32 rank) {
             if (rank == k - 1u) sh.bound = e;
         });
         __syncthreads();
         bound = sh.bound > local ? sh.bound : local;
     }
 
-    // The survivors: every list down to the bound. First the staged heads, then rounds in which
-    // each list still at or above the bound reads its next entries (the open lists share the
-    // block's threads).
+    // The survivors: every list down to the bound. First the staged entries, then rounds in
+    // which each list still at or above the bound after them reads its next entries (the open
+    // lists share the block's threads).
     if (threadIdx.x == 0) sh.nsurv = 0u;
     __syncthreads();
-    for (int base = 0; base < blocks * h; base += THREADS) {
+    for (int base = 0; base < depth * blocks; base += THREADS) {
         const int e = base + (int)threadIdx.x;
-        const kiln_u64 v = e < blocks * h ? heads[e] : 0ull;
+        const kiln_u64 v = e < depth * blocks ? staged[e] : 0ull;
         fused_append(v != 0ull && v >= bound, v, surv, &sh.nsurv, FUSED_SURV_CAP);
     }
     if (owner) {
-        const kiln_u32 staged = min(c, (kiln_u32)h);
-        pos[threadIdx.x] = staged;
-        more[threadIdx.x] = c > staged && (staged == 0u || heads[threadIdx.x * h + staged - 1u] >= bound) ? 1u : 0u;
+        const kiln_u32 seen = min(c, (kiln_u32)depth);
+        pos[threadIdx.x] = seen;
+        more[threadIdx.x] =
+            c > seen && (seen == 0u || staged[(int)(seen - 1u) * blocks + (int)threadIdx.x] >= bound) ? 1u : 0u;
     }
     for (;;) {
         if (threadIdx.x == 0) sh.nopen = 0u;
@@ -2041,7 +2063,9 @@ __device__ __forceinline__ int sample_row_fused(int r, kiln_u32 k, bool penaltie
 // mass path on its own slices (blocks below their count), `kiln_sample_mass` and
 // `kiln_sample_mass_pick` following; every other row (and greedy rows read from the LM head's
 // statistics) runs on block 0 alone.
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
+// Compiled with 256 threads (the launcher's FUSED_THREADS) only; the other kernels with 1024.
+#if THREADS <= 256
+extern "C" __global__ void __launch_bounds__(THREADS, FUSED_MIN_BLOCKS)
 kiln_sample_fused(const float* __restrict__ logits, long long vocab, long long row_stride,
                   const KilnSampleParams* __restrict__ params, const kiln_u64* __restrict__ steps,
                   const kiln_u32* __restrict__ history_offsets, const kiln_u32* __restrict__ history,
@@ -2084,3 +2108,4 @@ kiln_sample_fused(const float* __restrict__ logits, long long vocab, long long r
                           stats, stats_per_row, tokens);
     }
 }
+#endif  // THREADS <= 256

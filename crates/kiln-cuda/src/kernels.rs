@@ -503,7 +503,11 @@ pub const ATTENTION_PREFILL: KernelSource = KernelSource {
 pub const SAMPLE: KernelSource = KernelSource {
     name: "sample",
     source: concat!(include_str!("../kernels/deterministic.cuh"), include_str!("../kernels/sample.cu")),
-    define_sets: &[&[("THREADS", "1024"), ("PENALTIES", "1")], &[("THREADS", "256"), ("PENALTIES", "0")]],
+    define_sets: &[
+        &[("THREADS", "1024"), ("PENALTIES", "1")],
+        &[("THREADS", "256"), ("PENALTIES", "0")],
+        &[("THREADS", "256"), ("PENALTIES", "1")],
+    ],
     fmad: false,
 };
 

@@ -309,7 +309,7 @@ fn a_scratch_is_reused_across_launches() {
                 })
                 .collect();
             let steps: Vec<u64> = (0..rows).map(|_| rng.next()).collect();
-            let path = [SamplePath::Auto, SamplePath::Fused, SamplePath::FusedMass][launch % 3];
+            let path = [SamplePath::Auto, SamplePath::Fused, SamplePath::Lists][launch % 3];
             let (got, _) = run_gpu(
                 &gpu,
                 &[],
@@ -402,11 +402,14 @@ fn fused_paths_equal_the_cpu_reference_on_edge_rows() {
     let mut rng = Rng::fresh();
     let mut failures = Vec::new();
     let mut checked = 0usize;
-    for launch in 0..12 {
-        let (vocab, rows) = match launch % 3 {
+    for launch in 0..24 {
+        // One or two rows of 151936: the batch-1 grid (132 slices, 3 staged entries a list in
+        // the last block) and the batch-2 grid (66 slices, 7 staged).
+        let (vocab, rows) = match launch % 4 {
             0 => (151_936, 11),
             1 => (5000 + rng.below(3000), 64),
-            _ => (300 + rng.below(2000), 200),
+            2 => (300 + rng.below(2000), 200),
+            _ => (151_936, 1 + rng.below(2)),
         };
         let logits: Vec<f32> = (0..rows).flat_map(|r| edge_row(&mut rng, vocab, (r + launch) % 11)).collect();
         let params: Vec<(SamplingParams, u64)> = (0..rows)
@@ -463,7 +466,7 @@ fn fused_paths_equal_the_cpu_reference_on_edge_rows() {
             })
             .collect();
         let scratch = SampleScratch::new(&gpu, rows, vocab).expect("scratch");
-        for path in [SamplePath::Fused, SamplePath::FusedMass] {
+        for path in [SamplePath::Fused, SamplePath::Auto] {
             for penalty in [true, false] {
                 let want_here: Vec<u32> = if penalty {
                     want.clone()

@@ -22,19 +22,23 @@
 //! - rows at temperature > 0 with top-k off (temperature, top-p, min-p, penalties) run on many
 //!   blocks per row in three kernels (`kiln_sample`, `kiln_sample_mass`,
 //!   `kiln_sample_mass_pick`): slice maxima, then slice masses and a histogram of the weights
-//!   by distance from the maximum, then the top-p cutoff within one bin and the draw;
+//!   by distance from the maximum, then the top-p cutoff within one bin and the draw
+//!   (`kiln_sample_mass_fallback` samples a row whose bin holds too many tokens on one block);
 //! - the others (top-k above [`FAST_KMAX`] at temperature > 0, greedy rows read from the LM
 //!   head's statistics, and greedy rows without penalties once the rows fill a quarter of the
 //!   device) run on one block per row.
 //!
-//! The fused path ([`SamplePath::Fused`], [`SamplePath::FusedMass`]) serves greedy rows and rows
-//! with `1 <= top_k <=` [`FUSED_KMAX`] in one launch (`kiln_sample_fused`, on a grid of
-//! [`fused_slices`]): each block lists its slice's top-k in the order, found from one histogram
-//! of the distance below the slice maximum, and the last block of the row bounds the row's k-th
-//! token by the lists' first entries, reads the lists down to that bound and finishes on the
-//! top-k.
+//! The fused path ([`SamplePath::Auto`], [`SamplePath::Fused`]) serves greedy rows and rows with
+//! `1 <= top_k <=` [`FUSED_KMAX`] in one launch (`kiln_sample_fused`, blocks of
+//! [`FUSED_THREADS`] on a grid of [`fused_slices`]): each block lists its slice's top-k in the
+//! order, found from one histogram of the distance below the slice maximum, and the last block of
+//! the row stages the lists' first entries in one round trip, bounds the row's k-th token by
+//! them, reads the lists down to that bound and finishes on the top-k.
 //!
-//! Every path gives the reference's token; [`SamplePath`] chooses among them.
+//! Every path gives the reference's token; [`SamplePath`] chooses among them. The default,
+//! [`SamplePath::Auto`], runs the fused path and the mass path's three launches after it (which
+//! return at once when no row needs them); a caller that knows its rows' parameters on the host
+//! saves those three launches with [`SamplePath::for_rows`].
 
 use cudarc::driver::LaunchConfig;
 use kiln_core::ops::sample::{SamplingParams, NO_TOKEN, PROBABILITY_BITS, WEIGHT_BITS};
@@ -181,7 +185,9 @@ const MIN_SLICE: usize = 2048;
 /// Which rows may take a multi-block path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SamplePath {
-    /// Every row a multi-block path serves takes it (the top-k lists and the mass path).
+    /// The fused path for greedy and top-k rows, the mass path for rows at temperature > 0 with
+    /// top-k off (four launches: the mass path's three follow the fused one, and return at once
+    /// when no row needs them).
     Auto,
     /// Every row runs on one block (the reference path of the GPU tests and benchmarks).
     SingleBlock,
@@ -190,11 +196,13 @@ pub enum SamplePath {
     /// Only rows at temperature > 0 with top-k off run on many blocks (the mass path).
     MassBlocks,
     /// One launch: greedy rows and rows with `1 <= top_k <=` [`FUSED_KMAX`] on the fused path,
-    /// every other row on one block. The fastest path for a batch whose every row has a top-k.
+    /// every other row on one block. The fastest path for a batch whose every row has a top-k
+    /// or is greedy ([`SamplePath::for_rows`] picks it then).
     Fused,
-    /// The fused path for greedy and top-k rows, the mass path for rows at temperature > 0 with
-    /// top-k off (four launches, as [`SamplePath::Auto`]).
-    FusedMass,
+    /// The top-k lists for greedy and top-k rows (greedy rows on one block each once the batch
+    /// fills a quarter of the device) and the mass path for the others: the default before the
+    /// fused path, kept for comparison.
+    Lists,
 }
 
 impl SamplePath {
@@ -205,24 +213,42 @@ impl SamplePath {
         SamplePath::TopKBlocks,
         SamplePath::MassBlocks,
         SamplePath::Fused,
-        SamplePath::FusedMass,
+        SamplePath::Lists,
     ];
 
+    /// The path for a batch of rows with these parameters, known on the host: [`SamplePath::Fused`]
+    /// (one launch) when no row needs the mass path (every row is greedy or has
+    /// `1 <= top_k <=` [`FUSED_KMAX`]), [`SamplePath::Auto`] otherwise. A captured graph holds the
+    /// launches of one path: capture again when the batch's parameters change the answer.
+    pub fn for_rows<'a>(rows: impl IntoIterator<Item = &'a SamplingParams>) -> SamplePath {
+        let fused = |p: &SamplingParams| p.temperature == 0.0 || (1..=FUSED_KMAX).contains(&p.top_k);
+        if rows.into_iter().all(fused) {
+            SamplePath::Fused
+        } else {
+            SamplePath::Auto
+        }
+    }
+
     fn top_k_blocks(self) -> bool {
-        matches!(self, SamplePath::Auto | SamplePath::TopKBlocks)
+        matches!(self, SamplePath::Lists | SamplePath::TopKBlocks)
     }
 
     fn mass_blocks(self) -> bool {
-        matches!(self, SamplePath::Auto | SamplePath::MassBlocks | SamplePath::FusedMass)
+        matches!(self, SamplePath::Auto | SamplePath::MassBlocks | SamplePath::Lists)
     }
 
     fn fused(self) -> bool {
-        matches!(self, SamplePath::Fused | SamplePath::FusedMass)
+        matches!(self, SamplePath::Fused | SamplePath::Auto)
     }
 }
 
 /// The largest `top_k` the fused path serves (`FUSED_KMAX` in `sample.cu`).
 pub const FUSED_KMAX: u32 = 256;
+/// Threads per block of the fused kernel (`THREADS` of its compile; at least [`FUSED_KMAX`]):
+/// a quarter of [`SAMPLE_THREADS`], so that several of its blocks share a multiprocessor at
+/// large batches and its barriers wait on 8 warps, not 32. Its last block owns one list per
+/// thread: at most this many slices.
+pub const FUSED_THREADS: u32 = 256;
 /// Logits one block of the fused path holds (`FUSED_SLICE_MAX`).
 const FUSED_SLICE_MAX: usize = 8192;
 /// The shortest slice of the fused path: bounds its slices per row, hence the scratch.
@@ -235,7 +261,7 @@ fn fused_slots(vocab: usize) -> usize {
 }
 
 /// The fused path's grid for `rows` rows of `vocab` logits on a device of `multiprocessors`:
-/// (slices per row, logits per slice). About one block (of [`SAMPLE_THREADS`]) per
+/// (slices per row, logits per slice). About one block (of [`FUSED_THREADS`]) per
 /// multiprocessor in all, so that at batch 1 every block reads a short slice and the row's lists
 /// come together in one wave; each slice between `FUSED_MIN_SLICE` and `FUSED_SLICE_MAX` logits
 /// (fewer when the vocabulary is small). `None` when the vocabulary needs more slices than the
@@ -247,7 +273,7 @@ pub fn fused_slices(rows: usize, vocab: usize, multiprocessors: usize) -> Option
     let fewest = vocab.div_ceil(FUSED_SLICE_MAX);
     let wanted = multiprocessors.max(1).div_ceil(rows);
     let count = wanted.clamp(fewest, vocab.div_ceil(FUSED_MIN_SLICE).max(fewest));
-    if count > SAMPLE_THREADS as usize {
+    if count > FUSED_THREADS as usize {
         return None;
     }
     let slice_len = vocab.div_ceil(count);
@@ -373,10 +399,11 @@ impl SampleScratch {
 /// Threads per block of the sampler.
 pub const SAMPLE_THREADS: u32 = 1024;
 
-/// The path [`sample`] takes: every row a multi-block path serves takes it (both measured
-/// token-exact against the CPU reference on the H200; at vocabulary 151936 and batch 1 the mass
-/// path takes temperature sampling from 136 to 19 us and top-p from 847 to 47 us,
-/// `bench/results/2026-11-30-h200-final/bench-sample.txt` and this commit's results).
+/// The path [`sample`] takes: the fused path for greedy and top-k rows, the mass path for the
+/// others. With 1024-thread fused blocks (`FusedMass` then) it measured at least as fast as the
+/// lists in every mode at batch 1 and in every mode but greedy at batch 64 (58.5 against 35.2
+/// us; `bench/results/2026-11-30-h200-overlap/bench-sample.txt`); the fused blocks now have
+/// [`FUSED_THREADS`], so that several share a multiprocessor at large batches.
 pub const DEFAULT_PATH: SamplePath = SamplePath::Auto;
 
 /// Samples one token for each of `rows` rows of `vocab` logits on `gpu`'s stream.
@@ -436,7 +463,10 @@ pub fn sample_with_path(
         SamplePath::SingleBlock | SamplePath::Fused => None,
         _ => slices(rows, vocab, multiprocessors),
     };
-    let fused_grid = if path.fused() { fused_slices(rows, vocab, multiprocessors) } else { None };
+    // The fused launch also runs the mass path's first step on the mass path's slices: its grid
+    // covers both, and its last block owns one list per thread.
+    let fused_grid = if path.fused() { fused_slices(rows, vocab, multiprocessors) } else { None }
+        .filter(|&(count, _)| count.max(grid.map_or(0, |(mass, _)| mass)) <= FUSED_THREADS as usize);
     let owned;
     let scratch = match (grid.or(fused_grid), buffers.scratch) {
         (None, _) => None,
@@ -458,7 +488,10 @@ pub fn sample_with_path(
         }
     };
     let (slice_count, slice_len) = grid.unwrap_or((1, vocab));
-    let fast_kmax: i32 = if scratch.is_some() && path.top_k_blocks() { FAST_KMAX as i32 } else { 0 };
+    // Without a fused grid (a vocabulary beyond the fused path's slices), Auto's top-k rows take
+    // the lists.
+    let top_k_blocks = path.top_k_blocks() || (path == SamplePath::Auto && fused_grid.is_none());
+    let fast_kmax: i32 = if scratch.is_some() && top_k_blocks { FAST_KMAX as i32 } else { 0 };
     let mass_path = i32::from(scratch.is_some() && grid.is_some() && path.mass_blocks());
     // Greedy rows without penalties stream on one block per row once the rows alone fill a
     // quarter of the device (33 rows on 132 multiprocessors): the blocks then read together at
@@ -492,10 +525,16 @@ pub fn sample_with_path(
     let defines = [("THREADS", threads.as_str()), ("PENALTIES", penalties)];
     match (fused_grid, base != 0) {
         (Some((fused_count, fused_len)), true) => {
-            let function = gpu.function(&SAMPLE, "kiln_sample_fused", &defines)?;
+            let fused_threads = FUSED_THREADS.to_string();
+            let fused_defines = [("THREADS", fused_threads.as_str()), ("PENALTIES", penalties)];
+            let function = gpu.function(&SAMPLE, "kiln_sample_fused", &fused_defines)?;
             // The mass path's first step runs in this launch on its own slices: the grid covers both.
             let blocks = if mass_path != 0 { fused_count.max(slice_count) } else { fused_count };
-            let fused_config = LaunchConfig { grid_dim: (blocks as u32, rows as u32, 1), ..config };
+            let fused_config = LaunchConfig {
+                grid_dim: (blocks as u32, rows as u32, 1),
+                block_dim: (FUSED_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
             let (fused_counts, fused_lists) = (at(layout.fused_counts), at(layout.fused_lists));
             let fused_slots = layout.fused_slots as i32;
             let fused_len = fused_len as i64;
@@ -528,7 +567,8 @@ pub fn sample_with_path(
             // with PENALTIES=0 and `stats` only with zero statistics per row. The scratch is laid
             // out by `ScratchLayout` for at least `rows` rows of this vocabulary (checked above):
             // `fused_slots` >= the grid's slices (`fused_slices` and `slices` stay within
-            // `fused_slots`, at most SAMPLE_THREADS), each fused slice at most FUSED_SLICE_MAX
+            // `fused_slots`; the grid at most FUSED_THREADS blocks, the THREADS of this compile, as
+            // the last block needs), each fused slice at most FUSED_SLICE_MAX
             // logits, each mass slice within `slots`; the tickets are zero (zeroed at allocation,
             // left zero by every launch).
             unsafe { launch.launch(fused_config) }
@@ -701,11 +741,11 @@ mod tests {
         assert_eq!(slices(1, 151_936, 132), Some((75, 2026)));
         assert_eq!(slices(64, 151_936, 132), Some((19, 7997)));
         assert_eq!(slices(1, SAMPLE_THREADS as usize * FAST_SLICE_MAX + 1, 132), None);
-        for vocab in [1usize, 7, 1000, 1025, 2048, 8192, 8193, 32_000, 151_936, 262_144, 1 << 23] {
+        for vocab in [1usize, 7, 1000, 1025, 2048, 8192, 8193, 32_000, 151_936, 262_144, 1 << 21] {
             for rows in [1usize, 2, 8, 64, 256] {
                 for sms in [1usize, 108, 132] {
                     let (count, len) = fused_slices(rows, vocab, sms).unwrap();
-                    assert!(len <= FUSED_SLICE_MAX && count <= SAMPLE_THREADS as usize, "{vocab} {rows}");
+                    assert!(len <= FUSED_SLICE_MAX && count <= FUSED_THREADS as usize, "{vocab} {rows}");
                     assert!(count <= fused_slots(vocab), "{vocab} {rows}: {count} fused slices");
                     assert!((count - 1) * len < vocab && count * len >= vocab, "{vocab} {rows}");
                     // The fused launch also covers the mass path's slices.
@@ -717,7 +757,7 @@ mod tests {
         }
         assert_eq!(fused_slices(1, 151_936, 132), Some((132, 1152)));
         assert_eq!(fused_slices(64, 151_936, 132), Some((19, 7997)));
-        assert_eq!(fused_slices(1, SAMPLE_THREADS as usize * FUSED_SLICE_MAX + 1, 132), None);
+        assert_eq!(fused_slices(1, FUSED_THREADS as usize * FUSED_SLICE_MAX + 1, 132), None);
         let layout = ScratchLayout::new(3, 151_936);
         let lists = 3 * 75 * FAST_BLOCK_CAP * 4;
         assert!(layout.counts >= 3 * 4 && layout.cuts >= layout.counts + 3 * 75 * 4);
@@ -731,6 +771,20 @@ mod tests {
             layout.fused_lists >= layout.fused_counts + 3 * 149 * 4 && layout.fused_lists.is_multiple_of(8)
         );
         assert!(layout.bytes >= layout.fused_lists + 3 * 149 * FUSED_KMAX as usize * 8);
+    }
+
+    #[test]
+    fn the_host_picks_one_launch_when_no_row_needs_the_mass_path() {
+        let d = SamplingParams { temperature: 0.8, ..SamplingParams::default() };
+        let greedy = SamplingParams::greedy();
+        let top_k = SamplingParams { top_k: 50, top_p: 0.9, ..d };
+        let widest = SamplingParams { top_k: FUSED_KMAX, ..d };
+        assert_eq!(SamplePath::for_rows([&greedy, &top_k, &widest]), SamplePath::Fused);
+        assert_eq!(SamplePath::for_rows([&top_k, &d]), SamplePath::Auto);
+        assert_eq!(SamplePath::for_rows([&SamplingParams { top_k: FUSED_KMAX + 1, ..d }]), SamplePath::Auto);
+        assert_eq!(SamplePath::for_rows([&SamplingParams { top_p: 0.9, ..d }]), SamplePath::Auto);
+        // A greedy row keeps the fused path whatever its other parameters.
+        assert_eq!(SamplePath::for_rows([&SamplingParams { top_p: 0.5, ..greedy }]), SamplePath::Fused);
     }
 
     #[test]
