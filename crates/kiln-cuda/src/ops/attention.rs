@@ -186,8 +186,9 @@ impl AttentionVariant {
 
 /// The environment variable that selects prefill's default kernel: `wgmma` for
 /// [`AttentionVariant::PREFILL_WGMMA`], `wgmma-pingpong` for
-/// [`AttentionVariant::PREFILL_WGMMA_PINGPONG`] (sm_90 only); unset or anything else for
-/// [`AttentionVariant::PREFILL`]. Read once per process.
+/// [`AttentionVariant::PREFILL_WGMMA_PINGPONG`] (sm_90 only); unset or `tiled` for
+/// [`AttentionVariant::PREFILL`] (another value is reported and counts as unset). Read once per
+/// process.
 pub const PREFILL_KERNEL_ENV: &str = "KILN_PREFILL_ATTENTION";
 
 fn prefill_requested() -> Option<AttentionVariant> {
@@ -195,7 +196,13 @@ fn prefill_requested() -> Option<AttentionVariant> {
     *REQUESTED.get_or_init(|| match std::env::var(PREFILL_KERNEL_ENV).as_deref().map(str::trim) {
         Ok("wgmma") => Some(AttentionVariant::PREFILL_WGMMA),
         Ok("wgmma-pingpong") => Some(AttentionVariant::PREFILL_WGMMA_PINGPONG),
-        _ => None,
+        Ok("tiled") | Ok("") | Err(_) => None,
+        Ok(other) => {
+            tracing::warn!(
+                "{PREFILL_KERNEL_ENV}={other:?} is not wgmma, wgmma-pingpong or tiled: tiled prefill"
+            );
+            None
+        }
     })
 }
 
