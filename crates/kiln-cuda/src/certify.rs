@@ -14,7 +14,10 @@
 //! [`certify`] measures one key: it compiles and runs every candidate on fresh random inputs with
 //! the outputs poisoned, compares each with the oracle, times each with CUDA events (a warm-up,
 //! then the median of batches of launches that rotate over input sets larger than twice the L2
-//! cache), and returns a [`Certificate`] whose winner is the fastest correct candidate. The error
+//! cache; the norms' batches captured once into a CUDA graph and replayed
+//! ([`median_graph_launch_us`]), as the engine replays its decode step, so that a norm of a few
+//! microseconds is chosen by its time on the GPU rather than by the host's cost of launching it),
+//! and returns a [`Certificate`] whose winner is the fastest correct candidate. The error
 //! recorded for a candidate is, for the bit-exact families (norms, LM head), the number of output
 //! bytes (norm) or logits (LM head) whose bits differ from the CPU reference, 0 for a correct run;
 //! for attention, the largest absolute difference from the float64 reference (correct within the
@@ -1235,7 +1238,7 @@ impl Harness for NormHarness {
         let call = self.task.call;
         let (sets, turn) = (&self.sets, self.turn);
         self.turn += launches_of(options);
-        median_launch_us(gpu, options.batches, options.launches, |i| {
+        median_graph_launch_us(gpu, options.batches, options.launches, |i| {
             let set = &sets[(turn + i) % sets.len()];
             let buffers = NormBuffers {
                 x: &set.x,
