@@ -47,7 +47,7 @@ use crate::facts::DeviceFacts;
 use crate::kernels::{ATTENTION, LM_HEAD, NORM};
 use crate::memory::DeviceMemory;
 use crate::ops::attention::{
-    attention, decode_splits_for, scratch_bytes, AttentionVariant, KvBuffers, PagedBatch,
+    attention, decode_splits_for, scratch_bytes, AttentionKernel, AttentionVariant, KvBuffers, PagedBatch,
 };
 use crate::ops::lm_head::{lm_head, plan, LmHeadBuffers, LmHeadVariant, LM_HEAD_VARIANTS};
 use crate::ops::norm::{norm, NormBuffers, NormCall, NormVariant, NORM_VARIANTS};
@@ -541,19 +541,28 @@ pub struct AttentionConfig {
 }
 
 impl AttentionConfig {
-    /// `4x1x64.s1`: warps_m x warps_n x warp_keys, then the splits.
+    /// `4x1x64.s1`: warps_m x warps_n x warp_keys, then the splits; the wgmma prefill kernels'
+    /// named `wgmma-8x1x128.s1` and `wgmma-pingpong-8x1x128.s1`.
     pub fn label(&self) -> String {
         let v = &self.variant;
-        format!("{}x{}x{}.s{}", v.warps_m, v.warps_n, v.warp_keys, self.splits)
+        let kernel = match v.kernel {
+            AttentionKernel::Warpgroup => "wgmma-",
+            AttentionKernel::WarpgroupPingpong => "wgmma-pingpong-",
+            AttentionKernel::Tiled | AttentionKernel::Streaming => "",
+        };
+        format!("{kernel}{}x{}x{}.s{}", v.warps_m, v.warps_n, v.warp_keys, self.splits)
     }
 
-    /// The configuration named `label`: a variant of [`AttentionVariant::ALL`], splits 1 to 64.
+    /// The configuration named `label`: a variant of [`AttentionVariant::ALL`] or a wgmma prefill
+    /// variant, splits 1 to 64.
     pub fn parse(label: &str) -> Option<AttentionConfig> {
-        let (variant, splits) = label.split_once(".s")?;
+        let (_, splits) = label.rsplit_once(".s")?;
         let splits: u32 = splits.parse().ok().filter(|s| (1..=64).contains(s))?;
+        let wgmma = [AttentionVariant::PREFILL_WGMMA, AttentionVariant::PREFILL_WGMMA_PINGPONG];
         let variant = AttentionVariant::ALL
             .into_iter()
-            .find(|v| format!("{}x{}x{}", v.warps_m, v.warps_n, v.warp_keys) == variant)?;
+            .chain(wgmma)
+            .find(|&variant| AttentionConfig { variant, splits }.label() == label)?;
         Some(AttentionConfig { variant, splits })
     }
 }

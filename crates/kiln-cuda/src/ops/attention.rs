@@ -821,6 +821,13 @@ mod tests {
         assert!(pingpong.shared_bytes(128) + 1024 <= 227 * 1024);
         assert_eq!(super::defines(128, pingpong), super::defines(128, variant));
         assert!(variant.is_wgmma() && pingpong.is_wgmma() && !AttentionVariant::PREFILL.is_wgmma());
+        // Their configurations have names of their own, which the tuning store reads back.
+        use crate::certify::AttentionConfig;
+        for (variant, label) in [(variant, "wgmma-8x1x128.s1"), (pingpong, "wgmma-pingpong-8x1x128.s1")] {
+            let config = AttentionConfig { variant, splits: 1 };
+            assert_eq!(config.label(), label);
+            assert_eq!(AttentionConfig::parse(label), Some(config));
+        }
     }
 
     #[test]
