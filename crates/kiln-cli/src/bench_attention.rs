@@ -187,51 +187,14 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
     );
     print!("{report}");
 
-    for &len in &PREFILL_LENGTHS {
-        let pages: Vec<u32> = (0..len.div_ceil(PAGE_TOKENS) as u32).collect();
-        let sequence = [AttentionSequence { query_tokens: len, context_tokens: len, pages: &pages }];
-        let batch = PagedBatch::upload(&gpu, &shape, &sequence, pages.len())?;
-        let cache_bytes = pages.len() * KV_HEADS * PAGE_TOKENS * HEAD_DIM * 2;
-        let q = random_device(&gpu, len * Q_HEADS * HEAD_DIM * 2, &mut seed)?;
-        let (k, v) =
-            (random_device(&gpu, cache_bytes, &mut seed)?, random_device(&gpu, cache_bytes, &mut seed)?);
-        let out = gpu.alloc(len * Q_HEADS * HEAD_DIM * 2)?;
-        let cache = KvBuffers { k: &k, v: &v, pages: pages.len() };
-        let flops = 4.0 * (Q_HEADS * HEAD_DIM) as f64 * (len * (len + 1) / 2) as f64;
-        let mut configs = vec![prefill_config];
-        let mut variants = vec![AttentionVariant::PREFILL, AttentionVariant::PREFILL_WIDE];
-        if gpu.arch() == kiln_cuda::Arch(90) {
-            variants.extend([AttentionVariant::PREFILL_WGMMA, AttentionVariant::PREFILL_WGMMA_PINGPONG]);
-        }
-        for variant in variants {
-            if !configs.iter().any(|c| c.variant == variant && c.splits == 1) {
-                configs.push(AttentionConfig { variant, splits: 1 });
-            }
-        }
-        for config in configs {
-            let scratch = gpu.alloc(scratch_bytes(&shape, len, config.splits).max(16))?;
-            let (us, _) = time_us(&gpu, 3, args.iterations, || {
-                let splits = config.splits;
-                attention(&gpu, &shape, &batch, &q, cache, &out, Some(&scratch), splits, Some(config.variant))
-            })?;
-            let tag = if config == prefill_config { "certified " } else { "" };
-            let line = format!(
-                "| {len} | {tag}{} | {us:.1} | {:.1} | {} |",
-                config.label(),
-                flops / us / 1e6,
-                ratio(&peer, "prefill", &len.to_string(), us)
-            );
-            println!("{line}");
-            let _ = writeln!(report, "{line}");
-        }
-        if gpu.arch() == kiln_cuda::Arch(90) {
-            for variant in [AttentionVariant::PREFILL_WGMMA, AttentionVariant::PREFILL_WGMMA_PINGPONG] {
-                let line = prefill_agreement(&gpu, &shape, &batch, &q, cache, len, variant)?;
-                println!("{line}");
-                let _ = writeln!(report, "{line}");
-            }
+    let mut tiled = vec![prefill_config];
+    for variant in [AttentionVariant::PREFILL, AttentionVariant::PREFILL_WIDE] {
+        if !tiled.iter().any(|c| c.variant == variant && c.splits == 1) {
+            tiled.push(AttentionConfig { variant, splits: 1 });
         }
     }
+    let mut prefill = PrefillRun { gpu: &gpu, args, peer: &peer, seed: &mut seed, report: &mut report };
+    prefill.table(&tiled, Some(prefill_config), false)?;
 
     let header = "\n## Decode (GQA 32/8, head dim 128, page 64; % of the copy ceiling)\n\n\
                   | batch | context | configuration | time_us | GB/s | % copy | torch_us / speedup |\n|---|---|---|---|---|---|---|";
@@ -313,8 +276,94 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
             }
         }
     }
+    // The wgmma prefill kernels last, so that a fault or a hang there cannot cost the tables
+    // above (they are printed as they come); a failure is a row, not the end of the run.
+    if gpu.arch() == kiln_cuda::Arch(90) {
+        let header = format!(
+            "\n## Prefill on wgmma (sm_90; causal, GQA {Q_HEADS}/{KV_HEADS}, head dim {HEAD_DIM}, page {PAGE_TOKENS})\n\n\
+             | tokens | variant | time_us | TFLOP/s | torch_us / speedup |\n|---|---|---|---|---|"
+        );
+        println!("{header}");
+        let _ = writeln!(report, "{header}");
+        let wgmma = [AttentionVariant::PREFILL_WGMMA, AttentionVariant::PREFILL_WGMMA_PINGPONG]
+            .map(|variant| AttentionConfig { variant, splits: 1 });
+        let mut prefill = PrefillRun { gpu: &gpu, args, peer: &peer, seed: &mut seed, report: &mut report };
+        if let Err(e) = prefill.table(&wgmma, None, true) {
+            let line = format!("| - | wgmma failed: {e} | | | |");
+            println!("{line}");
+            let _ = writeln!(report, "{line}");
+        }
+    }
     if let Some(path) = &args.out {
         std::fs::write(path, report).map_err(|e| Error::io(path, e))?;
     }
     Ok(())
+}
+
+/// The prefill rows of one table: every configuration at every length of [`PREFILL_LENGTHS`].
+struct PrefillRun<'a> {
+    gpu: &'a Gpu,
+    args: &'a BenchAttentionArgs,
+    peer: &'a Peer,
+    seed: &'a mut u64,
+    report: &'a mut String,
+}
+
+impl PrefillRun<'_> {
+    /// Times `configs` at each length (`certified` tagged), and with `agreement` a row per
+    /// configuration saying how far its output is from the tiled kernel's.
+    fn table(
+        &mut self,
+        configs: &[AttentionConfig],
+        certified: Option<AttentionConfig>,
+        agreement: bool,
+    ) -> Result<()> {
+        let (gpu, shape) = (self.gpu, shape());
+        for &len in &PREFILL_LENGTHS {
+            let pages: Vec<u32> = (0..len.div_ceil(PAGE_TOKENS) as u32).collect();
+            let sequence = [AttentionSequence { query_tokens: len, context_tokens: len, pages: &pages }];
+            let batch = PagedBatch::upload(gpu, &shape, &sequence, pages.len())?;
+            let cache_bytes = pages.len() * KV_HEADS * PAGE_TOKENS * HEAD_DIM * 2;
+            let q = random_device(gpu, len * Q_HEADS * HEAD_DIM * 2, self.seed)?;
+            let (k, v) =
+                (random_device(gpu, cache_bytes, self.seed)?, random_device(gpu, cache_bytes, self.seed)?);
+            let out = gpu.alloc(len * Q_HEADS * HEAD_DIM * 2)?;
+            let cache = KvBuffers { k: &k, v: &v, pages: pages.len() };
+            let flops = 4.0 * (Q_HEADS * HEAD_DIM) as f64 * (len * (len + 1) / 2) as f64;
+            for &config in configs {
+                let scratch = gpu.alloc(scratch_bytes(&shape, len, config.splits).max(16))?;
+                let (us, _) = time_us(gpu, 3, self.args.iterations, || {
+                    let splits = config.splits;
+                    attention(
+                        gpu,
+                        &shape,
+                        &batch,
+                        &q,
+                        cache,
+                        &out,
+                        Some(&scratch),
+                        splits,
+                        Some(config.variant),
+                    )
+                })?;
+                let tag = if Some(config) == certified { "certified " } else { "" };
+                let line = format!(
+                    "| {len} | {tag}{} | {us:.1} | {:.1} | {} |",
+                    config.label(),
+                    flops / us / 1e6,
+                    ratio(self.peer, "prefill", &len.to_string(), us)
+                );
+                println!("{line}");
+                let _ = writeln!(self.report, "{line}");
+            }
+            if agreement {
+                for config in configs {
+                    let line = prefill_agreement(gpu, &shape, &batch, &q, cache, len, config.variant)?;
+                    println!("{line}");
+                    let _ = writeln!(self.report, "{line}");
+                }
+            }
+        }
+        Ok(())
+    }
 }
