@@ -1723,6 +1723,10 @@ __device__ __forceinline__ int sample_row_fused(int r, kiln_u32 k, bool penaltie
     const long long lo = (long long)s * work.slice_len;
     const long long hi_raw = lo + work.slice_len < vocab ? lo + work.slice_len : vocab;
     const int n = hi_raw > lo ? (int)(hi_raw - lo) : 0;  // the launcher keeps n <= FUSED_SLICE_MAX
+    // The thread's maximum and candidates (not NaN), taken from the registers as the slice is
+    // stored (again from shared memory after penalties).
+    kiln_u64 thread_best = 0ull;
+    kiln_u32 thread_valid = 0u;
     {
         constexpr int PER = FUSED_SLICE_MAX / THREADS;
         float v[PER];
@@ -1734,7 +1738,15 @@ __device__ __forceinline__ int sample_row_fused(int r, kiln_u32 k, bool penaltie
 #pragma unroll
         for (int u = 0; u < PER; ++u) {
             const int i = u * THREADS + (int)threadIdx.x;
-            if (i < n) sh.vals[i] = v[u];
+            if (i < n) {
+                sh.vals[i] = v[u];
+                const kiln_u32 key = sample_order_key(v[u]);
+                if (key != 0u) {
+                    ++thread_valid;
+                    const kiln_u64 packed = fast_pack(key, (kiln_u32)(lo + i));
+                    thread_best = packed > thread_best ? packed : thread_best;
+                }
+            }
         }
     }
     if (threadIdx.x == 0) {
@@ -1764,29 +1776,29 @@ __device__ __forceinline__ int sample_row_fused(int r, kiln_u32 k, bool penaltie
             }
         }
         __syncthreads();
-    }
-
-    // The slice's maximum and candidates (not NaN).
-    {
-        kiln_u64 best = 0ull;
-        kiln_u32 valid = 0u;
+        thread_best = 0ull;
+        thread_valid = 0u;
         for (int j = threadIdx.x; j < n; j += THREADS) {
             const kiln_u32 key = sample_order_key(sh.vals[j]);
             if (key != 0u) {
-                ++valid;
+                ++thread_valid;
                 const kiln_u64 packed = fast_pack(key, (kiln_u32)(lo + j));
-                best = packed > best ? packed : best;
+                thread_best = packed > thread_best ? packed : thread_best;
             }
         }
+    }
+
+    // The slice's maximum and candidates.
+    {
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) {
-            const kiln_u64 other = __shfl_xor_sync(KILN_FULL_MASK, best, o);
-            best = other > best ? other : best;
+            const kiln_u64 other = __shfl_xor_sync(KILN_FULL_MASK, thread_best, o);
+            thread_best = other > thread_best ? other : thread_best;
         }
-        valid = __reduce_add_sync(KILN_FULL_MASK, valid);
+        thread_valid = __reduce_add_sync(KILN_FULL_MASK, thread_valid);
         if ((threadIdx.x & 31) == 0) {
-            if (best != 0ull) atomicMax(&sh.best, best);
-            if (valid != 0u) atomicAdd(&sh.valid, valid);
+            if (thread_best != 0ull) atomicMax(&sh.best, thread_best);
+            if (thread_valid != 0u) atomicAdd(&sh.valid, thread_valid);
         }
         __syncthreads();
     }
@@ -1886,6 +1898,7 @@ __device__ __forceinline__ int sample_row_fused(int r, kiln_u32 k, bool penaltie
     __syncthreads();
     if (!sh.last) return 0;
 
+    const kiln_u64 step = steps[r];  // read now: its latency hides behind the merge
     const int blocks = (int)gridDim.x;  // <= THREADS (launcher)
     const kiln_u32* list_counts = work.counts + (long long)r * work.slots;
     const kiln_u64* lists = work.lists + (long long)r * work.slots * FUSED_KMAX;
@@ -1925,7 +1938,12 @@ __device__ __forceinline__ int sample_row_fused(int r, kiln_u32 k, bool penaltie
         if (threadIdx.x == 0) tokens[r] = best != 0ull ? 0xFFFFFFFFu - (kiln_u32)best : NO_TOKEN;
         return 0;
     }
-    const kiln_u32 total = fused_sum(c, sh);
+    // The candidates of the row, and how many the lists' first h entries hold, h from
+    // ceil(k / blocks), summed together (each sum below 2^32).
+    int h = (int)((k + (kiln_u32)blocks - 1u) / (kiln_u32)blocks);
+    kiln_u64 sums;
+    fast_scan(((kiln_u64)c << 32) | (kiln_u64)min(c, (kiln_u32)h), sh.warp_u64, sums);
+    const kiln_u32 total = (kiln_u32)(sums >> 32);
     if (total == 0u) {  // every logit of the row is NaN
         if (threadIdx.x == 0) tokens[r] = NO_TOKEN;
         return 0;
@@ -1939,8 +1957,11 @@ __device__ __forceinline__ int sample_row_fused(int r, kiln_u32 k, bool penaltie
         // The k-th largest of the lists' first h entries, h the least from ceil(k / blocks) up
         // (doubling) with at least k of them: k distinct tokens of the row, so the row's k-th
         // is at or above it. Staged: h <= k, and h <= HEAD_CAP / blocks past the check.
-        int h = (int)((k + (kiln_u32)blocks - 1u) / (kiln_u32)blocks);
-        while (fused_sum(min(c, (kiln_u32)h), sh) < k) h = min(2 * h, (int)k);
+        kiln_u32 within = (kiln_u32)sums;
+        while (within < k) {
+            h = min(2 * h, (int)k);
+            within = fused_sum(min(c, (kiln_u32)h), sh);
+        }
         if (blocks * h > FUSED_HEAD_CAP) return FUSED_OVERFLOW;
         if (threadIdx.x == 0) sh.bound = 0ull;
         __syncthreads();
@@ -2046,7 +2067,7 @@ __device__ __forceinline__ int sample_row_fused(int r, kiln_u32 k, bool penaltie
     }
     kiln_u64 kept_mass;
     fast_scan((kiln_u64)kw, sh.warp_u64, kept_mass);  // its barriers publish kept_*
-    const kiln_u64 u = sample_uniform(p->seed, steps[r], p->stream);
+    const kiln_u64 u = sample_uniform(p->seed, step, p->stream);
     const kiln_u64 target = __umul64hi(u, kept_mass);  // < kept_mass: the first token is kept
     kiln_u64 inclusive = 0ull;
     if (kw != 0u) {
