@@ -542,9 +542,10 @@ __device__ __forceinline__ void kiln_norm_segment(
 
 // With block-quantized outputs, registers for 1024 threads a multiprocessor (64 a thread), where
 // the quantization's temporaries would otherwise cost a quarter of the resident warps; only where
-// the inputs held fit beside them (at most 4 units a warp of 2-byte x, no residual, gate or early
-// weight), as a spill would cost more.
-#if KILN_NORM_BLOCKED && UNITS_PER_WARP <= 4 && X_T != KILN_F32 && !HAS_RESIDUAL && GATE != 1 && !EARLY_WEIGHT
+// the inputs held fit beside them (RMSNorm, 4 warps a row or more, at most 4 units a warp of
+// 2-byte x, no residual, gate, bias or early weight), as a spill would cost more.
+#if KILN_NORM_BLOCKED && KIND == 0 && WARPS_PER_ROW >= 4 && UNITS_PER_WARP <= 4 && X_T != KILN_F32 && \
+    !HAS_RESIDUAL && GATE == 0 && !HAS_BIAS && !EARLY_WEIGHT
 #define KILN_NORM_BOUNDS __launch_bounds__(KILN_NORM_THREADS, (1024 / KILN_NORM_THREADS < 32 ? 1024 / KILN_NORM_THREADS : 32))
 #else
 #define KILN_NORM_BOUNDS __launch_bounds__(KILN_NORM_THREADS)
