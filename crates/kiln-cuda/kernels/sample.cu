@@ -2069,13 +2069,26 @@ __device__ __forceinline__ int sample_row_fused(int r, kiln_u32 k, bool penaltie
     fast_scan((kiln_u64)kw, sh.warp_u64, kept_mass);  // its barriers publish kept_*
     const kiln_u64 u = sample_uniform(p->seed, step, p->stream);
     const kiln_u64 target = __umul64hi(u, kept_mass);  // < kept_mass: the first token is kept
-    kiln_u64 inclusive = 0ull;
-    if (kw != 0u) {
-        for (int i = 0; i < kk; ++i) inclusive += kept_index[i] <= index ? (kiln_u64)kept_weight[i] : 0ull;
-    }
+    // The draw in index order: the token whose inclusive kept mass over the tokens of lower or
+    // equal index passes the target; g threads sum a token's (a power of two within a warp, as
+    // many as the block allows), so no thread walks all k.
+    int g = 1;
+    while (g < 32 && 2 * g * kk <= THREADS) g <<= 1;
     if (threadIdx.x == 0) tokens[r] = NO_TOKEN;
     __syncthreads();
-    if (kw != 0u && inclusive - kw <= target && target < inclusive) tokens[r] = index;
+    for (int base = 0; base < kk; base += THREADS / g) {
+        const int jj = base + (int)threadIdx.x / g, part = (int)threadIdx.x & (g - 1);
+        const kiln_u32 own_index = jj < kk ? kept_index[jj] : 0u;
+        const kiln_u32 own_weight = jj < kk ? kept_weight[jj] : 0u;
+        kiln_u64 inclusive = 0ull;
+        if (own_weight != 0u) {
+            for (int i = part; i < kk; i += g) inclusive += kept_index[i] <= own_index ? (kiln_u64)kept_weight[i] : 0ull;
+        }
+        for (int o = g >> 1; o > 0; o >>= 1) inclusive += __shfl_xor_sync(KILN_FULL_MASK, inclusive, o);
+        if (part == 0 && own_weight != 0u && inclusive - own_weight <= target && target < inclusive) {
+            tokens[r] = own_index;
+        }
+    }
     return 0;
 }
 
