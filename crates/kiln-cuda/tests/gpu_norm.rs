@@ -226,8 +226,16 @@ fn quantized_outputs_on_rounding_ties_match_the_reference() {
             for &(rows, hidden) in &[(37usize, 1024usize), (300, 4096), (3, 8192)] {
                 let call = NormCall { spec, rows, hidden, x_type: DType::BF16, weight_type: DType::BF16 };
                 let x = tie_rows(&mut rng, rows, hidden);
-                // The premise: r is exactly 1 on the CPU, so the codes sit on the ties.
-                let y = spec
+                // The premise: r is exactly 1 on the CPU (the same norm into fp32 returns x), so
+                // the codes sit on the ties.
+                let fp32: NormSpec = RmsNorm {
+                    weight: WeightMode::None,
+                    rounding,
+                    out: NormOutput::Float(DType::F32),
+                    ..RmsNorm::llama(1e-30, DType::BF16)
+                }
+                .into();
+                let y = fp32
                     .run(
                         hidden,
                         &NormInputs {
