@@ -9,8 +9,8 @@
 //! themselves between events instead (`median_launch_us`), the host's cost included wherever it
 //! exceeds the kernel's. The header line says which. Warm-up first, the median of the batches;
 //! the launches of a batch read different input sets, rotated so that the sets together exceed
-//! the L2 cache twice over (a graph holds `--launches` of them). Bytes counted: every input read once (x, residual, weight), every output
-//! written once (out, scales, the updated residual). Every variant of `NORM_VARIANTS` that serves
+//! the L2 cache twice over (a graph holds `--launches` of them). Bytes counted: every input read
+//! once (x, residual, weight), every output written once (out, scales, the updated residual). Every variant of `NORM_VARIANTS` that serves
 //! a case is timed (each on its own line on stderr); the table shows the certified variant (the
 //! tuning store's winner for the case's key, else the declared default; with `KILN_TUNING=strict`
 //! an uncertified key fails by name before anything is timed), the declared default and the best.
