@@ -10,10 +10,11 @@
 //! exceeds the kernel's. The header line says which. Warm-up first, the median of the batches;
 //! the launches of a batch read different input sets, rotated so that the sets together exceed
 //! the L2 cache twice over (a graph holds `--launches` of them). Bytes counted: every input read
-//! once (x, residual, weight), every output written once (out, scales, the updated residual). Every variant of `NORM_VARIANTS` that serves
-//! a case is timed (each on its own line on stderr); the table shows the certified variant (the
-//! tuning store's winner for the case's key, else the declared default; with `KILN_TUNING=strict`
-//! an uncertified key fails by name before anything is timed), the declared default and the best.
+//! once (x, residual, weight), every output written once (out, scales, the updated residual).
+//! Every variant of `NORM_VARIANTS` that serves a case is timed (each on its own line on stderr);
+//! the table shows the certified variant (the tuning store's winner for the case's key, else the
+//! declared default; with `KILN_TUNING=strict` an uncertified key fails by name before anything is
+//! timed), the declared default and the best.
 //!
 //! The cases are the table below, or with `--model` / `--shapes` the norm calls that model makes
 //! (the keys `kiln tune certify` certifies for it).
