@@ -129,7 +129,7 @@ pub fn run(args: &BenchNormArgs) -> Result<()> {
         if args.plain_launches {
             "plain launches between CUDA events (host launch cost included)"
         } else {
-            "CUDA graph replays of each batch of launches, between CUDA events (--plain-launches to time launches)"
+            "CUDA graph replays of each batch of launches between CUDA events (--plain-launches: launches)"
         }
     );
     println!(

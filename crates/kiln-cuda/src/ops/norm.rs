@@ -518,8 +518,8 @@ mod tests {
         let (mut e2m1_clear, mut int8_clear) = (0usize, 0usize);
         for v in probe_floats() {
             // The kernel takes the fast code when worst <= 0.4999, for the |v| it serves (up to
-            // 6.4 and rounding; 6.9 here), and the reference sees a quotient within 4e-7 |v| of v (NVFP4; 1.8e-7 |v| for INT8): both
-            // ends of a wider interval must give the fast code.
+            // 6.4 and rounding; 6.9 here), and the reference sees a quotient within 4e-7 |v| of v
+            // (NVFP4; 1.8e-7 |v| for INT8): both ends of a wider interval must give the fast code.
             let ends = [v * (1.0 - 1e-6), v * (1.0 + 1e-6)];
             let int8_ends = [v * (1.0 - 2.5e-7), v * (1.0 + 2.5e-7)];
             if v.is_nan() || v.abs() <= 6.9 {
