@@ -70,6 +70,8 @@
 // Ticket counters of the combine, one per (sequence, row tile, kv head) of a split launch; the
 // launcher refuses a split grid with more groups.
 #define KILN_ATTENTION_TICKETS 65536
+// Partials in flight per thread in the combines that gather the log-sums first.
+#define COMBINE_BATCH 32
 
 #define THREADS (32 * WARPS_M * WARPS_N)
 #define BLOCK_M (16 * WARPS_M)
@@ -95,10 +97,29 @@ static_assert((BLOCK_M * CHUNKS_PER_ROW) % THREADS == 0, "a Q tile splits evenly
 // The merge of WARPS_N > 1 reuses the K/V buffers: WARPS_M * WARPS_N * 16 rows of HEAD_DIM + 4 f32.
 static_assert(WARPS_M * WARPS_N * 16 * (HEAD_DIM + 4) * 4 <= 2 * STAGES * BLOCK_N * ROW * 2, "merge fits in K/V");
 static_assert(STAGES >= 2, "at least two stages");
+// The decode variants (one row tile of 16 rows) combine by gathering every split's log-sums into
+// the K/V stages first, where the launcher's most splits (MAX_TILED_SPLITS) x 16 rows of f32 fit;
+// the other variants combine in one online pass over the splits.
+#define MAX_TILED_SPLITS 1024
+#if WARPS_M == 1 && MAX_TILED_SPLITS * 16 * 4 <= 2 * STAGES * BLOCK_N * ROW * 2
+#define TILED_GATHERED_COMBINE 1
+// Partials in flight per thread there.
+#define TILED_COMBINE_BATCH 24
+#else
+#define TILED_GATHERED_COMBINE 0
+#endif
+// The decode variants run two blocks a multiprocessor (decode_splits counts on it); saying so
+// lets the compiler give them the registers of the combine's batch (up to 255) instead of
+// spilling under its own occupancy target.
+#if WARPS_M == 1
+#define TILED_LAUNCH_BOUNDS __launch_bounds__(THREADS, 2)
+#else
+#define TILED_LAUNCH_BOUNDS __launch_bounds__(THREADS)
+#endif
 
 // Dynamic shared memory: Q [BLOCK_M][ROW], then K [STAGES][BLOCK_N][ROW], V [STAGES][BLOCK_N][ROW]
 // (bf16).
-extern "C" __global__ void __launch_bounds__(THREADS) kiln_attention(
+extern "C" __global__ void TILED_LAUNCH_BOUNDS kiln_attention(
     const kiln_u16* __restrict__ q, const kiln_u16* __restrict__ k_cache, const kiln_u16* __restrict__ v_cache,
     const kiln_i32* __restrict__ query_offsets, const kiln_i32* __restrict__ context_lens,
     const kiln_i32* __restrict__ page_offsets, const kiln_u32* __restrict__ page_ids, kiln_u16* __restrict__ out,
@@ -425,6 +446,74 @@ extern "C" __global__ void __launch_bounds__(THREADS) kiln_attention(
     if (!is_last_block) return;
     __threadfence();
 
+#if TILED_GATHERED_COMBINE
+    // Decode tiles (one row tile of at most 16 rows): the streaming kernel's combine, a few
+    // round trips to L2 whatever the splits. The log-sums of every split into shared memory (the
+    // K/V stages are free: every warp is past the ticket's barrier), with the first TILED_COMBINE_BATCH
+    // partials of this thread's first item already requested; then per item M = max_s lse_s and
+    // out = sum_s w_s O_s / sum_s w_s, w_s = 2^(lse_s - M), in split order (a split that saw no
+    // key of a row has lse -inf and no weight).
+    {
+        const int block_rows = min(rows - row0, BLOCK_M);
+        const kiln_u64 split_stride = (kiln_u64)total_queries * q_heads;
+        const kiln_u64 split_floats = split_stride * HEAD_DIM;
+        float* lse = reinterpret_cast<float*>(k_smem);  // [splits][block_rows]
+        auto query_row_of = [&](int r) -> kiln_u64 {
+            const int row = row0 + r;
+            return (kiln_u64)(q_begin + row / heads_per_group) * q_heads + kv_head * heads_per_group +
+                   row % heads_per_group;
+        };
+        // Item `item`'s 4 columns of split 0's partial; split s's are s * split_floats further.
+        auto partials = [&](int item) -> const float* {
+            return partial_out + query_row_of(item / (HEAD_DIM / 4)) * HEAD_DIM + (item % (HEAD_DIM / 4)) * 4;
+        };
+        const int items = block_rows * (HEAD_DIM / 4);
+        float4 parts[TILED_COMBINE_BATCH];
+        if (tid < items) {
+            const float* first = partials(tid);
+#pragma unroll
+            for (int b = 0; b < TILED_COMBINE_BATCH; ++b) {
+                if (b < splits) parts[b] = __ldcg(reinterpret_cast<const float4*>(first + b * split_floats));
+            }
+        }
+        for (int i = tid; i < splits * block_rows; i += THREADS) {
+            lse[i] = __ldcg(partial_lse + (i / block_rows) * split_stride + query_row_of(i % block_rows));
+        }
+        __syncthreads();
+        for (int item = tid; item < items; item += THREADS) {
+            const int r = item / (HEAD_DIM / 4), d = (item % (HEAD_DIM / 4)) * 4;
+            float m = KILN_NEG_INF;
+#pragma unroll 16
+            for (int s = 0; s < splits; ++s) m = fmaxf(m, lse[s * block_rows + r]);
+            float denominator = 0.0f;
+            float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            for (int s0 = 0; s0 < splits; s0 += TILED_COMBINE_BATCH) {
+                if (s0 > 0 || item != tid) {
+                    const float* batch = partials(item) + s0 * split_floats;
+#pragma unroll
+                    for (int b = 0; b < TILED_COMBINE_BATCH; ++b) {
+                        if (s0 + b < splits) parts[b] = __ldcg(reinterpret_cast<const float4*>(batch + b * split_floats));
+                    }
+                }
+#pragma unroll
+                for (int b = 0; b < TILED_COMBINE_BATCH; ++b) {
+                    const float split_lse = s0 + b < splits ? lse[(s0 + b) * block_rows + r] : KILN_NEG_INF;
+                    if (split_lse != KILN_NEG_INF) {
+                        const float w = kiln_exp2_approx(split_lse - m);
+                        denominator += w;
+                        sum.x = fmaf(parts[b].x, w, sum.x);
+                        sum.y = fmaf(parts[b].y, w, sum.y);
+                        sum.z = fmaf(parts[b].z, w, sum.z);
+                        sum.w = fmaf(parts[b].w, w, sum.w);
+                    }
+                }
+            }
+            const float inverse = denominator > 0.0f ? 1.0f / denominator : 0.0f;
+            *reinterpret_cast<uint2*>(out + query_row_of(r) * HEAD_DIM + d) = make_uint2(
+                kiln_pack_bf16x2(sum.x * inverse, sum.y * inverse), kiln_pack_bf16x2(sum.z * inverse, sum.w * inverse));
+        }
+    }
+#else
     // out = sum_s w_s O_s / sum_s w_s, w_s = 2^(lse_s - M), M = max_s lse_s, in one pass in split
     // order (the running maximum rescales the running sums, an online softmax over the splits).
     // The partials are read through L2 (other blocks wrote them), eight splits in flight.
@@ -463,6 +552,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) kiln_attention(
         *reinterpret_cast<uint2*>(out + query_row * HEAD_DIM + d) = make_uint2(
             kiln_pack_bf16x2(sum.x * inverse, sum.y * inverse), kiln_pack_bf16x2(sum.z * inverse, sum.w * inverse));
     }
+#endif  // TILED_GATHERED_COMBINE
 }
 
 #else  // STREAMING
@@ -490,7 +580,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) kiln_attention(
 // The merge rows of a warp (f32, padded by 4 so a quad's float2 stores hit distinct banks).
 #define MERGE_ROW (HEAD_DIM + 4)
 #define MAX_COMBINE_SPLITS 64
-#define COMBINE_BATCH 32
 
 static_assert(WARPS_M == 1 && WARP_KEYS == STEP_KEYS, "the streaming kernel takes 16 rows and steps of 16 keys");
 static_assert(HEAD_DIM % 64 == 0, "rows of at least 8 chunks (the swizzle)");

@@ -360,6 +360,42 @@ fn streaming_decode_over_a_long_context_matches_float64() {
     }
 }
 
+/// The tiled kernel's decode variants (one row tile of 16 rows) combine their splits by
+/// gathering every split's log-sums in shared memory first, then the partials 24 at a time: from
+/// 2 to the launcher's most splits (1024 log-sums of 16 rows fill the stages), splits past the
+/// context (no key: lse -inf), groups of 4, 16 and 32 query heads (two row tiles), and a sequence
+/// of 3 query tokens beside the decode ones (rows whose causal limit leaves a split without a
+/// key); three runs in a row, against the reference and bit for bit.
+#[test]
+fn tiled_decode_combine_over_many_splits_matches_float64_and_repeats_bit_for_bit() {
+    let (gpu, mut rng) = (gpu(), Rng::fresh());
+    for &(q_heads, kv_heads) in &[(32, 8), (16, 1), (32, 1)] {
+        let mut sequences: Vec<(usize, usize)> = (0..3).map(|_| (1, 1 + rng.below(2500))).collect();
+        sequences.insert(rng.below(sequences.len() + 1), (3, 3 + rng.below(700)));
+        for variant in [AttentionVariant::DECODE_TILED, AttentionVariant::DECODE_WIDE] {
+            let mut case = Case {
+                q_heads,
+                kv_heads,
+                head_dim: 128,
+                page_tokens: 16,
+                sequences: sequences.clone(),
+                splits: None,
+                variant,
+            };
+            let inputs = inputs(&mut rng, &case);
+            let want = reference(&case, &inputs);
+            for splits in [2, 24, 25, 33, 300, 1024] {
+                case.splits = Some(splits);
+                let outputs = check_on(&gpu, &case, &inputs, &want, 3);
+                assert!(
+                    outputs[0] == outputs[1] && outputs[1] == outputs[2],
+                    "tiled decode combine differs between runs: {sequences:?} {splits} {variant:?}"
+                );
+            }
+        }
+    }
+}
+
 /// The streaming kernel takes one query token a sequence and at most 64 splits; it says so
 /// instead of running.
 #[test]

@@ -37,7 +37,9 @@ use crate::runtime::{driver_error, Gpu};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum AttentionKernel {
     /// `kiln_attention`: block-wide K/V tiles, `STAGES` deep, shared by the block's warps; any
-    /// number of query tokens.
+    /// number of query tokens. Its decode variants (`warps_m` = 1: one row tile of 16 rows)
+    /// combine the splits as the streaming kernel does (every split's log-sum gathered first, then
+    /// the partials 24 in flight a thread), the others in one online pass, 8 in flight.
     Tiled,
     /// `kiln_attention_decode`: one query token per sequence; each warp streams its own steps of
     /// 16 keys through its own three-stage pipeline (no block barrier until the end), Q in
@@ -354,8 +356,20 @@ pub fn decode_splits(gpu: &Gpu, batch: usize, kv_heads: usize) -> u32 {
 
 /// [`decode_splits`] on a device of `multiprocessors` (no device needed).
 pub fn decode_splits_for(multiprocessors: u32, batch: usize, kv_heads: usize) -> u32 {
+    decode_splits_resident(multiprocessors, DECODE_BLOCKS_PER_MULTIPROCESSOR, batch, kv_heads)
+}
+
+/// [`decode_splits_for`] for a variant of which `blocks_per_multiprocessor` blocks are resident
+/// on one multiprocessor (1 for [`AttentionVariant::DECODE_WIDE`], whose 140 KiB of shared memory
+/// at head dim 128 fit once on sm_90).
+pub fn decode_splits_resident(
+    multiprocessors: u32,
+    blocks_per_multiprocessor: usize,
+    batch: usize,
+    kv_heads: usize,
+) -> u32 {
     let groups = (batch * kv_heads).max(1);
-    let slots = (multiprocessors as usize * DECODE_BLOCKS_PER_MULTIPROCESSOR).max(1);
+    let slots = (multiprocessors as usize * blocks_per_multiprocessor).max(1);
     // How full the waves of `splits` splits are, in thousandths.
     let filling = |splits: usize| {
         let blocks = groups * splits;
@@ -844,6 +858,10 @@ mod tests {
             }
         }
         assert_eq!(decode_splits_for(0, 1, 8), 1);
+        // One block a multiprocessor (DECODE_WIDE): 128 blocks at batch 1, 97% of 132.
+        assert_eq!(decode_splits_resident(132, 1, 1, 8), 16);
+        assert_eq!(decode_splits_resident(132, 1, 8, 8), 2);
+        assert_eq!(decode_splits_resident(132, 1, 64, 8), 1);
     }
 
     #[test]
