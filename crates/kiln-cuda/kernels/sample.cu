@@ -1533,7 +1533,9 @@ kiln_sample(const float* __restrict__ logits, long long vocab, long long row_str
 #define FUSED_LIST_CAP 512        // a block's superset of its local top-k
 #define FUSED_BINS 256            // histogram bins (of d, then of the packed key's bytes)
 #define FUSED_BIN_BASE 856        // (127 - 20) << 3: d below 2^-20 shares bin 0 with d = 0
-#define FUSED_HEAD_CAP 512        // the lists' first entries the last block stages
+// The lists' first entries the last block stages (at batch 1, 7 of each of 132 lists: the
+// lists rarely hold more above the bound, so the merge rarely reads L2 again).
+#define FUSED_HEAD_CAP (THREADS <= 256 ? 1024 : 512)
 #define FUSED_SURV_CAP 2048       // tokens at or above the bound the last block ranks
 #define FUSED_RANK_MAX 512        // ranked by counting up to this many, by a bitonic sort above
 #define FUSED_OVERFLOW 1
@@ -2108,6 +2110,15 @@ kiln_sample_fused(const float* __restrict__ logits, long long vocab, long long r
                   kiln_u64* fused_lists, int fused_slots, long long fused_slice_len, int mass_path,
                   kiln_u64* mass_maxima, int mass_slots, long long mass_slice_len) {
     kiln_wait_prior();
+    {
+        // This block's fused slice into L1 while the parameters load (a line a thread): a fused
+        // row's loads below then wait on L1, not L2; other rows lose a few requests.
+        const long long lo = (long long)blockIdx.x * fused_slice_len;
+        const long long hi = lo + fused_slice_len < vocab ? lo + fused_slice_len : vocab;
+        const float* x = logits + (long long)blockIdx.y * row_stride;
+        for (long long i = lo + 32ll * threadIdx.x; i < hi; i += 32ll * THREADS)
+            asm volatile("prefetch.global.L1 [%0];" ::"l"(x + i));
+    }
     const int r = blockIdx.y;
     const KilnSampleParams p = params[r];
     const kiln_u32 h0 = history_offsets[r], h1 = history_offsets[r + 1];

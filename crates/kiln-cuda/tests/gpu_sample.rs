@@ -403,8 +403,8 @@ fn fused_paths_equal_the_cpu_reference_on_edge_rows() {
     let mut failures = Vec::new();
     let mut checked = 0usize;
     for launch in 0..24 {
-        // One or two rows of 151936: the batch-1 grid (132 slices, 3 staged entries a list in
-        // the last block) and the batch-2 grid (66 slices, 7 staged).
+        // One or two rows of 151936: the batch-1 grid (132 slices, 7 staged entries a list in
+        // the last block) and the batch-2 grid (66 slices, 15 staged).
         let (vocab, rows) = match launch % 4 {
             0 => (151_936, 11),
             1 => (5000 + rng.below(3000), 64),
