@@ -16,7 +16,9 @@
 //! the tiled kernel's decode at those splits (`tiled`, the decode default before the streaming
 //! kernel; its configuration name is the streaming default's), and the tiled kernel's wide decode
 //! variant (128 keys a tile, one block a multiprocessor) at the splits that fill the
-//! multiprocessors once (`wide`, unless it is the certified configuration).
+//! multiprocessors once (`wide`, unless it is the certified configuration); at batch 1 and 8 also
+//! the streaming default compiled to read K/V under the default L2 policy instead of evict-first
+//! (`default, no L2 hint`: `KILN_DECODE_L2_HINT=none` around that row only).
 //!
 //! Both as a ratio to PyTorch's `scaled_dot_product_attention` (flash backend) on the same shapes
 //! (unpaged), read from the JSON of `bench/peers/attention.py` (`--peer`). Timing: CUDA events,
@@ -40,6 +42,7 @@ use kiln_cuda::certify::{attention_config, AttentionConfig, AttentionPhase, Atte
 use kiln_cuda::cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use kiln_cuda::ops::attention::{
     attention, decode_splits_resident, scratch_bytes, AttentionVariant, KvBuffers, PagedBatch,
+    DECODE_L2_HINT_ENV,
 };
 use kiln_cuda::runtime::driver_error;
 use kiln_cuda::{DeviceMemory, Gpu};
@@ -65,6 +68,8 @@ pub struct BenchAttentionArgs {
     pub out: Option<PathBuf>,
 }
 
+/// The tag of the decode row whose streaming kernel reads K/V without the evict-first hint.
+const NO_L2_HINT: &str = "default, no L2 hint";
 const Q_HEADS: usize = 32;
 const KV_HEADS: usize = 8;
 const HEAD_DIM: usize = 128;
@@ -238,6 +243,11 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
         if wide != certified {
             configs.push(("wide", wide));
         }
+        // At batch 1 and 8, the streaming default with K/V read under the default L2 policy
+        // instead of evict-first (KILN_DECODE_L2_HINT=none), for measurement.
+        if batch_size <= 8 && default.variant == AttentionVariant::DECODE {
+            configs.push((NO_L2_HINT, default));
+        }
         for &context in &DECODE_CONTEXTS {
             let case_bytes = batch_size * context * token_bytes;
             let rotations = (2 * l2).div_ceil(case_bytes).clamp(1, 64);
@@ -278,6 +288,10 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
                     let variant = Some(config.variant);
                     attention(&gpu, &shape, batch, &q, cache, &out, Some(&scratch), splits, variant)
                 };
+                let hint = std::env::var_os(DECODE_L2_HINT_ENV);
+                if tag == NO_L2_HINT {
+                    std::env::set_var(DECODE_L2_HINT_ENV, "none");
+                }
                 let mut turn = 0;
                 let (events_us, _) = time_us(&gpu, 3, args.iterations, || {
                     turn += 1;
@@ -291,6 +305,10 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
                 let replays =
                     ((3e5 / (events_us * launches as f64)) as usize).clamp(3, args.iterations.max(3));
                 let us = graph_launch_us(&gpu, launches, replays, run)?;
+                match hint {
+                    Some(value) => std::env::set_var(DECODE_L2_HINT_ENV, value),
+                    None => std::env::remove_var(DECODE_L2_HINT_ENV),
+                }
                 let bytes = case_bytes + 2 * batch_size * Q_HEADS * HEAD_DIM * 2;
                 let gb_per_s = bytes as f64 / us / 1e3;
                 let line = format!(

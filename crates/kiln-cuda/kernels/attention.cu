@@ -572,6 +572,11 @@ extern "C" __global__ void TILED_LAUNCH_BOUNDS kiln_attention(
 // Splits past the context (chunk = the context / splits rounded up to 16) return at once and take
 // no ticket, so the ticket count is the number of splits that hold keys.
 #define STREAM_STAGES 3
+// 1: K and V are read under an L2 evict-first policy (the default); 0: under the default policy,
+// as the tiled kernel reads them (for measurement: KILN_DECODE_L2_HINT=none, ops/attention.rs).
+#ifndef STREAM_L2_EVICT_FIRST
+#define STREAM_L2_EVICT_FIRST 1
+#endif
 #define STEP_KEYS 16
 #define STEP_ELEMENTS (STEP_KEYS * HEAD_DIM)
 #define STEP_CHUNKS_PER_LANE (STEP_KEYS * CHUNKS_PER_ROW / 32)
@@ -591,6 +596,7 @@ KILN_DEVICE int kiln_step_offset(int r, int c) {
     return (r * CHUNKS_PER_ROW + (c ^ (r & 7))) * 8;
 }
 
+#if STREAM_L2_EVICT_FIRST
 // An L2 policy that evicts the lines it brings in first: K and V are read once per step, and
 // should not push out what is read again (the page tables, Q, the partials, weights).
 KILN_DEVICE kiln_u64 kiln_evict_first_policy() {
@@ -606,6 +612,7 @@ KILN_DEVICE void kiln_cp_async_16_policy(kiln_u32 shared_address, const void* gl
                  "l"(global), "r"(source_bytes), "l"(policy)
                  : "memory");
 }
+#endif
 
 // Dynamic shared memory: WARPS_N * WARP_ELEMENTS bf16. Two blocks a multiprocessor (the
 // registers of the combine's batch fit that).
@@ -643,7 +650,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) kiln_attention_decode(
     const int steps = (kv_end - kv_begin + STEP_KEYS - 1) / STEP_KEYS;
     const int my_steps = warp < steps ? (steps - warp + WARPS_N - 1) / WARPS_N : 0;
     kiln_u16* stages = reinterpret_cast<kiln_u16*>(shared_chunks) + warp * WARP_ELEMENTS;
+#if STREAM_L2_EVICT_FIRST
     const kiln_u64 policy = kiln_evict_first_policy();
+#endif
 
     // The page of key (lane % 16) of this warp's step k (0 when the step or key is past the end).
     auto step_page = [&](int k) -> kiln_u32 {
@@ -668,10 +677,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) kiln_attention_decode(
                     HEAD_DIM +
                 c * 8;
             const int smem_offset = kiln_step_offset(r, c);
+#if STREAM_L2_EVICT_FIRST
             kiln_cp_async_16_policy(kiln_smem_address(k_stage + smem_offset), valid ? k_cache + offset : k_cache,
                                     valid, policy);
             kiln_cp_async_16_policy(kiln_smem_address(v_stage + smem_offset), valid ? v_cache + offset : v_cache,
                                     valid, policy);
+#else
+            kiln_cp_async_16(kiln_smem_address(k_stage + smem_offset), valid ? k_cache + offset : k_cache, valid);
+            kiln_cp_async_16(kiln_smem_address(v_stage + smem_offset), valid ? v_cache + offset : v_cache, valid);
+#endif
         }
     };
 

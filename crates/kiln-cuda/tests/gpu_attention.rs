@@ -11,7 +11,7 @@ use kiln_core::ops::primitives::{bf16_bits_to_f32, f32_to_bf16_bits};
 use kiln_core::Error;
 use kiln_cuda::ops::attention::{
     attention, decode_splits, kv_append, scratch_bytes, AttentionKernel, AttentionVariant, KvBuffers,
-    PagedBatch,
+    PagedBatch, DECODE_L2_HINT_ENV,
 };
 use kiln_cuda::{DeviceMemory, Gpu};
 
@@ -393,6 +393,33 @@ fn tiled_decode_combine_over_many_splits_matches_float64_and_repeats_bit_for_bit
                 );
             }
         }
+    }
+}
+
+/// The streaming kernel compiled to read K/V under the default L2 policy
+/// (`KILN_DECODE_L2_HINT=none`, a measurement knob) computes the same bits as the default
+/// evict-first one, and both agree with the reference.
+#[test]
+fn streaming_decode_without_the_l2_hint_gives_the_same_bits() {
+    let (gpu, mut rng) = (gpu(), Rng::fresh());
+    let mut case = Case {
+        q_heads: 32,
+        kv_heads: 8,
+        head_dim: 128,
+        page_tokens: 64,
+        sequences: (0..3).map(|_| (1, 1 + rng.below(9000))).collect(),
+        splits: None,
+        variant: AttentionVariant::DECODE,
+    };
+    let inputs = inputs(&mut rng, &case);
+    let want = reference(&case, &inputs);
+    for splits in [None, Some(1), Some(64)] {
+        case.splits = splits;
+        let hinted = check_on(&gpu, &case, &inputs, &want, 1);
+        std::env::set_var(DECODE_L2_HINT_ENV, "none");
+        let plain = check_on(&gpu, &case, &inputs, &want, 1);
+        std::env::remove_var(DECODE_L2_HINT_ENV);
+        assert!(hinted[0] == plain[0], "the L2 hint changed the output: {:?} {splits:?}", case.sequences);
     }
 }
 

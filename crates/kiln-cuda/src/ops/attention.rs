@@ -193,6 +193,10 @@ impl AttentionVariant {
 /// process.
 pub const PREFILL_KERNEL_ENV: &str = "KILN_PREFILL_ATTENTION";
 
+/// For measurement: `none` compiles the streaming decode kernel to read K and V under the default
+/// L2 policy instead of evict-first (`kiln bench attention` times both at batch 1).
+pub const DECODE_L2_HINT_ENV: &str = "KILN_DECODE_L2_HINT";
+
 fn prefill_requested() -> Option<AttentionVariant> {
     static REQUESTED: std::sync::OnceLock<Option<AttentionVariant>> = std::sync::OnceLock::new();
     *REQUESTED.get_or_init(|| match std::env::var(PREFILL_KERNEL_ENV).as_deref().map(str::trim) {
@@ -431,6 +435,9 @@ fn defines(head_dim: usize, variant: AttentionVariant) -> Vec<(&'static str, Str
     ];
     if variant.kernel == AttentionKernel::Streaming {
         defines.push(("STREAMING", "1".to_owned()));
+        if std::env::var(DECODE_L2_HINT_ENV).is_ok_and(|v| v.trim() == "none") {
+            defines.push(("STREAM_L2_EVICT_FIRST", "0".to_owned()));
+        }
     }
     defines
 }
