@@ -221,7 +221,7 @@ impl SamplePath {
     /// `1 <= top_k <=` [`FUSED_KMAX`]), [`SamplePath::Auto`] otherwise. A captured graph holds the
     /// launches of one path: capture again when the batch's parameters change the answer.
     pub fn for_rows<'a>(rows: impl IntoIterator<Item = &'a SamplingParams>) -> SamplePath {
-        let fused = |p: &SamplingParams| p.temperature == 0.0 || (1..=FUSED_KMAX).contains(&p.top_k);
+        let fused = |p: &SamplingParams| p.is_greedy() || (1..=FUSED_KMAX).contains(&p.top_k);
         if rows.into_iter().all(fused) {
             SamplePath::Fused
         } else {
