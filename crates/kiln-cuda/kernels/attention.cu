@@ -39,7 +39,9 @@
 // global that every launch leaves at zero); the block that takes the last ticket combines all the
 // partials in split order.
 // The combine reads every partial from memory in a fixed order, whichever block runs it, so the
-// output is the same bits run to run. Launches of one module run in stream order (one stream per
+// output is the same bits run to run. Decode variants (WARPS_M = 1) gather every split's log-sum
+// in shared memory first, then read the partials TILED_COMBINE_BATCH at a time (a few round trips
+// to L2 for 33 splits); the others combine in one online pass, 8 splits in flight. Launches of one module run in stream order (one stream per
 // Gpu), so no two launches share a counter at the same time.
 //
 // Memory floor: K and V of the context read once per (sequence, kv head, row tile); q read and
