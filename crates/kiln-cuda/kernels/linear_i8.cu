@@ -85,9 +85,14 @@ static_assert(EPI != 2 || HAS_BIAS == 0, "SwiGLU takes no bias");
 
 // One token and one unit a round: x is loaded beside the weights (see the product loop).
 #define PREFETCH_X (TOKENS == 1 && UNR == 1)
+// PIPE = 1: a persistent grid, each warp with two rounds of weights in flight (two stages).
+#ifndef PIPE
+#define PIPE 0
+#endif
+static_assert(!(PIPE && FUSE), "the pipelined kernel takes x from the scratch");
 #define UNIT_BYTES (UNIT_WORDS * 4)
 #define STAGE_BYTES (UNR * WR * 32 * UNIT_BYTES)
-static_assert(WARPS * STAGE_BYTES <= 48 * 1024, "the warps' weight stages must fit 48 KiB of shared memory");
+static_assert(WARPS * STAGE_BYTES * (PIPE ? 2 : 1) <= 48 * 1024, "the warps' weight stages must fit 48 KiB of shared memory");
 
 __device__ __forceinline__ void i8_copy8(void* smem, const void* gmem) {
     const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
@@ -95,6 +100,9 @@ __device__ __forceinline__ void i8_copy8(void* smem, const void* gmem) {
 }
 
 __device__ __forceinline__ void i8_copy_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+__device__ __forceinline__ void i8_copy_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// Every committed group of copies but the last has landed.
+__device__ __forceinline__ void i8_copy_wait_but_last() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
 
 __device__ __forceinline__ float i8_half(kiln_u32 bits) {
     float f;
@@ -211,8 +219,12 @@ __device__ __forceinline__ void i8_quantize(const void* __restrict__ x, uint4* x
             const int q0 = i8_round(a.x, inv), q1 = i8_round(a.y, inv), q2 = i8_round(a.z, inv),
                       q3 = i8_round(a.w, inv);
             // The rests x - d1 q (|rest| <= d1 / 2, so |254 rest / d1| <= 127).
-            const int r0 = i8_round(a.x - d1 * (float)q0, inv2), r1 = i8_round(a.y - d1 * (float)q1, inv2),
-                      r2 = i8_round(a.z - d1 * (float)q2, inv2), r3 = i8_round(a.w - d1 * (float)q3, inv2);
+            // One rounding (a fused multiply-add), written out so that the norm's copy of this
+            // rounding (norm.cu, I8_PLANES; compiled without contraction) gives the same bits.
+            const int r0 = i8_round(__fmaf_rn(-d1, (float)q0, a.x), inv2),
+                      r1 = i8_round(__fmaf_rn(-d1, (float)q1, a.y), inv2),
+                      r2 = i8_round(__fmaf_rn(-d1, (float)q2, a.z), inv2),
+                      r3 = i8_round(__fmaf_rn(-d1, (float)q3, a.w), inv2);
             int qs = 254 * (q0 + q1 + q2 + q3) + (r0 + r1 + r2 + r3);
 #pragma unroll
             for (int o = 1; o < 8; o <<= 1) qs += __shfl_xor_sync(0xFFFFFFFFu, qs, o);
@@ -242,30 +254,234 @@ extern "C" __global__ void kiln_linear_i8_quantize(const void* __restrict__ x, u
     i8_quantize(x, xq, cols, blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, WARPS <= 4 ? 2 : 1)
+// The weight rows of row group g for this lane: output row g * SIDE * RL + (i % RL) * SIDE + side
+// of gate i / RL; past the end, row 0 (its sums are dropped).
+__device__ __forceinline__ void i8_group_rows(const kiln_u8* (&wrow)[WR], const kiln_u8* __restrict__ weight,
+                                              int rows, long long row_bytes, int g, int side) {
+#pragma unroll
+    for (int i = 0; i < WR; ++i) {
+        int o = g * SIDE * RL + (i % RL) * SIDE + side;
+        o = o < rows ? o : 0;
+        wrow[i] = weight + ((long long)(i / RL) * rows + o) * row_bytes;
+    }
+}
+
+// One round of a row group's products: the round's x (PREFETCH_X), the wait for its weights
+// (every copy, or every copy but the last group committed when PENDING, the next round's), and
+// the products of its units into acc.
+template <int PENDING>
+__device__ __forceinline__ void i8_round_products(const kiln_u8* stage, int r0, int units, int sl, int side,
+                                                  const uint4* xq, const uint4* xr, const float2* xs,
+                                                  float (&acc)[WR][TOKENS]) {
+    const int u0 = r0 + sl;
+#if PREFETCH_X
+    // One token, one unit a round: the unit's x (both planes and the scales of its 4
+    // blocks) is loaded while the weights are on their way, so a round waits for memory once.
+    uint4 px[4][4];
+    float2 ps[4];
+    {
+        const int uu = u0 < units ? u0 : 0;
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+            px[b][0] = i8_ldx16(xq + (2 * b) * units + uu);
+            px[b][1] = i8_ldx16(xq + (2 * b + 1) * units + uu);
+            px[b][2] = i8_ldx16(xr + (2 * b) * units + uu);
+            px[b][3] = i8_ldx16(xr + (2 * b + 1) * units + uu);
+            ps[b] = i8_ldx8(xs + b * units + uu);
+        }
+    }
+#endif
+    if (PENDING) i8_copy_wait_but_last(); else i8_copy_wait();
+    __syncwarp();
+#pragma unroll
+    for (int k = 0; k < UNR; ++k) {
+        const int u = u0 + k * LPR;
+        if (u >= units) break;
+#if PREFETCH_X
+#pragma unroll
+#else
+        // One block at a time: unrolled, the compiler would hold every block's x in registers.
+#pragma unroll 1
+#endif
+        for (int b = 0; b < 4; ++b) {
+            // Block b's weight scale (and Q4_1's offset) and quant words, per weight row.
+            float dw[WR];
+#if W_T == 5
+            float mw[WR];
+#endif
+#if W_T == 3
+            int q[WR][8];
+#else
+            int q[WR][4];
+#endif
+#pragma unroll
+            for (int i = 0; i < WR; ++i) {
+                // This lane's unit in the stage (read where used: no copy in registers).
+                const kiln_u32* w = reinterpret_cast<const kiln_u32*>(
+                    stage + ((k * WR + i) * 32 + side * LPR + sl) * UNIT_BYTES);
+#if W_T == 3
+                // 34-byte blocks at 0, 34, 68, 102: quants at 2, 36, 70, 104.
+                if (b == 0 || b == 2) {
+                    const int o = b == 0 ? 0 : 17;
+                    dw[i] = i8_half(w[o]);
+#pragma unroll
+                    for (int n = 0; n < 8; ++n) q[i][n] = i8_shifted(w[o + n], w[o + n + 1]);
+                } else {
+                    const int o = b == 1 ? 8 : 25;
+                    dw[i] = i8_half(w[o] >> 16);
+#pragma unroll
+                    for (int n = 0; n < 8; ++n) q[i][n] = (int)w[o + 1 + n];
+                }
+#elif W_T == 4
+                // 18-byte blocks at 0, 18, 36, 54: quants at 2, 20, 38, 56.
+                if (b == 0 || b == 2) {
+                    const int o = b == 0 ? 0 : 9;
+                    dw[i] = i8_half(w[o]);
+#pragma unroll
+                    for (int n = 0; n < 4; ++n) q[i][n] = i8_shifted(w[o + n], w[o + n + 1]);
+                } else {
+                    const int o = b == 1 ? 4 : 13;
+                    dw[i] = i8_half(w[o] >> 16);
+#pragma unroll
+                    for (int n = 0; n < 4; ++n) q[i][n] = (int)w[o + 1 + n];
+                }
+#else
+                // 20-byte blocks: d, m, 16 bytes of quants.
+                dw[i] = i8_half(w[5 * b]);
+                mw[i] = i8_half(w[5 * b] >> 16);
+#pragma unroll
+                for (int n = 0; n < 4; ++n) q[i][n] = (int)w[5 * b + 1 + n];
+#endif
+            }
+#pragma unroll
+            for (int t = 0; t < TOKENS; ++t) {
+#if PREFETCH_X
+                const uint4 lo = px[b][0], hi = px[b][1], lo2 = px[b][2], hi2 = px[b][3];
+                const float2 sc = ps[b];
+#else
+                const uint4 lo = i8_ldx16(xq + (t * 8 + 2 * b) * units + u);
+                const uint4 hi = i8_ldx16(xq + (t * 8 + 2 * b + 1) * units + u);
+                const uint4 lo2 = i8_ldx16(xr + (t * 8 + 2 * b) * units + u);
+                const uint4 hi2 = i8_ldx16(xr + (t * 8 + 2 * b + 1) * units + u);
+                const float2 sc = i8_ldx8(xs + (t * 4 + b) * units + u);
+#endif
+#pragma unroll
+                for (int i = 0; i < WR; ++i) {
+                    int sum = 0, sum2 = 0;
+#if W_T == 3
+                    sum = i8_dot4(q[i][0], (int)lo.x, sum);
+                    sum = i8_dot4(q[i][1], (int)lo.y, sum);
+                    sum = i8_dot4(q[i][2], (int)lo.z, sum);
+                    sum = i8_dot4(q[i][3], (int)lo.w, sum);
+                    sum = i8_dot4(q[i][4], (int)hi.x, sum);
+                    sum = i8_dot4(q[i][5], (int)hi.y, sum);
+                    sum = i8_dot4(q[i][6], (int)hi.z, sum);
+                    sum = i8_dot4(q[i][7], (int)hi.w, sum);
+                    sum2 = i8_dot4(q[i][0], (int)lo2.x, sum2);
+                    sum2 = i8_dot4(q[i][1], (int)lo2.y, sum2);
+                    sum2 = i8_dot4(q[i][2], (int)lo2.z, sum2);
+                    sum2 = i8_dot4(q[i][3], (int)lo2.w, sum2);
+                    sum2 = i8_dot4(q[i][4], (int)hi2.x, sum2);
+                    sum2 = i8_dot4(q[i][5], (int)hi2.y, sum2);
+                    sum2 = i8_dot4(q[i][6], (int)hi2.z, sum2);
+                    sum2 = i8_dot4(q[i][7], (int)hi2.w, sum2);
+                    acc[i][t] += (dw[i] * sc.x) * (float)(254 * sum + sum2);
+#else
+                    // Byte n of quant word m: low nibble value 4m + n, high nibble 16 + 4m + n.
+                    const int m0 = q[i][0] & 0x0F0F0F0F, m1 = q[i][1] & 0x0F0F0F0F;
+                    const int m2 = q[i][2] & 0x0F0F0F0F, m3 = q[i][3] & 0x0F0F0F0F;
+                    const int h0 = (q[i][0] >> 4) & 0x0F0F0F0F, h1 = (q[i][1] >> 4) & 0x0F0F0F0F;
+                    const int h2 = (q[i][2] >> 4) & 0x0F0F0F0F, h3 = (q[i][3] >> 4) & 0x0F0F0F0F;
+                    sum = i8_dot4(m0, (int)lo.x, sum);
+                    sum = i8_dot4(m1, (int)lo.y, sum);
+                    sum = i8_dot4(m2, (int)lo.z, sum);
+                    sum = i8_dot4(m3, (int)lo.w, sum);
+                    sum = i8_dot4(h0, (int)hi.x, sum);
+                    sum = i8_dot4(h1, (int)hi.y, sum);
+                    sum = i8_dot4(h2, (int)hi.z, sum);
+                    sum = i8_dot4(h3, (int)hi.w, sum);
+                    sum2 = i8_dot4(m0, (int)lo2.x, sum2);
+                    sum2 = i8_dot4(m1, (int)lo2.y, sum2);
+                    sum2 = i8_dot4(m2, (int)lo2.z, sum2);
+                    sum2 = i8_dot4(m3, (int)lo2.w, sum2);
+                    sum2 = i8_dot4(h0, (int)hi2.x, sum2);
+                    sum2 = i8_dot4(h1, (int)hi2.y, sum2);
+                    sum2 = i8_dot4(h2, (int)hi2.z, sum2);
+                    sum2 = i8_dot4(h3, (int)hi2.w, sum2);
+                    const int total = 254 * sum + sum2;
+#if W_T == 4
+                    // w = d (q - 8): sum (q - 8) xq = sum q xq - 8 sum xq, exact in int.
+                    acc[i][t] += (dw[i] * sc.x) * (float)(total - 8 * __float_as_int(sc.y));
+#else
+                    // w = d q + m: d dx sum q xq + m sum x.
+                    acc[i][t] += (dw[i] * sc.x) * (float)total + mw[i] * sc.y;
+#endif
+#endif
+                }
+            }
+        }
+    }
+}
+
+// A row group's sums over the row's lanes and its outputs (the epilogue), by the row's first lane.
+__device__ __forceinline__ void i8_finish_group(float (&acc)[WR][TOKENS], const float* __restrict__ bias,
+                                                float* __restrict__ out, int rows, int g, int side, int sl) {
+    const int per_group = SIDE * RL;
+    // Sums over the row's lanes (a butterfly inside each group of LPR lanes).
+#pragma unroll
+    for (int i = 0; i < WR; ++i)
+#pragma unroll
+        for (int t = 0; t < TOKENS; ++t) {
+#pragma unroll
+            for (int o = LPR / 2; o > 0; o >>= 1) acc[i][t] += __shfl_xor_sync(0xFFFFFFFFu, acc[i][t], o);
+        }
+    if (sl == 0) {
+#pragma unroll
+        for (int i = 0; i < RL; ++i) {
+            const int o = g * per_group + i * SIDE + side;
+            if (o >= rows) continue;
+#pragma unroll
+            for (int t = 0; t < TOKENS; ++t) {
+                float* dst = out + (long long)t * rows + o;
+#if EPI == 2
+                *dst = i8_swiglu(acc[i][t], acc[RL + i][t]);
+#else
+                float y = acc[i][t];
+#if HAS_BIAS
+                y += bias[o];
+#endif
+#if EPI == 1
+                *dst = *dst + y;
+#else
+                *dst = y;
+#endif
+#endif
+            }
+        }
+    }
+}
+
+// Pipelined, 4 blocks of 4 warps an SM (at most 128 registers a thread): the stages hold the
+// weights in flight, registers only one round's quants and sums.
+extern "C" __global__ void __launch_bounds__(THREADS, PIPE && TOKENS <= 2 && WARPS <= 4 ? 4 : (WARPS <= 4 ? 2 : 1))
 kiln_linear_i8(const kiln_u8* __restrict__ weight, const float* __restrict__ bias, const void* __restrict__ xin,
                float* __restrict__ out, int rows, int cols, long long row_bytes) {
-    __shared__ __align__(16) kiln_u8 i8_stage[WARPS][STAGE_BYTES];
+    __shared__ __align__(16) kiln_u8 i8_stage[WARPS][PIPE ? 2 : 1][STAGE_BYTES];
     const int units = cols >> 7;
 
     // ---- the products ------------------------------------------------------------------------------
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int side = lane / LPR, sl = lane % LPR;
-    const int per_group = SIDE * RL;
-    const int groups = (rows + per_group - 1) / per_group;
-    const int g = blockIdx.x * WARPS + warp;
-    kiln_u8* stage = i8_stage[warp];
-    // Output row i of this lane: g * per_group + i * SIDE + side; past the end: row 0, dropped.
+    const int groups = (rows + SIDE * RL - 1) / (SIDE * RL);
+    int g = blockIdx.x * WARPS + warp;
     const kiln_u8* wrow[WR];
-#pragma unroll
-    for (int i = 0; i < WR; ++i) {
-        int o = g * per_group + (i % RL) * SIDE + side;
-        o = o < rows ? o : 0;
-        wrow[i] = weight + ((long long)(i / RL) * rows + o) * row_bytes;
-    }
+    i8_group_rows(wrow, weight, rows, row_bytes, g, side);
     // The first round's weights are requested before the wait for the kernel before (they
     // overlap its end); x is read only after it.
-    if (g < groups) i8_issue_round(stage, wrow, 0, units, sl, side);
+    if (g < groups) i8_issue_round(i8_stage[warp][0], wrow, 0, units, sl, side);
+#if PIPE
+    i8_copy_commit();
+#endif
     kiln_wait_prior();
 #if FUSE
     // x (the kernel's input) rounded by the block itself into shared memory, as the separate
@@ -278,197 +494,52 @@ kiln_linear_i8(const kiln_u8* __restrict__ weight, const float* __restrict__ bia
 #endif
     const uint4* xr = xq + TOKENS * 8 * units;  // the second plane
     const float2* xs = reinterpret_cast<const float2*>(xq + 2 * TOKENS * 8 * units);
+    float acc[WR][TOKENS];
+#pragma unroll
+    for (int i = 0; i < WR; ++i)
+#pragma unroll
+        for (int t = 0; t < TOKENS; ++t) acc[i][t] = 0.0f;
+#if PIPE
+    // Persistent: the warp takes row groups g, g + stride, ... and has two rounds in flight,
+    // the next round's copies (the next group's first round at a group's end) issued before the
+    // current round is summed. A row's sums run in the same order as without the pipeline.
+    const int stride = gridDim.x * WARPS;
+    const int step = LPR * UNR;
+    int r0 = 0, buf = 0;
+    while (g < groups) {
+        int ng = g, nr0 = r0 + step;
+        if (nr0 >= units) {
+            ng = g + stride;
+            nr0 = 0;
+        }
+        const kiln_u8* nrow[WR];
+        i8_group_rows(nrow, weight, rows, row_bytes, ng, side);
+        if (ng < groups) i8_issue_round(i8_stage[warp][buf ^ 1], nrow, nr0, units, sl, side);
+        i8_copy_commit();
+        i8_round_products<1>(i8_stage[warp][buf], r0, units, sl, side, xq, xr, xs, acc);
+        __syncwarp();  // every lane is done with this stage before it is filled again
+        if (nr0 == 0) {
+            i8_finish_group(acc, bias, out, rows, g, side, sl);
+#pragma unroll
+            for (int i = 0; i < WR; ++i)
+#pragma unroll
+                for (int t = 0; t < TOKENS; ++t) acc[i][t] = 0.0f;
+        }
+        g = ng;
+        r0 = nr0;
+        buf ^= 1;
+#pragma unroll
+        for (int i = 0; i < WR; ++i) wrow[i] = nrow[i];
+    }
+    i8_copy_wait();  // no copy outlives the block
+#else
     if (g < groups) {
-        float acc[WR][TOKENS];
-#pragma unroll
-        for (int i = 0; i < WR; ++i)
-#pragma unroll
-            for (int t = 0; t < TOKENS; ++t) acc[i][t] = 0.0f;
-
         for (int r0 = 0; r0 < units; r0 += LPR * UNR) {
-            const int u0 = r0 + sl;
-            if (r0 > 0) i8_issue_round(stage, wrow, r0, units, sl, side);
-#if PREFETCH_X
-            // One token, one unit a round: the unit's x (both planes and the scales of its 4
-            // blocks) is loaded while the weights are on their way, so a round waits for memory once.
-            uint4 px[4][4];
-            float2 ps[4];
-            {
-                const int uu = u0 < units ? u0 : 0;
-#pragma unroll
-                for (int b = 0; b < 4; ++b) {
-                    px[b][0] = i8_ldx16(xq + (2 * b) * units + uu);
-                    px[b][1] = i8_ldx16(xq + (2 * b + 1) * units + uu);
-                    px[b][2] = i8_ldx16(xr + (2 * b) * units + uu);
-                    px[b][3] = i8_ldx16(xr + (2 * b + 1) * units + uu);
-                    ps[b] = i8_ldx8(xs + b * units + uu);
-                }
-            }
-#endif
-            i8_copy_wait();
-            __syncwarp();
-#pragma unroll
-            for (int k = 0; k < UNR; ++k) {
-                const int u = u0 + k * LPR;
-                if (u >= units) break;
-#if PREFETCH_X
-#pragma unroll
-#else
-                // One block at a time: unrolled, the compiler would hold every block's x in registers.
-#pragma unroll 1
-#endif
-                for (int b = 0; b < 4; ++b) {
-                    // Block b's weight scale (and Q4_1's offset) and quant words, per weight row.
-                    float dw[WR];
-#if W_T == 5
-                    float mw[WR];
-#endif
-#if W_T == 3
-                    int q[WR][8];
-#else
-                    int q[WR][4];
-#endif
-#pragma unroll
-                    for (int i = 0; i < WR; ++i) {
-                        // This lane's unit in the stage (read where used: no copy in registers).
-                        const kiln_u32* w = reinterpret_cast<const kiln_u32*>(
-                            stage + ((k * WR + i) * 32 + side * LPR + sl) * UNIT_BYTES);
-#if W_T == 3
-                        // 34-byte blocks at 0, 34, 68, 102: quants at 2, 36, 70, 104.
-                        if (b == 0 || b == 2) {
-                            const int o = b == 0 ? 0 : 17;
-                            dw[i] = i8_half(w[o]);
-#pragma unroll
-                            for (int n = 0; n < 8; ++n) q[i][n] = i8_shifted(w[o + n], w[o + n + 1]);
-                        } else {
-                            const int o = b == 1 ? 8 : 25;
-                            dw[i] = i8_half(w[o] >> 16);
-#pragma unroll
-                            for (int n = 0; n < 8; ++n) q[i][n] = (int)w[o + 1 + n];
-                        }
-#elif W_T == 4
-                        // 18-byte blocks at 0, 18, 36, 54: quants at 2, 20, 38, 56.
-                        if (b == 0 || b == 2) {
-                            const int o = b == 0 ? 0 : 9;
-                            dw[i] = i8_half(w[o]);
-#pragma unroll
-                            for (int n = 0; n < 4; ++n) q[i][n] = i8_shifted(w[o + n], w[o + n + 1]);
-                        } else {
-                            const int o = b == 1 ? 4 : 13;
-                            dw[i] = i8_half(w[o] >> 16);
-#pragma unroll
-                            for (int n = 0; n < 4; ++n) q[i][n] = (int)w[o + 1 + n];
-                        }
-#else
-                        // 20-byte blocks: d, m, 16 bytes of quants.
-                        dw[i] = i8_half(w[5 * b]);
-                        mw[i] = i8_half(w[5 * b] >> 16);
-#pragma unroll
-                        for (int n = 0; n < 4; ++n) q[i][n] = (int)w[5 * b + 1 + n];
-#endif
-                    }
-#pragma unroll
-                    for (int t = 0; t < TOKENS; ++t) {
-#if PREFETCH_X
-                        const uint4 lo = px[b][0], hi = px[b][1], lo2 = px[b][2], hi2 = px[b][3];
-                        const float2 sc = ps[b];
-#else
-                        const uint4 lo = i8_ldx16(xq + (t * 8 + 2 * b) * units + u);
-                        const uint4 hi = i8_ldx16(xq + (t * 8 + 2 * b + 1) * units + u);
-                        const uint4 lo2 = i8_ldx16(xr + (t * 8 + 2 * b) * units + u);
-                        const uint4 hi2 = i8_ldx16(xr + (t * 8 + 2 * b + 1) * units + u);
-                        const float2 sc = i8_ldx8(xs + (t * 4 + b) * units + u);
-#endif
-#pragma unroll
-                        for (int i = 0; i < WR; ++i) {
-                            int sum = 0, sum2 = 0;
-#if W_T == 3
-                            sum = i8_dot4(q[i][0], (int)lo.x, sum);
-                            sum = i8_dot4(q[i][1], (int)lo.y, sum);
-                            sum = i8_dot4(q[i][2], (int)lo.z, sum);
-                            sum = i8_dot4(q[i][3], (int)lo.w, sum);
-                            sum = i8_dot4(q[i][4], (int)hi.x, sum);
-                            sum = i8_dot4(q[i][5], (int)hi.y, sum);
-                            sum = i8_dot4(q[i][6], (int)hi.z, sum);
-                            sum = i8_dot4(q[i][7], (int)hi.w, sum);
-                            sum2 = i8_dot4(q[i][0], (int)lo2.x, sum2);
-                            sum2 = i8_dot4(q[i][1], (int)lo2.y, sum2);
-                            sum2 = i8_dot4(q[i][2], (int)lo2.z, sum2);
-                            sum2 = i8_dot4(q[i][3], (int)lo2.w, sum2);
-                            sum2 = i8_dot4(q[i][4], (int)hi2.x, sum2);
-                            sum2 = i8_dot4(q[i][5], (int)hi2.y, sum2);
-                            sum2 = i8_dot4(q[i][6], (int)hi2.z, sum2);
-                            sum2 = i8_dot4(q[i][7], (int)hi2.w, sum2);
-                            acc[i][t] += (dw[i] * sc.x) * (float)(254 * sum + sum2);
-#else
-                            // Byte n of quant word m: low nibble value 4m + n, high nibble 16 + 4m + n.
-                            const int m0 = q[i][0] & 0x0F0F0F0F, m1 = q[i][1] & 0x0F0F0F0F;
-                            const int m2 = q[i][2] & 0x0F0F0F0F, m3 = q[i][3] & 0x0F0F0F0F;
-                            const int h0 = (q[i][0] >> 4) & 0x0F0F0F0F, h1 = (q[i][1] >> 4) & 0x0F0F0F0F;
-                            const int h2 = (q[i][2] >> 4) & 0x0F0F0F0F, h3 = (q[i][3] >> 4) & 0x0F0F0F0F;
-                            sum = i8_dot4(m0, (int)lo.x, sum);
-                            sum = i8_dot4(m1, (int)lo.y, sum);
-                            sum = i8_dot4(m2, (int)lo.z, sum);
-                            sum = i8_dot4(m3, (int)lo.w, sum);
-                            sum = i8_dot4(h0, (int)hi.x, sum);
-                            sum = i8_dot4(h1, (int)hi.y, sum);
-                            sum = i8_dot4(h2, (int)hi.z, sum);
-                            sum = i8_dot4(h3, (int)hi.w, sum);
-                            sum2 = i8_dot4(m0, (int)lo2.x, sum2);
-                            sum2 = i8_dot4(m1, (int)lo2.y, sum2);
-                            sum2 = i8_dot4(m2, (int)lo2.z, sum2);
-                            sum2 = i8_dot4(m3, (int)lo2.w, sum2);
-                            sum2 = i8_dot4(h0, (int)hi2.x, sum2);
-                            sum2 = i8_dot4(h1, (int)hi2.y, sum2);
-                            sum2 = i8_dot4(h2, (int)hi2.z, sum2);
-                            sum2 = i8_dot4(h3, (int)hi2.w, sum2);
-                            const int total = 254 * sum + sum2;
-#if W_T == 4
-                            // w = d (q - 8): sum (q - 8) xq = sum q xq - 8 sum xq, exact in int.
-                            acc[i][t] += (dw[i] * sc.x) * (float)(total - 8 * __float_as_int(sc.y));
-#else
-                            // w = d q + m: d dx sum q xq + m sum x.
-                            acc[i][t] += (dw[i] * sc.x) * (float)total + mw[i] * sc.y;
-#endif
-#endif
-                        }
-                    }
-                }
-            }
+            if (r0 > 0) i8_issue_round(i8_stage[warp][0], wrow, r0, units, sl, side);
+            i8_round_products<0>(i8_stage[warp][0], r0, units, sl, side, xq, xr, xs, acc);
             __syncwarp();  // every lane is done with the stage before the next round's copies
         }
-
-        // Sums over the row's lanes (a butterfly inside each group of LPR lanes).
-#pragma unroll
-        for (int i = 0; i < WR; ++i)
-#pragma unroll
-            for (int t = 0; t < TOKENS; ++t) {
-#pragma unroll
-                for (int o = LPR / 2; o > 0; o >>= 1) acc[i][t] += __shfl_xor_sync(0xFFFFFFFFu, acc[i][t], o);
-            }
-        if (sl == 0) {
-#pragma unroll
-            for (int i = 0; i < RL; ++i) {
-                const int o = g * per_group + i * SIDE + side;
-                if (o >= rows) continue;
-#pragma unroll
-                for (int t = 0; t < TOKENS; ++t) {
-                    float* dst = out + (long long)t * rows + o;
-#if EPI == 2
-                    *dst = i8_swiglu(acc[i][t], acc[RL + i][t]);
-#else
-                    float y = acc[i][t];
-#if HAS_BIAS
-                    y += bias[o];
-#endif
-#if EPI == 1
-                    *dst = *dst + y;
-#else
-                    *dst = y;
-#endif
-#endif
-                }
-            }
-        }
+        i8_finish_group(acc, bias, out, rows, g, side, sl);
     }
+#endif
 }

@@ -296,7 +296,7 @@ __device__ __forceinline__ void kiln_norm_i8_planes(const float (&p)[8], void* p
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
         q[k] = kiln_norm_i8_round(p[k], inv);
-        r[k] = kiln_norm_i8_round(p[k] - d1 * (float)q[k], inv2);
+        r[k] = kiln_norm_i8_round(__fmaf_rn(-d1, (float)q[k], p[k]), inv2);  // as linear_i8.cu rounds it
         qs += 254 * q[k] + r[k];
     }
 #pragma unroll

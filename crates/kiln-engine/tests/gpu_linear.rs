@@ -980,3 +980,75 @@ fn norm_planes_equal_the_rounding_launch_bit_for_bit() {
     }
     assert_eq!(checked, 30);
 }
+
+#[test]
+fn pipelined_int8_products_equal_the_plain_kernel_bit_for_bit() {
+    // The pipelined integer path (KILN_INT8_PIPE=1: a persistent grid, two rounds of weights in
+    // flight a warp) sums every row in the order of the plain kernel: the outputs must be the
+    // same bits, for every variant it serves, every weight format and epilogue, one to eight
+    // tokens, rows of one unit of 128 to 112 units (a lane's share ragged), row counts that leave
+    // warps with one, several or no row groups, and the 8B decode shapes.
+    use kiln_cuda::ops::linear::{int8_scratch_bytes, INT8_PIPE_ENV};
+    let gpu = Gpu::open(0).expect("the GPU tests need CUDA device 0");
+    let mut rng = Rng::fresh();
+    let (mut checked, mut pipelined) = (0usize, 0usize);
+    let mut failures = Vec::new();
+    let shapes = [(3usize, 128usize), (37, 1536), (2051, 4096), (4096, 14336), (6144, 4096), (14336, 4096)];
+    for dtype in [DType::Q4_0, DType::Q8_0, DType::Q4_1] {
+        for &(rows, cols) in &shapes {
+            let w = Weights::new(&gpu, dtype, &random_weights(&mut rng, dtype, 2 * rows, cols), rows, cols);
+            for tokens in [1usize, 2, 8] {
+                let x: Vec<f32> = (0..tokens * cols).map(|_| rng.uniform(-3.0, 3.0)).collect();
+                let x_dev = upload(&gpu, &to_bytes(&x));
+                for epilogue in [Epilogue::Store, Epilogue::SwiGlu, Epilogue::Accumulate] {
+                    let call = LinearCall { weight: dtype, rows, cols, tokens, input: DType::F32, epilogue };
+                    let variants: Vec<Option<LinearVariant>> =
+                        std::iter::once(None).chain(INT8_VARIANTS.iter().map(|&v| Some(v))).collect();
+                    for variant in variants {
+                        if mma_refuses(&call, variant) {
+                            continue;
+                        }
+                        let start: Vec<f32> = (0..tokens * rows).map(|_| rng.uniform(-1.0, 1.0)).collect();
+                        let run = |pipe: bool| {
+                            if pipe {
+                                std::env::set_var(INT8_PIPE_ENV, "1");
+                            }
+                            let v = variant.unwrap_or_else(|| LinearVariant::default_for(&call));
+                            let served = call.int8_pipelined(v);
+                            let out = upload(&gpu, &to_bytes(&start));
+                            let scratch = poisoned(&gpu, int8_scratch_bytes(tokens, cols));
+                            let result = linear_with_scratch(
+                                &gpu,
+                                &call,
+                                w.device.view(),
+                                None,
+                                x_dev.view(),
+                                out.view(),
+                                Some(v),
+                                Some(scratch.view()),
+                            );
+                            std::env::remove_var(INT8_PIPE_ENV);
+                            result.expect("integer-path product");
+                            gpu.synchronize().expect("sync");
+                            (out.to_host_bytes().expect("out"), served)
+                        };
+                        let (plain, _) = run(false);
+                        let (piped, served) = run(true);
+                        if !served {
+                            continue;
+                        }
+                        pipelined += 1;
+                        checked += 1;
+                        if plain != piped {
+                            let v = variant.map_or("default".to_owned(), |v| v.label());
+                            failures.push(format!("{dtype} {rows}x{cols} {tokens} tokens {epilogue:?} {v}"));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    println!("{checked} pipelined integer-path products compared with the plain kernel");
+    assert!(pipelined > 100, "only {pipelined} calls ran pipelined");
+    assert!(failures.is_empty(), "{} differ:\n{}", failures.len(), failures.join("\n"));
+}

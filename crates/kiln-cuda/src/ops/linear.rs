@@ -223,15 +223,26 @@ impl LinearVariant {
         let lanes = int8_lanes_per_row(call.cols);
         let side = 32 / lanes;
         let lane_units = (call.cols / INT8_UNIT).div_ceil(lanes);
-        let mut unroll = (lane_units.next_power_of_two()).min(4);
+        // Pipelined, two rounds are in flight: two units of a lane a round suffice.
+        let most = if int8_pipe_on() { 2 } else { 4 };
+        let mut unroll = (lane_units.next_power_of_two()).min(most);
         let mut rows = if call.rows.div_ceil(side * 2) >= 132 * 16 { 2 } else { 1 };
         // Beyond 4 tokens the tokens' x chunks crowd the registers too.
         let budget = if call.tokens > 4 { 40 } else { 80 };
         while rows * gates * unroll * words > budget && unroll > 1 {
             unroll /= 2;
         }
-        while (rows * gates * unroll * words > budget || rows * gates * call.tokens > 32) && rows > 1 {
+        // Pipelined, a warp's two stages of weights (4 warps a block) fit 48 KiB.
+        let staged = |rows: usize, unroll: usize| 2 * 4 * rows * gates * unroll * 32 * words * 4;
+        while (rows * gates * unroll * words > budget
+            || rows * gates * call.tokens > 32
+            || (int8_pipe_on() && staged(rows, unroll) > 48 << 10))
+            && rows > 1
+        {
             rows /= 2;
+        }
+        while int8_pipe_on() && staged(rows, unroll) > 48 << 10 && unroll > 1 {
+            unroll /= 2;
         }
         Some(integer(4, rows as u32, unroll as u32))
     }
@@ -399,6 +410,7 @@ impl LinearCall {
                 ("RL", variant.rows.to_string()),
                 ("UNR", variant.unroll.to_string()),
                 ("LPR", int8_lanes_per_row(self.cols).to_string()),
+                ("PIPE", flag(self.int8_pipelined(variant))),
             ]);
             return Ok(defines);
         }
@@ -465,6 +477,15 @@ impl LinearCall {
             ));
         }
         Ok(())
+    }
+
+    /// Whether the integer path runs `variant` pipelined for this call ([`INT8_PIPE_ENV`]): turned
+    /// on, and the two stages of weights a warp fit the 48 KiB of a block.
+    pub fn int8_pipelined(&self, variant: LinearVariant) -> bool {
+        let Some(words) = int8_unit_words(self.weight).filter(|_| variant.int8) else { return false };
+        let weight_rows = variant.rows as usize * self.epilogue.weight_rows_per_output();
+        int8_pipe_on()
+            && 2 * variant.warps as usize * variant.unroll as usize * weight_rows * 32 * words * 4 <= 48 << 10
     }
 
     /// Bytes of the integer path's scratch ([`int8_scratch_bytes`]).
@@ -617,7 +638,8 @@ fn linear_inner(
         } else if let Some((x, shared)) = x.zip(int8_fused_shared_bytes(call, variant)) {
             // One launch: the product kernel rounds x itself into shared memory.
             let mut defines = defines.clone();
-            defines.push(("FUSE", "1".to_owned()));
+            defines.retain(|(name, _)| *name != "PIPE");
+            defines.extend([("FUSE", "1".to_owned()), ("PIPE", "0".to_owned())]);
             let (function, mut config) = int8_launch(gpu, call, variant, &defines)?;
             config.shared_mem_bytes = shared as u32;
             (x.ptr, function, config)
@@ -654,6 +676,18 @@ fn linear_inner(
     unsafe { launch.launch(config) }.map_err(|e| driver_error("cuLaunchKernel(kiln_linear)", e))?;
     // The integer path's rounding launch ran unless x came rounded or the product rounded it.
     Ok(if variant.int8 && x.is_some() && config.shared_mem_bytes == 0 { 2 } else { 1 })
+}
+
+/// The environment variable that sets whether the integer path's product kernel is pipelined
+/// (`1`) or not (`0`): pipelined, the grid is persistent (the blocks that fit the GPU at once) and
+/// each warp keeps two rounds of weights in flight, the next round's (or the next row group's)
+/// copies issued before the current round is summed. The sums and their order are the same
+/// either way, so are the outputs' bits.
+pub const INT8_PIPE_ENV: &str = "KILN_INT8_PIPE";
+
+/// Whether [`INT8_PIPE_ENV`] turns the pipelined integer path on (off unless set to `1`).
+pub fn int8_pipe_on() -> bool {
+    std::env::var(INT8_PIPE_ENV).is_ok_and(|v| v.trim() == "1")
 }
 
 /// The environment variable that turns the integer path's fused rounding on (`1`): at one token
@@ -712,8 +746,17 @@ fn int8_launch(
     let function = gpu.function(&LINEAR_I8, "kiln_linear_i8", &define_refs(defines))?;
     let side = 32 / int8_lanes_per_row(call.cols);
     let groups = call.rows.div_ceil(side * variant.rows as usize);
-    let blocks = u32::try_from(groups.div_ceil(variant.warps as usize))
-        .map_err(|_| not_served(format!("{} rows", call.rows)))?;
+    let mut blocks = groups.div_ceil(variant.warps as usize);
+    if defines.iter().any(|(name, value)| *name == "PIPE" && value == "1") {
+        // Persistent: the blocks that are resident at once; each warp loops over row groups.
+        let resident =
+            function.occupancy_max_active_blocks_per_multiprocessor(variant.warps * 32, 0, None).map_err(
+                |e| driver_error("cuOccupancyMaxActiveBlocksPerMultiprocessor(kiln_linear_i8)", e),
+            )?;
+        let multiprocessors = gpu.facts().multiprocessors.max(1) as usize;
+        blocks = blocks.min(resident.max(1) as usize * multiprocessors);
+    }
+    let blocks = u32::try_from(blocks).map_err(|_| not_served(format!("{} rows", call.rows)))?;
     let config =
         LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (variant.warps * 32, 1, 1), shared_mem_bytes: 0 };
     Ok((function, config))
