@@ -43,10 +43,10 @@ pub struct BenchGenerateArgs {
     /// units (x as 16-bit fixed point).
     #[arg(long)]
     no_integer_products: bool,
-    /// The norms before the q/k/v and gate/up products also write x rounded for the integer
-    /// path, so those products run without a rounding launch of their own.
+    /// Round x for the integer-path products in launches of their own, instead of in the norms
+    /// before the q/k/v and gate/up products (the default).
     #[arg(long)]
-    norm_rounds_x: bool,
+    no_norm_rounds_x: bool,
     /// Launch every kernel after the one before it has finished, instead of letting it start
     /// while that one finishes (sm_90 and later; the same results either way).
     #[arg(long)]
@@ -88,7 +88,7 @@ struct Report {
     integer_products: bool,
     /// Kernels start while the one before them finishes (`--serial-launches` clears it).
     overlapped_launches: bool,
-    /// The norms wrote x rounded for the integer-path products (`--norm-rounds-x`).
+    /// The norms wrote x rounded for the integer-path products (`--no-norm-rounds-x` clears it).
     norm_rounds_x: bool,
     rows: Vec<Row>,
 }
@@ -143,7 +143,7 @@ pub fn run(args: &BenchGenerateArgs) -> Result<()> {
             graphs: !args.no_graphs,
             matvec_tokens: args.matvec_tokens,
             integer_products: !args.no_integer_products,
-            norm_rounds_x: args.norm_rounds_x,
+            norm_rounds_x: !args.no_norm_rounds_x,
             ..GpuOptions::default()
         };
         let mut engine = GpuEngine::new(gpu.clone(), &model, options)?;
@@ -277,7 +277,7 @@ pub fn run(args: &BenchGenerateArgs) -> Result<()> {
             graphs: !args.no_graphs,
             integer_products: !args.no_integer_products,
             overlapped_launches: gpu.overlaps_launches(),
-            norm_rounds_x: args.norm_rounds_x,
+            norm_rounds_x: !args.no_norm_rounds_x,
             rows,
         };
         let text = serde_json::to_string_pretty(&report).map_err(|e| Error::InvalidArgument {

@@ -729,10 +729,15 @@ pub fn lm_head_candidates(task: &LmHeadTask, facts: &DeviceFacts) -> Candidates<
 pub fn attention_candidates(task: &AttentionTask, facts: &DeviceFacts) -> Candidates<AttentionConfig> {
     let default = task.default_config(facts.multiprocessors);
     let others: Vec<AttentionConfig> = match task.phase {
-        AttentionPhase::Prefill { .. } => [AttentionVariant::PREFILL, AttentionVariant::PREFILL_WIDE]
-            .into_iter()
-            .map(|variant| AttentionConfig { variant, splits: 1 })
-            .collect(),
+        AttentionPhase::Prefill { .. } => [
+            AttentionVariant::PREFILL,
+            AttentionVariant::PREFILL_WIDE,
+            AttentionVariant::PREFILL_WGMMA,
+            AttentionVariant::PREFILL_WGMMA_PINGPONG,
+        ]
+        .into_iter()
+        .map(|variant| AttentionConfig { variant, splits: 1 })
+        .collect(),
         AttentionPhase::Decode { .. } => {
             let s = default.splits;
             let mut splits = vec![1, s.div_ceil(2), s, (2 * s).min(64)];
@@ -750,7 +755,14 @@ pub fn attention_candidates(task: &AttentionTask, facts: &DeviceFacts) -> Candid
                 let v = c.variant;
                 let shared = v.shared_bytes(task.shape.head_dim) as u64;
                 let threads = 32 * v.warps_m * v.warps_n;
-                let why = if shared > facts.shared_memory_per_block_optin_bytes {
+                let wgmma =
+                    matches!(v, AttentionVariant::PREFILL_WGMMA | AttentionVariant::PREFILL_WGMMA_PINGPONG);
+                let why = if wgmma && (facts.compute_capability != (9, 0) || task.shape.head_dim != 128) {
+                    Some(format!(
+                        "the wgmma prefill serves sm_90 and head dim 128, not sm_{}{} and head dim {}",
+                        facts.compute_capability.0, facts.compute_capability.1, task.shape.head_dim
+                    ))
+                } else if shared > facts.shared_memory_per_block_optin_bytes {
                     Some(format!(
                         "{shared} bytes of shared memory, the device gives {}",
                         facts.shared_memory_per_block_optin_bytes

@@ -17,7 +17,7 @@
 //! rounding).
 //!
 //! `gpu_parity MODEL REFERENCE_DIR|- [--steps N] [--tolerance T] [--no-graphs]
-//! [--no-integer-products] [--norm-rounds-x]` (`-`: five prompts of random ids instead of the reference's)
+//! [--no-integer-products] [--no-norm-rounds-x]` (`-`: five prompts of random ids instead of the reference's)
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -44,7 +44,7 @@ fn run() -> Result<bool> {
         Error::InvalidArgument {
         name: "arguments",
         value: args.join(" "),
-        reason: "usage: gpu_parity MODEL REFERENCE_DIR [--steps N] [--tolerance T] [--no-graphs] [--no-integer-products] [--norm-rounds-x]".into(),
+        reason: "usage: gpu_parity MODEL REFERENCE_DIR [--steps N] [--tolerance T] [--no-graphs] [--no-integer-products] [--no-norm-rounds-x]".into(),
     }
     };
     let model_path = PathBuf::from(args.first().ok_or_else(usage)?);
@@ -54,7 +54,7 @@ fn run() -> Result<bool> {
     let tolerance: f32 = flag("--tolerance").map_or(Ok(3e-2), |v| v.parse().map_err(|_| usage()))?;
     let graphs = !args.iter().any(|a| a == "--no-graphs");
     let integer_products = !args.iter().any(|a| a == "--no-integer-products");
-    let norm_rounds_x = args.iter().any(|a| a == "--norm-rounds-x");
+    let norm_rounds_x = !args.iter().any(|a| a == "--no-norm-rounds-x");
 
     let model = load_model(&model_path)?;
     let prompts: Vec<Vec<u32>> = if dir.as_os_str() == "-" {

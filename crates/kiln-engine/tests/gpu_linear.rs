@@ -983,8 +983,8 @@ fn norm_planes_equal_the_rounding_launch_bit_for_bit() {
 
 #[test]
 fn pipelined_int8_products_equal_the_plain_kernel_bit_for_bit() {
-    // The pipelined integer path (KILN_INT8_PIPE=1: a persistent grid, two rounds of weights in
-    // flight a warp) sums every row in the order of the plain kernel: the outputs must be the
+    // The pipelined integer path (KILN_INT8_PIPE=1, the default at one token: a persistent grid,
+    // two rounds of weights in flight a warp) sums every row in the order of the plain kernel: the outputs must be the
     // same bits, for every variant it serves, every weight format and epilogue, one to eight
     // tokens, rows of one unit of 128 to 112 units (a lane's share ragged), row counts that leave
     // warps with one, several or no row groups, and the 8B decode shapes.
@@ -1010,9 +1010,7 @@ fn pipelined_int8_products_equal_the_plain_kernel_bit_for_bit() {
                         }
                         let start: Vec<f32> = (0..tokens * rows).map(|_| rng.uniform(-1.0, 1.0)).collect();
                         let run = |pipe: bool| {
-                            if pipe {
-                                std::env::set_var(INT8_PIPE_ENV, "1");
-                            }
+                            std::env::set_var(INT8_PIPE_ENV, if pipe { "1" } else { "0" });
                             let v = variant.unwrap_or_else(|| LinearVariant::default_for(&call));
                             let served = call.int8_pipelined(v);
                             let out = upload(&gpu, &to_bytes(&start));
