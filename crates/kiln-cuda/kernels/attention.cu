@@ -61,7 +61,8 @@
 #ifndef WARP_KEYS
 #define WARP_KEYS 64
 #endif
-// K/V tiles in flight (shared-memory stages).
+// K/V tiles in flight (shared-memory stages): 2, or 3 for the deep decode variants (two tiles in
+// flight while one is computed; ops/attention.rs DECODE_DEEP, DECODE_WIDE_DEEP).
 #ifndef STAGES
 #define STAGES 2
 #endif

@@ -64,37 +64,85 @@ pub struct AttentionVariant {
     pub warps_n: u32,
     pub warp_keys: u32,
     pub kernel: AttentionKernel,
+    /// K/V tiles in flight: the tiled kernel's `STAGES` (2, or 3 for the deep decode variants),
+    /// the streaming kernel's steps per warp (3), the wgmma kernels' stages (2, ping-pong 3).
+    pub stages: u32,
 }
 
 impl AttentionVariant {
     /// Prefill: 64 rows by 4 warps, 64 keys a tile.
-    pub const PREFILL: AttentionVariant =
-        AttentionVariant { warps_m: 4, warps_n: 1, warp_keys: 64, kernel: AttentionKernel::Tiled };
+    pub const PREFILL: AttentionVariant = AttentionVariant {
+        warps_m: 4,
+        warps_n: 1,
+        warp_keys: 64,
+        kernel: AttentionKernel::Tiled,
+        stages: STAGES,
+    };
     /// Prefill: 128 rows by 8 warps, 64 keys a tile.
-    pub const PREFILL_WIDE: AttentionVariant =
-        AttentionVariant { warps_m: 8, warps_n: 1, warp_keys: 64, kernel: AttentionKernel::Tiled };
+    pub const PREFILL_WIDE: AttentionVariant = AttentionVariant {
+        warps_m: 8,
+        warps_n: 1,
+        warp_keys: 64,
+        kernel: AttentionKernel::Tiled,
+        stages: STAGES,
+    };
     /// Decode (the default): the streaming kernel, 16 rows (the query heads of a group), 4 warps
     /// each streaming its own steps of 16 keys, three in flight.
-    pub const DECODE: AttentionVariant =
-        AttentionVariant { warps_m: 1, warps_n: 4, warp_keys: 16, kernel: AttentionKernel::Streaming };
+    pub const DECODE: AttentionVariant = AttentionVariant {
+        warps_m: 1,
+        warps_n: 4,
+        warp_keys: 16,
+        kernel: AttentionKernel::Streaming,
+        stages: STREAM_STAGES,
+    };
     /// Decode on the tiled kernel: 16 rows, 4 warps sharing 64 keys a tile (the decode default
     /// before the streaming kernel). Not in [`AttentionVariant::ALL`]: its name
     /// (`warps_m x warps_n x warp_keys`) is [`AttentionVariant::DECODE`]'s.
-    pub const DECODE_TILED: AttentionVariant =
-        AttentionVariant { warps_m: 1, warps_n: 4, warp_keys: 16, kernel: AttentionKernel::Tiled };
+    pub const DECODE_TILED: AttentionVariant = AttentionVariant {
+        warps_m: 1,
+        warps_n: 4,
+        warp_keys: 16,
+        kernel: AttentionKernel::Tiled,
+        stages: STAGES,
+    };
     /// Decode on the tiled kernel: 16 rows, 4 warps sharing 128 keys a tile.
-    pub const DECODE_WIDE: AttentionVariant =
-        AttentionVariant { warps_m: 1, warps_n: 4, warp_keys: 32, kernel: AttentionKernel::Tiled };
+    pub const DECODE_WIDE: AttentionVariant = AttentionVariant {
+        warps_m: 1,
+        warps_n: 4,
+        warp_keys: 32,
+        kernel: AttentionKernel::Tiled,
+        stages: STAGES,
+    };
+    /// [`AttentionVariant::DECODE_TILED`] three tiles deep: two 64-key tiles in flight while one
+    /// is computed (106 KiB of shared memory at head dim 128: two blocks a multiprocessor on
+    /// sm_90, up to 192 KiB of K/V in flight there, against 128 KiB two deep). Not in
+    /// [`AttentionVariant::ALL`]: its name is [`AttentionVariant::DECODE`]'s (the bench tags it
+    /// `deep`).
+    pub const DECODE_DEEP: AttentionVariant = AttentionVariant { stages: DEEP_STAGES, ..Self::DECODE_TILED };
+    /// [`AttentionVariant::DECODE_WIDE`] three tiles deep: two 128-key tiles in flight while one
+    /// is computed (208 KiB of shared memory at head dim 128: one block a multiprocessor, as the
+    /// two-deep one). Not in [`AttentionVariant::ALL`] (its name is `DECODE_WIDE`'s; the bench
+    /// tags it `wide deep`).
+    pub const DECODE_WIDE_DEEP: AttentionVariant =
+        AttentionVariant { stages: DEEP_STAGES, ..Self::DECODE_WIDE };
 
     /// Prefill on Hopper's warpgroup MMA: 128 rows by two warpgroups (eight warps), 128 keys a
     /// tile. sm_90 only, head dim 128, one split. Not in [`AttentionVariant::ALL`] (it serves
     /// fewer shapes and devices).
-    pub const PREFILL_WGMMA: AttentionVariant =
-        AttentionVariant { warps_m: 8, warps_n: 1, warp_keys: 128, kernel: AttentionKernel::Warpgroup };
+    pub const PREFILL_WGMMA: AttentionVariant = AttentionVariant {
+        warps_m: 8,
+        warps_n: 1,
+        warp_keys: 128,
+        kernel: AttentionKernel::Warpgroup,
+        stages: STAGES,
+    };
     /// [`AttentionVariant::PREFILL_WGMMA`]'s work on the ping-pong kernel (a third warpgroup
     /// copies).
-    pub const PREFILL_WGMMA_PINGPONG: AttentionVariant =
-        AttentionVariant { kernel: AttentionKernel::WarpgroupPingpong, ..Self::PREFILL_WGMMA };
+    pub const PREFILL_WGMMA_PINGPONG: AttentionVariant = AttentionVariant {
+        kernel: AttentionKernel::WarpgroupPingpong,
+        stages: PINGPONG_STAGES,
+        ..Self::PREFILL_WGMMA
+    };
 
     /// Every named variant (distinct names); the tests run each, and
     /// [`AttentionVariant::DECODE_TILED`] beside them.
@@ -121,11 +169,7 @@ impl AttentionVariant {
 
     /// K/V tiles in flight (the kernel's `STAGES`; the streaming kernel's `STREAM_STAGES` per warp).
     pub fn stages(&self) -> u32 {
-        match self.kernel {
-            AttentionKernel::Tiled | AttentionKernel::Warpgroup => STAGES,
-            AttentionKernel::Streaming => STREAM_STAGES,
-            AttentionKernel::WarpgroupPingpong => PINGPONG_STAGES,
-        }
+        self.stages
     }
 
     /// Dynamic shared memory. Tiled: Q rows, then [`AttentionVariant::stages`] stages of K and V
@@ -163,7 +207,8 @@ impl AttentionVariant {
     fn validate(&self, head_dim: usize) -> Result<()> {
         let served = match self.kernel {
             AttentionKernel::Tiled => {
-                self.warps_m * self.warps_n <= 8
+                (self.stages == STAGES || (self.stages == DEEP_STAGES && self.warps_m == 1))
+                    && self.warps_m * self.warps_n <= 8
                     && self.warp_keys.is_multiple_of(16)
                     && self.warp_keys > 0
                     && (self.keys() as usize * head_dim / 8).is_multiple_of(self.threads() as usize)
@@ -172,7 +217,7 @@ impl AttentionVariant {
             AttentionKernel::Streaming => {
                 // Four warps: the block shape the kernel's registers (two blocks a
                 // multiprocessor) and the compile check are made for.
-                self.warps_m == 1 && self.warps_n == 4 && self.warp_keys == 16 && head_dim.is_multiple_of(64)
+                *self == AttentionVariant::DECODE && head_dim.is_multiple_of(64)
             }
             AttentionKernel::Warpgroup => *self == AttentionVariant::PREFILL_WGMMA && head_dim == 128,
             AttentionKernel::WarpgroupPingpong => {
@@ -212,8 +257,12 @@ fn prefill_requested() -> Option<AttentionVariant> {
     })
 }
 
-/// K/V stages of every tiled variant (the kernel's default `STAGES`).
+/// K/V stages of the tiled variants but the deep ones (the kernel's default `STAGES`).
 const STAGES: u32 = 2;
+
+/// K/V stages of the deep tiled decode variants ([`AttentionVariant::DECODE_DEEP`],
+/// [`AttentionVariant::DECODE_WIDE_DEEP`]).
+const DEEP_STAGES: u32 = 3;
 
 /// K/V stages of the ping-pong wgmma kernel (its `PINGPONG_STAGES`).
 const PINGPONG_STAGES: u32 = 3;
@@ -433,6 +482,9 @@ fn defines(head_dim: usize, variant: AttentionVariant) -> Vec<(&'static str, Str
         ("WARPS_N", variant.warps_n.to_string()),
         ("WARP_KEYS", variant.warp_keys.to_string()),
     ];
+    if variant.kernel == AttentionKernel::Tiled && variant.stages != STAGES {
+        defines.push(("STAGES", variant.stages.to_string()));
+    }
     if variant.kernel == AttentionKernel::Streaming {
         defines.push(("STREAMING", "1".to_owned()));
         if std::env::var(DECODE_L2_HINT_ENV).is_ok_and(|v| v.trim() == "none") {
@@ -772,6 +824,19 @@ mod tests {
             }
         }
         AttentionVariant::DECODE_TILED.validate(128).unwrap();
+        // The deep decode variants: three stages of 64 (128) keys, K and V, beside 16 Q rows, rows
+        // of 272 bytes; two blocks of DECODE_DEEP fit sm_90's 228 KiB a multiprocessor (beside
+        // 1 KiB reserved a block), one of DECODE_WIDE_DEEP within its 227 KiB opt-in.
+        for deep in [AttentionVariant::DECODE_DEEP, AttentionVariant::DECODE_WIDE_DEEP] {
+            deep.validate(128).unwrap();
+            assert_eq!((deep.stages(), deep.kernel), (3, AttentionKernel::Tiled));
+        }
+        assert_eq!(AttentionVariant::DECODE_DEEP.shared_bytes(128), (16 + 384) * 272);
+        assert!(2 * (AttentionVariant::DECODE_DEEP.shared_bytes(128) + 1024 + 16) <= 228 * 1024);
+        assert_eq!(AttentionVariant::DECODE_WIDE_DEEP.shared_bytes(128), (16 + 768) * 272);
+        assert!(AttentionVariant::DECODE_WIDE_DEEP.shared_bytes(128) + 16 <= 227 * 1024);
+        assert_eq!(defines(128, AttentionVariant::DECODE_DEEP).last(), Some(&("STAGES", "3".to_owned())));
+        assert!(!defines(128, AttentionVariant::DECODE_TILED).iter().any(|(k, _)| *k == "STAGES"));
         assert_eq!(AttentionVariant::PREFILL.shared_bytes(128), (64 + 256) * 272);
         assert_eq!(AttentionVariant::DECODE_TILED.shared_bytes(128), (16 + 256) * 272);
         // The streaming decode: 4 warps x 3 stages x (K + V) x 16 keys x 256 bytes, twice per
@@ -780,12 +845,16 @@ mod tests {
         assert_eq!(AttentionVariant::DECODE.shared_bytes(64), 48 * 1024);
         assert!(AttentionVariant::DECODE.shared_bytes(128) + 516 <= 99 * 1024);
         assert_eq!(AttentionVariant::default_for(1), AttentionVariant::DECODE);
-        let bad = AttentionVariant { warps_m: 1, warps_n: 1, warp_keys: 8, kernel: AttentionKernel::Tiled };
+        let bad = AttentionVariant { warp_keys: 8, warps_n: 1, ..AttentionVariant::DECODE_TILED };
         assert!(matches!(bad.validate(128), Err(Error::NotServed { .. })));
         for bad in [
             AttentionVariant { warps_m: 2, ..AttentionVariant::DECODE },
             AttentionVariant { warp_keys: 32, ..AttentionVariant::DECODE },
             AttentionVariant { warps_n: 8, ..AttentionVariant::DECODE },
+            AttentionVariant { stages: 2, ..AttentionVariant::DECODE },
+            // Three stages only for the tiled decode shapes (one row tile).
+            AttentionVariant { stages: 3, ..AttentionVariant::PREFILL },
+            AttentionVariant { stages: 4, ..AttentionVariant::DECODE_TILED },
         ] {
             assert!(matches!(bad.validate(128), Err(Error::NotServed { .. })), "{bad:?}");
         }
@@ -799,15 +868,25 @@ mod tests {
     fn defines_name_the_compiled_define_sets() {
         // The launcher's defines are one of kernels::ATTENTION's sets, so the compile check
         // covers every variant the launcher builds.
-        for variant in AttentionVariant::ALL.into_iter().chain([AttentionVariant::DECODE_TILED]) {
+        let others = [
+            AttentionVariant::DECODE_TILED,
+            AttentionVariant::DECODE_DEEP,
+            AttentionVariant::DECODE_WIDE_DEEP,
+        ];
+        for variant in AttentionVariant::ALL.into_iter().chain(others) {
             for head_dim in HEAD_DIMS {
                 let defines = defines(head_dim, variant);
                 let declared = ATTENTION.define_sets.iter().any(|set| {
                     set.len() == defines.len()
                         && set.iter().zip(&defines).all(|((k, v), (dk, dv))| k == dk && v == dv)
                 });
-                let compiled_for_all_heads =
-                    variant != AttentionVariant::PREFILL_WIDE && variant != AttentionVariant::DECODE_WIDE;
+                let compiled_for_all_heads = ![
+                    AttentionVariant::PREFILL_WIDE,
+                    AttentionVariant::DECODE_WIDE,
+                    AttentionVariant::DECODE_DEEP,
+                    AttentionVariant::DECODE_WIDE_DEEP,
+                ]
+                .contains(&variant);
                 if compiled_for_all_heads || head_dim == 128 {
                     assert!(declared, "{variant:?} at head dim {head_dim}: {defines:?}");
                 }
