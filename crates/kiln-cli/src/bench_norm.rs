@@ -194,7 +194,7 @@ pub fn run(args: &BenchNormArgs) -> Result<()> {
             + scale_bytes
             + if residual { 2 * x_bytes } else { 0 };
         let shape = format!("{rows}x{hidden}");
-        let default = NormVariant::default_for(call.segment_len());
+        let default = NormVariant::default_for(&call);
         let mut candidates: Vec<NormVariant> = vec![certified];
         let others: Vec<NormVariant> = if args.default_only {
             vec![default]

@@ -270,7 +270,7 @@ impl Task {
     /// The label of the family's declared default for this call.
     pub fn default_config(&self, facts: &DeviceFacts) -> String {
         match self {
-            Task::Norm(t) => norm_label(NormVariant::default_for(t.call.segment_len())),
+            Task::Norm(t) => norm_label(NormVariant::default_for(&t.call)),
             Task::LmHead(t) => LmHeadVariant::default_for(t.rows).label(),
             Task::Attention(t) => t.default_config(facts.multiprocessors).label(),
         }
@@ -572,10 +572,10 @@ fn unknown_config(key: &TuningKey, config: &str) -> Error {
 }
 
 /// The norm variant to run for `task` on `arch`: the certified winner; without one, in strict
-/// mode [`Error::KeyNotCertified`], else [`NormVariant::default_for`] the segment.
+/// mode [`Error::KeyNotCertified`], else [`NormVariant::default_for`] the call.
 pub fn norm_variant(store: &TuningStore, task: &NormTask, arch: Arch) -> Result<NormVariant> {
     let key = task.key(arch)?;
-    let default = norm_label(NormVariant::default_for(task.call.segment_len()));
+    let default = norm_label(NormVariant::default_for(&task.call));
     let chosen = store.config_for(&key, &default)?;
     let variant = parse_norm_variant(chosen).ok_or_else(|| unknown_config(&key, chosen))?;
     task.call.validate(variant).map_err(|e| e.context(format!("certified `{chosen}` for {key}")))?;
@@ -653,8 +653,7 @@ const MAX_REGISTERS_PER_THREAD: u64 = 255;
 /// device's threads, static shared memory and registers (an upper estimate: 8 fp32 values per
 /// unit of 256 elements held by each lane, twice when the weight is loaded early, plus 32).
 pub fn norm_candidates(task: &NormTask, facts: &DeviceFacts) -> Candidates<NormVariant> {
-    let n = task.call.segment_len();
-    let list = default_first(NormVariant::default_for(n), NORM_VARIANTS.iter().copied());
+    let list = default_first(NormVariant::default_for(&task.call), NORM_VARIANTS.iter().copied());
     Candidates::sort(
         list.into_iter()
             .map(|v| {

@@ -302,7 +302,7 @@ fn every_flavor_and_dtype_matches_the_reference() {
             }
             for &(rows, hidden) in &[(3usize, 1024usize), (17, 4352), (2, 16_384), (700, 4352)] {
                 let call = NormCall { spec, rows, hidden, x_type, weight_type };
-                let variant = NormVariant::default_for(call.segment_len());
+                let variant = NormVariant::default_for(&call);
                 check(&gpu, &mut rng, call, variant);
                 let other = NORM_VARIANTS.iter().rev().find(|v| **v != variant && call.validate(**v).is_ok());
                 if let Some(&other) = other {

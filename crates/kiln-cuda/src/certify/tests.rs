@@ -229,7 +229,7 @@ fn lookups_answer_the_winner_the_default_or_a_named_error() {
     // No certificate: the declared default, or in strict mode an error naming kernel and key.
     assert_eq!(
         norm_variant(&open(TuningMode::Default), &task, SM90).unwrap(),
-        NormVariant::default_for(4096)
+        NormVariant::default_for(&task.call)
     );
     match norm_variant(&open(TuningMode::Strict), &task, SM90) {
         Err(Error::KeyNotCertified { kernel, key: named }) => {

@@ -96,21 +96,45 @@ impl NormVariant {
         }
     }
 
-    /// The default variant for segments of `n` elements: at most 4 units per warp; persistent
-    /// from 4 warps per row on (rows of more than 2048 elements), where a wave of blocks that
-    /// all read, then all write, left the H200 at 62% (2048 x 4096) to 87% (8192 x 8192) of its
-    /// copy ceiling. With as many segments as multiprocessors or fewer the persistent grid is
-    /// the plain one.
-    pub fn default_for(n: usize) -> NormVariant {
-        let warps = n.div_ceil(UNIT).div_ceil(4).next_power_of_two().clamp(1, 16) as u32;
-        NormVariant {
-            warps_per_row: warps,
-            rows_per_block: (4 / warps).max(1),
-            early_weight: false,
-            persistent: warps >= 4,
+    /// The default variant for `call`, from the H200's graph-timed figures (bf16, 1 x 4096,
+    /// 2048 x 4096, 8192 x 8192; `kiln bench norm`), never a persistent one (the persistent grid
+    /// trailed the plain one at every large shape: 82% against 90% of the copy ceiling for
+    /// RMSNorm at 8192 x 8192, 65% against 87% for LayerNorm):
+    /// - at most [`SMALL_SEGMENTS`] segments (decode, small batches): one unit of 256 elements a
+    ///   warp, up to 16 warps a row, the weight loaded early (16 warps: 1.6-2.1 us at 1 x 4096
+    ///   in every case, against 2.6-3.5 us for the former persistent 4 warps): each segment has a
+    ///   multiprocessor to itself and its time is one row's chain of loads, sums and stores;
+    /// - INT8, NVFP4 and FP8 outputs, or fp32 x: 4 units a warp (8 warps at 8192: 64% and 41% of
+    ///   the copy ceiling for INT8 and NVFP4 against 62% and 31% with 4 warps);
+    /// - float outputs of 2-byte x: 8 units a warp (2 warps at 4096, 4 at 8192: 78-90% for
+    ///   RMSNorm, 66-87% for LayerNorm, whose two reductions cost more with more warps).
+    pub fn default_for(call: &NormCall) -> NormVariant {
+        let n = call.segment_len();
+        let units = n.div_ceil(UNIT).max(1);
+        let segments = call.rows * call.spec.groups.max(1);
+        if segments <= SMALL_SEGMENTS {
+            let warps = units.next_power_of_two().clamp(4, 16) as u32;
+            return NormVariant {
+                warps_per_row: warps,
+                rows_per_block: 1,
+                early_weight: true,
+                persistent: false,
+            };
         }
+        let two_byte_x = matches!(call.x_type, DType::BF16 | DType::F16);
+        let per_warp = if two_byte_x && matches!(call.spec.out, NormOutput::Float(_)) { 8 } else { 4 };
+        let warps = units.div_ceil(per_warp).next_power_of_two().clamp(1, 16) as u32;
+        // One warp a row: 4 rows a block; more: one (2w1r ran 1-3% ahead of 2w2r in all five
+        // cases at 2048 x 4096).
+        let rows_per_block = if warps == 1 { 4 } else { 1 };
+        NormVariant { warps_per_row: warps, rows_per_block, early_weight: false, persistent: false }
     }
 }
+
+/// Segments (rows times groups) up to which [`NormVariant::default_for`] spreads each segment over
+/// as many warps as it has units: a decode step or a small batch, fewer segments than the GPU has
+/// multiprocessors.
+pub const SMALL_SEGMENTS: usize = 64;
 
 /// Device buffers of one norm call (see the module docs for their layouts).
 #[derive(Debug, Clone, Copy)]
@@ -322,7 +346,7 @@ fn norm_launch(
     variant: Option<NormVariant>,
     planes: Option<(u64, bool)>,
 ) -> Result<()> {
-    let variant = variant.unwrap_or_else(|| NormVariant::default_for(call.segment_len()));
+    let variant = variant.unwrap_or_else(|| NormVariant::default_for(call));
     let mut defines = call.defines(variant)?;
     if let Some((_, second_int)) = planes {
         defines.push(("I8_PLANES", "1".to_owned()));
@@ -437,11 +461,34 @@ mod tests {
 
     #[test]
     fn variants_cover_every_row_length_up_to_16384() {
+        let rms: NormSpec = RmsNorm::llama(1e-5, DType::BF16).into();
+        let int8 = NormSpec { out: NormOutput::Quantized(Quantizer::Int8), ..rms };
         for n in (8..=16_384).step_by(8) {
-            let default = NormVariant::default_for(n);
-            assert!(default.units_per_warp(n).is_some(), "default variant for {n}");
-            assert!(NORM_VARIANTS.contains(&default), "default {default:?} is listed");
+            for (spec, x_type) in [(rms, DType::BF16), (rms, DType::F32), (int8, DType::BF16)] {
+                for rows in [1, SMALL_SEGMENTS, SMALL_SEGMENTS + 1, 8192] {
+                    let call = NormCall { spec, rows, hidden: n, x_type, weight_type: DType::BF16 };
+                    let default = NormVariant::default_for(&call);
+                    assert!(default.units_per_warp(n).is_some(), "default variant for {n}");
+                    assert!(NORM_VARIANTS.contains(&default), "default {default:?} is listed");
+                    assert!(!default.persistent, "{default:?}");
+                }
+            }
         }
+        // The figures the defaults come from: bf16 RMSNorm at 2048 x 4096 and 8192 x 8192, and
+        // one row of 4096.
+        let call = |spec, rows, hidden| NormCall {
+            spec,
+            rows,
+            hidden,
+            x_type: DType::BF16,
+            weight_type: DType::BF16,
+        };
+        assert_eq!(NormVariant::default_for(&call(rms, 2048, 4096)), variant(2, 1, false));
+        assert_eq!(NormVariant::default_for(&call(rms, 8192, 8192)), variant(4, 1, false));
+        assert_eq!(NormVariant::default_for(&call(int8, 2048, 4096)), variant(4, 1, false));
+        assert_eq!(NormVariant::default_for(&call(int8, 8192, 8192)), variant(8, 1, false));
+        assert_eq!(NormVariant::default_for(&call(rms, 1, 4096)), variant(16, 1, true));
+        assert_eq!(NormVariant::default_for(&call(rms, 8192, 576)), variant(1, 4, false));
         let one = variant(1, 1, false);
         assert_eq!(one.units_per_warp(4096), Some(16));
         assert_eq!(one.units_per_warp(4097), None);
