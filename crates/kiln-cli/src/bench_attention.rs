@@ -16,7 +16,9 @@
 //! the tiled kernel's decode at those splits (`tiled`, the decode default before the streaming
 //! kernel; its configuration name is the streaming default's), and the tiled kernel's wide decode
 //! variant (128 keys a tile, one block a multiprocessor) at the splits that fill the
-//! multiprocessors once (`wide`, unless it is the certified configuration); at batch 1 and 8 also
+//! multiprocessors once (`wide`, unless it is the certified configuration), both of these three
+//! K/V tiles deep instead of two at the same splits (`deep`, `wide deep`; their configuration
+//! names are the two-deep ones'); at batch 1 and 8 also
 //! the streaming default compiled to read K/V under the default L2 policy instead of evict-first
 //! (`default, no L2 hint`: `KILN_DECODE_L2_HINT=none` around that row only).
 //!
@@ -243,6 +245,10 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
         if wide != certified {
             configs.push(("wide", wide));
         }
+        // Both tiled decode shapes three K/V tiles deep (two in flight while one is computed),
+        // at the splits of their two-deep rows: candidates for the defaults, timed beside them.
+        configs.push(("deep", AttentionConfig { variant: AttentionVariant::DECODE_DEEP, ..default }));
+        configs.push(("wide deep", AttentionConfig { variant: AttentionVariant::DECODE_WIDE_DEEP, ..wide }));
         // At batch 1 and 8, the streaming default with K/V read under the default L2 policy
         // instead of evict-first (KILN_DECODE_L2_HINT=none), for measurement.
         if batch_size <= 8 && default.variant == AttentionVariant::DECODE {

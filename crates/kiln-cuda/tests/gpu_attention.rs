@@ -267,6 +267,9 @@ fn decode_matches_float64_and_repeats_bit_for_bit() {
                 (AttentionVariant::DECODE, Some(64)),
                 (AttentionVariant::DECODE_TILED, None),
                 (AttentionVariant::DECODE_WIDE, Some(7)),
+                (AttentionVariant::DECODE_DEEP, None),
+                (AttentionVariant::DECODE_DEEP, Some(1)),
+                (AttentionVariant::DECODE_WIDE_DEEP, Some(16)),
                 (AttentionVariant::PREFILL, None),
             ] {
                 let case = Case {
@@ -336,7 +339,8 @@ fn streaming_decode_at_its_edges_matches_float64_and_repeats_bit_for_bit() {
 }
 
 /// A long context through the streaming kernel's pipeline: hundreds of steps per warp unsplit,
-/// and the default splits; against the reference and against the tiled kernel's decode.
+/// and the default splits; against the reference, as are the tiled kernel's decode variants (two
+/// and three tiles deep) on the same inputs.
 #[test]
 fn streaming_decode_over_a_long_context_matches_float64() {
     let (gpu, mut rng) = (gpu(), Rng::fresh());
@@ -352,7 +356,12 @@ fn streaming_decode_over_a_long_context_matches_float64() {
     let inputs = inputs(&mut rng, &case);
     let want = reference(&case, &inputs);
     for splits in [Some(1), None, Some(64)] {
-        for variant in [AttentionVariant::DECODE, AttentionVariant::DECODE_TILED] {
+        for variant in [
+            AttentionVariant::DECODE,
+            AttentionVariant::DECODE_TILED,
+            AttentionVariant::DECODE_DEEP,
+            AttentionVariant::DECODE_WIDE_DEEP,
+        ] {
             (case.splits, case.variant) = (splits, variant);
             let outputs = check_on(&gpu, &case, &inputs, &want, 2);
             assert!(outputs[0] == outputs[1], "long decode differs between runs: {splits:?} {variant:?}");
@@ -372,7 +381,12 @@ fn tiled_decode_combine_over_many_splits_matches_float64_and_repeats_bit_for_bit
     for &(q_heads, kv_heads) in &[(32, 8), (16, 1), (32, 1)] {
         let mut sequences: Vec<(usize, usize)> = (0..3).map(|_| (1, 1 + rng.below(2500))).collect();
         sequences.insert(rng.below(sequences.len() + 1), (3, 3 + rng.below(700)));
-        for variant in [AttentionVariant::DECODE_TILED, AttentionVariant::DECODE_WIDE] {
+        for variant in [
+            AttentionVariant::DECODE_TILED,
+            AttentionVariant::DECODE_WIDE,
+            AttentionVariant::DECODE_DEEP,
+            AttentionVariant::DECODE_WIDE_DEEP,
+        ] {
             let mut case = Case {
                 q_heads,
                 kv_heads,
