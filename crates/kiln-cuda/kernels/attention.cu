@@ -70,6 +70,15 @@
 #ifndef STREAMING
 #define STREAMING 0
 #endif
+// 1 (with STREAMING 0, WARPS_M 1, WARPS_N 4, WARP_KEYS 16): compile the hybrid decode kernel
+// (kiln_attention_decode_hybrid) instead of kiln_attention: the streaming kernel's path where a
+// split holds at most HYBRID_STREAM_CHUNK keys, the tiled kernel's (STAGES deep) past that.
+#ifndef HYBRID
+#define HYBRID 0
+#endif
+#ifndef HYBRID_STREAM_CHUNK
+#define HYBRID_STREAM_CHUNK 512
+#endif
 // Ticket counters of the combine, one per (sequence, row tile, kv head) of a split launch; the
 // launcher refuses a split grid with more groups.
 #define KILN_ATTENTION_TICKETS 65536
@@ -90,6 +99,17 @@ static_assert(HEAD_DIM % 32 == 0, "HEAD_DIM is a multiple of 32");
 static_assert(WARP_KEYS % 16 == 0, "WARP_KEYS is a multiple of 16");
 
 struct alignas(16) kiln_chunk16 { kiln_u32 x, y, z, w; };
+
+// The parameters of every attention kernel of this file (but the append), and their names.
+#define KILN_ATTENTION_PARAMS                                                                                    \
+    const kiln_u16 *__restrict__ q, const kiln_u16 *__restrict__ k_cache, const kiln_u16 *__restrict__ v_cache, \
+        const kiln_i32 *__restrict__ query_offsets, const kiln_i32 *__restrict__ context_lens,                   \
+        const kiln_i32 *__restrict__ page_offsets, const kiln_u32 *__restrict__ page_ids,                        \
+        kiln_u16 *__restrict__ out, float *__restrict__ partial_out, float *__restrict__ partial_lse, int q_heads, \
+        int kv_heads, int page_shift, float scale_log2, int splits
+#define KILN_ATTENTION_ARGS                                                                                   \
+    q, k_cache, v_cache, query_offsets, context_lens, page_offsets, page_ids, out, partial_out, partial_lse, \
+        q_heads, kv_heads, page_shift, scale_log2, splits
 
 // Zero at module load; each launch's last block of a group puts its counter back to zero.
 __device__ kiln_u32 kiln_attention_tickets[KILN_ATTENTION_TICKETS];
@@ -121,14 +141,8 @@ static_assert(STAGES >= 2, "at least two stages");
 #endif
 
 // Dynamic shared memory: Q [BLOCK_M][ROW], then K [STAGES][BLOCK_N][ROW], V [STAGES][BLOCK_N][ROW]
-// (bf16).
-extern "C" __global__ void TILED_LAUNCH_BOUNDS kiln_attention(
-    const kiln_u16* __restrict__ q, const kiln_u16* __restrict__ k_cache, const kiln_u16* __restrict__ v_cache,
-    const kiln_i32* __restrict__ query_offsets, const kiln_i32* __restrict__ context_lens,
-    const kiln_i32* __restrict__ page_offsets, const kiln_u32* __restrict__ page_ids, kiln_u16* __restrict__ out,
-    float* __restrict__ partial_out, float* __restrict__ partial_lse, int q_heads, int kv_heads, int page_shift,
-    float scale_log2, int splits) {
-    kiln_wait_prior();
+// (bf16). The body of kiln_attention (after the wait), and the hybrid kernel's long path.
+KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
     extern __shared__ kiln_chunk16 shared_chunks[];
     __shared__ int is_last_block;
     kiln_u16* q_smem = reinterpret_cast<kiln_u16*>(shared_chunks);
@@ -558,7 +572,15 @@ extern "C" __global__ void TILED_LAUNCH_BOUNDS kiln_attention(
 #endif  // TILED_GATHERED_COMBINE
 }
 
-#else  // STREAMING
+#if !HYBRID
+extern "C" __global__ void TILED_LAUNCH_BOUNDS kiln_attention(KILN_ATTENTION_PARAMS) {
+    kiln_wait_prior();
+    kiln_attention_tiled(KILN_ATTENTION_ARGS);
+}
+#endif
+#endif  // !STREAMING
+
+#if STREAMING || HYBRID
 // ---- The streaming decode kernel (STREAMING = 1) ----------------------------------------------
 // One query token per sequence (a decode step). A block takes one (sequence, kv head, split, row
 // tile of 16 query heads); its WARPS_N warps stream the split's keys in steps of 16 (warp w takes
@@ -618,14 +640,9 @@ KILN_DEVICE void kiln_cp_async_16_policy(kiln_u32 shared_address, const void* gl
 #endif
 
 // Dynamic shared memory: WARPS_N * WARP_ELEMENTS bf16. Two blocks a multiprocessor (the
-// registers of the combine's batch fit that).
-extern "C" __global__ void __launch_bounds__(THREADS, 2) kiln_attention_decode(
-    const kiln_u16* __restrict__ q, const kiln_u16* __restrict__ k_cache, const kiln_u16* __restrict__ v_cache,
-    const kiln_i32* __restrict__ query_offsets, const kiln_i32* __restrict__ context_lens,
-    const kiln_i32* __restrict__ page_offsets, const kiln_u32* __restrict__ page_ids, kiln_u16* __restrict__ out,
-    float* __restrict__ partial_out, float* __restrict__ partial_lse, int q_heads, int kv_heads, int page_shift,
-    float scale_log2, int splits) {
-    kiln_wait_prior();
+// registers of the combine's batch fit that). The body of kiln_attention_decode (after the
+// wait), and the hybrid kernel's short path.
+KILN_DEVICE void kiln_attention_streaming(KILN_ATTENTION_PARAMS) {
     extern __shared__ kiln_chunk16 shared_chunks[];
     __shared__ float warp_max[WARPS_N][16], warp_sum[WARPS_N][16];
     __shared__ int is_last_block;
@@ -950,7 +967,36 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) kiln_attention_decode(
             kiln_pack_bf16x2(acc.x * inverse, acc.y * inverse), kiln_pack_bf16x2(acc.z * inverse, acc.w * inverse));
     }
 }
-#endif  // STREAMING
+
+#if !HYBRID
+extern "C" __global__ void __launch_bounds__(THREADS, 2) kiln_attention_decode(KILN_ATTENTION_PARAMS) {
+    kiln_wait_prior();
+    kiln_attention_streaming(KILN_ATTENTION_ARGS);
+}
+#endif
+#endif  // STREAMING || HYBRID
+
+#if HYBRID
+// ---- The hybrid decode kernel (HYBRID = 1) -----------------------------------------------------
+// One query token per sequence, the grid of both kernels (row tile, kv_head * splits + split,
+// sequence). Each block reads its sequence's context and takes, as every block of that sequence
+// does, the streaming kernel's path when a split holds at most HYBRID_STREAM_CHUNK keys
+// (ceil(context / splits): short contexts, where the streaming kernel's latency wins), else the
+// tiled kernel's, STAGES tiles deep (long contexts, where its bandwidth wins). The path, the
+// chunks and the combine's order follow from the context and the splits alone, so a given length
+// gives the same bits run to run, and a captured grid serves every length. Dynamic shared memory:
+// the larger of the two paths'.
+static_assert(WARPS_M == 1 && WARPS_N == 4 && WARP_KEYS == 16, "the hybrid kernel is the 1x4x16 shape");
+extern "C" __global__ void __launch_bounds__(THREADS, 2) kiln_attention_decode_hybrid(KILN_ATTENTION_PARAMS) {
+    kiln_wait_prior();
+    const int context = context_lens[blockIdx.z];
+    if ((context + splits - 1) / splits <= HYBRID_STREAM_CHUNK) {
+        kiln_attention_streaming(KILN_ATTENTION_ARGS);
+    } else {
+        kiln_attention_tiled(KILN_ATTENTION_ARGS);
+    }
+}
+#endif  // HYBRID
 
 // Writes new tokens' K and V into their slots: k_new, v_new [token][kv_head][HEAD_DIM] bf16,
 // slots[token] = page * page_tokens + slot. One 16-byte chunk per thread, grid-stride.

@@ -472,8 +472,10 @@ pub const LM_HEAD: KernelSource = KernelSource {
 
 /// Causal GQA attention over the paged KV cache (prefill and split decode), the combine of the
 /// splits, and the K/V append. Defines: `HEAD_DIM`, `WARPS_M`, `WARPS_N`, `WARP_KEYS`, `STAGES` (3
-/// for the deep tiled decode variants; 2 when absent), and `STREAMING` = 1 for the streaming
-/// decode kernel (`kiln_attention_decode`) in place of `kiln_attention`.
+/// for the deep tiled decode variants; 2 when absent), `STREAMING` = 1 for the streaming decode
+/// kernel (`kiln_attention_decode`) in place of `kiln_attention`, and `HYBRID` = 1 for the hybrid
+/// decode kernel (`kiln_attention_decode_hybrid`: the streaming path for short splits, the tiled
+/// one past them) in its place.
 pub const ATTENTION: KernelSource = KernelSource {
     name: "attention",
     source: include_str!("../kernels/attention.cu"),
@@ -486,6 +488,14 @@ pub const ATTENTION: KernelSource = KernelSource {
         &[("HEAD_DIM", "128"), ("WARPS_M", "1"), ("WARPS_N", "4"), ("WARP_KEYS", "32")],
         &[("HEAD_DIM", "128"), ("WARPS_M", "1"), ("WARPS_N", "4"), ("WARP_KEYS", "16"), ("STAGES", "3")],
         &[("HEAD_DIM", "128"), ("WARPS_M", "1"), ("WARPS_N", "4"), ("WARP_KEYS", "32"), ("STAGES", "3")],
+        &[
+            ("HEAD_DIM", "128"),
+            ("WARPS_M", "1"),
+            ("WARPS_N", "4"),
+            ("WARP_KEYS", "16"),
+            ("STAGES", "3"),
+            ("HYBRID", "1"),
+        ],
         &[("HEAD_DIM", "128"), ("WARPS_M", "1"), ("WARPS_N", "4"), ("WARP_KEYS", "16"), ("STREAMING", "1")],
         &[
             ("HEAD_DIM", "128"),

@@ -67,6 +67,10 @@ pub struct AttentionVariant {
     /// K/V tiles in flight: the tiled kernel's `STAGES` (2, or 3 for the deep decode variants),
     /// the streaming kernel's steps per warp (3), the wgmma kernels' stages (2, ping-pong 3).
     pub stages: u32,
+    /// The hybrid decode kernel ([`AttentionVariant::DECODE_HYBRID`]): the streaming kernel's path
+    /// where a split holds at most [`HYBRID_STREAM_CHUNK`] keys, the tiled kernel's (this shape,
+    /// these stages) past that. Only with `kernel` = [`AttentionKernel::Tiled`].
+    pub hybrid: bool,
 }
 
 impl AttentionVariant {
@@ -77,6 +81,7 @@ impl AttentionVariant {
         warp_keys: 64,
         kernel: AttentionKernel::Tiled,
         stages: STAGES,
+        hybrid: false,
     };
     /// Prefill: 128 rows by 8 warps, 64 keys a tile.
     pub const PREFILL_WIDE: AttentionVariant = AttentionVariant {
@@ -85,6 +90,7 @@ impl AttentionVariant {
         warp_keys: 64,
         kernel: AttentionKernel::Tiled,
         stages: STAGES,
+        hybrid: false,
     };
     /// Decode (the default): the streaming kernel, 16 rows (the query heads of a group), 4 warps
     /// each streaming its own steps of 16 keys, three in flight.
@@ -94,6 +100,7 @@ impl AttentionVariant {
         warp_keys: 16,
         kernel: AttentionKernel::Streaming,
         stages: STREAM_STAGES,
+        hybrid: false,
     };
     /// Decode on the tiled kernel: 16 rows, 4 warps sharing 64 keys a tile (the decode default
     /// before the streaming kernel). Not in [`AttentionVariant::ALL`]: its name
@@ -104,6 +111,7 @@ impl AttentionVariant {
         warp_keys: 16,
         kernel: AttentionKernel::Tiled,
         stages: STAGES,
+        hybrid: false,
     };
     /// Decode on the tiled kernel: 16 rows, 4 warps sharing 128 keys a tile.
     pub const DECODE_WIDE: AttentionVariant = AttentionVariant {
@@ -112,6 +120,7 @@ impl AttentionVariant {
         warp_keys: 32,
         kernel: AttentionKernel::Tiled,
         stages: STAGES,
+        hybrid: false,
     };
     /// [`AttentionVariant::DECODE_TILED`] three tiles deep: two 64-key tiles in flight while one
     /// is computed (106 KiB of shared memory at head dim 128: two blocks a multiprocessor on
@@ -125,6 +134,16 @@ impl AttentionVariant {
     /// tags it `wide deep`).
     pub const DECODE_WIDE_DEEP: AttentionVariant =
         AttentionVariant { stages: DEEP_STAGES, ..Self::DECODE_WIDE };
+    /// Decode on the hybrid kernel (`kiln_attention_decode_hybrid`, one launch, one grid): each
+    /// sequence whose splits hold at most [`HYBRID_STREAM_CHUNK`] keys (its context over the
+    /// splits, rounded up) runs [`AttentionVariant::DECODE`]'s streaming path, the others
+    /// [`AttentionVariant::DECODE_DEEP`]'s tiled one, with the same splits, so its output is one
+    /// of theirs, bit for bit. The choice is made on the device from the context of each step, so
+    /// a captured decode step takes the short path at short contexts and the long one as the cache
+    /// grows. One query token a sequence, at most 64 splits (the streaming path's combine); shared
+    /// memory the larger of the two paths'. Not in [`AttentionVariant::ALL`] (its name is
+    /// `DECODE`'s; the bench tags it `hybrid`).
+    pub const DECODE_HYBRID: AttentionVariant = AttentionVariant { hybrid: true, ..Self::DECODE_DEEP };
 
     /// Prefill on Hopper's warpgroup MMA: 128 rows by two warpgroups (eight warps), 128 keys a
     /// tile. sm_90 only, head dim 128, one split. Not in [`AttentionVariant::ALL`] (it serves
@@ -135,6 +154,7 @@ impl AttentionVariant {
         warp_keys: 128,
         kernel: AttentionKernel::Warpgroup,
         stages: STAGES,
+        hybrid: false,
     };
     /// [`AttentionVariant::PREFILL_WGMMA`]'s work on the ping-pong kernel (a third warpgroup
     /// copies).
@@ -176,6 +196,10 @@ impl AttentionVariant {
     /// tiles, rows padded by 16 bytes. Streaming: per warp, [`AttentionVariant::stages`] steps of
     /// K and V rows (unpadded, swizzled).
     pub fn shared_bytes(&self, head_dim: usize) -> usize {
+        if self.hybrid {
+            let tiled = AttentionVariant { hybrid: false, ..*self }.shared_bytes(head_dim);
+            return tiled.max(AttentionVariant::DECODE.shared_bytes(head_dim));
+        }
         match self.kernel {
             AttentionKernel::Tiled => {
                 let row = (head_dim + 8) * 2;
@@ -206,6 +230,7 @@ impl AttentionVariant {
 
     fn validate(&self, head_dim: usize) -> Result<()> {
         let served = match self.kernel {
+            AttentionKernel::Tiled if self.hybrid => *self == AttentionVariant::DECODE_HYBRID,
             AttentionKernel::Tiled => {
                 (self.stages == STAGES || (self.stages == DEEP_STAGES && self.warps_m == 1))
                     && self.warps_m * self.warps_n <= 8
@@ -259,6 +284,13 @@ fn prefill_requested() -> Option<AttentionVariant> {
 
 /// K/V stages of the tiled variants but the deep ones (the kernel's default `STAGES`).
 const STAGES: u32 = 2;
+
+/// Most keys a split of [`AttentionVariant::DECODE_HYBRID`] holds on its streaming path (the
+/// kernel's `HYBRID_STREAM_CHUNK`): `ceil(context / splits) <= HYBRID_STREAM_CHUNK`. Where the
+/// two kernels were measured on an H200 (GQA 32/8, head dim 128), the streaming one was ahead up
+/// to about 500 keys a split (batch 1 at 16k over 33 splits, batch 8 at 1k over 4) and the tiled
+/// one past about 1000 (batch 1 at 32k, batch 8 at 16k, batch 64 at 4k).
+pub const HYBRID_STREAM_CHUNK: usize = 512;
 
 /// K/V stages of the deep tiled decode variants ([`AttentionVariant::DECODE_DEEP`],
 /// [`AttentionVariant::DECODE_WIDE_DEEP`]).
@@ -485,6 +517,9 @@ fn defines(head_dim: usize, variant: AttentionVariant) -> Vec<(&'static str, Str
     if variant.kernel == AttentionKernel::Tiled && variant.stages != STAGES {
         defines.push(("STAGES", variant.stages.to_string()));
     }
+    if variant.hybrid {
+        defines.push(("HYBRID", "1".to_owned()));
+    }
     if variant.kernel == AttentionKernel::Streaming {
         defines.push(("STREAMING", "1".to_owned()));
         if std::env::var(DECODE_L2_HINT_ENV).is_ok_and(|v| v.trim() == "none") {
@@ -538,7 +573,7 @@ pub fn attention(
             reason: "between 1 and 1024".into(),
         });
     }
-    if variant.kernel == AttentionKernel::Streaming {
+    if variant.kernel == AttentionKernel::Streaming || variant.hybrid {
         if batch.max_query_tokens > 1 {
             return Err(Error::NotServed {
                 op: "attention kernel",
@@ -599,6 +634,7 @@ pub fn attention(
     }
 
     let entry = match variant.kernel {
+        AttentionKernel::Tiled if variant.hybrid => "kiln_attention_decode_hybrid",
         AttentionKernel::Tiled => "kiln_attention",
         AttentionKernel::Streaming => "kiln_attention_decode",
         AttentionKernel::Warpgroup => "kiln_attention_prefill",
@@ -663,9 +699,10 @@ pub fn attention(
         launch.arg(pointer);
     }
     launch.arg(&q_heads).arg(&kv_heads).arg(&page_shift).arg(&scale_log2).arg(&splits_arg);
-    // SAFETY: the arguments match the signature of `kiln_attention` and `kiln_attention_decode`
-    // (10 pointers, 3 i32, f32, i32); the streaming kernel is given one query token a sequence
-    // and at most MAX_STREAMING_SPLITS splits (checked above).
+    // SAFETY: the arguments match the signature of `kiln_attention`, `kiln_attention_decode` and
+    // `kiln_attention_decode_hybrid` (10 pointers, 3 i32, f32, i32); the streaming and hybrid
+    // kernels are given one query token a sequence and at most MAX_STREAMING_SPLITS splits
+    // (checked above), and the hybrid kernel the larger shared memory of its two paths.
     // With splits > 1, the grid's (sequence, row tile, kv head) groups index the kernel's
     // `TICKETS` counters in bounds (checked above); launches of this module run in this stream's
     // order, so no two share a counter at once.
@@ -837,6 +874,25 @@ mod tests {
         assert!(AttentionVariant::DECODE_WIDE_DEEP.shared_bytes(128) + 16 <= 227 * 1024);
         assert_eq!(defines(128, AttentionVariant::DECODE_DEEP).last(), Some(&("STAGES", "3".to_owned())));
         assert!(!defines(128, AttentionVariant::DECODE_TILED).iter().any(|(k, _)| *k == "STAGES"));
+        // The hybrid kernel: DECODE_DEEP's shape and stages, its shared memory the larger of the
+        // tiled path's and the streaming one's, at both head dims; nothing else passes as hybrid.
+        let hybrid = AttentionVariant::DECODE_HYBRID;
+        hybrid.validate(128).unwrap();
+        hybrid.validate(64).unwrap();
+        assert_eq!(hybrid.shared_bytes(128), AttentionVariant::DECODE_DEEP.shared_bytes(128));
+        assert_eq!(hybrid.shared_bytes(64), AttentionVariant::DECODE_DEEP.shared_bytes(64).max(48 * 1024));
+        assert!(2 * (hybrid.shared_bytes(128) + 1024 + 600) <= 228 * 1024);
+        assert_eq!(defines(128, hybrid).last(), Some(&("HYBRID", "1".to_owned())));
+        for bad in [
+            AttentionVariant { hybrid: true, ..AttentionVariant::DECODE_WIDE_DEEP },
+            AttentionVariant { hybrid: true, ..AttentionVariant::DECODE_TILED },
+            AttentionVariant { hybrid: true, ..AttentionVariant::PREFILL },
+        ] {
+            assert!(matches!(bad.validate(128), Err(Error::NotServed { .. })), "{bad:?}");
+        }
+        // The launcher's threshold is the kernel's.
+        let define = format!("#define HYBRID_STREAM_CHUNK {HYBRID_STREAM_CHUNK}\n");
+        assert!(ATTENTION.source.contains(&define), "{define}");
         assert_eq!(AttentionVariant::PREFILL.shared_bytes(128), (64 + 256) * 272);
         assert_eq!(AttentionVariant::DECODE_TILED.shared_bytes(128), (16 + 256) * 272);
         // The streaming decode: 4 warps x 3 stages x (K + V) x 16 keys x 256 bytes, twice per
@@ -872,6 +928,7 @@ mod tests {
             AttentionVariant::DECODE_TILED,
             AttentionVariant::DECODE_DEEP,
             AttentionVariant::DECODE_WIDE_DEEP,
+            AttentionVariant::DECODE_HYBRID,
         ];
         for variant in AttentionVariant::ALL.into_iter().chain(others) {
             for head_dim in HEAD_DIMS {
@@ -885,6 +942,7 @@ mod tests {
                     AttentionVariant::DECODE_WIDE,
                     AttentionVariant::DECODE_DEEP,
                     AttentionVariant::DECODE_WIDE_DEEP,
+                    AttentionVariant::DECODE_HYBRID,
                 ]
                 .contains(&variant);
                 if compiled_for_all_heads || head_dim == 128 {
