@@ -13,10 +13,11 @@
 // (`cvt.rn.bf16x2.f32`, one instruction for two elements, round to nearest even like the
 // reference; the NaN it makes is the canonical one the GPU's arithmetic makes anyway), the E4M3
 // scale of NVFP4 and the FP8 output use the hardware's `cvt.rn.satfinite.e4m3x2.f32` on sm_89
-// and later, INT8 and E2M1 codes come from fp32 additions alone (a rounding "magic" addition
-// whose low bits are the code, no conversion instruction: `kiln_int8_fast`, `kiln_e2m1_fast`)
-// after one multiplication by an approximate reciprocal of the block's divisor, with the
-// reference's division only for the rare block that comes within 1e-4 of a rounding tie, the
+// and later, INT8 and E2M1 codes come from fp32 arithmetic alone (a rounding "magic" addition
+// whose low bits are the code, no conversion instruction: `kiln_int8_bracket`, two fused
+// multiply-adds a value that bracket the quotient; `kiln_e2m1_fast`, after one multiplication)
+// by an approximate reciprocal of the block's divisor, with the reference's division only for
+// the rare block whose quotient comes near a rounding tie, the
 // block maximum's shuffle runs outside any branch, quantized bytes are packed with `prmt`, and
 // the unit sums of several warps are combined from shared memory four at a time.
 //
@@ -75,12 +76,17 @@ __device__ __forceinline__ float kiln_rcp_approx(float x) {
 // even) plus the magic, exactly, and its low bits are that integer in two's complement.
 #define KILN_ROUND_MAGIC 12582912.0f
 
-// INT8 fast path: the sum of t and the magic (its low byte is rint(t)), and in `worst` the larger
-// of `worst` and |t - rint(t)| (NaN for a NaN t).
-__device__ __forceinline__ unsigned int kiln_int8_fast(float t, float& worst) {
-    const float s = t + KILN_ROUND_MAGIC;
-    worst = kiln_max_nan(worst, fabsf(t - (s - KILN_ROUND_MAGIC)));
-    return __float_as_uint(s);
+// INT8 fast path: t = p / scale bracketed by two fused multiply-adds, p * below + magic and
+// p * above + magic with below < 1 / scale < above (each rounded once: rint of the exact product,
+// ties to even, plus the magic). The low byte of the first is its code; where the two sums have
+// the same bits, rint is the same at both ends of an interval that holds the reference's rounded
+// quotient inside it, and rint is monotonic, so the reference's code is that byte too; `differ`
+// collects the bits where the two sums differ (0: every value of the block is clear of a tie).
+__device__ __forceinline__ unsigned int kiln_int8_bracket(float p, float below, float above, unsigned int& differ) {
+    const unsigned int lo = __float_as_uint(__fmaf_rn(p, below, KILN_ROUND_MAGIC));
+    const unsigned int hi = __float_as_uint(__fmaf_rn(p, above, KILN_ROUND_MAGIC));
+    differ |= lo ^ hi;
+    return lo;
 }
 
 // NVFP4 fast path: the E2M1 code of v (sign in bit 3) in the low 4 bits of the result, for
@@ -472,29 +478,51 @@ __device__ __forceinline__ void kiln_norm_segment(
             }
         } else {
             // INT8 / NVFP4: lanes 2i and 2i + 1 hold one block of 16 values.
+            // INT8: NaN when any of the block's values is (the reference's maximum skips NaN,
+            // so such a block takes the slow path, which takes that maximum again).
             float amax = 0.0f;
 #pragma unroll
-            for (int k = 0; k < 8; ++k) amax = fmaxf(amax, fabsf(p[k]));
-            amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
+            for (int k = 0; k < 8; ++k) {
+                amax = OUT_T == KILN_OUT_INT8 ? kiln_max_nan(amax, fabsf(p[k])) : fmaxf(amax, fabsf(p[k]));
+            }
+            const float partner = __shfl_xor_sync(0xFFFFFFFFu, amax, 1);
+            amax = OUT_T == KILN_OUT_INT8 ? kiln_max_nan(amax, partner) : fmaxf(amax, partner);
             if (!valid) continue;
             const long long block = (base + col) >> 4;
-            // Fast paths: t = p * (an approximate 1 / divisor) is within 4e-7 |t| of the
-            // reference's p / divisor, so its code is the reference's wherever t is 1e-4 or more
-            // from a rounding tie (`worst` says how close the closest came); otherwise, or for a
-            // divisor out of range, the reference's division.
+            // Fast paths from an approximate 1 / divisor, with a check that the code is the
+            // reference's (INT8: the quotient bracketed; NVFP4: t = p * inverse is within 4e-7 |t|
+            // of the reference's p / divisor, so its code is the reference's wherever t is 1e-4
+            // or more from a rounding tie, `worst` saying how close the closest came); otherwise,
+            // or for a divisor out of range, the reference's division.
             float worst = 0.0f;
             if (OUT_T == KILN_OUT_INT8) {
-                const float scale = amax / 127.0f;
-                // |t| <= 127.0001 needs no clamp; the approximate reciprocal (1 ulp) and the
-                // product (half an ulp) stay within 2.3e-5 of p / scale.
-                const bool normal = scale >= 1.17549435e-38f && scale <= 8.50705917e37f;
+                float scale = amax / 127.0f;
+                // below and above bracket 1 / scale: the approximate reciprocal is within one ulp
+                // (2^-23) of it, the factors 1 -+ 2^-20 and their rounding move each end away
+                // from it by more than 2^-21 of it, far more than the reference's rounding of its
+                // quotient (2^-24), so that quotient lies strictly inside the bracket. |p| <= amax
+                // keeps both ends within 127.5: no clamp. A scale out of range (or NaN) goes the
+                // reference's way.
+                const bool normal = scale >= 1.17549435e-38f && scale <= 4.0e37f;
                 const float inverse = kiln_rcp_approx(scale);
+                const float below = inverse * (1.0f - 1.0f / 1048576.0f);
+                const float above = inverse * (1.0f + 1.0f / 1048576.0f);
+                unsigned int differ = 0;
                 uint2 codes;
-                codes.x = kiln_bytes4(kiln_int8_fast(p[0] * inverse, worst), kiln_int8_fast(p[1] * inverse, worst),
-                                      kiln_int8_fast(p[2] * inverse, worst), kiln_int8_fast(p[3] * inverse, worst));
-                codes.y = kiln_bytes4(kiln_int8_fast(p[4] * inverse, worst), kiln_int8_fast(p[5] * inverse, worst),
-                                      kiln_int8_fast(p[6] * inverse, worst), kiln_int8_fast(p[7] * inverse, worst));
-                if (!(normal && worst <= 0.4999f)) {
+                codes.x = kiln_bytes4(kiln_int8_bracket(p[0], below, above, differ), kiln_int8_bracket(p[1], below, above, differ),
+                                      kiln_int8_bracket(p[2], below, above, differ), kiln_int8_bracket(p[3], below, above, differ));
+                codes.y = kiln_bytes4(kiln_int8_bracket(p[4], below, above, differ), kiln_int8_bracket(p[5], below, above, differ),
+                                      kiln_int8_bracket(p[6], below, above, differ), kiln_int8_bracket(p[7], below, above, differ));
+                if (!(normal && differ == 0)) {
+                    if (amax != amax) {
+                        // Both lanes of the block are here (they share amax): the maximum
+                        // without the NaN values, as the reference takes it.
+                        float m = 0.0f;
+#pragma unroll
+                        for (int k = 0; k < 8; ++k) m = fmaxf(m, fabsf(p[k]));
+                        m = fmaxf(m, __shfl_xor_sync(3u << (lane & 30), m, 1));
+                        scale = m / 127.0f;
+                    }
                     unsigned int q[8];
 #pragma unroll
                     for (int k = 0; k < 8; ++k) {
@@ -543,9 +571,10 @@ __device__ __forceinline__ void kiln_norm_segment(
 // With block-quantized outputs, registers for 1024 threads a multiprocessor (64 a thread), where
 // the quantization's temporaries would otherwise cost a quarter of the resident warps; only where
 // the inputs held fit beside them (RMSNorm, 4 warps a row or more, at most 4 units a warp of
-// 2-byte x, no residual, gate, bias or early weight), as a spill would cost more.
+// 2-byte x, no residual, gate, bias or early weight; not for a persistent grid's INT8 output,
+// whose next group's loads and the INT8 bracket's ends spill at 64), as a spill would cost more.
 #if KILN_NORM_BLOCKED && KIND == 0 && WARPS_PER_ROW >= 4 && UNITS_PER_WARP <= 4 && X_T != KILN_F32 && \
-    !HAS_RESIDUAL && GATE == 0 && !HAS_BIAS && !EARLY_WEIGHT
+    !HAS_RESIDUAL && GATE == 0 && !HAS_BIAS && !EARLY_WEIGHT && !(PERSISTENT && OUT_T == KILN_OUT_INT8)
 #define KILN_NORM_BOUNDS __launch_bounds__(KILN_NORM_THREADS, (1024 / KILN_NORM_THREADS < 32 ? 1024 / KILN_NORM_THREADS : 32))
 #else
 #define KILN_NORM_BOUNDS __launch_bounds__(KILN_NORM_THREADS)

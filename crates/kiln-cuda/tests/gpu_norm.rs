@@ -59,12 +59,25 @@ fn check(gpu: &Gpu, rng: &mut Rng, call: NormCall, variant: NormVariant) {
 
 /// [`check`] on the given x (already in x's type), with or without the residual add.
 fn check_on(gpu: &Gpu, rng: &mut Rng, call: NormCall, variant: NormVariant, x: &[f32], with_residual: bool) {
+    check_on_weight(gpu, rng, call, variant, x, with_residual, None);
+}
+
+/// [`check_on`] with the given weight (in the weight's type), random when `None`.
+fn check_on_weight(
+    gpu: &Gpu,
+    rng: &mut Rng,
+    call: NormCall,
+    variant: NormVariant,
+    x: &[f32],
+    with_residual: bool,
+    weight: Option<&[f32]>,
+) {
     let (rows, hidden) = (call.rows, call.hidden);
     let xt = FloatType::of(call.x_type, "test").unwrap();
     let wt = FloatType::of(call.weight_type, "test").unwrap();
     let s = call.spec;
     let residual = rng.values(rows * hidden, -2.0, 2.0, xt);
-    let weight = rng.values(hidden, 0.25, 1.75, wt);
+    let weight = weight.map_or_else(|| rng.values(hidden, 0.25, 1.75, wt), <[f32]>::to_vec);
     let bias = rng.values(hidden, -0.5, 0.5, wt);
     let gate = rng.values(rows * hidden, -6.0, 6.0, xt);
     let inputs = NormInputs {
@@ -258,6 +271,35 @@ fn quantized_outputs_on_rounding_ties_match_the_reference() {
         }
     }
     assert!(checked >= NORM_VARIANTS.len() * 4, "only {checked} variant/shape pairs served");
+}
+
+/// Weights with NaN, infinities and zeros here and there: blocks of 16 with a NaN value (whose
+/// block maximum the reference takes without it, and whose code is -127 for INT8), infinite
+/// values (an infinite maximum) and all-zero blocks, for the quantized outputs, every variant.
+#[test]
+fn quantized_outputs_of_nan_and_infinite_values_match_the_reference() {
+    let gpu = gpu();
+    let mut rng = Rng::fresh();
+    for out in [Quantizer::Int8, Quantizer::Nvfp4 { global_scale: 448.0 }] {
+        let spec: NormSpec =
+            RmsNorm { out: NormOutput::Quantized(out), ..RmsNorm::llama(1e-5, DType::BF16) }.into();
+        let (rows, hidden) = (70usize, 4096usize);
+        let call = NormCall { spec, rows, hidden, x_type: DType::BF16, weight_type: DType::BF16 };
+        let mut weight = rng.values(hidden, 0.25, 1.75, FloatType::BF16);
+        for (i, w) in weight.iter_mut().enumerate() {
+            match (i / 16) % 8 {
+                1 if i % 16 == 5 => *w = f32::NAN,
+                3 if i % 16 == 0 => *w = -f32::NAN,
+                4 if i % 16 == 9 => *w = f32::INFINITY,
+                6 => *w = 0.0,
+                _ => {}
+            }
+        }
+        let x = rng.values(rows * hidden, -2.0, 2.0, FloatType::BF16);
+        for &variant in NORM_VARIANTS.iter().filter(|v| call.validate(**v).is_ok()) {
+            check_on_weight(&gpu, &mut rng, call, variant, &x, false, Some(&weight));
+        }
+    }
 }
 
 fn flavors() -> Vec<NormSpec> {
