@@ -515,9 +515,9 @@ mod tests {
         assert!(call.validate(variant(2, 2, true)).is_err());
     }
 
-    /// `kernels/norm.cu`'s fast rounding of INT8 and NVFP4 codes (the INT8 bracket, the E2M1 magic sum), replayed with the same fp32
-    /// operations: the sum with the magic, and the larger of `worst` and the distance to the
-    /// rounded value (NaN-propagating, as PTX `max.NaN`).
+    /// `kernels/norm.cu`'s fast rounding of INT8 and NVFP4 codes, replayed with the same fp32
+    /// operations: INT8's two fused multiply-adds; E2M1's sum with the magic, and the larger of
+    /// `worst` and the distance to the rounded value (NaN-propagating, as PTX `max.NaN`).
     const ROUND_MAGIC: f32 = 12_582_912.0;
 
     fn max_nan(a: f32, b: f32) -> f32 {
