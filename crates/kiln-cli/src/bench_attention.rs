@@ -18,7 +18,10 @@
 //! variant (128 keys a tile, one block a multiprocessor) at the splits that fill the
 //! multiprocessors once (`wide`, unless it is the certified configuration), both of these three
 //! K/V tiles deep instead of two at the same splits (`deep`, `wide deep`; their configuration
-//! names are the two-deep ones'); at batch 1 and 8 also
+//! names are the two-deep ones'), and the hybrid kernel at the default splits (`hybrid`: the
+//! streaming path where a split holds at most
+//! [`HYBRID_STREAM_CHUNK`](kiln_cuda::ops::attention::HYBRID_STREAM_CHUNK) keys, the deep tiled
+//! one past that; its name is the default's); at batch 1 and 8 also
 //! the streaming default compiled to read K/V under the default L2 policy instead of evict-first
 //! (`default, no L2 hint`: `KILN_DECODE_L2_HINT=none` around that row only).
 //!
@@ -249,6 +252,9 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
         // at the splits of their two-deep rows: candidates for the defaults, timed beside them.
         configs.push(("deep", AttentionConfig { variant: AttentionVariant::DECODE_DEEP, ..default }));
         configs.push(("wide deep", AttentionConfig { variant: AttentionVariant::DECODE_WIDE_DEEP, ..wide }));
+        // The hybrid kernel at the default splits: the streaming path up to HYBRID_STREAM_CHUNK
+        // keys a split, the deep tiled one past that.
+        configs.push(("hybrid", AttentionConfig { variant: AttentionVariant::DECODE_HYBRID, ..default }));
         // At batch 1 and 8, the streaming default with K/V read under the default L2 policy
         // instead of evict-first (KILN_DECODE_L2_HINT=none), for measurement.
         if batch_size <= 8 && default.variant == AttentionVariant::DECODE {

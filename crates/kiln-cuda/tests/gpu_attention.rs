@@ -11,7 +11,7 @@ use kiln_core::ops::primitives::{bf16_bits_to_f32, f32_to_bf16_bits};
 use kiln_core::Error;
 use kiln_cuda::ops::attention::{
     attention, decode_splits, kv_append, scratch_bytes, AttentionKernel, AttentionVariant, KvBuffers,
-    PagedBatch, DECODE_L2_HINT_ENV,
+    PagedBatch, DECODE_L2_HINT_ENV, HYBRID_STREAM_CHUNK,
 };
 use kiln_cuda::{DeviceMemory, Gpu};
 
@@ -270,6 +270,9 @@ fn decode_matches_float64_and_repeats_bit_for_bit() {
                 (AttentionVariant::DECODE_DEEP, None),
                 (AttentionVariant::DECODE_DEEP, Some(1)),
                 (AttentionVariant::DECODE_WIDE_DEEP, Some(16)),
+                (AttentionVariant::DECODE_HYBRID, None),
+                (AttentionVariant::DECODE_HYBRID, Some(1)),
+                (AttentionVariant::DECODE_HYBRID, Some(5)),
                 (AttentionVariant::PREFILL, None),
             ] {
                 let case = Case {
@@ -361,6 +364,7 @@ fn streaming_decode_over_a_long_context_matches_float64() {
             AttentionVariant::DECODE_TILED,
             AttentionVariant::DECODE_DEEP,
             AttentionVariant::DECODE_WIDE_DEEP,
+            AttentionVariant::DECODE_HYBRID,
         ] {
             (case.splits, case.variant) = (splits, variant);
             let outputs = check_on(&gpu, &case, &inputs, &want, 2);
@@ -404,6 +408,66 @@ fn tiled_decode_combine_over_many_splits_matches_float64_and_repeats_bit_for_bit
                 assert!(
                     outputs[0] == outputs[1] && outputs[1] == outputs[2],
                     "tiled decode combine differs between runs: {sequences:?} {splits} {variant:?}"
+                );
+            }
+        }
+    }
+}
+
+/// The hybrid decode kernel in one launch over sequences on both sides of its threshold (splits
+/// of at most HYBRID_STREAM_CHUNK keys take the streaming path, longer ones the three-deep tiled
+/// path), with a sequence without a query beside them: against the reference, three runs bit for
+/// bit, and each sequence's rows the bits of the kernel whose path it took (the streaming
+/// default's, or DECODE_DEEP's), at the same splits.
+#[test]
+fn hybrid_decode_takes_each_sequences_path_and_repeats_bit_for_bit() {
+    let (gpu, mut rng) = (gpu(), Rng::fresh());
+    let t = HYBRID_STREAM_CHUNK;
+    for &(q_heads, kv_heads, head_dim, page_tokens) in &[(32, 8, 128, 64), (16, 2, 64, 16), (8, 1, 128, 32)] {
+        for splits in [1u32, 3, 13] {
+            let s = splits as usize;
+            // Contexts whose splits hold exactly t keys, one more, a few, many; then shuffled.
+            let mut contexts =
+                [t * s, t * s + 1, 1 + rng.below(t * s), t * s + 1 + rng.below(2 * t * s), 1, 17];
+            for j in (1..contexts.len()).rev() {
+                contexts.swap(j, rng.below(j + 1));
+            }
+            let mut sequences: Vec<(usize, usize)> = contexts.iter().map(|&c| (1, c)).collect();
+            sequences.insert(rng.below(sequences.len() + 1), (0, 1 + rng.below(200)));
+            let mut case = Case {
+                q_heads,
+                kv_heads,
+                head_dim,
+                page_tokens,
+                sequences: sequences.clone(),
+                splits: Some(splits),
+                variant: AttentionVariant::DECODE_HYBRID,
+            };
+            let inputs = inputs(&mut rng, &case);
+            let want = reference(&case, &inputs);
+            let hybrid = check_on(&gpu, &case, &inputs, &want, 3);
+            assert!(
+                hybrid[0] == hybrid[1] && hybrid[1] == hybrid[2],
+                "hybrid decode differs between runs: {sequences:?} {splits}"
+            );
+            case.variant = AttentionVariant::DECODE;
+            let streaming = check_on(&gpu, &case, &inputs, &want, 1);
+            case.variant = AttentionVariant::DECODE_DEEP;
+            let tiled = check_on(&gpu, &case, &inputs, &want, 1);
+            let row_bytes = q_heads * head_dim * 2;
+            let mut offset = 0;
+            for &(query_tokens, context) in &sequences {
+                let rows = offset..offset + query_tokens * row_bytes;
+                offset = rows.end;
+                let (path, name) = if context.div_ceil(s) <= t {
+                    (&streaming[0], "streaming")
+                } else {
+                    (&tiled[0], "tiled")
+                };
+                assert!(
+                    hybrid[0][rows.clone()] == path[rows],
+                    "hybrid decode of a context of {context} over {splits} splits is not the {name} kernel's: \
+                     {sequences:?}"
                 );
             }
         }
