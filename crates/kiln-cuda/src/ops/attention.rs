@@ -16,7 +16,11 @@
 //! Two kernels ([`AttentionKernel`]): the tiled kernel serves every call (prefill, chunked
 //! prefill, decode); the streaming kernel serves decode (one query token per sequence) and is
 //! the default there ([`AttentionVariant::DECODE`]); [`AttentionVariant::DECODE_TILED`] keeps the
-//! tiled kernel's decode of the same shape selectable. On sm_90, a third kernel
+//! tiled kernel's decode of the same shape selectable, [`AttentionVariant::DECODE_DEEP`] and
+//! [`AttentionVariant::DECODE_WIDE_DEEP`] its decode shapes three K/V tiles deep, and
+//! [`AttentionVariant::DECODE_HYBRID`] both decode kernels in one launch (each sequence's blocks
+//! take the streaming path or the deep tiled one by its context over the splits, read on the
+//! device). On sm_90, a third kernel
 //! (`kernels/attention_prefill.cu`, Hopper's warpgroup MMA) serves prefill at head dim 128
 //! without splits: [`AttentionVariant::PREFILL_WGMMA`] (every thread copies and computes) and
 //! [`AttentionVariant::PREFILL_WGMMA_PINGPONG`] (a copying warpgroup, two computing ones taking
