@@ -989,6 +989,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) kiln_attention_decode(K
 static_assert(WARPS_M == 1 && WARPS_N == 4 && WARP_KEYS == 16, "the hybrid kernel is the 1x4x16 shape");
 extern "C" __global__ void __launch_bounds__(THREADS, 2) kiln_attention_decode_hybrid(KILN_ATTENTION_PARAMS) {
     kiln_wait_prior();
+    // The sequence's other metadata, which both paths read first, requested into L1 beside the
+    // context the choice needs, so the choice costs no round trip of its own.
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(query_offsets + blockIdx.z));
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(query_offsets + gridDim.z));
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(page_offsets + blockIdx.z));
     const int context = context_lens[blockIdx.z];
     if ((context + splits - 1) / splits <= HYBRID_STREAM_CHUNK) {
         kiln_attention_streaming(KILN_ATTENTION_ARGS);
