@@ -2154,3 +2154,123 @@ kiln_sample_fused(const float* __restrict__ logits, long long vocab, long long r
     }
 }
 #endif  // THREADS <= 256
+
+// ---- The greedy path --------------------------------------------------------------------------
+//
+// Greedy rows without penalties (and without the LM head's statistics) need only the row's
+// largest (key, lowest index): `kiln_sample_greedy` reads the logits once, on a (slices, rows)
+// grid sized so that every block is resident at once (GREEDY_MIN_BLOCKS a multiprocessor), each
+// block streaming its slice as float4 with GREEDY_UNROLL loads in flight a thread and keeping the
+// best in registers. No shared slice, no histogram, no lists: the block's best goes to its slot,
+// and the last block of the row (an atomic ticket, reset by that block) takes the best of the
+// slots in one read. Integer comparisons of packed (key, ~index) only, so the token is the
+// reference's argmax whatever the slices. Any other row is sampled by its block 0 on the
+// single-block path (the launcher picks this kernel for batches of plain greedy rows). Two blocks
+// a multiprocessor: that path's registers, which every block of the kernel is allotted, spill at
+// the 64 and 80 of four and three (sm_80 to sm_90); 16 float4 in flight a thread keep 128 KiB a
+// multiprocessor in flight all the same.
+#define GREEDY_MIN_BLOCKS 2
+#define GREEDY_UNROLL 16
+
+// The largest packed (key, ~index) of x[lo, hi) (not NaN; 0 when none) over this thread's share.
+__device__ __forceinline__ kiln_u64 greedy_slice_best(const float* __restrict__ x, long long lo, long long hi) {
+    kiln_u64 best = 0ull;
+    auto consider = [&](float v, long long i) {
+        const kiln_u32 key = sample_order_key(v);
+        const kiln_u64 packed = key != 0u ? fast_pack(key, (kiln_u32)i) : 0ull;
+        best = packed > best ? packed : best;
+    };
+    const long long misaligned = (long long)((16u - ((kiln_u32)(size_t)(x + lo) & 15u)) & 15u) / 4;
+    const long long head = lo + (misaligned < hi - lo ? misaligned : hi - lo);
+    const long long quads = (hi - head) / 4;
+    const float4* body = reinterpret_cast<const float4*>(x + head);
+    for (long long i = lo + threadIdx.x; i < head; i += THREADS) consider(x[i], i);
+    for (long long q0 = 0; q0 < quads; q0 += (long long)GREEDY_UNROLL * THREADS) {
+        float4 f[GREEDY_UNROLL];
+#pragma unroll
+        for (int u = 0; u < GREEDY_UNROLL; ++u) {
+            const long long q = q0 + (long long)u * THREADS + threadIdx.x;
+            f[u] = q < quads ? __ldcs(&body[q]) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+#pragma unroll
+        for (int u = 0; u < GREEDY_UNROLL; ++u) {
+            const long long q = q0 + (long long)u * THREADS + threadIdx.x;
+            if (q < quads) {
+                const long long i = head + 4 * q;
+                consider(f[u].x, i);
+                consider(f[u].y, i + 1);
+                consider(f[u].z, i + 2);
+                consider(f[u].w, i + 3);
+            }
+        }
+    }
+    for (long long i = head + 4 * quads + threadIdx.x; i < hi; i += THREADS) consider(x[i], i);
+    return best;
+}
+
+// The block's largest u64, in thread 0 (the others get their warp's).
+__device__ __forceinline__ kiln_u64 greedy_block_max(kiln_u64 v, kiln_u64* warp_best) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const kiln_u64 n = __shfl_xor_sync(KILN_FULL_MASK, v, o);
+        v = n > v ? n : v;
+    }
+    if ((threadIdx.x & 31) == 0) warp_best[threadIdx.x >> 5] = v;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int w = 1; w < SAMPLE_WARPS; ++w) v = warp_best[w] > v ? warp_best[w] : v;
+    }
+    return v;
+}
+
+// Grid (slices, rows), `slice_len` logits a block (the launcher keeps the slices <= THREADS and
+// <= `slots`); `partials` holds `slots` u64 a row, `tickets` one u32 a row (zero on entry, left
+// zero).
+#if THREADS <= 256
+extern "C" __global__ void __launch_bounds__(THREADS, GREEDY_MIN_BLOCKS)
+kiln_sample_greedy(const float* __restrict__ logits, long long vocab, long long row_stride,
+                   const KilnSampleParams* __restrict__ params, const kiln_u64* __restrict__ steps,
+                   const kiln_u32* __restrict__ history_offsets, const kiln_u32* __restrict__ history,
+                   kiln_u32* __restrict__ counts, float* __restrict__ scratch, const kiln_u64* __restrict__ stats,
+                   int stats_per_row, kiln_u32* __restrict__ tokens, kiln_u32* tickets, kiln_u64* partials, int slots,
+                   long long slice_len) {
+    kiln_wait_prior();
+    __shared__ kiln_u64 warp_best[SAMPLE_WARPS];
+    __shared__ int last;
+    const int r = blockIdx.y;
+    // The parameters load while the slice streams; a row they do not make plain greedy wasted
+    // only its read.
+    // (Only the fields that decide it: the single-block path reads the parameters itself.)
+    const float temperature = params[r].temperature, repetition = params[r].repetition;
+    const float presence = params[r].presence, frequency = params[r].frequency;
+    const kiln_u32 h0 = history_offsets[r], h1 = history_offsets[r + 1];
+    const long long lo = (long long)blockIdx.x * slice_len;
+    const long long hi = lo + slice_len < vocab ? lo + slice_len : vocab;
+    const kiln_u64 thread_best = greedy_slice_best(logits + (long long)r * row_stride, lo, hi);
+    const bool penalized = PENALTIES && counts != nullptr && h1 > h0 &&
+                           (repetition != 1.0f || presence != 0.0f || frequency != 0.0f);  // sample_penalized
+    const bool plain = temperature == 0.0f && stats == nullptr && !penalized;
+    if (!plain) {
+        if (blockIdx.x == 0) {
+            sample_row_single(r, logits, vocab, row_stride, params, steps, history_offsets, history, counts,
+                              scratch, stats, stats_per_row, tokens);
+        }
+        return;
+    }
+    const kiln_u64 best = greedy_block_max(thread_best, warp_best);
+    if (threadIdx.x == 0) {
+        partials[(long long)r * slots + blockIdx.x] = best;
+        __threadfence();
+        const kiln_u32 ticket = atomicAdd(&tickets[r], 1u);
+        last = ticket == gridDim.x - 1u;
+        if (last) tickets[r] = 0u;  // every block of the row has taken its ticket
+    }
+    __syncthreads();
+    if (!last) return;
+    const kiln_u64 mine =
+        (int)threadIdx.x < (int)gridDim.x ? __ldcg(&partials[(long long)r * slots + threadIdx.x]) : 0ull;
+    const kiln_u64 row_best = greedy_block_max(mine, warp_best);
+    if (threadIdx.x == 0) tokens[r] = row_best != 0ull ? 0xFFFFFFFFu - (kiln_u32)row_best : NO_TOKEN;
+}
+#endif  // THREADS <= 256

@@ -309,7 +309,8 @@ fn a_scratch_is_reused_across_launches() {
                 })
                 .collect();
             let steps: Vec<u64> = (0..rows).map(|_| rng.next()).collect();
-            let path = [SamplePath::Auto, SamplePath::Fused, SamplePath::Lists][launch % 3];
+            let path =
+                [SamplePath::Auto, SamplePath::Fused, SamplePath::Lists, SamplePath::Greedy][launch % 4];
             let (got, _) = run_gpu(
                 &gpu,
                 &[],
@@ -391,7 +392,7 @@ fn edge_row(rng: &mut Rng, vocab: usize, shape: usize) -> Vec<f32> {
     }
 }
 
-/// The fused paths on rows shaped against their selection (all -inf, all NaN, all tied, +inf
+/// The fused and greedy paths on rows shaped against their selection (all -inf, all NaN, all tied, +inf
 /// ties, the whole top in one slice, spreads of 1e30, near-ties, a maximum of -0.0 / +0.0, fewer
 /// candidates than k, few distinct values), each row with its own top-k (1, 2, 3, 50, 255, 256,
 /// 257 and random), some greedy, some with top-p, min-p and penalties that hit the top tokens;
@@ -466,7 +467,9 @@ fn fused_paths_equal_the_cpu_reference_on_edge_rows() {
             })
             .collect();
         let scratch = SampleScratch::new(&gpu, rows, vocab).expect("scratch");
-        for path in [SamplePath::Fused, SamplePath::Auto] {
+        // The greedy path too: its greedy rows (without penalties) on the greedy kernel, the
+        // others on one block each.
+        for path in [SamplePath::Fused, SamplePath::Auto, SamplePath::Greedy] {
             for penalty in [true, false] {
                 let want_here: Vec<u32> = if penalty {
                     want.clone()
@@ -553,24 +556,27 @@ fn greedy_from_the_lm_head_statistics_is_the_argmax() {
     lm_head(&gpu, &head, rows, buffers, None).expect("lm head");
     let params: Vec<(SamplingParams, u64)> = (0..rows).map(|_| (SamplingParams::greedy(), 0)).collect();
     let empty: Vec<&[u32]> = vec![&[]; rows];
-    let (got, _) = run_gpu(
-        &gpu,
-        &[],
-        vocab,
-        &params,
-        &vec![0; rows],
-        &empty,
-        false,
-        Some((&stats_dev, per_row)),
-        Some(&logits_dev),
-        SamplePath::Auto,
-        None,
-    );
-    for (r, &token) in got.iter().enumerate() {
-        let stats = &want.stats[r * per_row..(r + 1) * per_row];
-        let argmax = kiln_core::ops::sample::argmax(&want.logits[r * vocab..(r + 1) * vocab]);
-        assert_eq!(greedy_from_stats(stats), argmax);
-        assert_eq!(Some(token), argmax, "row {r}");
+    // The greedy path serves rows with statistics on one block each (from the statistics).
+    for path in [SamplePath::Auto, SamplePath::Greedy] {
+        let (got, _) = run_gpu(
+            &gpu,
+            &[],
+            vocab,
+            &params,
+            &vec![0; rows],
+            &empty,
+            false,
+            Some((&stats_dev, per_row)),
+            Some(&logits_dev),
+            path,
+            None,
+        );
+        for (r, &token) in got.iter().enumerate() {
+            let stats = &want.stats[r * per_row..(r + 1) * per_row];
+            let argmax = kiln_core::ops::sample::argmax(&want.logits[r * vocab..(r + 1) * vocab]);
+            assert_eq!(greedy_from_stats(stats), argmax);
+            assert_eq!(Some(token), argmax, "{path:?} row {r}");
+        }
     }
 }
 

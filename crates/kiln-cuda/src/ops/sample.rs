@@ -35,6 +35,11 @@
 //! the row stages the lists' first entries in one round trip, bounds the row's k-th token by
 //! them, reads the lists down to that bound and finishes on the top-k.
 //!
+//! The greedy path ([`SamplePath::Greedy`]) serves greedy rows without penalties in one launch
+//! (`kiln_sample_greedy`, blocks of [`FUSED_THREADS`] on a grid of [`greedy_slices`], every block
+//! resident at once): each block streams its slice once and keeps its best (key, index) in
+//! registers, and the last block of the row takes the best of the blocks'.
+//!
 //! Every path gives the reference's token; [`SamplePath`] chooses among them. The default,
 //! [`SamplePath::Auto`], runs the fused path and the mass path's three launches after it (which
 //! return at once when no row needs them); a caller that knows its rows' parameters on the host
@@ -203,27 +208,48 @@ pub enum SamplePath {
     /// fills a quarter of the device) and the mass path for the others: the default before the
     /// fused path, kept for comparison.
     Lists,
+    /// One launch of a kernel for greedy rows without penalties (`kiln_sample_greedy`): the row's
+    /// argmax over blocks that read the logits once, all resident together (grid of
+    /// [`greedy_slices`]); every other row on one block. The fastest path for a batch of plain
+    /// greedy rows ([`SamplePath::for_rows`] picks it then).
+    Greedy,
 }
 
 impl SamplePath {
     /// Every path, for tests that compare each with the reference.
-    pub const ALL: [SamplePath; 6] = [
+    pub const ALL: [SamplePath; 7] = [
         SamplePath::Auto,
         SamplePath::SingleBlock,
         SamplePath::TopKBlocks,
         SamplePath::MassBlocks,
         SamplePath::Fused,
         SamplePath::Lists,
+        SamplePath::Greedy,
     ];
 
-    /// The path for a batch of rows with these parameters, known on the host: [`SamplePath::Fused`]
-    /// (one launch) when no row needs the mass path (every row is greedy or has
-    /// `1 <= top_k <=` [`FUSED_KMAX`]), [`SamplePath::Auto`] otherwise. A captured graph holds the
-    /// launches of one path: capture again when the batch's parameters change the answer.
+    /// The path for a batch of rows with these parameters, known on the host, by the H200's
+    /// figures (`bench/results/`, `kiln bench sample`):
+    /// - every row greedy without penalties: [`SamplePath::Greedy`] (one launch that reads the
+    ///   logits once);
+    /// - no row needs the mass path (every row is greedy or has `1 <= top_k <=` [`FUSED_KMAX`]):
+    ///   [`SamplePath::Fused`] (one launch);
+    /// - a single row at temperature > 0 without top-k (temperature, top-p, min-p, penalties):
+    ///   [`SamplePath::Lists`], whose first launch runs the mass path's first step on 1024-thread
+    ///   blocks (faster than the fused launch's 256-thread blocks for one row; slower at 64);
+    /// - [`SamplePath::Auto`] otherwise.
+    ///
+    /// A captured graph holds the launches of one path: capture again when the batch's
+    /// parameters change the answer.
     pub fn for_rows<'a>(rows: impl IntoIterator<Item = &'a SamplingParams>) -> SamplePath {
+        let rows: Vec<&SamplingParams> = rows.into_iter().collect();
         let fused = |p: &SamplingParams| p.is_greedy() || (1..=FUSED_KMAX).contains(&p.top_k);
-        if rows.into_iter().all(fused) {
+        let mass = |p: &SamplingParams| !p.is_greedy() && p.top_k == 0;
+        if rows.iter().all(|p| p.is_greedy() && !p.has_penalties()) {
+            SamplePath::Greedy
+        } else if rows.iter().all(|p| fused(p)) {
             SamplePath::Fused
+        } else if rows.len() == 1 && mass(rows[0]) {
+            SamplePath::Lists
         } else {
             SamplePath::Auto
         }
@@ -277,6 +303,29 @@ pub fn fused_slices(rows: usize, vocab: usize, multiprocessors: usize) -> Option
         return None;
     }
     let slice_len = vocab.div_ceil(count);
+    Some((vocab.div_ceil(slice_len), slice_len))
+}
+
+/// Threads per block of the greedy kernel (`THREADS` of its compile, that of the fused kernel).
+const GREEDY_THREADS: u32 = FUSED_THREADS;
+/// Blocks of the greedy kernel a multiprocessor keeps resident (`GREEDY_MIN_BLOCKS`).
+const GREEDY_BLOCKS_PER_SM: usize = 2;
+/// The shortest slice of the greedy path (its slices then stay within [`fused_slots`]).
+const GREEDY_MIN_SLICE: usize = FUSED_MIN_SLICE;
+
+/// The greedy path's grid for `rows` rows of `vocab` logits on a device of `multiprocessors`:
+/// (slices per row, logits per slice, a multiple of 4). As many blocks as the device keeps
+/// resident at once ([`GREEDY_BLOCKS_PER_SM`] a multiprocessor), so the whole batch streams in
+/// one wave; at least one slice a row, at most [`GREEDY_THREADS`] (the last block reads one
+/// slot a thread) and one per [`GREEDY_MIN_SLICE`] logits.
+pub fn greedy_slices(rows: usize, vocab: usize, multiprocessors: usize) -> Option<(usize, usize)> {
+    if rows == 0 || vocab == 0 {
+        return None;
+    }
+    let resident = GREEDY_BLOCKS_PER_SM * multiprocessors.max(1);
+    let most = vocab.div_ceil(GREEDY_MIN_SLICE).min(GREEDY_THREADS as usize);
+    let count = (resident / rows).clamp(1, most);
+    let slice_len = vocab.div_ceil(count).next_multiple_of(4);
     Some((vocab.div_ceil(slice_len), slice_len))
 }
 
@@ -460,15 +509,17 @@ pub fn sample_with_path(
     };
     let multiprocessors = gpu.facts().multiprocessors as usize;
     let grid = match path {
-        SamplePath::SingleBlock | SamplePath::Fused => None,
+        SamplePath::SingleBlock | SamplePath::Fused | SamplePath::Greedy => None,
         _ => slices(rows, vocab, multiprocessors),
     };
     // The fused launch also runs the mass path's first step on the mass path's slices: its grid
     // covers both, and its last block owns one list per thread.
     let fused_grid = if path.fused() { fused_slices(rows, vocab, multiprocessors) } else { None }
         .filter(|&(count, _)| count.max(grid.map_or(0, |(mass, _)| mass)) <= FUSED_THREADS as usize);
+    let greedy_grid =
+        if path == SamplePath::Greedy { greedy_slices(rows, vocab, multiprocessors) } else { None };
     let owned;
-    let scratch = match (grid.or(fused_grid), buffers.scratch) {
+    let scratch = match (grid.or(fused_grid).or(greedy_grid), buffers.scratch) {
         (None, _) => None,
         (Some(_), Some(scratch)) => {
             if scratch.rows < rows || scratch.vocab != vocab {
@@ -523,6 +574,49 @@ pub fn sample_with_path(
         (buffers.history_offsets.device_ptr(), buffers.history.device_ptr(), buffers.tokens.device_ptr());
     let (vocab, row_stride) = (vocab as i64, buffers.row_stride as i64);
     let defines = [("THREADS", threads.as_str()), ("PENALTIES", penalties)];
+    if let (Some((greedy_count, greedy_len)), true) = (greedy_grid, base != 0) {
+        let greedy_threads = GREEDY_THREADS.to_string();
+        let greedy_defines = [("THREADS", greedy_threads.as_str()), ("PENALTIES", penalties)];
+        let function = gpu.function(&SAMPLE, "kiln_sample_greedy", &greedy_defines)?;
+        let greedy_config = LaunchConfig {
+            grid_dim: (greedy_count as u32, rows as u32, 1),
+            block_dim: (GREEDY_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // The blocks' best entries, one slot of the fused lists' region a block.
+        let partials = at(layout.fused_lists);
+        let greedy_slots = layout.fused_slots as i32;
+        let greedy_len = greedy_len as i64;
+        let mut launch = gpu.launch_builder(&function);
+        launch
+            .arg(&logits)
+            .arg(&vocab)
+            .arg(&row_stride)
+            .arg(&params)
+            .arg(&steps)
+            .arg(&offsets)
+            .arg(&history)
+            .arg(&counts)
+            .arg(&scratch)
+            .arg(&stats)
+            .arg(&stats_per_row)
+            .arg(&tokens)
+            .arg(&tickets)
+            .arg(&partials)
+            .arg(&greedy_slots)
+            .arg(&greedy_len);
+        // SAFETY: the arguments match `kiln_sample_greedy`'s signature (pointer, i64, i64, 7
+        // pointers, i32, 3 pointers, i32, i64); every buffer was checked above to hold what
+        // `rows` rows touch, `counts` and `scratch` are null only with PENALTIES=0 and `stats`
+        // only with zero statistics per row. The scratch is laid out by `ScratchLayout` for at
+        // least `rows` rows of this vocabulary (checked above): `greedy_slices` keeps the slices
+        // within `fused_slots` (so `rows * fused_slots` u64 partials fit in the fused lists'
+        // region) and within GREEDY_THREADS, the THREADS of this compile, as the last block
+        // needs; the tickets are zero (zeroed at allocation, left zero by every launch).
+        unsafe { launch.launch(greedy_config) }
+            .map_err(|e| driver_error("cuLaunchKernel(kiln_sample_greedy)", e))?;
+        return Ok(());
+    }
     match (fused_grid, base != 0) {
         (Some((fused_count, fused_len)), true) => {
             let fused_threads = FUSED_THREADS.to_string();
@@ -758,6 +852,21 @@ mod tests {
         assert_eq!(fused_slices(1, 151_936, 132), Some((132, 1152)));
         assert_eq!(fused_slices(64, 151_936, 132), Some((19, 7997)));
         assert_eq!(fused_slices(1, FUSED_THREADS as usize * FUSED_SLICE_MAX + 1, 132), None);
+        for vocab in [1usize, 3, 7, 1000, 1025, 2048, 8193, 32_000, 151_937, 262_144, 1 << 22] {
+            for rows in [1usize, 2, 8, 64, 256] {
+                for sms in [1usize, 108, 132] {
+                    let (count, len) = greedy_slices(rows, vocab, sms).unwrap();
+                    assert!(len.is_multiple_of(4), "{vocab} {rows}: slice of {len}");
+                    assert!(count >= 1 && count <= GREEDY_THREADS as usize, "{vocab} {rows}");
+                    assert!(count <= fused_slots(vocab), "{vocab} {rows}: {count} greedy slices");
+                    assert!((count - 1) * len < vocab && count * len >= vocab, "{vocab} {rows}");
+                }
+            }
+        }
+        // One wave of resident blocks: 149 slices of 1020 at batch 1, 4 of 37984 at batch 64.
+        assert_eq!(greedy_slices(1, 151_936, 132), Some((149, 1020)));
+        assert_eq!(greedy_slices(64, 151_936, 132), Some((4, 37_984)));
+        assert_eq!(greedy_slices(256, 151_936, 132), Some((1, 151_936)));
         let layout = ScratchLayout::new(3, 151_936);
         let lists = 3 * 75 * FAST_BLOCK_CAP * 4;
         assert!(layout.counts >= 3 * 4 && layout.cuts >= layout.counts + 3 * 75 * 4);
@@ -782,9 +891,16 @@ mod tests {
         assert_eq!(SamplePath::for_rows([&greedy, &top_k, &widest]), SamplePath::Fused);
         assert_eq!(SamplePath::for_rows([&top_k, &d]), SamplePath::Auto);
         assert_eq!(SamplePath::for_rows([&SamplingParams { top_k: FUSED_KMAX + 1, ..d }]), SamplePath::Auto);
-        assert_eq!(SamplePath::for_rows([&SamplingParams { top_p: 0.9, ..d }]), SamplePath::Auto);
-        // A greedy row keeps the fused path whatever its other parameters.
-        assert_eq!(SamplePath::for_rows([&SamplingParams { top_p: 0.5, ..greedy }]), SamplePath::Fused);
+        assert_eq!(SamplePath::for_rows([&SamplingParams { top_p: 0.9, ..d }]), SamplePath::Lists);
+        assert_eq!(SamplePath::for_rows([&d]), SamplePath::Lists);
+        assert_eq!(SamplePath::for_rows([&d, &d]), SamplePath::Auto);
+        assert_eq!(SamplePath::for_rows([&SamplingParams { top_p: 0.9, ..d }; 64]), SamplePath::Auto);
+        // Plain greedy rows take the greedy kernel whatever their other parameters; a penalty
+        // sends them to the fused path.
+        assert_eq!(SamplePath::for_rows([&greedy; 64]), SamplePath::Greedy);
+        assert_eq!(SamplePath::for_rows([&SamplingParams { top_p: 0.5, ..greedy }]), SamplePath::Greedy);
+        let penalized = SamplingParams { repetition_penalty: 1.2, ..greedy };
+        assert_eq!(SamplePath::for_rows([&greedy, &penalized]), SamplePath::Fused);
     }
 
     #[test]
