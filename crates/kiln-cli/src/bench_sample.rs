@@ -4,13 +4,16 @@
 //!
 //! Logits are random (never zeros) and rotate over several sets so they do not all sit in L2.
 //! Times are CUDA-event medians per launch. The sampler's scratch is allocated once per batch,
-//! as a decode loop (or a captured graph) does. Columns: the default path (`SamplePath::Auto`:
-//! the fused path for greedy and top-k rows, the mass path for the others, four launches), the
-//! fused path in one launch (`SamplePath::Fused`, which `SamplePath::for_rows` picks for a batch
-//! of greedy and top-k rows; rows without top-k run on one block each, so only those rows are
-//! fast), the previous default (`SamplePath::Lists`), and the default and fused paths
-//! graph-timed: the same launches captured once in a CUDA graph and replayed, as the engine
-//! replays its decode step, so the host's launch cost is not counted.
+//! as a decode loop (or a captured graph) does. Columns: `path`, the path
+//! `SamplePath::for_rows` picks for the batch's parameters (what the engine runs), timed with
+//! events around batches of launches (`time_us`) and graph-timed (`graph_us`: the same launches
+//! captured once in a CUDA graph and replayed, as the engine replays its decode step, so the
+//! host's launch cost is not counted); then each path graph-timed: the default of `sample`
+//! (`SamplePath::Auto`: the fused path for greedy and top-k rows, the mass path for the others,
+//! four launches; also event-timed), the fused path in one launch (`SamplePath::Fused`; rows
+//! without top-k run on one block each, so only greedy and top-k rows are fast there), the
+//! lists with the mass path (`SamplePath::Lists`) and, for greedy rows, the greedy kernel
+//! (`SamplePath::Greedy`).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -92,8 +95,9 @@ pub fn run(args: &BenchSampleArgs) -> Result<()> {
     }
     let mut table = format!(
         "Sampler, vocabulary {vocab}, on {} ({})\n\n\
-         | mode | batch | time_us | fused_us | lists_us | graph_us | fused_graph_us | torch_us | torch / kiln | torch / fused |\n\
-         | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n",
+         | mode | batch | path | time_us | graph_us | auto_us | auto_graph_us | fused_graph_us | lists_graph_us \
+         | greedy_graph_us | torch_us | torch / kiln | torch / kiln graph |\n\
+         | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n",
         gpu.facts().name,
         gpu.arch()
     );
@@ -144,28 +148,36 @@ pub fn run(args: &BenchSampleArgs) -> Result<()> {
             let graph_time = |path: SamplePath| {
                 median_graph_launch_us(&gpu, args.batches, args.launches, |i| launch(path, i))
             };
-            let us = time(DEFAULT_PATH)?;
-            // The fused path in one launch (rows without top-k then run on one block each), and
-            // the lists with the mass path (the previous default).
-            let fused_us = time(SamplePath::Fused)?;
-            let lists_us = time(SamplePath::Lists)?;
-            let graph_us = graph_time(DEFAULT_PATH)?;
+            let path = SamplePath::for_rows(rows.iter().map(|(p, _)| p));
+            let us = time(path)?;
+            let graph_us = graph_time(path)?;
+            let auto_us = time(DEFAULT_PATH)?;
+            let auto_graph_us = graph_time(DEFAULT_PATH)?;
             let fused_graph_us = graph_time(SamplePath::Fused)?;
+            let lists_graph_us = graph_time(SamplePath::Lists)?;
+            // The greedy kernel serves only greedy rows without penalties (the others run on one
+            // block each there).
+            let greedy_graph_us = if params.is_greedy() && !penalties {
+                format!("{:.1}", graph_time(SamplePath::Greedy)?)
+            } else {
+                "-".to_owned()
+            };
             let torch = peer.get(name).and_then(|m| m.get(&batch.to_string())).copied();
             let ratio = |kiln: f64| torch.map_or("-".to_owned(), |t| format!("{:.2}x", t / kiln));
             table.push_str(&format!(
-                "| {name} | {batch} | {us:.1} | {fused_us:.1} | {lists_us:.1} | {graph_us:.1} | {fused_graph_us:.1} \
-                 | {} | {} | {} |\n",
+                "| {name} | {batch} | {path:?} | {us:.1} | {graph_us:.1} | {auto_us:.1} | {auto_graph_us:.1} \
+                 | {fused_graph_us:.1} | {lists_graph_us:.1} | {greedy_graph_us} | {} | {} | {} |\n",
                 torch.map_or("-".to_owned(), |t| format!("{t:.1}")),
                 ratio(us),
-                ratio(fused_us),
+                ratio(graph_us),
             ));
         }
     }
     table.push_str(
-        "\ntime_us, fused_us, lists_us: CUDA events around batches of launches, per launch. graph_us, \
-         fused_graph_us: the same launches captured in one CUDA graph and replayed (no host launch cost). \
-         torch: events per launch.\n",
+        "\npath: SamplePath::for_rows of the batch's parameters. time_us, auto_us: CUDA events around \
+         batches of launches, per launch. *graph_us: the same launches captured in one CUDA graph and \
+         replayed (no host launch cost). torch: events per launch; torch / kiln against time_us, torch / \
+         kiln graph against graph_us.\n",
     );
     print!("{table}");
     if let Some(path) = &args.out {
