@@ -182,23 +182,77 @@ template <int T> __device__ __forceinline__ void kiln_raw8_store(void* base, lon
 
 // ---- the fixed-order total ------------------------------------------------------------------
 
+// Every unit's sum over the warp (the lane_sum8 of each lane): the xor butterfly 16, 8, 4, 2, 1 of
+// kiln_unit_reduce on each unit, run on all of a warp's units at once. While a lane carries more
+// than one unit, each step splits them: the lane whose `distance` bit is clear keeps the even
+// half of its list and sends the odd half, its partner the reverse, and each adds what it kept
+// to what it received, so that every unit's partial sums are the butterfly's, pair for pair
+// (addition is commutative bit for bit), in half the lanes; 4 units take 6 shuffles instead of
+// 20. The lane ends with the whole sum of unit kiln_norm_unit_of(lane).
+__device__ __forceinline__ float kiln_norm_units_reduce(const float (&lane_sums)[UNITS_PER_WARP], int lane) {
+    float v[UNITS_PER_WARP];
+#pragma unroll
+    for (int u = 0; u < UNITS_PER_WARP; ++u) v[u] = lane_sums[u];
+#pragma unroll
+    for (int j = 0; j < 5; ++j) {
+        const int distance = 16 >> j;
+        const int carried = UNITS_PER_WARP >> j;  // units a lane carries before this step (0: one)
+        if (carried > 1) {
+            const bool odd = (lane & distance) != 0;
+#pragma unroll
+            for (int i = 0; i < (UNITS_PER_WARP > 1 ? UNITS_PER_WARP / 2 : 1); ++i) {
+                if (2 * i < carried) {
+                    const float keep = odd ? v[2 * i + 1] : v[2 * i];
+                    const float send = odd ? v[2 * i] : v[2 * i + 1];
+                    v[i] = keep + __shfl_xor_sync(0xFFFFFFFFu, send, distance);
+                }
+            }
+        } else {
+            v[0] += __shfl_xor_sync(0xFFFFFFFFu, v[0], distance);
+        }
+    }
+    return v[0];
+}
+
+// The lane bits that pick a unit in kiln_norm_units_reduce: the j-th split (distance 16 >> j)
+// puts bit j of the unit in lane bit 4 - j.
+__device__ __forceinline__ int kiln_norm_unit_of(int lane) {
+    int unit = 0;
+#pragma unroll
+    for (int j = 0; (1 << j) < UNITS_PER_WARP; ++j) unit |= ((lane >> (4 - j)) & 1) << j;
+    return unit;
+}
+
+__device__ __forceinline__ int kiln_norm_lane_of(int unit) {
+    int lane = 0;
+#pragma unroll
+    for (int j = 0; (1 << j) < UNITS_PER_WARP; ++j) lane |= ((unit >> j) & 1) << (4 - j);
+    return lane;
+}
+
 // Sums `s` (one unit's lane_sum8 per lane) of every unit into the segment's total, left to right.
 // `unit_sums` is this segment's row of shared memory (unused with one warp per row), 16-byte
 // aligned and KILN_NORM_UNITS long; every warp reads it four sums at a time.
 __device__ __forceinline__ float kiln_norm_total(float (&lane_sums)[UNITS_PER_WARP], int warp_in_row, int units,
                                                  float* unit_sums) {
+    const int lane = threadIdx.x & 31;
+    const float mine = kiln_norm_units_reduce(lane_sums, lane);
     float total = 0.0f;
+    if (WARPS_PER_ROW == 1) {
+        if (UNITS_PER_WARP == 1) {
+            total = mine;
+        } else {
 #pragma unroll
-    for (int u = 0; u < UNITS_PER_WARP; ++u) {
-        const int unit = warp_in_row + u * WARPS_PER_ROW;
-        float s = kiln_unit_reduce(lane_sums[u]);
-        if (WARPS_PER_ROW == 1) {
-            if (unit < units) total += s;
-        } else if ((threadIdx.x & 31) == 0) {
-            unit_sums[unit] = s;
+            for (int u = 0; u < UNITS_PER_WARP; ++u) {
+                const float s = __shfl_sync(0xFFFFFFFFu, mine, kiln_norm_lane_of(u));
+                if (u < units) total += s;
+            }
         }
-    }
-    if (WARPS_PER_ROW > 1) {
+    } else {
+        // One lane of each unit's group writes its sum.
+        if ((lane & (32 / UNITS_PER_WARP - 1)) == 0) {
+            unit_sums[warp_in_row + kiln_norm_unit_of(lane) * WARPS_PER_ROW] = mine;
+        }
         __syncthreads();
         if (KILN_NORM_UNITS % 4 == 0) {
 #pragma unroll
