@@ -89,21 +89,35 @@ __device__ __forceinline__ unsigned int kiln_int8_bracket(float p, float below, 
     return lo;
 }
 
-// NVFP4 fast path: the E2M1 code of v (sign in bit 3) in the low 4 bits of the result, for
-// |v| <= 6.4; in `worst` the larger of `worst` and g's distance to its nearest integer (NaN for a
+// NVFP4 fast path: the E2M1 code of |v| in the low 3 bits of the result, for |v| <= 6.4; in `worst` the larger of `worst` and g's distance to its nearest integer (NaN for a
 // NaN v). Only floating-point additions: with a = |v|, g = a + min(a, 2, 4 - a / 2) is 2a below 2,
 // a + 2 from 2 to 4 and a / 2 + 4 above, a continuous map that takes the E2M1 grid points 0, 0.5,
 // 1, 1.5, 2, 3, 4, 6 to the codes 0 .. 7 and each rounding midpoint between two of them to the
 // half-integer between their codes, so rint(g), ties to even (the even code has the even
 // mantissa), is the code of a; g's own rounding errors (below 2^-21) and v's are far inside the
-// 1e-4 margin the caller demands of `worst`. The sign adds 8 through the magic.
+// 1e-4 margin the caller demands of `worst`. The sign is not in the result (bit 3 is clear):
+// kiln_e2m1_signs adds it to eight packed codes at once.
 __device__ __forceinline__ unsigned int kiln_e2m1_fast(float v, float& worst) {
     const float a = fabsf(v);
     const float g = a + fminf(fminf(a, 2.0f), __fmaf_rn(a, -0.5f, 4.0f));
-    const float magic = (KILN_ROUND_MAGIC + 4.0f) - copysignf(4.0f, v);
-    const float s = g + magic;
-    worst = kiln_max_nan(worst, fabsf(g - (s - magic)));
+    const float s = g + KILN_ROUND_MAGIC;
+    worst = kiln_max_nan(worst, fabsf(g - (s - KILN_ROUND_MAGIC)));
     return __float_as_uint(s);
+}
+
+// Bit 3 of every nibble of eight packed E2M1 codes (value 2i in the low nibble of byte i, 2i + 1
+// in the high one): the sign bits of v[0..8]. `prmt` with a selector nibble of 8 + b replicates
+// the sign of source byte b over the target byte, so two levels of `prmt` gather the signs of the
+// even values into one word, one byte each, and of the odd values into another.
+__device__ __forceinline__ unsigned int kiln_e2m1_signs(const float (&v)[8]) {
+    unsigned int e01, e23, o01, o23, even, odd;
+    asm("prmt.b32 %0, %1, %2, 0x00FB;" : "=r"(e01) : "r"(__float_as_uint(v[0])), "r"(__float_as_uint(v[2])));
+    asm("prmt.b32 %0, %1, %2, 0x00FB;" : "=r"(e23) : "r"(__float_as_uint(v[4])), "r"(__float_as_uint(v[6])));
+    asm("prmt.b32 %0, %1, %2, 0x00FB;" : "=r"(o01) : "r"(__float_as_uint(v[1])), "r"(__float_as_uint(v[3])));
+    asm("prmt.b32 %0, %1, %2, 0x00FB;" : "=r"(o23) : "r"(__float_as_uint(v[5])), "r"(__float_as_uint(v[7])));
+    asm("prmt.b32 %0, %1, %2, 0x5410;" : "=r"(even) : "r"(e01), "r"(e23));
+    asm("prmt.b32 %0, %1, %2, 0x5410;" : "=r"(odd) : "r"(o01), "r"(o23));
+    return (even & 0x08080808u) | (odd & 0x80808080u);
 }
 
 // ---- x as loaded ----------------------------------------------------------------------------
@@ -600,8 +614,10 @@ __device__ __forceinline__ void kiln_norm_segment(
                 unsigned int c[8];
 #pragma unroll
                 for (int k = 0; k < 8; ++k) c[k] = kiln_e2m1_fast(p[k] * inverse, worst);
+                // The signs of p are those of p * inverse (inverse > 0 on this path).
                 unsigned int packed = kiln_bytes4((c[1] << 4) + c[0], (c[3] << 4) + c[2], (c[5] << 4) + c[4],
-                                                  (c[7] << 4) + c[6]);
+                                                  (c[7] << 4) + c[6]) |
+                                      kiln_e2m1_signs(p);
                 if (!(normal && worst <= 0.4999f)) {
                     const float divisor = scale_value / qscale;
                     packed = 0;

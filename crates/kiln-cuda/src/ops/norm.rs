@@ -535,13 +535,14 @@ mod tests {
         lo
     }
 
+    /// The code with its sign, as the kernel packs it (`kiln_e2m1_signs` sets bit 3 from v's
+    /// sign bit).
     fn e2m1_fast(v: f32, worst: &mut f32) -> u32 {
         let a = v.abs();
         let g = a + a.min(2.0).min(a.mul_add(-0.5, 4.0));
-        let magic = (ROUND_MAGIC + 4.0) - 4.0f32.copysign(v);
-        let s = g + magic;
-        *worst = max_nan(*worst, (g - (s - magic)).abs());
-        s.to_bits()
+        let s = g + ROUND_MAGIC;
+        *worst = max_nan(*worst, (g - (s - ROUND_MAGIC)).abs());
+        (s.to_bits() & 0x7) | ((v.to_bits() >> 28) & 0x8)
     }
 
     /// Inputs: every 4099th float, and the neighbourhood of every E2M1 rounding midpoint and of
