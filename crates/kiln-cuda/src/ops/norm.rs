@@ -100,10 +100,11 @@ impl NormVariant {
     /// 2048 x 4096, 8192 x 8192; `kiln bench norm`), never a persistent one (the persistent grid
     /// trailed the plain one at every large shape: 82% against 90% of the copy ceiling for
     /// RMSNorm at 8192 x 8192, 65% against 87% for LayerNorm):
-    /// - at most [`SMALL_SEGMENTS`] segments (decode, small batches): one unit of 256 elements a
-    ///   warp, up to 16 warps a row, the weight loaded early (16 warps: 1.6-2.1 us at 1 x 4096
-    ///   in every case, against 2.6-3.5 us for the former persistent 4 warps): each segment has a
-    ///   multiprocessor to itself and its time is one row's chain of loads, sums and stores;
+    /// - at most [`SMALL_SEGMENTS`] segments (decode, small batches) of 3 units or more: one
+    ///   unit of 256 elements a warp, 4 to 16 warps a row, the weight loaded early (16 warps:
+    ///   1.6-2.1 us at 1 x 4096 in every case, against 2.6-3.5 us for the former persistent 4
+    ///   warps): each segment has a multiprocessor to itself and its time is one row's chain of
+    ///   loads, sums and stores;
     /// - INT8, NVFP4 and FP8 outputs, or fp32 x: 4 units a warp (8 warps at 8192: 64% and 41% of
     ///   the copy ceiling for INT8 and NVFP4 against 62% and 31% with 4 warps);
     /// - float outputs of 2-byte x: 8 units a warp (2 warps at 4096, 4 at 8192: 78-90% for
@@ -112,7 +113,7 @@ impl NormVariant {
         let n = call.segment_len();
         let units = n.div_ceil(UNIT).max(1);
         let segments = call.rows * call.spec.groups.max(1);
-        if segments <= SMALL_SEGMENTS {
+        if segments <= SMALL_SEGMENTS && units >= 3 {
             let warps = units.next_power_of_two().clamp(4, 16) as u32;
             return NormVariant {
                 warps_per_row: warps,
@@ -489,6 +490,10 @@ mod tests {
         assert_eq!(NormVariant::default_for(&call(int8, 8192, 8192)), variant(8, 1, false));
         assert_eq!(NormVariant::default_for(&call(rms, 1, 4096)), variant(16, 1, true));
         assert_eq!(NormVariant::default_for(&call(rms, 8192, 576)), variant(1, 4, false));
+        assert_eq!(NormVariant::default_for(&call(rms, 1, 576)), variant(4, 1, true));
+        // Per-head norms of 128 values: one warp a head, whatever the row count.
+        let heads = NormSpec { groups: 32, ..rms };
+        assert_eq!(NormVariant::default_for(&call(heads, 1, 4096)), variant(1, 4, false));
         let one = variant(1, 1, false);
         assert_eq!(one.units_per_warp(4096), Some(16));
         assert_eq!(one.units_per_warp(4097), None);
