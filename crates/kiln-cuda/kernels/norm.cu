@@ -72,6 +72,17 @@ __device__ __forceinline__ float kiln_rcp_approx(float x) {
     return r;
 }
 
+// a / b, rounded as the division, from b's rounded reciprocal and one fused correction: three
+// instructions where the division takes about ten. Exact for every a in [2^-100, 2^100] with b =
+// 127 or 6 (ops::norm's tests replay it on every mantissa of both ends' binades and of 1; every
+// operation scales by a power of two between them); callers divide for other a.
+#define KILN_DIV_RANGE_LO 7.88860905e-31f  // 2^-100
+#define KILN_DIV_RANGE_HI 1.26765060e30f   // 2^100
+__device__ __forceinline__ float kiln_div_const(float a, float b, float inverse_b) {
+    const float q = a * inverse_b;
+    return __fmaf_rn(__fmaf_rn(-q, b, a), inverse_b, q);
+}
+
 // 1.5 * 2^23: for |t| < 2^22, t + KILN_ROUND_MAGIC is t rounded to the nearest integer (ties to
 // even) plus the magic, exactly, and its low bits are that integer in two's complement.
 #define KILN_ROUND_MAGIC 12582912.0f
@@ -564,14 +575,16 @@ __device__ __forceinline__ void kiln_norm_segment(
             // or for a divisor out of range, the reference's division.
             float worst = 0.0f;
             if (OUT_T == KILN_OUT_INT8) {
-                float scale = amax / 127.0f;
+                // amax / 127 (1 / 127 is 0x3C010204), the reference's scale where amax is in
+                // kiln_div_const's range; the slow path divides again.
+                float scale = kiln_div_const(amax, 127.0f, __uint_as_float(0x3C010204u));
                 // below and above bracket 1 / scale: the approximate reciprocal is within one ulp
                 // (2^-23) of it, the factors 1 -+ 2^-20 and their rounding move each end away
                 // from it by more than 2^-21 of it, far more than the reference's rounding of its
                 // quotient (2^-24), so that quotient lies strictly inside the bracket. |p| <= amax
-                // keeps both ends within 127.5: no clamp. A scale out of range (or NaN) goes the
-                // reference's way.
-                const bool normal = scale >= 1.17549435e-38f && scale <= 4.0e37f;
+                // keeps both ends within 127.5: no clamp. An amax out of range (0, NaN, infinite,
+                // tiny or huge: a scale outside [2^-107, 2^93]) goes the reference's way.
+                const bool normal = amax >= KILN_DIV_RANGE_LO && amax <= KILN_DIV_RANGE_HI;
                 const float inverse = kiln_rcp_approx(scale);
                 const float below = inverse * (1.0f - 1.0f / 1048576.0f);
                 const float above = inverse * (1.0f + 1.0f / 1048576.0f);
@@ -590,6 +603,8 @@ __device__ __forceinline__ void kiln_norm_segment(
                         for (int k = 0; k < 8; ++k) m = fmaxf(m, fabsf(p[k]));
                         m = fmaxf(m, __shfl_xor_sync(3u << (lane & 30), m, 1));
                         scale = m / 127.0f;
+                    } else {
+                        scale = amax / 127.0f;
                     }
                     unsigned int q[8];
 #pragma unroll
@@ -601,15 +616,18 @@ __device__ __forceinline__ void kiln_norm_segment(
                 *reinterpret_cast<uint2*>(static_cast<signed char*>(out) + base + col) = codes;
                 if ((lane & 1) == 0) static_cast<float*>(scales)[block] = scale;
             } else {
-                const float scaled = (amax / 6.0f) * qscale;
-                const unsigned int s = kiln_e4m3x2(scaled, 0.0f) & 0xFFu;
-                const float scale_value = kiln_e4m3_value(s);
+                // amax / 6 (1 / 6 is 0x3E2AAAAB) as the reference's where amax is in
+                // kiln_div_const's range; the slow path takes the scale again otherwise.
+                const bool in_range = amax >= KILN_DIV_RANGE_LO && amax <= KILN_DIV_RANGE_HI;
+                float scaled = kiln_div_const(amax, 6.0f, __uint_as_float(0x3E2AAAABu)) * qscale;
+                unsigned int s = kiln_e4m3x2(scaled, 0.0f) & 0xFFu;
+                float scale_value = kiln_e4m3_value(s);
                 // inverse ~ qscale / scale_value = 1 / divisor within 2.5 * 2^-23 (the reciprocal,
                 // the product, the reference's rounding of the divisor). With the scale a normal
                 // E4M3 value (exponent bits set) that did not saturate (scaled <= 448), it is at
                 // least 15/16 of `scaled`, so |v| <= 6.4 as kiln_e2m1_fast needs.
                 const float inverse = qscale * kiln_rcp_approx(scale_value);
-                const bool normal = inverse >= 1.0e-37f && inverse <= 1.0e37f && (s & 0x78u) != 0 &&
+                const bool normal = in_range && inverse >= 1.0e-37f && inverse <= 1.0e37f && (s & 0x78u) != 0 &&
                                     scaled <= 448.0f;
                 unsigned int c[8];
 #pragma unroll
@@ -619,6 +637,11 @@ __device__ __forceinline__ void kiln_norm_segment(
                                                   (c[7] << 4) + c[6]) |
                                       kiln_e2m1_signs(p);
                 if (!(normal && worst <= 0.4999f)) {
+                    if (!in_range) {
+                        scaled = (amax / 6.0f) * qscale;
+                        s = kiln_e4m3x2(scaled, 0.0f) & 0xFFu;
+                        scale_value = kiln_e4m3_value(s);
+                    }
                     const float divisor = scale_value / qscale;
                     packed = 0;
 #pragma unroll

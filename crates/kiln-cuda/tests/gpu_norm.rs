@@ -275,7 +275,9 @@ fn quantized_outputs_on_rounding_ties_match_the_reference() {
 
 /// Weights with NaN, infinities and zeros here and there: blocks of 16 with a NaN value (whose
 /// block maximum the reference takes without it, and whose code is -127 for INT8), infinite
-/// values (an infinite maximum) and all-zero blocks, for the quantized outputs, every variant.
+/// values (an infinite maximum), all-zero blocks, and blocks of values near 1e-35 and 1e35
+/// (maxima outside the range of the kernel's fast division), for the quantized outputs, every
+/// variant.
 #[test]
 fn quantized_outputs_of_nan_and_infinite_values_match_the_reference() {
     let gpu = gpu();
@@ -289,11 +291,14 @@ fn quantized_outputs_of_nan_and_infinite_values_match_the_reference() {
         for (i, w) in weight.iter_mut().enumerate() {
             match (i / 16) % 8 {
                 1 if i % 16 == 5 => *w = f32::NAN,
+                2 => *w *= 1e-35,
                 3 if i % 16 == 0 => *w = -f32::NAN,
                 4 if i % 16 == 9 => *w = f32::INFINITY,
+                5 => *w *= 1e35,
                 6 => *w = 0.0,
                 _ => {}
             }
+            *w = FloatType::BF16.round(*w);
         }
         let x = rng.values(rows * hidden, -2.0, 2.0, FloatType::BF16);
         for &variant in NORM_VARIANTS.iter().filter(|v| call.validate(**v).is_ok()) {

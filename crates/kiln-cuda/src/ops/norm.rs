@@ -648,6 +648,28 @@ mod tests {
         assert!(clear * 10 > total * 8 && total > 1_000_000, "{clear} of {total}");
     }
 
+    /// `kiln_div_const` of `kernels/norm.cu` (a / b from the rounded reciprocal and one fused
+    /// correction) replayed: it equals the division for every fp32 mantissa, in the binades of 1
+    /// and of 2^-100 and 2^100 (the ends of the range the kernel uses it in: every operation scales
+    /// by the power of two in between, nothing under- or overflows), for the divisors 127 (INT8)
+    /// and 6 (NVFP4); the reciprocals are the constants the kernel spells out.
+    #[test]
+    fn division_by_a_constant_from_its_reciprocal_is_exact_over_the_kernels_range() {
+        for (b, inverse_bits) in [(127.0f32, 0x3C01_0204u32), (6.0, 0x3E2A_AAAB)] {
+            let inverse = f32::from_bits(inverse_bits);
+            assert_eq!(inverse, 1.0 / b);
+            for binade in [0x3F80_0000u32, 0x0D80_0000, 0x7180_0000] {
+                for m in 0..(1u32 << 23) {
+                    let a = f32::from_bits(binade | m);
+                    let q = a * inverse;
+                    let r = (-q).mul_add(b, a);
+                    let fast = r.mul_add(inverse, q);
+                    assert_eq!(fast.to_bits(), (a / b).to_bits(), "{a} / {b}");
+                }
+            }
+        }
+    }
+
     #[test]
     fn int8_planes_serve_fp32_rows_of_whole_units_for_the_integer_formats() {
         let call = NormCall {
