@@ -17,9 +17,14 @@
 // whose low bits are the code, no conversion instruction: `kiln_int8_bracket`, two fused
 // multiply-adds a value that bracket the quotient; `kiln_e2m1_fast`, after one multiplication)
 // by an approximate reciprocal of the block's divisor, with the reference's division only for
-// the rare block whose quotient comes near a rounding tie, the
-// block maximum's shuffle runs outside any branch, quantized bytes are packed with `prmt`, and
-// the unit sums of several warps are combined from shared memory four at a time.
+// the rare block whose quotient comes near a rounding tie; the block scales divide by 127 and 6
+// with a reciprocal and one correction (`kiln_div_const`), the block maximum's shuffle runs
+// outside any branch, quantized bytes and E2M1 signs are packed with `prmt`, a warp's unit sums
+// are reduced together (`kiln_norm_units_reduce`: 6 shuffles for 4 units, not 20), and the unit
+// sums of several warps are combined from shared memory four at a time. With an NVFP4 output the
+// budget is about 20 instructions a value at the copy ceiling (2.56 bytes a bf16 value) and the
+// kernel needs about 22 (the norm 9, E2M1 10, block maximum and scale 3): it is bound by issue,
+// not by DRAM; INT8 (3.25 bytes, about 26) needs about 15.
 //
 // A segment is one norm: a row, or one group of a row (`n` elements, `groups` per row). Unit `u`
 // of a segment (elements 256u .. 256u + 256) belongs to warp `u % WARPS_PER_ROW` of the row's
