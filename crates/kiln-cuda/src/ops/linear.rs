@@ -938,16 +938,26 @@ mod tests {
             let c = call(dtype, 4096, 4096, 1, Epilogue::Store);
             assert_eq!(LinearVariant::dequantizing_default_for(&c), variant(4, 4, 1));
         }
-        // Llama-3-8B's Q4_0 layers at one token: two rows a lane where rows abound, four units in
-        // flight over the 14336 columns of the down projection.
+        // Llama-3-8B's Q4_0 layers at one token, pipelined (two rounds in flight a warp): two rows
+        // a lane where rows abound, two units a round over the 14336 columns of the down
+        // projection, one row a lane for gate/up (its two stages of two weight rows fill 48 KiB);
+        // at two tokens (not pipelined) four units a round.
         assert_eq!(
             LinearVariant::default_for(&call(DType::Q4_0, 6144, 4096, 1, Epilogue::Store)),
             integer(4, 2, 1)
         );
-        assert_eq!(
-            LinearVariant::default_for(&call(DType::Q4_0, 4096, 14336, 1, Epilogue::Accumulate)),
-            integer(4, 1, 4)
-        );
+        if std::env::var(INT8_PIPE_ENV).is_err() {
+            let down = call(DType::Q4_0, 4096, 14336, 1, Epilogue::Accumulate);
+            assert_eq!(LinearVariant::default_for(&down), integer(4, 1, 2));
+            assert!(down.int8_pipelined(integer(4, 1, 2)));
+            let gate_up = call(DType::Q4_0, 14336, 4096, 1, Epilogue::SwiGlu);
+            assert_eq!(LinearVariant::default_for(&gate_up), integer(4, 1, 1));
+            assert!(gate_up.int8_pipelined(integer(4, 1, 1)));
+            assert!(!gate_up.int8_pipelined(integer(4, 2, 1)), "four stages of 4.5 KiB a warp");
+            let two = call(DType::Q4_0, 4096, 14336, 2, Epilogue::Accumulate);
+            assert_eq!(LinearVariant::default_for(&two), integer(4, 1, 4));
+            assert!(!two.int8_pipelined(integer(4, 1, 4)));
+        }
         // The other block formats, and the 4-bit ones off the integer path: four warps, one
         // piece in flight, x read through the cache.
         for dtype in [DType::Q4_K, DType::Q6_K, DType::Q4_0, DType::Q8_0] {
