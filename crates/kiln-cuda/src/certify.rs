@@ -542,12 +542,15 @@ pub struct AttentionConfig {
 
 impl AttentionConfig {
     /// `4x1x64.s1`: warps_m x warps_n x warp_keys, then the splits; the wgmma prefill kernels'
-    /// named `wgmma-8x1x128.s1` and `wgmma-pingpong-8x1x128.s1`.
+    /// named `wgmma-8x1x128.s1` and `wgmma-pingpong-8x1x128.s1`, the decode variants three K/V
+    /// tiles deep `deep-1x4x16.s8` and the hybrid decode `hybrid-1x4x16.s33`.
     pub fn label(&self) -> String {
         let v = &self.variant;
         let kernel = match v.kernel {
             AttentionKernel::Warpgroup => "wgmma-",
             AttentionKernel::WarpgroupPingpong => "wgmma-pingpong-",
+            _ if v.hybrid => "hybrid-",
+            AttentionKernel::Tiled if v.stages == AttentionVariant::DECODE_DEEP.stages => "deep-",
             AttentionKernel::Tiled | AttentionKernel::Streaming => "",
         };
         format!("{kernel}{}x{}x{}.s{}", v.warps_m, v.warps_n, v.warp_keys, self.splits)
@@ -558,10 +561,16 @@ impl AttentionConfig {
     pub fn parse(label: &str) -> Option<AttentionConfig> {
         let (_, splits) = label.rsplit_once(".s")?;
         let splits: u32 = splits.parse().ok().filter(|s| (1..=64).contains(s))?;
-        let wgmma = [AttentionVariant::PREFILL_WGMMA, AttentionVariant::PREFILL_WGMMA_PINGPONG];
+        let others = [
+            AttentionVariant::PREFILL_WGMMA,
+            AttentionVariant::PREFILL_WGMMA_PINGPONG,
+            AttentionVariant::DECODE_DEEP,
+            AttentionVariant::DECODE_WIDE_DEEP,
+            AttentionVariant::DECODE_HYBRID,
+        ];
         let variant = AttentionVariant::ALL
             .into_iter()
-            .chain(wgmma)
+            .chain(others)
             .find(|&variant| AttentionConfig { variant, splits }.label() == label)?;
         Some(AttentionConfig { variant, splits })
     }
@@ -741,10 +750,16 @@ pub fn attention_candidates(task: &AttentionTask, facts: &DeviceFacts) -> Candid
             let s = default.splits;
             let mut splits = vec![1, s.div_ceil(2), s, (2 * s).min(64)];
             splits.dedup();
-            [AttentionVariant::DECODE, AttentionVariant::DECODE_WIDE]
-                .into_iter()
-                .flat_map(|variant| splits.iter().map(move |&splits| AttentionConfig { variant, splits }))
-                .collect()
+            [
+                AttentionVariant::DECODE,
+                AttentionVariant::DECODE_WIDE,
+                AttentionVariant::DECODE_DEEP,
+                AttentionVariant::DECODE_WIDE_DEEP,
+                AttentionVariant::DECODE_HYBRID,
+            ]
+            .into_iter()
+            .flat_map(|variant| splits.iter().map(move |&splits| AttentionConfig { variant, splits }))
+            .collect()
         }
     };
     let list = default_first(default, others);

@@ -293,11 +293,26 @@ fn the_attention_default_is_the_launchers_default() {
         prefill.default_config(132),
         AttentionConfig { variant: AttentionVariant::PREFILL, splits: 1 }
     );
-    // The decode candidates: two variants at 1, half, once and twice the default splits.
-    let labels: Vec<String> = attention_candidates(&decode, &h200()).kept.iter().map(|c| c.label()).collect();
+    // The decode candidates: five variants (streaming, wide, the two deep ones, the hybrid) at 1,
+    // half, once and twice the default splits, each named apart and parsed back.
+    let kept = attention_candidates(&decode, &h200()).kept;
+    let labels: Vec<String> = kept.iter().map(|c| c.label()).collect();
     assert_eq!(labels[0], "1x4x16.s33");
-    assert_eq!(labels.len(), 8, "{labels:?}");
-    assert!(labels.contains(&"1x4x32.s64".to_owned()) && labels.contains(&"1x4x16.s1".to_owned()));
+    assert_eq!(labels.len(), 20, "{labels:?}");
+    for label in ["1x4x32.s64", "1x4x16.s1", "deep-1x4x16.s17", "deep-1x4x32.s64", "hybrid-1x4x16.s33"] {
+        assert!(labels.contains(&label.to_owned()), "{label} in {labels:?}");
+    }
+    for c in &kept {
+        assert_eq!(AttentionConfig::parse(&c.label()), Some(*c), "{}", c.label());
+    }
+    // Prefill: the two tiled variants and, on sm_90 at head dim 128, the two wgmma kernels.
+    let prefill_labels: Vec<String> =
+        attention_candidates(&prefill, &h200()).kept.iter().map(|c| c.label()).collect();
+    assert!(prefill_labels.contains(&"wgmma-pingpong-8x1x128.s1".to_owned()), "{prefill_labels:?}");
+    let small = AttentionTask { shape: AttentionShape { head_dim: 64, ..shape }, ..prefill };
+    let pruned = attention_candidates(&small, &h200()).pruned;
+    assert_eq!(pruned.len(), 2, "{pruned:?}");
+    assert!(pruned.iter().all(|p| p.reason.contains("head dim 128")), "{pruned:?}");
 }
 
 #[test]
