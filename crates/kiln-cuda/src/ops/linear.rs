@@ -17,7 +17,9 @@
 //! block of 32 values in two int8 planes into a scratch (x ~ d (254 q1 + q2), at most amax / 64516
 //! of its block off), then sum exact dp4a products scaled once per block: the error bound is that
 //! rounding of x times the weights' integer parts, plus fp32 rounding of the block sums. A
-//! token's sums do not depend on the other tokens of the call.
+//! token's sums do not depend on the other tokens of the call. At one token the product kernel
+//! is pipelined by default ([`INT8_PIPE_ENV`]): a persistent grid whose warps keep two rounds of
+//! weights in flight, summing every row in the same order (the same bits).
 //!
 //! The `/mma` variants (BF16 and F16 weights, 2 to 8 tokens) run the products on the tensor
 //! cores: f32 x is split into 16-bit parts that sum to it (three bf16 parts, or two f16 parts of
