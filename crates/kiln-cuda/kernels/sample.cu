@@ -2274,3 +2274,423 @@ kiln_sample_greedy(const float* __restrict__ logits, long long vocab, long long 
     if (threadIdx.x == 0) tokens[r] = row_best != 0ull ? 0xFFFFFFFFu - (kiln_u32)row_best : NO_TOKEN;
 }
 #endif  // THREADS <= 256
+
+// ---- The top-k merge path ---------------------------------------------------------------------
+//
+// Serves greedy rows and rows with 1 <= top_k <= TKM_KMAX (with any temperature, top-p and
+// min-p; rows with penalties, rows read from the LM head's statistics and every other row run on
+// block 0 of their row on the single-block path) in one launch of `kiln_sample_topk_merge` on a
+// (slices, rows) grid of about two blocks a multiprocessor. Designed for latency:
+//   1. Block (s, r) loads its slice into registers (TKM_PER logits a thread, every load in flight;
+//      no copy in shared memory) and finds its local top-k from one histogram of the distance
+//      below the slice maximum (the bins of `fused_dbin`), kept per warp: each warp owns its row
+//      of bins, and the lanes of one bin add together after a match (no atomics), so ties and
+//      crowded bins cost no serialization. One warp finds the bin of the k-th token from the
+//      column sums; the tokens of the bins up to it (a superset of the local top-k, at most
+//      TKM_LIST_CAP) are ranked by counting and the block writes its exact local top-k in the
+//      order, as packed (key, ~index) u64. A bin too crowded for the list (ties, a +inf maximum)
+//      marks the block's list as overflowed.
+//   2. The last block of the row (an atomic ticket, reset by that block) reads every list's count,
+//      its k-th entry and the lists' first entries (column-major) in one round trip to L2, bounds
+//      the row's k-th token from below by the k-th largest of the lists' first h entries (k
+//      distinct tokens of the row) and by the best block's k-th, collects the entries at or above
+//      the bound (a prefix of each sorted list: the staged ones, then, for a list whose staged
+//      entries are all above the bound, its next entries read from L2 by its owner), ranks them
+//      (counting, or a bitonic sort in shared memory past TKM_RANK_MAX) and finishes on the top-k
+//      in the order as the fused path does: weights from the first, top-p in rank order by one
+//      block scan, min-p, and the draw in index order.
+// A row with an overflowed list or more survivors than the buffers hold is sampled by its last
+// block on the single-block path. Every quantity is an integer or the reference's fp32 operation
+// on the same value, so the token is the reference's whatever the slices.
+
+#define TKM_KMAX 256          // the largest top-k the path serves
+#define TKM_PER 32            // logits a thread holds: a slice is at most TKM_PER * THREADS
+#define TKM_LIST_CAP 512      // a block's superset of its local top-k
+#define TKM_BINS 256          // histogram bins (those of fused_dbin)
+#define TKM_HEAD_CAP 1024     // the lists' first entries the last block stages
+#define TKM_SURV_CAP 2048     // entries at or above the bound the last block ranks
+#define TKM_RANK_MAX 512      // ranked by counting up to this many, by a bitonic sort above
+#define TKM_OVERFLOW 0xFFFFFFFFu  // a list count: the block's bin was too crowded
+#define TKM_FALLBACK 1
+#define TKM_MIN_BLOCKS 2
+
+#if THREADS <= 256
+struct TopKMergeShared {
+    union {
+        kiln_u32 bins[SAMPLE_WARPS][TKM_BINS];  // a row of bins a warp (the block's selection)
+        kiln_u64 staged[TKM_HEAD_CAP];          // the lists' first entries (the last block)
+    };
+    kiln_u64 surv[TKM_SURV_CAP];   // the survivors; then the kept weights and indices
+    kiln_u64 list[TKM_LIST_CAP];   // the block's superset; in the last block, the top-k in order
+    kiln_u32 column[TKM_BINS];     // the bins summed over the warps
+    kiln_u64 warp_u64[SAMPLE_WARPS];
+    kiln_u32 warp_u32[SAMPLE_WARPS];
+    kiln_u64 best, bound;
+    kiln_u32 valid, listed, chosen, above, count, nsurv;
+    int last;
+};
+static_assert(SAMPLE_WARPS * TKM_BINS * 4 == TKM_HEAD_CAP * 8, "the bins and the staged heads share memory");
+static_assert(THREADS >= TKM_KMAX, "one thread per top-k token, one list per thread");
+
+// Adds one to bins[bin] (the warp's own row) for the lanes with bin >= 0: the lanes of one bin
+// are matched and their first lane adds their count (one writer per address, no atomics).
+__device__ __forceinline__ void tkm_count(kiln_u32* warp_bins, int bin) {
+    const kiln_u32 peers = __match_any_sync(KILN_FULL_MASK, bin);
+    if (bin >= 0 && (int)(threadIdx.x & 31) == __ffs(peers) - 1) warp_bins[bin] += (kiln_u32)__popc(peers);
+}
+
+// The block's largest u64 (every thread gets it).
+__device__ __forceinline__ kiln_u64 tkm_max(kiln_u64 v, TopKMergeShared& sh) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const kiln_u64 n = __shfl_xor_sync(KILN_FULL_MASK, v, o);
+        v = n > v ? n : v;
+    }
+    if (threadIdx.x == 0) sh.best = 0ull;
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0 && v != 0ull) atomicMax(&sh.best, v);
+    __syncthreads();
+    const kiln_u64 out = sh.best;
+    __syncthreads();
+    return out;
+}
+
+// Block (s, r) of a served row, k >= 1. Returns TKM_FALLBACK in the last block of a row whose
+// candidates overflow the buffers (the caller then samples the row on the single-block path).
+__device__ __forceinline__ int sample_row_topk_merge(int r, kiln_u32 k, const float (&v)[TKM_PER], int n,
+                                                     long long lo, const KilnSampleParams* __restrict__ p,
+                                                     const kiln_u64* __restrict__ steps,
+                                                     kiln_u32* __restrict__ tokens, kiln_u32* tickets,
+                                                     kiln_u32* list_counts, kiln_u64* lists, int slots) {
+    __shared__ TopKMergeShared sh;
+    const int warp = threadIdx.x >> 5;
+    // The slice's maximum and candidates from the registers; the bins zeroed meanwhile.
+    kiln_u64 thread_best = 0ull;
+    kiln_u32 thread_valid = 0u;
+#pragma unroll
+    for (int u = 0; u < TKM_PER; ++u) {
+        const int i = u * THREADS + (int)threadIdx.x;
+        const kiln_u32 key = i < n ? sample_order_key(v[u]) : 0u;
+        if (key != 0u) {
+            ++thread_valid;
+            const kiln_u64 packed = fast_pack(key, (kiln_u32)(lo + i));
+            thread_best = packed > thread_best ? packed : thread_best;
+        }
+    }
+    if (threadIdx.x == 0) {
+        sh.best = 0ull;
+        sh.valid = 0u;
+        sh.listed = 0u;
+    }
+    for (int b = threadIdx.x; b < SAMPLE_WARPS * TKM_BINS; b += THREADS) (&sh.bins[0][0])[b] = 0u;
+    __syncthreads();
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const kiln_u64 other = __shfl_xor_sync(KILN_FULL_MASK, thread_best, o);
+        thread_best = other > thread_best ? other : thread_best;
+    }
+    thread_valid = __reduce_add_sync(KILN_FULL_MASK, thread_valid);
+    if ((threadIdx.x & 31) == 0) {
+        if (thread_best != 0ull) atomicMax(&sh.best, thread_best);
+        if (thread_valid != 0u) atomicAdd(&sh.valid, thread_valid);
+    }
+    __syncthreads();
+    const kiln_u64 slice_best = sh.best;
+    const kiln_u32 valid = sh.valid;
+    const long long slot = (long long)r * slots + blockIdx.x;
+    kiln_u64* out = lists + slot * TKM_KMAX;
+    kiln_u32 written = 0u;
+    if (valid != 0u && k == 1u) {
+        if (threadIdx.x == 0) out[0] = slice_best;
+        written = 1u;
+    } else if (valid != 0u) {
+        const float M = fused_value((kiln_u32)(slice_best >> 32));
+        int chosen = TKM_BINS - 1;  // every valid token is listed when the slice has at most k
+        bool crowded = false;
+        if (valid > k) {
+#pragma unroll
+            for (int u = 0; u < TKM_PER; ++u) {
+                if (u * THREADS >= n) break;  // the same for the whole block
+                const int i = u * THREADS + (int)threadIdx.x;
+                int bin = -1;
+                if (i < n && sample_order_key(v[u]) != 0u) bin = fused_dbin(v[u], M);
+                tkm_count(sh.bins[warp], bin);
+            }
+            __syncthreads();
+            for (int b = threadIdx.x; b < TKM_BINS; b += THREADS) {
+                kiln_u32 sum = 0u;
+#pragma unroll
+                for (int w = 0; w < SAMPLE_WARPS; ++w) sum += sh.bins[w][b];
+                sh.column[b] = sum;
+            }
+            __syncthreads();
+            if (threadIdx.x < 32) {
+                // The first bin (ascending distance) at which the running count reaches k.
+                const int lane = threadIdx.x;
+                kiln_u32 sum = 0u;
+#pragma unroll
+                for (int q = 0; q < TKM_BINS / 32; ++q) sum += sh.column[lane * (TKM_BINS / 32) + q];
+                kiln_u32 inclusive = sum;
+#pragma unroll
+                for (int o = 1; o < 32; o <<= 1) {
+                    const kiln_u32 m = __shfl_up_sync(KILN_FULL_MASK, inclusive, o);
+                    if (lane >= o) inclusive += m;
+                }
+                const kiln_u32 before = inclusive - sum;
+                if (before < k && inclusive >= k) {
+                    kiln_u32 acc = before;
+                    for (int q = 0; q < TKM_BINS / 32; ++q) {
+                        const int b = lane * (TKM_BINS / 32) + q;
+                        const kiln_u32 c = sh.column[b];
+                        if (acc + c >= k) {
+                            sh.chosen = (kiln_u32)b;
+                            sh.above = acc;
+                            sh.count = c;
+                            break;
+                        }
+                        acc += c;
+                    }
+                }
+            }
+            __syncthreads();
+            chosen = (int)sh.chosen;
+            crowded = sh.above + sh.count > TKM_LIST_CAP;
+        }
+        if (crowded) {
+            written = TKM_OVERFLOW;
+        } else {
+#pragma unroll
+            for (int u = 0; u < TKM_PER; ++u) {
+                if (u * THREADS >= n) break;
+                const int i = u * THREADS + (int)threadIdx.x;
+                const kiln_u32 key = i < n ? sample_order_key(v[u]) : 0u;
+                const bool take = key != 0u && fused_dbin(v[u], M) <= chosen;
+                fused_append(take, take ? fast_pack(key, (kiln_u32)(lo + i)) : 0ull, sh.list, &sh.listed,
+                             TKM_LIST_CAP);
+            }
+            __syncthreads();
+            const int listed = (int)sh.listed;  // <= TKM_LIST_CAP: not crowded
+            written = min((kiln_u32)listed, k);
+            fused_rank(sh.list, listed, [&](kiln_u64 e, kiln_u32 rank) {
+                if (rank < written) out[rank] = e;
+            });
+        }
+    }
+    if (threadIdx.x == 0) list_counts[slot] = written;
+
+    // The last block of the row to finish goes on; every thread fences its own writes first.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const kiln_u32 ticket = atomicAdd(&tickets[r], 1u);
+        sh.last = ticket == gridDim.x - 1u;
+        if (sh.last) {
+            tickets[r] = 0u;  // every block of the row has taken its ticket
+            __threadfence();
+        }
+    }
+    __syncthreads();
+    if (!sh.last) return 0;
+
+    const kiln_u64 step = steps[r];  // read now: its latency hides behind the merge
+    const int blocks = (int)gridDim.x;  // <= THREADS (launcher)
+    const kiln_u32* row_counts = list_counts + (long long)r * slots;
+    const kiln_u64* row_lists = lists + (long long)r * slots * TKM_KMAX;
+    const bool owner = (int)threadIdx.x < blocks;  // thread b owns list b
+    // One round trip: each owner's count and k-th entry, the first `depth` entries of every list
+    // (entry i of list b at staged[i * blocks + b]; 0 past a list's count).
+    const int depth = min((int)k, TKM_HEAD_CAP / blocks);  // >= 4: at most 256 blocks
+    kiln_u32 c = 0u;
+    kiln_u64 kth = 0ull;
+    if (owner) {
+        c = __ldcg(&row_counts[threadIdx.x]);
+        kth = __ldcg(&row_lists[(long long)threadIdx.x * TKM_KMAX + (k - 1u)]);
+    }
+    for (int e = threadIdx.x; e < depth * blocks; e += THREADS) {
+        const int i = e / blocks, b = e - i * blocks;
+        const kiln_u32 cb = __ldcg(&row_counts[b]);
+        const kiln_u64 x = __ldcg(&row_lists[(long long)b * TKM_KMAX + i]);
+        sh.staged[e] = cb != TKM_OVERFLOW && (kiln_u32)i < cb ? x : 0ull;
+    }
+    if (__syncthreads_or(owner && c == TKM_OVERFLOW)) return TKM_FALLBACK;
+    if (k == 1u) {
+        // Greedy (or top-k 1): the best of the slices' maxima.
+        const kiln_u64 best = tkm_max(owner && c != 0u ? sh.staged[threadIdx.x] : 0ull, sh);
+        if (threadIdx.x == 0) tokens[r] = best != 0ull ? 0xFFFFFFFFu - (kiln_u32)best : NO_TOKEN;
+        return 0;
+    }
+    // The candidates of the row, and how many the lists' first h entries hold, h from
+    // ceil(k / blocks), summed together (each sum below 2^32).
+    int h = (int)((k + (kiln_u32)blocks - 1u) / (kiln_u32)blocks);
+    kiln_u64 sums;
+    fast_scan(((kiln_u64)c << 32) | (kiln_u64)min(c, (kiln_u32)h), sh.warp_u64, sums);
+    const kiln_u32 total = (kiln_u32)(sums >> 32);
+    if (total == 0u) {  // every logit of the row is NaN
+        if (threadIdx.x == 0) tokens[r] = NO_TOKEN;
+        return 0;
+    }
+    // The bound: every token of the row's top-k is at or above it (0 when the row has at most k
+    // candidates: every listed token is kept).
+    kiln_u64 bound = 0ull;
+    if (total > k) {
+        const kiln_u64 local = tkm_max(owner && c == k ? kth : 0ull, sh);  // the best block's k-th
+        kiln_u32 within = (kiln_u32)sums;
+        while (within < k) {
+            h = min(2 * h, (int)k);
+            fast_scan(min(c, (kiln_u32)h), sh.warp_u32, within);
+        }
+        if (h > depth) return TKM_FALLBACK;  // the heads are not all staged
+        if (threadIdx.x == 0) sh.bound = 0ull;
+        __syncthreads();
+        fused_rank(sh.staged, blocks * h, [&](kiln_u64 e, kiln_u32 rank) {
+            if (rank == k - 1u) sh.bound = e;
+        });
+        __syncthreads();
+        bound = sh.bound > local ? sh.bound : local;
+    }
+
+    // The survivors: the staged entries at or above the bound, then the next entries of each list
+    // whose staged ones all are (read by its owner, 8 at a time, down to the bound).
+    if (threadIdx.x == 0) sh.nsurv = 0u;
+    __syncthreads();
+    for (int base = 0; base < depth * blocks; base += THREADS) {
+        const int e = base + (int)threadIdx.x;
+        const kiln_u64 x = e < depth * blocks ? sh.staged[e] : 0ull;
+        fused_append(x != 0ull && x >= bound, x, sh.surv, &sh.nsurv, TKM_SURV_CAP);
+    }
+    if (owner && c > (kiln_u32)depth && sh.staged[(depth - 1) * blocks + (int)threadIdx.x] >= bound) {
+        const kiln_u64* list = row_lists + (long long)threadIdx.x * TKM_KMAX;
+        bool open = true;
+        for (int i0 = depth; open && i0 < (int)c; i0 += 8) {
+            kiln_u64 x[8];
+#pragma unroll
+            for (int q = 0; q < 8; ++q) x[q] = i0 + q < (int)c ? __ldcg(&list[i0 + q]) : 0ull;
+#pragma unroll
+            for (int q = 0; q < 8; ++q) {
+                if (open && x[q] != 0ull && x[q] >= bound) {
+                    const kiln_u32 at = atomicAdd(&sh.nsurv, 1u);
+                    if (at < TKM_SURV_CAP) sh.surv[at] = x[q];
+                } else {
+                    open = false;
+                }
+            }
+        }
+    }
+    __syncthreads();
+    const int m_n = (int)sh.nsurv;
+    if (m_n > TKM_SURV_CAP) return TKM_FALLBACK;
+
+    // The top-k in the order, into sh.list.
+    const int kk = min((int)k, m_n);
+    kiln_u64* top = sh.list;
+    if (m_n <= TKM_RANK_MAX) {
+        fused_rank(sh.surv, m_n, [&](kiln_u64 e, kiln_u32 rank) {
+            if ((int)rank < kk) top[rank] = e;
+        });
+    } else {
+        int size = 1;
+        while (size < m_n) size <<= 1;
+        for (int j = m_n + (int)threadIdx.x; j < size; j += THREADS) sh.surv[j] = 0ull;
+        __syncthreads();
+        fused_bitonic(sh.surv, size);
+        for (int j = threadIdx.x; j < kk; j += THREADS) top[j] = sh.surv[j];
+    }
+    __syncthreads();
+
+    // Token j of the order (thread j): its weight from the first; top-p in rank order; min-p;
+    // the draw in index order (as the fused path).
+    const int j = threadIdx.x;
+    const bool mine = j < kk;
+    const kiln_u64 e = mine ? top[j] : 0ull;
+    const float x = fused_value((kiln_u32)(e >> 32));
+    float m = fused_value((kiln_u32)(top[0] >> 32)) / p->temperature;
+    m = fminf(fmaxf(m, -3.40282347e38f), 3.40282347e38f);
+    const kiln_u32 w = mine ? sample_weight(x, p->temperature, m) : 0u;
+    kiln_u64 mass;
+    const kiln_u64 before = fast_scan((kiln_u64)w, sh.warp_u64, mass);
+    bool kept = mine;
+    if (p->top_p_units < (1u << 24)) {
+        // max(1, ceil(mass * p_units / 2^24)), exact in 128 bits; the cutoff is the first rank
+        // whose inclusive mass reaches it.
+        const kiln_u64 lo_p = mass * (kiln_u64)p->top_p_units, hi_p = __umul64hi(mass, (kiln_u64)p->top_p_units);
+        const kiln_u64 add = lo_p + 0xFFFFFFull;
+        const kiln_u64 carry = add < lo_p ? 1ull : 0ull;
+        kiln_u64 target = (add >> 24) | ((hi_p + carry) << 40);
+        if (target == 0ull) target = 1ull;
+        kept = mine && before < target;
+    }
+    const kiln_u32 kw = kept && w >= p->min_weight ? w : 0u;
+    kiln_u32* kept_weight = reinterpret_cast<kiln_u32*>(sh.surv);  // the survivors are no longer read
+    kiln_u32* kept_index = kept_weight + TKM_KMAX;
+    const kiln_u32 index = 0xFFFFFFFFu - (kiln_u32)e;
+    if (mine) {
+        kept_weight[j] = kw;
+        kept_index[j] = index;
+    }
+    kiln_u64 kept_mass;
+    fast_scan((kiln_u64)kw, sh.warp_u64, kept_mass);  // its barriers publish kept_*
+    const kiln_u64 u = sample_uniform(p->seed, step, p->stream);
+    const kiln_u64 target = __umul64hi(u, kept_mass);  // < kept_mass: the first token is kept
+    // The draw in index order: the token whose inclusive kept mass over the tokens of lower or
+    // equal index passes the target; g threads sum a token's.
+    int g = 1;
+    while (g < 32 && 2 * g * kk <= THREADS) g <<= 1;
+    if (threadIdx.x == 0) tokens[r] = NO_TOKEN;
+    __syncthreads();
+    for (int base = 0; base < kk; base += THREADS / g) {
+        const int jj = base + (int)threadIdx.x / g, part = (int)threadIdx.x & (g - 1);
+        const kiln_u32 own_index = jj < kk ? kept_index[jj] : 0u;
+        const kiln_u32 own_weight = jj < kk ? kept_weight[jj] : 0u;
+        kiln_u64 inclusive = 0ull;
+        if (own_weight != 0u) {
+            for (int i = part; i < kk; i += g) inclusive += kept_index[i] <= own_index ? (kiln_u64)kept_weight[i] : 0ull;
+        }
+        for (int o = g >> 1; o > 0; o >>= 1) inclusive += __shfl_xor_sync(KILN_FULL_MASK, inclusive, o);
+        if (part == 0 && own_weight != 0u && inclusive - own_weight <= target && target < inclusive) {
+            tokens[r] = own_index;
+        }
+    }
+    return 0;
+}
+
+// One launch: grid (slices, rows), `slice_len` logits a block (at most TKM_PER * THREADS; the
+// launcher keeps the slices <= THREADS and <= `slots`). `list_counts` holds `slots` u32 a row,
+// `lists` `slots` lists of TKM_KMAX u64 a row, `tickets` one u32 a row (zero on entry, left zero).
+extern "C" __global__ void __launch_bounds__(THREADS, TKM_MIN_BLOCKS)
+kiln_sample_topk_merge(const float* __restrict__ logits, long long vocab, long long row_stride,
+                       const KilnSampleParams* __restrict__ params, const kiln_u64* __restrict__ steps,
+                       const kiln_u32* __restrict__ history_offsets, const kiln_u32* __restrict__ history,
+                       kiln_u32* __restrict__ counts, float* __restrict__ scratch, const kiln_u64* __restrict__ stats,
+                       int stats_per_row, kiln_u32* __restrict__ tokens, kiln_u32* tickets, kiln_u32* list_counts,
+                       kiln_u64* lists, int slots, long long slice_len) {
+    kiln_wait_prior();
+    const int r = blockIdx.y;
+    const long long lo = (long long)blockIdx.x * slice_len;
+    const long long hi = lo + slice_len < vocab ? lo + slice_len : vocab;
+    const int n = hi > lo ? (int)(hi - lo) : 0;  // <= TKM_PER * THREADS (launcher)
+    const float* x = logits + (long long)r * row_stride + lo;
+    // The slice into registers (every load in flight), the parameters beside it; a row this path
+    // does not serve wasted only its read.
+    float v[TKM_PER];
+#pragma unroll
+    for (int u = 0; u < TKM_PER; ++u) {
+        const int i = u * THREADS + (int)threadIdx.x;
+        v[u] = i < n ? __ldcs(&x[i]) : 0.0f;
+    }
+    const KilnSampleParams p = params[r];
+    const kiln_u32 h0 = history_offsets[r], h1 = history_offsets[r + 1];
+    const bool penalties = sample_penalized(p, counts, h0, h1);
+    const bool greedy = p.temperature == 0.0f;
+    const bool from_stats = greedy && stats != nullptr && !penalties;
+    const bool served = !from_stats && !penalties && (greedy || (p.top_k >= 1u && p.top_k <= TKM_KMAX));
+    bool single = !served && blockIdx.x == 0;
+    if (served) {
+        single = sample_row_topk_merge(r, greedy ? 1u : p.top_k, v, n, lo, params + r, steps, tokens, tickets,
+                                       list_counts, lists, slots) == TKM_FALLBACK;
+    }
+    if (single) {
+        sample_row_single(r, logits, vocab, row_stride, params, steps, history_offsets, history, counts, scratch,
+                          stats, stats_per_row, tokens);
+    }
+}
+#endif  // THREADS <= 256
