@@ -40,6 +40,13 @@
 //! resident at once): each block streams its slice once and keeps its best (key, index) in
 //! registers, and the last block of the row takes the best of the blocks'.
 //!
+//! The top-k merge path ([`SamplePath::TopKMerge`]) serves greedy rows and rows with
+//! `1 <= top_k <=` [`TOPK_MERGE_KMAX`] without penalties in one launch
+//! (`kiln_sample_topk_merge`, blocks of [`TOPK_MERGE_THREADS`] on a grid of
+//! [`topk_merge_slices`]): each block holds its slice in registers, selects its local top-k from
+//! per-warp histograms and writes it sorted; the last block of the row merges the lists above a
+//! bound from their first entries and finishes on the top-k.
+//!
 //! Every path gives the reference's token; [`SamplePath`] chooses among them. The default,
 //! [`SamplePath::Auto`], runs the fused path and the mass path's three launches after it (which
 //! return at once when no row needs them); a caller that knows its rows' parameters on the host
@@ -213,11 +220,19 @@ pub enum SamplePath {
     /// [`greedy_slices`]); every other row on one block. The fastest path for a batch of plain
     /// greedy rows ([`SamplePath::for_rows`] picks it then).
     Greedy,
+    /// One launch of a kernel for greedy rows and rows with `1 <= top_k <=` [`TOPK_MERGE_KMAX`]
+    /// without penalties (`kiln_sample_topk_merge`, blocks of [`TOPK_MERGE_THREADS`] on a grid of
+    /// [`topk_merge_slices`]), designed for latency: each block holds its slice in registers,
+    /// selects its local top-k from per-warp histograms (no atomics) and writes it sorted; the
+    /// last block of the row merges the lists above a bound from their first entries and
+    /// finishes on the top-k (top-p, min-p, the draw). Every other row on one block. Not chosen
+    /// by [`SamplePath::for_rows`]: a candidate to measure against [`SamplePath::Fused`].
+    TopKMerge,
 }
 
 impl SamplePath {
     /// Every path, for tests that compare each with the reference.
-    pub const ALL: [SamplePath; 7] = [
+    pub const ALL: [SamplePath; 8] = [
         SamplePath::Auto,
         SamplePath::SingleBlock,
         SamplePath::TopKBlocks,
@@ -225,6 +240,7 @@ impl SamplePath {
         SamplePath::Fused,
         SamplePath::Lists,
         SamplePath::Greedy,
+        SamplePath::TopKMerge,
     ];
 
     /// The path for a batch of rows with these parameters, known on the host, by the H200's
@@ -326,6 +342,40 @@ pub fn greedy_slices(rows: usize, vocab: usize, multiprocessors: usize) -> Optio
     let most = vocab.div_ceil(GREEDY_MIN_SLICE).min(GREEDY_THREADS as usize);
     let count = (resident / rows).clamp(1, most);
     let slice_len = vocab.div_ceil(count).next_multiple_of(4);
+    Some((vocab.div_ceil(slice_len), slice_len))
+}
+
+/// The largest `top_k` the top-k merge path serves (`TKM_KMAX` in `sample.cu`).
+pub const TOPK_MERGE_KMAX: u32 = 256;
+/// Threads per block of the top-k merge kernel (`THREADS` of its compile, that of the fused
+/// kernel; at least [`TOPK_MERGE_KMAX`]: its last block owns one list per thread).
+pub const TOPK_MERGE_THREADS: u32 = FUSED_THREADS;
+// The lists of the top-k merge path are those of the fused path (FUSED_KMAX entries a slot).
+const _: () = assert!(TOPK_MERGE_KMAX == FUSED_KMAX && TOPK_MERGE_THREADS >= TOPK_MERGE_KMAX);
+/// Logits a thread of the top-k merge kernel holds in registers (`TKM_PER`).
+const TOPK_MERGE_PER_THREAD: usize = 32;
+/// Blocks of the top-k merge kernel a multiprocessor keeps resident (`TKM_MIN_BLOCKS`).
+const TOPK_MERGE_BLOCKS_PER_SM: usize = 2;
+
+/// The top-k merge path's grid for `rows` rows of `vocab` logits on a device of
+/// `multiprocessors`: (slices per row, logits per slice). As many blocks as the device keeps
+/// resident at once where the slices allow: each slice at most `TKM_PER * THREADS` logits (the
+/// registers of a block) and at least [`FUSED_MIN_SLICE`] (so the slices stay within
+/// [`fused_slots`], whose lists the path uses); at most [`TOPK_MERGE_THREADS`] slices (the last
+/// block owns one list per thread). 149 slices of 1020 at batch 1 and vocab 151936 on 132
+/// multiprocessors, 19 of 7997 at batch 64. `None` when the vocabulary needs more slices.
+pub fn topk_merge_slices(rows: usize, vocab: usize, multiprocessors: usize) -> Option<(usize, usize)> {
+    if rows == 0 || vocab == 0 {
+        return None;
+    }
+    let fewest = vocab.div_ceil(TOPK_MERGE_PER_THREAD * TOPK_MERGE_THREADS as usize);
+    let most = vocab.div_ceil(FUSED_MIN_SLICE).max(fewest);
+    let resident = TOPK_MERGE_BLOCKS_PER_SM * multiprocessors.max(1);
+    let count = (resident / rows).clamp(fewest, most).min(TOPK_MERGE_THREADS as usize);
+    if count < fewest {
+        return None;
+    }
+    let slice_len = vocab.div_ceil(count);
     Some((vocab.div_ceil(slice_len), slice_len))
 }
 
@@ -509,7 +559,7 @@ pub fn sample_with_path(
     };
     let multiprocessors = gpu.facts().multiprocessors as usize;
     let grid = match path {
-        SamplePath::SingleBlock | SamplePath::Fused | SamplePath::Greedy => None,
+        SamplePath::SingleBlock | SamplePath::Fused | SamplePath::Greedy | SamplePath::TopKMerge => None,
         _ => slices(rows, vocab, multiprocessors),
     };
     // The fused launch also runs the mass path's first step on the mass path's slices: its grid
@@ -518,8 +568,10 @@ pub fn sample_with_path(
         .filter(|&(count, _)| count.max(grid.map_or(0, |(mass, _)| mass)) <= FUSED_THREADS as usize);
     let greedy_grid =
         if path == SamplePath::Greedy { greedy_slices(rows, vocab, multiprocessors) } else { None };
+    let merge_grid =
+        if path == SamplePath::TopKMerge { topk_merge_slices(rows, vocab, multiprocessors) } else { None };
     let owned;
-    let scratch = match (grid.or(fused_grid).or(greedy_grid), buffers.scratch) {
+    let scratch = match (grid.or(fused_grid).or(greedy_grid).or(merge_grid), buffers.scratch) {
         (None, _) => None,
         (Some(_), Some(scratch)) => {
             if scratch.rows < rows || scratch.vocab != vocab {
@@ -615,6 +667,50 @@ pub fn sample_with_path(
         // needs; the tickets are zero (zeroed at allocation, left zero by every launch).
         unsafe { launch.launch(greedy_config) }
             .map_err(|e| driver_error("cuLaunchKernel(kiln_sample_greedy)", e))?;
+        return Ok(());
+    }
+    if let (Some((merge_count, merge_len)), true) = (merge_grid, base != 0) {
+        let merge_threads = TOPK_MERGE_THREADS.to_string();
+        let merge_defines = [("THREADS", merge_threads.as_str()), ("PENALTIES", penalties)];
+        let function = gpu.function(&SAMPLE, "kiln_sample_topk_merge", &merge_defines)?;
+        let merge_config = LaunchConfig {
+            grid_dim: (merge_count as u32, rows as u32, 1),
+            block_dim: (TOPK_MERGE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (merge_counts, merge_lists) = (at(layout.fused_counts), at(layout.fused_lists));
+        let merge_slots = layout.fused_slots as i32;
+        let merge_len = merge_len as i64;
+        let mut launch = gpu.launch_builder(&function);
+        launch
+            .arg(&logits)
+            .arg(&vocab)
+            .arg(&row_stride)
+            .arg(&params)
+            .arg(&steps)
+            .arg(&offsets)
+            .arg(&history)
+            .arg(&counts)
+            .arg(&scratch)
+            .arg(&stats)
+            .arg(&stats_per_row)
+            .arg(&tokens)
+            .arg(&tickets)
+            .arg(&merge_counts)
+            .arg(&merge_lists)
+            .arg(&merge_slots)
+            .arg(&merge_len);
+        // SAFETY: the arguments match `kiln_sample_topk_merge`'s signature (pointer, i64, i64, 7
+        // pointers, i32, 4 pointers, i32, i64); every buffer was checked above to hold what
+        // `rows` rows touch, `counts` and `scratch` are null only with PENALTIES=0 and `stats`
+        // only with zero statistics per row. The scratch is laid out by `ScratchLayout` for at
+        // least `rows` rows of this vocabulary (checked above): `topk_merge_slices` keeps the
+        // slices within `fused_slots` (the lists' counts and the lists of FUSED_KMAX =
+        // TKM_KMAX entries a slot), within TOPK_MERGE_THREADS, the THREADS of this compile, as
+        // the last block needs, and each slice within TKM_PER * THREADS logits; the tickets are
+        // zero (zeroed at allocation, left zero by every launch).
+        unsafe { launch.launch(merge_config) }
+            .map_err(|e| driver_error("cuLaunchKernel(kiln_sample_topk_merge)", e))?;
         return Ok(());
     }
     match (fused_grid, base != 0) {
@@ -867,6 +963,20 @@ mod tests {
         assert_eq!(greedy_slices(1, 151_936, 132), Some((149, 1020)));
         assert_eq!(greedy_slices(64, 151_936, 132), Some((4, 37_984)));
         assert_eq!(greedy_slices(256, 151_936, 132), Some((1, 151_936)));
+        for vocab in [1usize, 3, 7, 1000, 1025, 2048, 8193, 32_000, 151_937, 262_144, 1 << 21] {
+            for rows in [1usize, 2, 8, 64, 256] {
+                for sms in [1usize, 108, 132] {
+                    let (count, len) = topk_merge_slices(rows, vocab, sms).unwrap();
+                    assert!(len <= TOPK_MERGE_PER_THREAD * TOPK_MERGE_THREADS as usize, "{vocab} {rows}");
+                    assert!(count >= 1 && count <= TOPK_MERGE_THREADS as usize, "{vocab} {rows}");
+                    assert!(count <= fused_slots(vocab), "{vocab} {rows}: {count} merge slices");
+                    assert!((count - 1) * len < vocab && count * len >= vocab, "{vocab} {rows}");
+                }
+            }
+        }
+        assert_eq!(topk_merge_slices(1, 151_936, 132), Some((149, 1020)));
+        assert_eq!(topk_merge_slices(64, 151_936, 132), Some((19, 7997)));
+        assert_eq!(topk_merge_slices(1, 256 * 8192 + 1, 132), None);
         let layout = ScratchLayout::new(3, 151_936);
         let lists = 3 * 75 * FAST_BLOCK_CAP * 4;
         assert!(layout.counts >= 3 * 4 && layout.cuts >= layout.counts + 3 * 75 * 4);
