@@ -293,7 +293,8 @@ fn a_scratch_is_reused_across_launches() {
         let logits_dev = upload(&gpu, &words(&logits, |v: f32| v.to_le_bytes().to_vec()));
         let empty: Vec<&[u32]> = vec![&[]; rows];
         let mut failures = 0;
-        for launch in 0..20 {
+        // 35 launches: every mode on every path (7 modes, 5 paths).
+        for launch in 0..35 {
             let params: Vec<(SamplingParams, u64)> = (0..rows)
                 .map(|_| {
                     let mode = [
@@ -309,8 +310,13 @@ fn a_scratch_is_reused_across_launches() {
                 })
                 .collect();
             let steps: Vec<u64> = (0..rows).map(|_| rng.next()).collect();
-            let path =
-                [SamplePath::Auto, SamplePath::Fused, SamplePath::Lists, SamplePath::Greedy][launch % 4];
+            let path = [
+                SamplePath::Auto,
+                SamplePath::Fused,
+                SamplePath::Lists,
+                SamplePath::Greedy,
+                SamplePath::TopKMerge,
+            ][launch % 5];
             let (got, _) = run_gpu(
                 &gpu,
                 &[],
@@ -392,7 +398,7 @@ fn edge_row(rng: &mut Rng, vocab: usize, shape: usize) -> Vec<f32> {
     }
 }
 
-/// The fused and greedy paths on rows shaped against their selection (all -inf, all NaN, all tied, +inf
+/// The fused, greedy and top-k merge paths on rows shaped against their selection (all -inf, all NaN, all tied, +inf
 /// ties, the whole top in one slice, spreads of 1e30, near-ties, a maximum of -0.0 / +0.0, fewer
 /// candidates than k, few distinct values), each row with its own top-k (1, 2, 3, 50, 255, 256,
 /// 257 and random), some greedy, some with top-p, min-p and penalties that hit the top tokens;
@@ -468,8 +474,9 @@ fn fused_paths_equal_the_cpu_reference_on_edge_rows() {
             .collect();
         let scratch = SampleScratch::new(&gpu, rows, vocab).expect("scratch");
         // The greedy path too: its greedy rows (without penalties) on the greedy kernel, the
-        // others on one block each.
-        for path in [SamplePath::Fused, SamplePath::Auto, SamplePath::Greedy] {
+        // others on one block each; and the top-k merge path (its rows without penalties on the
+        // merge kernel, the crowded ones and the others on one block each).
+        for path in [SamplePath::Fused, SamplePath::Auto, SamplePath::Greedy, SamplePath::TopKMerge] {
             for penalty in [true, false] {
                 let want_here: Vec<u32> = if penalty {
                     want.clone()
@@ -652,7 +659,8 @@ fn gpu_frequencies_match_the_exact_distribution() {
         for launch in 0..launches {
             let params: Vec<(SamplingParams, u64)> = (0..rows).map(|_| (p, 0)).collect();
             let steps: Vec<u64> = (0..rows).map(|r| (launch * rows + r) as u64).collect();
-            let path = [SamplePath::Auto, SamplePath::SingleBlock, SamplePath::Fused][launch % 3];
+            let path =
+                [SamplePath::Auto, SamplePath::SingleBlock, SamplePath::Fused, SamplePath::TopKMerge][launch % 4];
             let (got, _) = run_gpu(
                 &gpu,
                 &[],
