@@ -23,7 +23,11 @@
 //! [`HYBRID_STREAM_CHUNK`](kiln_cuda::ops::attention::HYBRID_STREAM_CHUNK) keys, the deep tiled
 //! one past that; its name is the default's); at batch 1 and 8 also
 //! the streaming default compiled to read K/V under the default L2 policy instead of evict-first
-//! (`default, no L2 hint`: `KILN_DECODE_L2_HINT=none` around that row only).
+//! (`default, no L2 hint`: `KILN_DECODE_L2_HINT=none` around that row only); last, the streaming
+//! kernel one block a multiprocessor, 8 warps (`stream wide`, `stream3-1x8x16.sN`) or six steps
+//! in flight a warp (`stream deep`, `stream6-1x4x16.sN`), at the splits of
+//! [`decode_stream_splits_for`](kiln_cuda::ops::attention::decode_stream_splits_for) (one wave),
+//! and at batch 1 and 8 the wide one at twice those (`stream wide, two waves`).
 //!
 //! Both as a ratio to PyTorch's `scaled_dot_product_attention` (flash backend) on the same shapes
 //! (unpaged), read from the JSON of `bench/peers/attention.py` (`--peer`). Timing: CUDA events,
@@ -46,8 +50,8 @@ use kiln_core::{Error, Result};
 use kiln_cuda::certify::{attention_config, AttentionConfig, AttentionPhase, AttentionTask};
 use kiln_cuda::cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use kiln_cuda::ops::attention::{
-    attention, decode_splits_resident, scratch_bytes, AttentionVariant, KvBuffers, PagedBatch,
-    DECODE_L2_HINT_ENV,
+    attention, decode_splits_resident, decode_stream_splits_for, scratch_bytes, AttentionVariant, KvBuffers,
+    PagedBatch, DECODE_L2_HINT_ENV,
 };
 use kiln_cuda::runtime::driver_error;
 use kiln_cuda::{DeviceMemory, Gpu};
@@ -259,6 +263,24 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
         // instead of evict-first (KILN_DECODE_L2_HINT=none), for measurement.
         if batch_size <= 8 && default.variant == AttentionVariant::DECODE {
             configs.push((NO_L2_HINT, default));
+        }
+        // The streaming kernel one block a multiprocessor, 8 warps (`stream wide`) or six steps in
+        // flight a warp (`stream deep`), at the splits that fill the multiprocessors once; at
+        // batch 1 and 8 the wide one also at twice those (two waves).
+        let stream = decode_stream_splits_for(multiprocessors, batch_size, KV_HEADS);
+        configs.push((
+            "stream wide",
+            AttentionConfig { variant: AttentionVariant::DECODE_STREAM_WIDE, splits: stream },
+        ));
+        configs.push((
+            "stream deep",
+            AttentionConfig { variant: AttentionVariant::DECODE_STREAM_DEEP, splits: stream },
+        ));
+        if batch_size <= 8 && 2 * stream <= 64 {
+            configs.push((
+                "stream wide, two waves",
+                AttentionConfig { variant: AttentionVariant::DECODE_STREAM_WIDE, splits: 2 * stream },
+            ));
         }
         for &context in &DECODE_CONTEXTS {
             let case_bytes = batch_size * context * token_bytes;

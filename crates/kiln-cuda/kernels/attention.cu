@@ -596,7 +596,21 @@ extern "C" __global__ void TILED_LAUNCH_BOUNDS kiln_attention(KILN_ATTENTION_PAR
 // the outputs weighted by 2^(lse - max), up to COMBINE_BATCH splits in flight per thread.
 // Splits past the context (chunk = the context / splits rounded up to 16) return at once and take
 // no ticket, so the ticket count is the number of splits that hold keys.
+// Steps in flight per warp: 3 (the default decode variant, and the hybrid kernel's short path);
+// the wide and deep streaming variants (ops/attention.rs DECODE_STREAM_WIDE, DECODE_STREAM_DEEP)
+// compile WARPS_N = 8 at 3 stages, or WARPS_N = 4 at 6 stages: 192 KiB of K/V in flight a block
+// at HEAD_DIM 128, one block a multiprocessor, so that a batch of a few sequences at 2 splits
+// keeps 8 warps (or 24 steps) streaming on every multiprocessor it covers.
+#ifndef STREAM_STAGES
 #define STREAM_STAGES 3
+#endif
+// Blocks a multiprocessor the registers are budgeted for: two for the default shape (96 KiB of
+// shared memory at HEAD_DIM 128), one past 12 warp-stages (more shared memory than two blocks fit).
+#if WARPS_N * STREAM_STAGES > 12
+#define STREAM_MIN_BLOCKS 1
+#else
+#define STREAM_MIN_BLOCKS 2
+#endif
 // 1: K and V are read under an L2 evict-first policy (the default); 0: under the default policy,
 // as the tiled kernel reads them (for measurement: KILN_DECODE_L2_HINT=none, ops/attention.rs).
 #ifndef STREAM_L2_EVICT_FIRST
@@ -612,6 +626,8 @@ extern "C" __global__ void TILED_LAUNCH_BOUNDS kiln_attention(KILN_ATTENTION_PAR
 #define MAX_COMBINE_SPLITS 64
 
 static_assert(WARPS_M == 1 && WARP_KEYS == STEP_KEYS, "the streaming kernel takes 16 rows and steps of 16 keys");
+static_assert(STREAM_STAGES >= 2 && STREAM_STAGES <= 8, "two to eight steps in flight a warp");
+static_assert(!HYBRID || (WARPS_N == 4 && STREAM_STAGES == 3), "the hybrid kernel's short path is the default shape");
 static_assert(HEAD_DIM % 64 == 0, "rows of at least 8 chunks (the swizzle)");
 static_assert(16 * MERGE_ROW * 4 <= WARP_ELEMENTS * 2, "a warp's merge rows fit in its stages");
 static_assert(MAX_COMBINE_SPLITS * 16 * 4 <= WARPS_N * WARP_ELEMENTS * 2, "the combine's log-sums fit");
@@ -639,8 +655,8 @@ KILN_DEVICE void kiln_cp_async_16_policy(kiln_u32 shared_address, const void* gl
 }
 #endif
 
-// Dynamic shared memory: WARPS_N * WARP_ELEMENTS bf16. Two blocks a multiprocessor (the
-// registers of the combine's batch fit that). The body of kiln_attention_decode (after the
+// Dynamic shared memory: WARPS_N * WARP_ELEMENTS bf16. STREAM_MIN_BLOCKS blocks a multiprocessor
+// (the registers of the combine's batch fit two of the default shape). The body of kiln_attention_decode (after the
 // wait), and the hybrid kernel's short path.
 KILN_DEVICE void kiln_attention_streaming(KILN_ATTENTION_PARAMS) {
     extern __shared__ kiln_chunk16 shared_chunks[];
@@ -711,8 +727,9 @@ KILN_DEVICE void kiln_attention_streaming(KILN_ATTENTION_PARAMS) {
 
     // The pages of the first STREAM_STAGES steps, then Q, all requested before the first copy
     // waits on a page id.
-    static_assert(STREAM_STAGES == 3, "the first pages are three registers");
-    kiln_u32 first_pages[STREAM_STAGES] = {step_page(0), step_page(1), step_page(2)};
+    kiln_u32 first_pages[STREAM_STAGES];
+#pragma unroll
+    for (int k = 0; k < STREAM_STAGES; ++k) first_pages[k] = step_page(k);
 
     // Q rows as A fragments (rows past the group are zeros): a[e] holds row group + 8 (e & 1),
     // bf16 pair thread_in_group + 4 (e >> 1) of each 16 columns.
@@ -737,8 +754,8 @@ KILN_DEVICE void kiln_attention_streaming(KILN_ATTENTION_PARAMS) {
     for (int k = 0; k < STREAM_STAGES; ++k) {
         if (k < my_steps) load_step(k, k, first_pages[0]);
         kiln_cp_async_commit();
-        first_pages[0] = first_pages[1];
-        first_pages[1] = first_pages[2];
+#pragma unroll
+        for (int j = 0; j + 1 < STREAM_STAGES; ++j) first_pages[j] = first_pages[j + 1];
     }
     kiln_u32 next_page = step_page(STREAM_STAGES);
 
@@ -969,7 +986,7 @@ KILN_DEVICE void kiln_attention_streaming(KILN_ATTENTION_PARAMS) {
 }
 
 #if !HYBRID
-extern "C" __global__ void __launch_bounds__(THREADS, 2) kiln_attention_decode(KILN_ATTENTION_PARAMS) {
+extern "C" __global__ void __launch_bounds__(THREADS, STREAM_MIN_BLOCKS) kiln_attention_decode(KILN_ATTENTION_PARAMS) {
     kiln_wait_prior();
     kiln_attention_streaming(KILN_ATTENTION_ARGS);
 }

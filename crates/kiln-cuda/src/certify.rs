@@ -47,7 +47,8 @@ use crate::facts::DeviceFacts;
 use crate::kernels::{ATTENTION, LM_HEAD, NORM};
 use crate::memory::DeviceMemory;
 use crate::ops::attention::{
-    attention, decode_splits_for, scratch_bytes, AttentionKernel, AttentionVariant, KvBuffers, PagedBatch,
+    attention, decode_splits_for, decode_stream_splits_for, scratch_bytes, AttentionKernel, AttentionVariant,
+    KvBuffers, PagedBatch,
 };
 use crate::ops::lm_head::{lm_head, plan, LmHeadBuffers, LmHeadVariant, LM_HEAD_VARIANTS};
 use crate::ops::norm::{norm, NormBuffers, NormCall, NormVariant, NORM_VARIANTS};
@@ -543,7 +544,9 @@ pub struct AttentionConfig {
 impl AttentionConfig {
     /// `4x1x64.s1`: warps_m x warps_n x warp_keys, then the splits; the wgmma prefill kernels'
     /// named `wgmma-8x1x128.s1` and `wgmma-pingpong-8x1x128.s1`, the decode variants three K/V
-    /// tiles deep `deep-1x4x16.s8` and the hybrid decode `hybrid-1x4x16.s33`.
+    /// tiles deep `deep-1x4x16.s8`, the hybrid decode `hybrid-1x4x16.s33`, and the streaming
+    /// decode variants but the default `stream<stages>-...` (`stream3-1x8x16.s2`,
+    /// `stream6-1x4x16.s2`).
     pub fn label(&self) -> String {
         let v = &self.variant;
         let kernel = match v.kernel {
@@ -551,6 +554,12 @@ impl AttentionConfig {
             AttentionKernel::WarpgroupPingpong => "wgmma-pingpong-",
             _ if v.hybrid => "hybrid-",
             AttentionKernel::Tiled if v.stages == AttentionVariant::DECODE_DEEP.stages => "deep-",
+            AttentionKernel::Streaming if *v != AttentionVariant::DECODE => {
+                return format!(
+                    "stream{}-{}x{}x{}.s{}",
+                    v.stages, v.warps_m, v.warps_n, v.warp_keys, self.splits
+                );
+            }
             AttentionKernel::Tiled | AttentionKernel::Streaming => "",
         };
         format!("{kernel}{}x{}x{}.s{}", v.warps_m, v.warps_n, v.warp_keys, self.splits)
@@ -567,6 +576,8 @@ impl AttentionConfig {
             AttentionVariant::DECODE_DEEP,
             AttentionVariant::DECODE_WIDE_DEEP,
             AttentionVariant::DECODE_HYBRID,
+            AttentionVariant::DECODE_STREAM_WIDE,
+            AttentionVariant::DECODE_STREAM_DEEP,
         ];
         let variant = AttentionVariant::ALL
             .into_iter()
@@ -731,8 +742,23 @@ pub fn lm_head_candidates(task: &LmHeadTask, facts: &DeviceFacts) -> Candidates<
     )
 }
 
+/// The one-block-a-multiprocessor streaming decode variants ([`AttentionVariant::DECODE_STREAM_WIDE`],
+/// [`AttentionVariant::DECODE_STREAM_DEEP`]) at their own splits ([`decode_stream_splits_for`]: one
+/// wave) and twice that (two waves, at most 64).
+fn stream_candidates(task: &AttentionTask, facts: &DeviceFacts) -> Vec<AttentionConfig> {
+    let AttentionPhase::Decode { batch, .. } = task.phase else { return Vec::new() };
+    let s = decode_stream_splits_for(facts.multiprocessors, batch, task.shape.kv_heads);
+    let mut splits = vec![s, (2 * s).min(64)];
+    splits.dedup();
+    [AttentionVariant::DECODE_STREAM_WIDE, AttentionVariant::DECODE_STREAM_DEEP]
+        .into_iter()
+        .flat_map(|variant| splits.iter().map(move |&splits| AttentionConfig { variant, splits }))
+        .collect()
+}
+
 /// The attention configurations for `task`: prefill runs each prefill variant unsplit; decode
-/// runs each decode variant at 1, half, once and twice the default splits; each must fit the
+/// runs each decode variant at 1, half, once and twice the default splits, and the wide and deep
+/// streaming ones at their own splits ([`stream_candidates`]); each must fit the
 /// device's threads and opt-in shared memory.
 pub fn attention_candidates(task: &AttentionTask, facts: &DeviceFacts) -> Candidates<AttentionConfig> {
     let default = task.default_config(facts.multiprocessors);
@@ -759,6 +785,7 @@ pub fn attention_candidates(task: &AttentionTask, facts: &DeviceFacts) -> Candid
             ]
             .into_iter()
             .flat_map(|variant| splits.iter().map(move |&splits| AttentionConfig { variant, splits }))
+            .chain(stream_candidates(task, facts))
             .collect()
         }
     };

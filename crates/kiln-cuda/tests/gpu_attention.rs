@@ -10,8 +10,8 @@ use kiln_core::ops::attention::{paged_attention, AttentionSequence, AttentionSha
 use kiln_core::ops::primitives::{bf16_bits_to_f32, f32_to_bf16_bits};
 use kiln_core::Error;
 use kiln_cuda::ops::attention::{
-    attention, decode_splits, kv_append, scratch_bytes, AttentionKernel, AttentionVariant, KvBuffers,
-    PagedBatch, DECODE_L2_HINT_ENV, HYBRID_STREAM_CHUNK,
+    attention, decode_splits, decode_stream_splits_for, kv_append, scratch_bytes, AttentionKernel,
+    AttentionVariant, KvBuffers, PagedBatch, DECODE_L2_HINT_ENV, HYBRID_STREAM_CHUNK,
 };
 use kiln_cuda::{DeviceMemory, Gpu};
 
@@ -273,6 +273,10 @@ fn decode_matches_float64_and_repeats_bit_for_bit() {
                 (AttentionVariant::DECODE_HYBRID, None),
                 (AttentionVariant::DECODE_HYBRID, Some(1)),
                 (AttentionVariant::DECODE_HYBRID, Some(5)),
+                (AttentionVariant::DECODE_STREAM_WIDE, Some(2)),
+                (AttentionVariant::DECODE_STREAM_WIDE, Some(16)),
+                (AttentionVariant::DECODE_STREAM_DEEP, Some(2)),
+                (AttentionVariant::DECODE_STREAM_DEEP, Some(16)),
                 (AttentionVariant::PREFILL, None),
             ] {
                 let case = Case {
@@ -517,18 +521,110 @@ fn streaming_decode_refuses_what_it_does_not_serve() {
     let cache = KvBuffers { k: &k, v: &v, pages: 4 };
     let scratch = gpu.alloc(scratch_bytes(&shape, 2, 65)).expect("scratch");
     let prefill = [AttentionSequence { query_tokens: 2, context_tokens: 40, pages: &pages }];
-    let batch = PagedBatch::upload(&gpu, &shape, &prefill, 4).expect("batch upload");
-    let refused =
-        attention(&gpu, &shape, &batch, &q, cache, &out, Some(&scratch), 1, Some(AttentionVariant::DECODE));
-    assert!(matches!(refused, Err(Error::NotServed { .. })), "{refused:?}");
+    let prefill = PagedBatch::upload(&gpu, &shape, &prefill, 4).expect("batch upload");
     let decode = [AttentionSequence { query_tokens: 1, context_tokens: 40, pages: &pages }];
-    let batch = PagedBatch::upload(&gpu, &shape, &decode, 4).expect("batch upload");
-    let refused =
-        attention(&gpu, &shape, &batch, &q, cache, &out, Some(&scratch), 65, Some(AttentionVariant::DECODE));
-    assert!(matches!(refused, Err(Error::NotServed { .. })), "{refused:?}");
-    attention(&gpu, &shape, &batch, &q, cache, &out, Some(&scratch), 64, Some(AttentionVariant::DECODE))
-        .expect("64 splits are served");
-    gpu.synchronize().expect("attention run");
+    let decode = PagedBatch::upload(&gpu, &shape, &decode, 4).expect("batch upload");
+    for variant in
+        [AttentionVariant::DECODE, AttentionVariant::DECODE_STREAM_WIDE, AttentionVariant::DECODE_STREAM_DEEP]
+    {
+        assert_eq!(variant.kernel, AttentionKernel::Streaming);
+        let refused = attention(&gpu, &shape, &prefill, &q, cache, &out, Some(&scratch), 1, Some(variant));
+        assert!(matches!(refused, Err(Error::NotServed { .. })), "{variant:?}: {refused:?}");
+        let refused = attention(&gpu, &shape, &decode, &q, cache, &out, Some(&scratch), 65, Some(variant));
+        assert!(matches!(refused, Err(Error::NotServed { .. })), "{variant:?}: {refused:?}");
+        attention(&gpu, &shape, &decode, &q, cache, &out, Some(&scratch), 64, Some(variant))
+            .expect("64 splits are served");
+        gpu.synchronize().expect("attention run");
+    }
+}
+
+/// The streaming kernel one block a multiprocessor (DECODE_STREAM_WIDE: 8 warps; DECODE_STREAM_DEEP:
+/// six steps in flight a warp) at its edges: ragged batches of contexts shorter than a step, than
+/// the splits (splits past the context take no ticket), one split holding the whole context, long
+/// contexts through many pipeline turns; groups of 1 to 32 query heads (two row tiles), page sizes
+/// 1 to 128, head dims 64 and 128, sequences without a query beside ones with; at their own splits
+/// (`decode_stream_splits_for`), 1, 2, 33 and 64; three runs in a row (the ticket counters must
+/// come back to zero), against the float64 reference and bit for bit.
+#[test]
+fn wide_and_deep_streaming_decode_at_their_edges_match_float64_and_repeat_bit_for_bit() {
+    let (gpu, mut rng) = (gpu(), Rng::fresh());
+    let multiprocessors = gpu.facts().multiprocessors;
+    let contexts = [1, 2, 15, 16, 17, 31, 33, 64, 100, 129, 1000, 4096];
+    for variant in [AttentionVariant::DECODE_STREAM_WIDE, AttentionVariant::DECODE_STREAM_DEEP] {
+        for head_dim in [64, 128] {
+            for (i, &(q_heads, kv_heads, page_tokens)) in
+                [(32, 8, 64), (32, 1, 16), (6, 6, 1), (16, 2, 8), (8, 1, 128)].iter().enumerate()
+            {
+                let mut lengths: Vec<usize> = contexts.to_vec();
+                lengths.push(1 + rng.below(6000));
+                for j in (1..lengths.len()).rev() {
+                    lengths.swap(j, rng.below(j + 1));
+                }
+                for batch in lengths.chunks(5) {
+                    let mut sequences: Vec<(usize, usize)> = batch.iter().map(|&c| (1, c)).collect();
+                    if i % 2 == 0 {
+                        sequences.insert(rng.below(sequences.len() + 1), (0, 1 + rng.below(300)));
+                    }
+                    let mut case = Case {
+                        q_heads,
+                        kv_heads,
+                        head_dim,
+                        page_tokens,
+                        sequences: sequences.clone(),
+                        splits: None,
+                        variant,
+                    };
+                    let inputs = inputs(&mut rng, &case);
+                    let want = reference(&case, &inputs);
+                    let own = decode_stream_splits_for(multiprocessors, sequences.len(), kv_heads);
+                    for splits in [own, 1, 2, 33, 64] {
+                        case.splits = Some(splits);
+                        let outputs = check_on(&gpu, &case, &inputs, &want, 3);
+                        assert!(
+                            outputs[0] == outputs[1] && outputs[1] == outputs[2],
+                            "{variant:?} differs between runs: {sequences:?} {splits}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The wide and deep streaming variants where they are meant to serve: a batch of 8 ragged long
+/// contexts at GQA 32/8, head dim 128, page 64, at their own splits (2 on 132 multiprocessors) and
+/// twice that, and one sequence of about 30k positions (hundreds of steps a warp unsplit, at 1,
+/// their own and 64 splits); against the float64 reference, three runs bit for bit.
+#[test]
+fn wide_and_deep_streaming_decode_over_long_contexts_match_float64() {
+    let (gpu, mut rng) = (gpu(), Rng::fresh());
+    let multiprocessors = gpu.facts().multiprocessors;
+    let batch8: Vec<(usize, usize)> = (0..8).map(|_| (1, 3000 + rng.below(6000))).collect();
+    let one = vec![(1, 30_000 + rng.below(3000))];
+    for (q_heads, kv_heads, sequences) in [(32, 8, batch8), (8, 2, one)] {
+        let mut case = Case {
+            q_heads,
+            kv_heads,
+            head_dim: 128,
+            page_tokens: 64,
+            sequences: sequences.clone(),
+            splits: None,
+            variant: AttentionVariant::DECODE_STREAM_WIDE,
+        };
+        let inputs = inputs(&mut rng, &case);
+        let want = reference(&case, &inputs);
+        let own = decode_stream_splits_for(multiprocessors, sequences.len(), kv_heads);
+        for splits in [own, 2 * own, 1, 64] {
+            for variant in [AttentionVariant::DECODE_STREAM_WIDE, AttentionVariant::DECODE_STREAM_DEEP] {
+                (case.splits, case.variant) = (Some(splits.min(64)), variant);
+                let outputs = check_on(&gpu, &case, &inputs, &want, 3);
+                assert!(
+                    outputs[0] == outputs[1] && outputs[1] == outputs[2],
+                    "{variant:?} differs between runs: {sequences:?} {splits}"
+                );
+            }
+        }
+    }
 }
 
 /// The combine of the splits runs in the attention launch (the last block of a group, by ticket

@@ -294,12 +294,24 @@ fn the_attention_default_is_the_launchers_default() {
         AttentionConfig { variant: AttentionVariant::PREFILL, splits: 1 }
     );
     // The decode candidates: five variants (streaming, wide, the two deep ones, the hybrid) at 1,
-    // half, once and twice the default splits, each named apart and parsed back.
+    // half, once and twice the default splits, and the wide and deep streaming ones at once and
+    // twice their own (16 at batch 1: one wave of 128 one-block multiprocessors), each named
+    // apart and parsed back.
     let kept = attention_candidates(&decode, &h200()).kept;
     let labels: Vec<String> = kept.iter().map(|c| c.label()).collect();
     assert_eq!(labels[0], "1x4x16.s33");
-    assert_eq!(labels.len(), 20, "{labels:?}");
-    for label in ["1x4x32.s64", "1x4x16.s1", "deep-1x4x16.s17", "deep-1x4x32.s64", "hybrid-1x4x16.s33"] {
+    assert_eq!(labels.len(), 24, "{labels:?}");
+    for label in [
+        "1x4x32.s64",
+        "1x4x16.s1",
+        "deep-1x4x16.s17",
+        "deep-1x4x32.s64",
+        "hybrid-1x4x16.s33",
+        "stream3-1x8x16.s16",
+        "stream3-1x8x16.s32",
+        "stream6-1x4x16.s16",
+        "stream6-1x4x16.s32",
+    ] {
         assert!(labels.contains(&label.to_owned()), "{label} in {labels:?}");
     }
     for c in &kept {
@@ -313,6 +325,65 @@ fn the_attention_default_is_the_launchers_default() {
     let pruned = attention_candidates(&small, &h200()).pruned;
     assert_eq!(pruned.len(), 2, "{pruned:?}");
     assert!(pruned.iter().all(|p| p.reason.contains("head dim 128")), "{pruned:?}");
+}
+
+#[test]
+fn the_wide_and_deep_streaming_decode_variants_are_candidates_with_names_of_their_own() {
+    let shape = AttentionShape { q_heads: 32, kv_heads: 8, head_dim: 128, page_tokens: 64, scale: 0.088 };
+    let wide = AttentionVariant::DECODE_STREAM_WIDE;
+    let deep = AttentionVariant::DECODE_STREAM_DEEP;
+    // Batch 8 (the b2-8 key): 2 splits (128 blocks, one a multiprocessor) and 4 (two waves).
+    let batch8 = AttentionTask { shape, phase: AttentionPhase::Decode { batch: 8, context: 16_384 } };
+    let kept = attention_candidates(&batch8, &h200()).kept;
+    let labels: Vec<String> = kept.iter().map(|c| c.label()).collect();
+    // The default is unchanged: the streaming kernel at the two-blocks-a-multiprocessor splits.
+    assert_eq!(labels[0], "1x4x16.s4");
+    assert_eq!(kept[0], batch8.default_config(132));
+    for (variant, label) in [
+        (wide, "stream3-1x8x16.s2"),
+        (wide, "stream3-1x8x16.s4"),
+        (deep, "stream6-1x4x16.s2"),
+        (deep, "stream6-1x4x16.s4"),
+    ] {
+        assert!(labels.contains(&label.to_owned()), "{label} in {labels:?}");
+        let splits = label.rsplit_once(".s").unwrap().1.parse().unwrap();
+        let config = AttentionConfig { variant, splits };
+        assert_eq!(config.label(), label);
+        assert_eq!(AttentionConfig::parse(label), Some(config));
+    }
+    assert_eq!(labels.iter().filter(|l| l.starts_with("stream")).count(), 4, "{labels:?}");
+    // Every name distinct, every one parsed back to its configuration.
+    let distinct: std::collections::HashSet<&String> = labels.iter().collect();
+    assert_eq!(distinct.len(), labels.len(), "{labels:?}");
+    for c in &kept {
+        assert_eq!(AttentionConfig::parse(&c.label()), Some(*c), "{}", c.label());
+    }
+    // The default streaming variant keeps its name; other streaming shapes do not parse.
+    let default = AttentionConfig { variant: AttentionVariant::DECODE, splits: 2 };
+    assert_eq!(default.label(), "1x4x16.s2");
+    assert_eq!(AttentionConfig::parse("1x4x16.s2"), Some(default));
+    for bad in [
+        "stream3-1x4x16.s2",
+        "stream6-1x8x16.s2",
+        "stream4-1x4x16.s2",
+        "stream-1x8x16.s2",
+        "stream3-1x8x16.s65",
+    ] {
+        assert_eq!(AttentionConfig::parse(bad), None, "{bad:?}");
+    }
+    // Batch 64 takes one split (512 blocks), and its twice; no prefill lists them.
+    let batch64 = AttentionTask { shape, phase: AttentionPhase::Decode { batch: 64, context: 4096 } };
+    let labels: Vec<String> =
+        attention_candidates(&batch64, &h200()).kept.iter().map(|c| c.label()).collect();
+    assert!(labels.contains(&"stream3-1x8x16.s1".to_owned()), "{labels:?}");
+    assert!(labels.contains(&"stream6-1x4x16.s2".to_owned()), "{labels:?}");
+    let prefill = AttentionTask { shape, phase: AttentionPhase::Prefill { tokens: 2048 } };
+    assert!(attention_candidates(&prefill, &h200()).kept.iter().all(|c| !c.label().starts_with("stream")));
+    // A device with 99 KiB of opt-in shared memory (sm_86) prunes both (192 KiB at head dim 128).
+    let small = DeviceFacts { shared_memory_per_block_optin_bytes: 99 * 1024, ..h200() };
+    let pruned = attention_candidates(&batch8, &small).pruned;
+    assert!(pruned.iter().any(|p| p.config == "stream3-1x8x16.s2"), "{pruned:?}");
+    assert!(pruned.iter().any(|p| p.config == "stream6-1x4x16.s2"), "{pruned:?}");
 }
 
 #[test]

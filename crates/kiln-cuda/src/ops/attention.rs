@@ -20,7 +20,10 @@
 //! [`AttentionVariant::DECODE_WIDE_DEEP`] its decode shapes three K/V tiles deep, and
 //! [`AttentionVariant::DECODE_HYBRID`] both decode kernels in one launch (each sequence's blocks
 //! take the streaming path or the deep tiled one by its context over the splits, read on the
-//! device). On sm_90, a third kernel
+//! device). [`AttentionVariant::DECODE_STREAM_WIDE`] (8 warps) and
+//! [`AttentionVariant::DECODE_STREAM_DEEP`] (six steps in flight a warp) are the streaming kernel
+//! one block a multiprocessor, for a few sequences at long contexts ([`decode_stream_splits_for`]).
+//! On sm_90, a third kernel
 //! (`kernels/attention_prefill.cu`, Hopper's warpgroup MMA) serves prefill at head dim 128
 //! without splits: [`AttentionVariant::PREFILL_WGMMA`] (every thread copies and computes) and
 //! [`AttentionVariant::PREFILL_WGMMA_PINGPONG`] (a copying warpgroup, two computing ones taking
@@ -148,6 +151,19 @@ impl AttentionVariant {
     /// memory the larger of the two paths'. Not in [`AttentionVariant::ALL`] (its name is
     /// `DECODE`'s; the bench tags it `hybrid`).
     pub const DECODE_HYBRID: AttentionVariant = AttentionVariant { hybrid: true, ..Self::DECODE_DEEP };
+    /// Decode on the streaming kernel, 8 warps a block (each its own pipeline of 16-key steps,
+    /// three in flight): 192 KiB of shared memory at head dim 128, one block a multiprocessor, so
+    /// a batch of a few sequences (GQA 32/8: batch 8 at 2 splits, 128 blocks on sm_90's 132
+    /// multiprocessors) streams with 8 warps on each multiprocessor it covers, where
+    /// [`AttentionVariant::DECODE`] runs 4 there. Splits: [`decode_stream_splits_for`]. Not in
+    /// [`AttentionVariant::ALL`] (the certifier and the bench name it `stream3-1x8x16.sN`).
+    pub const DECODE_STREAM_WIDE: AttentionVariant = AttentionVariant { warps_n: 8, ..Self::DECODE };
+    /// Decode on the streaming kernel, 4 warps a block each with six 16-key steps in flight
+    /// (192 KiB of shared memory at head dim 128, one block a multiprocessor): twice
+    /// [`AttentionVariant::DECODE`]'s K/V in flight a warp. Splits: [`decode_stream_splits_for`].
+    /// Not in [`AttentionVariant::ALL`] (named `stream6-1x4x16.sN`).
+    pub const DECODE_STREAM_DEEP: AttentionVariant =
+        AttentionVariant { stages: STREAM_DEEP_STAGES, ..Self::DECODE };
 
     /// Prefill on Hopper's warpgroup MMA: 128 rows by two warpgroups (eight warps), 128 keys a
     /// tile. sm_90 only, head dim 128, one split. Not in [`AttentionVariant::ALL`] (it serves
@@ -244,9 +260,15 @@ impl AttentionVariant {
                     && (self.rows() as usize * head_dim / 8).is_multiple_of(self.threads() as usize)
             }
             AttentionKernel::Streaming => {
-                // Four warps: the block shape the kernel's registers (two blocks a
-                // multiprocessor) and the compile check are made for.
-                *self == AttentionVariant::DECODE && head_dim.is_multiple_of(64)
+                // The block shapes the kernel's registers (two blocks a multiprocessor for
+                // DECODE, one for the wide and deep ones) and the compile check are made for.
+                [
+                    AttentionVariant::DECODE,
+                    AttentionVariant::DECODE_STREAM_WIDE,
+                    AttentionVariant::DECODE_STREAM_DEEP,
+                ]
+                .contains(self)
+                    && head_dim.is_multiple_of(64)
             }
             AttentionKernel::Warpgroup => *self == AttentionVariant::PREFILL_WGMMA && head_dim == 128,
             AttentionKernel::WarpgroupPingpong => {
@@ -305,6 +327,10 @@ const PINGPONG_STAGES: u32 = 3;
 
 /// Steps in flight per warp of the streaming kernel (its `STREAM_STAGES`).
 const STREAM_STAGES: u32 = 3;
+
+/// Steps in flight per warp of [`AttentionVariant::DECODE_STREAM_DEEP`] (the kernel's
+/// `STREAM_STAGES` define).
+const STREAM_DEEP_STAGES: u32 = 6;
 
 /// Most splits the streaming kernel combines (its `MAX_COMBINE_SPLITS`: the log-sums it gathers
 /// in shared memory); [`decode_splits`] gives at most 64.
@@ -480,6 +506,14 @@ pub fn decode_splits_resident(
     best as u32
 }
 
+/// Splits for [`AttentionVariant::DECODE_STREAM_WIDE`] and [`AttentionVariant::DECODE_STREAM_DEEP`]
+/// on a device of `multiprocessors`: one block of theirs is resident a multiprocessor, so the
+/// splits fill one wave of `multiprocessors` blocks (batch 8 x 8 kv heads on 132: 2 splits, 128
+/// blocks; batch 1: 16 splits), from the batch and the heads alone, as [`decode_splits`].
+pub fn decode_stream_splits_for(multiprocessors: u32, batch: usize, kv_heads: usize) -> u32 {
+    decode_splits_resident(multiprocessors, 1, batch, kv_heads)
+}
+
 /// Bytes of scratch a call with `splits > 1` needs: f32 partial outputs and log-sums per split.
 pub fn scratch_bytes(shape: &AttentionShape, total_queries: usize, splits: u32) -> usize {
     if splits <= 1 {
@@ -526,6 +560,9 @@ fn defines(head_dim: usize, variant: AttentionVariant) -> Vec<(&'static str, Str
     }
     if variant.kernel == AttentionKernel::Streaming {
         defines.push(("STREAMING", "1".to_owned()));
+        if variant.stages != STREAM_STAGES {
+            defines.push(("STREAM_STAGES", variant.stages.to_string()));
+        }
         if std::env::var(DECODE_L2_HINT_ENV).is_ok_and(|v| v.trim() == "none") {
             defines.push(("STREAM_L2_EVICT_FIRST", "0".to_owned()));
         }
@@ -910,7 +947,7 @@ mod tests {
         for bad in [
             AttentionVariant { warps_m: 2, ..AttentionVariant::DECODE },
             AttentionVariant { warp_keys: 32, ..AttentionVariant::DECODE },
-            AttentionVariant { warps_n: 8, ..AttentionVariant::DECODE },
+            AttentionVariant { warps_n: 16, ..AttentionVariant::DECODE },
             AttentionVariant { stages: 2, ..AttentionVariant::DECODE },
             // Three stages only for the tiled decode shapes (one row tile).
             AttentionVariant { stages: 3, ..AttentionVariant::PREFILL },
@@ -933,6 +970,8 @@ mod tests {
             AttentionVariant::DECODE_DEEP,
             AttentionVariant::DECODE_WIDE_DEEP,
             AttentionVariant::DECODE_HYBRID,
+            AttentionVariant::DECODE_STREAM_WIDE,
+            AttentionVariant::DECODE_STREAM_DEEP,
         ];
         for variant in AttentionVariant::ALL.into_iter().chain(others) {
             for head_dim in HEAD_DIMS {
@@ -989,6 +1028,64 @@ mod tests {
             let config = AttentionConfig { variant, splits: 1 };
             assert_eq!(config.label(), label);
             assert_eq!(AttentionConfig::parse(label), Some(config));
+        }
+    }
+
+    #[test]
+    fn the_wide_and_deep_streaming_variants_fit_one_block_a_multiprocessor() {
+        for variant in [AttentionVariant::DECODE_STREAM_WIDE, AttentionVariant::DECODE_STREAM_DEEP] {
+            assert_eq!(variant.kernel, AttentionKernel::Streaming);
+            assert!(!variant.hybrid);
+            for head_dim in HEAD_DIMS {
+                variant.validate(head_dim).unwrap();
+            }
+            // 24 warp-stages of K and V steps (16 keys x 256 bytes each): 192 KiB at head dim 128,
+            // within sm_90's 227 KiB opt-in beside the static merge maxima and sums (1 KiB at 8
+            // warps), more than half its 228 KiB a multiprocessor (the kernel's one-block bounds:
+            // WARPS_N * STREAM_STAGES > 12).
+            assert_eq!(variant.warps_n * variant.stages(), 24);
+            assert_eq!(variant.shared_bytes(128), 192 * 1024);
+            assert_eq!(variant.shared_bytes(64), 96 * 1024);
+            assert!(variant.shared_bytes(128) + 1024 + 16 <= 227 * 1024);
+            assert!(2 * variant.shared_bytes(128) > 228 * 1024);
+            assert_ne!(variant, AttentionVariant::DECODE);
+        }
+        assert_eq!(AttentionVariant::DECODE.warps_n * AttentionVariant::DECODE.stages(), 12);
+        assert_eq!(AttentionVariant::DECODE_STREAM_WIDE.threads(), 256);
+        assert_eq!(AttentionVariant::DECODE_STREAM_DEEP.threads(), 128);
+        // Their defines: WARPS_N 8, or STREAM_STAGES 6 after STREAMING; DECODE's are unchanged.
+        let wide = defines(128, AttentionVariant::DECODE_STREAM_WIDE);
+        assert!(wide.contains(&("WARPS_N", "8".to_owned())));
+        assert!(!wide.iter().any(|(k, _)| *k == "STREAM_STAGES"));
+        let deep = defines(128, AttentionVariant::DECODE_STREAM_DEEP);
+        assert_eq!(&deep[4..], &[("STREAMING", "1".to_owned()), ("STREAM_STAGES", "6".to_owned())]);
+        assert_eq!(
+            defines(128, AttentionVariant::DECODE).iter().map(|(k, _)| *k).collect::<Vec<_>>(),
+            ["HEAD_DIM", "WARPS_M", "WARPS_N", "WARP_KEYS", "STREAMING"]
+        );
+        // The kernel's default stages are the launcher's; the one-block threshold is 12.
+        assert!(ATTENTION.source.contains(&format!("#define STREAM_STAGES {STREAM_STAGES}\n")));
+        assert!(ATTENTION.source.contains("#if WARPS_N * STREAM_STAGES > 12\n#define STREAM_MIN_BLOCKS 1"));
+        // Other streaming shapes are still refused.
+        for bad in [
+            AttentionVariant { warps_n: 8, stages: 6, ..AttentionVariant::DECODE },
+            AttentionVariant { warps_n: 2, ..AttentionVariant::DECODE },
+            AttentionVariant { stages: 4, ..AttentionVariant::DECODE },
+            AttentionVariant { hybrid: true, ..AttentionVariant::DECODE_STREAM_WIDE },
+        ] {
+            assert!(matches!(bad.validate(128), Err(Error::NotServed { .. })), "{bad:?}");
+        }
+        // One wave of 132 one-block multiprocessors: batch 8 x 8 kv heads at 2 splits (128
+        // blocks), batch 1 at 16, batch 2 at 8, batch 4 at 4; batch 64 at 1 (512 blocks, 97% of
+        // four waves).
+        assert_eq!(decode_stream_splits_for(132, 8, 8), 2);
+        assert_eq!(decode_stream_splits_for(132, 1, 8), 16);
+        assert_eq!(decode_stream_splits_for(132, 2, 8), 8);
+        assert_eq!(decode_stream_splits_for(132, 4, 8), 4);
+        assert_eq!(decode_stream_splits_for(132, 64, 8), 1);
+        for batch in 1..200 {
+            let splits = decode_stream_splits_for(132, batch, 8);
+            assert!((1..=MAX_STREAMING_SPLITS).contains(&splits), "{batch}: {splits}");
         }
     }
 
