@@ -13,7 +13,8 @@
 //! four launches; also event-timed), the fused path in one launch (`SamplePath::Fused`; rows
 //! without top-k run on one block each, so only greedy and top-k rows are fast there), the
 //! lists with the mass path (`SamplePath::Lists`) and, for greedy rows, the greedy kernel
-//! (`SamplePath::Greedy`).
+//! (`SamplePath::Greedy`), and, for greedy and top-k rows without penalties, the top-k merge
+//! kernel (`SamplePath::TopKMerge`, a candidate not yet chosen by `for_rows`).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -24,7 +25,7 @@ use kiln_cuda::certify::median_launch_us;
 use kiln_cuda::cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use kiln_cuda::ops::sample::{
     encode_histories, encode_params, sample_with_path, PenaltyScratch, SampleBuffers, SamplePath,
-    SampleScratch, DEFAULT_PATH,
+    SampleScratch, DEFAULT_PATH, TOPK_MERGE_KMAX,
 };
 use kiln_cuda::runtime::driver_error;
 use kiln_cuda::Gpu;
@@ -96,8 +97,8 @@ pub fn run(args: &BenchSampleArgs) -> Result<()> {
     let mut table = format!(
         "Sampler, vocabulary {vocab}, on {} ({})\n\n\
          | mode | batch | path | time_us | graph_us | auto_us | auto_graph_us | fused_graph_us | lists_graph_us \
-         | greedy_graph_us | torch_us | torch / kiln | torch / kiln graph |\n\
-         | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n",
+         | greedy_graph_us | topk_merge_graph_us | torch_us | torch / kiln | torch / kiln graph |\n\
+         | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n",
         gpu.facts().name,
         gpu.arch()
     );
@@ -162,11 +163,21 @@ pub fn run(args: &BenchSampleArgs) -> Result<()> {
             } else {
                 "-".to_owned()
             };
+            // The top-k merge kernel serves greedy rows and rows with 1 <= top_k <=
+            // TOPK_MERGE_KMAX, without penalties (the others run on one block each there).
+            let merge_serves =
+                !penalties && (params.is_greedy() || (1..=TOPK_MERGE_KMAX).contains(&params.top_k));
+            let topk_merge_graph_us = if merge_serves {
+                format!("{:.1}", graph_time(SamplePath::TopKMerge)?)
+            } else {
+                "-".to_owned()
+            };
             let torch = peer.get(name).and_then(|m| m.get(&batch.to_string())).copied();
             let ratio = |kiln: f64| torch.map_or("-".to_owned(), |t| format!("{:.2}x", t / kiln));
             table.push_str(&format!(
                 "| {name} | {batch} | {path:?} | {us:.1} | {graph_us:.1} | {auto_us:.1} | {auto_graph_us:.1} \
-                 | {fused_graph_us:.1} | {lists_graph_us:.1} | {greedy_graph_us} | {} | {} | {} |\n",
+                 | {fused_graph_us:.1} | {lists_graph_us:.1} | {greedy_graph_us} | {topk_merge_graph_us} | {} | {} \
+                 | {} |\n",
                 torch.map_or("-".to_owned(), |t| format!("{t:.1}")),
                 ratio(us),
                 ratio(graph_us),

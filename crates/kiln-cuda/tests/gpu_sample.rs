@@ -659,8 +659,8 @@ fn gpu_frequencies_match_the_exact_distribution() {
         for launch in 0..launches {
             let params: Vec<(SamplingParams, u64)> = (0..rows).map(|_| (p, 0)).collect();
             let steps: Vec<u64> = (0..rows).map(|r| (launch * rows + r) as u64).collect();
-            let path =
-                [SamplePath::Auto, SamplePath::SingleBlock, SamplePath::Fused, SamplePath::TopKMerge][launch % 4];
+            let path = [SamplePath::Auto, SamplePath::SingleBlock, SamplePath::Fused, SamplePath::TopKMerge]
+                [launch % 4];
             let (got, _) = run_gpu(
                 &gpu,
                 &[],
