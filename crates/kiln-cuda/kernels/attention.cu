@@ -656,8 +656,8 @@ KILN_DEVICE void kiln_cp_async_16_policy(kiln_u32 shared_address, const void* gl
 #endif
 
 // Dynamic shared memory: WARPS_N * WARP_ELEMENTS bf16. STREAM_MIN_BLOCKS blocks a multiprocessor
-// (the registers of the combine's batch fit two of the default shape). The body of kiln_attention_decode (after the
-// wait), and the hybrid kernel's short path.
+// (the registers of the combine's batch fit two of the default shape). The body of
+// kiln_attention_decode (after the wait), and the hybrid kernel's short path.
 KILN_DEVICE void kiln_attention_streaming(KILN_ATTENTION_PARAMS) {
     extern __shared__ kiln_chunk16 shared_chunks[];
     __shared__ float warp_max[WARPS_N][16], warp_sum[WARPS_N][16];
@@ -727,9 +727,13 @@ KILN_DEVICE void kiln_attention_streaming(KILN_ATTENTION_PARAMS) {
 
     // The pages of the first STREAM_STAGES steps, then Q, all requested before the first copy
     // waits on a page id.
+#if STREAM_STAGES == 3
+    kiln_u32 first_pages[STREAM_STAGES] = {step_page(0), step_page(1), step_page(2)};
+#else
     kiln_u32 first_pages[STREAM_STAGES];
 #pragma unroll
     for (int k = 0; k < STREAM_STAGES; ++k) first_pages[k] = step_page(k);
+#endif
 
     // Q rows as A fragments (rows past the group are zeros): a[e] holds row group + 8 (e & 1),
     // bf16 pair thread_in_group + 4 (e >> 1) of each 16 columns.
@@ -754,8 +758,13 @@ KILN_DEVICE void kiln_attention_streaming(KILN_ATTENTION_PARAMS) {
     for (int k = 0; k < STREAM_STAGES; ++k) {
         if (k < my_steps) load_step(k, k, first_pages[0]);
         kiln_cp_async_commit();
+#if STREAM_STAGES == 3
+        first_pages[0] = first_pages[1];
+        first_pages[1] = first_pages[2];
+#else
 #pragma unroll
         for (int j = 0; j + 1 < STREAM_STAGES; ++j) first_pages[j] = first_pages[j + 1];
+#endif
     }
     kiln_u32 next_page = step_page(STREAM_STAGES);
 
