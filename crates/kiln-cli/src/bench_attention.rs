@@ -27,7 +27,7 @@
 //! kernel one block a multiprocessor, 8 warps (`stream wide`, `stream3-1x8x16.sN`) or six steps
 //! in flight a warp (`stream deep`, `stream6-1x4x16.sN`), at the splits of
 //! [`decode_stream_splits_for`](kiln_cuda::ops::attention::decode_stream_splits_for) (one wave),
-//! and at batch 1 and 8 the wide one at twice those (`stream wide, two waves`).
+//! and at batch 1 and 8 both at twice those (`stream wide, two waves`, `stream deep, two waves`).
 //!
 //! Both as a ratio to PyTorch's `scaled_dot_product_attention` (flash backend) on the same shapes
 //! (unpaged), read from the JSON of `bench/peers/attention.py` (`--peer`). Timing: CUDA events,
@@ -266,7 +266,7 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
         }
         // The streaming kernel one block a multiprocessor, 8 warps (`stream wide`) or six steps in
         // flight a warp (`stream deep`), at the splits that fill the multiprocessors once; at
-        // batch 1 and 8 the wide one also at twice those (two waves).
+        // batch 1 and 8 both also at twice those (two waves).
         let stream = decode_stream_splits_for(multiprocessors, batch_size, KV_HEADS);
         configs.push((
             "stream wide",
@@ -280,6 +280,10 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
             configs.push((
                 "stream wide, two waves",
                 AttentionConfig { variant: AttentionVariant::DECODE_STREAM_WIDE, splits: 2 * stream },
+            ));
+            configs.push((
+                "stream deep, two waves",
+                AttentionConfig { variant: AttentionVariant::DECODE_STREAM_DEEP, splits: 2 * stream },
             ));
         }
         for &context in &DECODE_CONTEXTS {
