@@ -47,13 +47,11 @@ use std::path::PathBuf;
 use kiln_core::ops::attention::{AttentionSequence, AttentionShape};
 use kiln_core::ops::primitives::f32_to_bf16_bits;
 use kiln_core::{Error, Result};
-use kiln_cuda::certify::{attention_config, AttentionConfig, AttentionPhase, AttentionTask};
-use kiln_cuda::cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use kiln_cuda::certify::{attention_config, graph_replay_us, AttentionConfig, AttentionPhase, AttentionTask};
 use kiln_cuda::ops::attention::{
     attention, decode_splits_resident, decode_stream_splits_for, scratch_bytes, AttentionVariant, KvBuffers,
     PagedBatch, DECODE_L2_HINT_ENV,
 };
-use kiln_cuda::runtime::driver_error;
 use kiln_cuda::{DeviceMemory, Gpu};
 
 use crate::bench::{copy_ceiling, time_us};
@@ -461,36 +459,8 @@ fn graph_launch_us(
     gpu: &Gpu,
     launches: usize,
     replays: usize,
-    mut launch: impl FnMut(usize) -> Result<()>,
+    launch: impl FnMut(usize) -> Result<()>,
 ) -> Result<f64> {
-    let stream = gpu.stream().clone();
-    stream
-        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-        .map_err(|e| driver_error("cuStreamBeginCapture", e))?;
-    let launched = (0..launches.max(1)).try_for_each(&mut launch);
-    let graph =
-        stream.end_capture(CUgraphInstantiate_flags(0)).map_err(|e| driver_error("cuStreamEndCapture", e));
-    launched?;
-    let graph = graph?.ok_or_else(|| Error::NotServed {
-        op: "CUDA graph",
-        reason: "the capture recorded no work".into(),
-    })?;
-    let event = || {
-        gpu.context()
-            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(|e| driver_error("cuEventCreate", e))
-    };
-    let (start, end) = (event()?, event()?);
-    graph.launch().map_err(|e| driver_error("cuGraphLaunch", e))?;
-    let mut per_launch_us = Vec::with_capacity(replays.max(1));
-    for _ in 0..replays.max(1) {
-        start.record(gpu.stream()).map_err(|e| driver_error("cuEventRecord", e))?;
-        graph.launch().map_err(|e| driver_error("cuGraphLaunch", e))?;
-        end.record(gpu.stream()).map_err(|e| driver_error("cuEventRecord", e))?;
-        end.synchronize().map_err(|e| driver_error("cuEventSynchronize", e))?;
-        let ms = start.elapsed_ms(&end).map_err(|e| driver_error("cuEventElapsedTime", e))?;
-        per_launch_us.push(f64::from(ms) * 1e3 / launches.max(1) as f64);
-    }
-    per_launch_us.sort_by(f64::total_cmp);
+    let per_launch_us = graph_replay_us(gpu, 0..launches.max(1), replays, launch)?;
     Ok(per_launch_us[(per_launch_us.len() - 1) / 2])
 }

@@ -21,13 +21,11 @@ use std::path::PathBuf;
 
 use kiln_core::ops::sample::SamplingParams;
 use kiln_core::{Error, Result};
-use kiln_cuda::certify::median_launch_us;
-use kiln_cuda::cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use kiln_cuda::certify::{median_graph_launch_us, median_launch_us};
 use kiln_cuda::ops::sample::{
     encode_histories, encode_params, sample_with_path, PenaltyScratch, SampleBuffers, SamplePath,
     SampleScratch, DEFAULT_PATH, TOPK_MERGE_KMAX,
 };
-use kiln_cuda::runtime::driver_error;
 use kiln_cuda::Gpu;
 
 use crate::bench_lm_head::{read_peer, upload, Values};
@@ -195,46 +193,4 @@ pub fn run(args: &BenchSampleArgs) -> Result<()> {
         std::fs::write(path, &table).map_err(|e| Error::io(path, e))?;
     }
     Ok(())
-}
-
-/// The median over `batches` replays of one CUDA graph holding `launches` calls of `launch`
-/// (captured once, after a warm-up that compiles the kernels), per call, in microseconds.
-fn median_graph_launch_us(
-    gpu: &Gpu,
-    batches: usize,
-    launches: usize,
-    mut launch: impl FnMut(usize) -> Result<()>,
-) -> Result<f64> {
-    let launches = launches.max(1);
-    for i in 0..3 {
-        launch(i)?;
-    }
-    gpu.stream().synchronize().map_err(|e| driver_error("cuStreamSynchronize", e))?;
-    let stream = gpu.stream().clone();
-    stream
-        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-        .map_err(|e| driver_error("cuStreamBeginCapture", e))?;
-    let captured = (0..launches).try_for_each(&mut launch);
-    let graph =
-        stream.end_capture(CUgraphInstantiate_flags(0)).map_err(|e| driver_error("cuStreamEndCapture", e))?;
-    captured?;
-    let graph = graph.ok_or_else(|| Error::NotServed {
-        op: "CUDA graph",
-        reason: "the capture recorded no work".into(),
-    })?;
-    graph.launch().map_err(|e| driver_error("cuGraphLaunch", e))?;
-    let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
-    let start = gpu.context().new_event(flags).map_err(|e| driver_error("cuEventCreate", e))?;
-    let end = gpu.context().new_event(flags).map_err(|e| driver_error("cuEventCreate", e))?;
-    let mut per_launch_us = Vec::with_capacity(batches.max(1));
-    for _ in 0..batches.max(1) {
-        start.record(gpu.stream()).map_err(|e| driver_error("cuEventRecord", e))?;
-        graph.launch().map_err(|e| driver_error("cuGraphLaunch", e))?;
-        end.record(gpu.stream()).map_err(|e| driver_error("cuEventRecord", e))?;
-        end.synchronize().map_err(|e| driver_error("cuEventSynchronize", e))?;
-        let ms = start.elapsed_ms(&end).map_err(|e| driver_error("cuEventElapsedTime", e))?;
-        per_launch_us.push(f64::from(ms) * 1000.0 / launches as f64);
-    }
-    per_launch_us.sort_by(f64::total_cmp);
-    Ok(per_launch_us[per_launch_us.len() / 2])
 }

@@ -1030,19 +1030,32 @@ pub fn median_graph_launch_us(
     launches: usize,
     mut launch: impl FnMut(usize) -> Result<()>,
 ) -> Result<f64> {
-    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-    let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
     let launches = launches.max(1);
     let warm_up = launches.max(3);
     for i in 0..warm_up {
         launch(i)?;
     }
+    let per_launch_us = graph_replay_us(gpu, warm_up..warm_up + launches, batches, launch)?;
+    Ok(per_launch_us[per_launch_us.len() / 2])
+}
+
+/// The calls `launch(i)` for `i` in `indices` captured once into a CUDA graph (the capture ends
+/// whatever a call returned, so the stream is never left capturing), the graph replayed once,
+/// then `replays` times (at least once) between CUDA events: the time per call of each replay,
+/// microseconds, sorted.
+pub fn graph_replay_us(
+    gpu: &Gpu,
+    indices: std::ops::Range<usize>,
+    replays: usize,
+    launch: impl FnMut(usize) -> Result<()>,
+) -> Result<Vec<f64>> {
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    let calls = indices.len().max(1);
     let stream = gpu.stream().clone();
     stream
         .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
         .map_err(|e| driver_error("cuStreamBeginCapture", e))?;
-    // The capture ends whatever a launch returned, so that the stream is never left capturing.
-    let launched = (warm_up..warm_up + launches).try_for_each(&mut launch);
+    let launched = indices.into_iter().try_for_each(launch);
     let graph =
         stream.end_capture(CUgraphInstantiate_flags(0)).map_err(|e| driver_error("cuStreamEndCapture", e))?;
     launched?;
@@ -1051,19 +1064,20 @@ pub fn median_graph_launch_us(
         reason: "the capture of the timed launches recorded no work".into(),
     })?;
     graph.launch().map_err(|e| driver_error("cuGraphLaunch", e))?;
+    let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
     let start = gpu.context().new_event(flags).map_err(|e| driver_error("cuEventCreate", e))?;
     let end = gpu.context().new_event(flags).map_err(|e| driver_error("cuEventCreate", e))?;
-    let mut per_launch_us = Vec::with_capacity(batches.max(1));
-    for _ in 0..batches.max(1) {
+    let mut per_launch_us = Vec::with_capacity(replays.max(1));
+    for _ in 0..replays.max(1) {
         start.record(gpu.stream()).map_err(|e| driver_error("cuEventRecord", e))?;
         graph.launch().map_err(|e| driver_error("cuGraphLaunch", e))?;
         end.record(gpu.stream()).map_err(|e| driver_error("cuEventRecord", e))?;
         end.synchronize().map_err(|e| driver_error("cuEventSynchronize", e))?;
         let ms = start.elapsed_ms(&end).map_err(|e| driver_error("cuEventElapsedTime", e))?;
-        per_launch_us.push(f64::from(ms) * 1000.0 / launches as f64);
+        per_launch_us.push(f64::from(ms) * 1000.0 / calls as f64);
     }
     per_launch_us.sort_by(f64::total_cmp);
-    Ok(per_launch_us[per_launch_us.len() / 2])
+    Ok(per_launch_us)
 }
 
 /// Launches [`median_launch_us`] makes with `options` (warm-up included).

@@ -57,6 +57,7 @@ use kiln_core::ops::sample::{SamplingParams, NO_TOKEN, PROBABILITY_BITS, WEIGHT_
 use kiln_core::{Error, Result};
 
 use crate::kernels::SAMPLE;
+use crate::launch::Launch;
 use crate::memory::DeviceMemory;
 use crate::runtime::{driver_error, Gpu};
 
@@ -505,6 +506,43 @@ pub const SAMPLE_THREADS: u32 = 1024;
 /// [`FUSED_THREADS`], so that several share a multiprocessor at large batches.
 pub const DEFAULT_PATH: SamplePath = SamplePath::Auto;
 
+/// The parameters every sampling kernel takes first, in their order: the logits, the vocabulary
+/// and row stride, the rows' parameters and steps, the histories, the penalty scratch, the LM
+/// head's statistics and the tokens out.
+struct RowArgs {
+    logits: u64,
+    vocab: i64,
+    row_stride: i64,
+    params: u64,
+    steps: u64,
+    offsets: u64,
+    history: u64,
+    counts: u64,
+    scratch: u64,
+    stats: u64,
+    stats_per_row: i32,
+    tokens: u64,
+}
+
+impl RowArgs {
+    /// Pushes the parameters onto `launch`, in the kernels' order.
+    fn push<'a>(&'a self, launch: &mut Launch<'a>) {
+        launch
+            .arg(&self.logits)
+            .arg(&self.vocab)
+            .arg(&self.row_stride)
+            .arg(&self.params)
+            .arg(&self.steps)
+            .arg(&self.offsets)
+            .arg(&self.history)
+            .arg(&self.counts)
+            .arg(&self.scratch)
+            .arg(&self.stats)
+            .arg(&self.stats_per_row)
+            .arg(&self.tokens);
+    }
+}
+
 /// Samples one token for each of `rows` rows of `vocab` logits on `gpu`'s stream.
 pub fn sample(gpu: &Gpu, rows: usize, vocab: usize, buffers: SampleBuffers<'_>) -> Result<()> {
     sample_with_path(gpu, rows, vocab, buffers, DEFAULT_PATH)
@@ -626,6 +664,20 @@ pub fn sample_with_path(
         (buffers.history_offsets.device_ptr(), buffers.history.device_ptr(), buffers.tokens.device_ptr());
     let (vocab, row_stride) = (vocab as i64, buffers.row_stride as i64);
     let defines = [("THREADS", threads.as_str()), ("PENALTIES", penalties)];
+    let row_args = RowArgs {
+        logits,
+        vocab,
+        row_stride,
+        params,
+        steps,
+        offsets,
+        history,
+        counts,
+        scratch,
+        stats,
+        stats_per_row,
+        tokens,
+    };
     if let (Some((greedy_count, greedy_len)), true) = (greedy_grid, base != 0) {
         let greedy_threads = GREEDY_THREADS.to_string();
         let greedy_defines = [("THREADS", greedy_threads.as_str()), ("PENALTIES", penalties)];
@@ -640,23 +692,8 @@ pub fn sample_with_path(
         let greedy_slots = layout.fused_slots as i32;
         let greedy_len = greedy_len as i64;
         let mut launch = gpu.launch_builder(&function);
-        launch
-            .arg(&logits)
-            .arg(&vocab)
-            .arg(&row_stride)
-            .arg(&params)
-            .arg(&steps)
-            .arg(&offsets)
-            .arg(&history)
-            .arg(&counts)
-            .arg(&scratch)
-            .arg(&stats)
-            .arg(&stats_per_row)
-            .arg(&tokens)
-            .arg(&tickets)
-            .arg(&partials)
-            .arg(&greedy_slots)
-            .arg(&greedy_len);
+        row_args.push(&mut launch);
+        launch.arg(&tickets).arg(&partials).arg(&greedy_slots).arg(&greedy_len);
         // SAFETY: the arguments match `kiln_sample_greedy`'s signature (pointer, i64, i64, 7
         // pointers, i32, 3 pointers, i32, i64); every buffer was checked above to hold what
         // `rows` rows touch, `counts` and `scratch` are null only with PENALTIES=0 and `stats`
@@ -682,24 +719,8 @@ pub fn sample_with_path(
         let merge_slots = layout.fused_slots as i32;
         let merge_len = merge_len as i64;
         let mut launch = gpu.launch_builder(&function);
-        launch
-            .arg(&logits)
-            .arg(&vocab)
-            .arg(&row_stride)
-            .arg(&params)
-            .arg(&steps)
-            .arg(&offsets)
-            .arg(&history)
-            .arg(&counts)
-            .arg(&scratch)
-            .arg(&stats)
-            .arg(&stats_per_row)
-            .arg(&tokens)
-            .arg(&tickets)
-            .arg(&merge_counts)
-            .arg(&merge_lists)
-            .arg(&merge_slots)
-            .arg(&merge_len);
+        row_args.push(&mut launch);
+        launch.arg(&tickets).arg(&merge_counts).arg(&merge_lists).arg(&merge_slots).arg(&merge_len);
         // SAFETY: the arguments match `kiln_sample_topk_merge`'s signature (pointer, i64, i64, 7
         // pointers, i32, 4 pointers, i32, i64); every buffer was checked above to hold what
         // `rows` rows touch, `counts` and `scratch` are null only with PENALTIES=0 and `stats`
@@ -729,19 +750,8 @@ pub fn sample_with_path(
             let fused_slots = layout.fused_slots as i32;
             let fused_len = fused_len as i64;
             let mut launch = gpu.launch_builder(&function);
+            row_args.push(&mut launch);
             launch
-                .arg(&logits)
-                .arg(&vocab)
-                .arg(&row_stride)
-                .arg(&params)
-                .arg(&steps)
-                .arg(&offsets)
-                .arg(&history)
-                .arg(&counts)
-                .arg(&scratch)
-                .arg(&stats)
-                .arg(&stats_per_row)
-                .arg(&tokens)
                 .arg(&tickets)
                 .arg(&fused_counts)
                 .arg(&fused_lists)
@@ -767,19 +777,8 @@ pub fn sample_with_path(
         _ => {
             let function = gpu.function(&SAMPLE, "kiln_sample", &defines)?;
             let mut launch = gpu.launch_builder(&function);
+            row_args.push(&mut launch);
             launch
-                .arg(&logits)
-                .arg(&vocab)
-                .arg(&row_stride)
-                .arg(&params)
-                .arg(&steps)
-                .arg(&offsets)
-                .arg(&history)
-                .arg(&counts)
-                .arg(&scratch)
-                .arg(&stats)
-                .arg(&stats_per_row)
-                .arg(&tokens)
                 .arg(&fast_kmax)
                 .arg(&greedy_single)
                 .arg(&tickets)
