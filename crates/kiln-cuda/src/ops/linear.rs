@@ -159,6 +159,18 @@ fn int8_unit_words(dtype: DType) -> Option<usize> {
     }
 }
 
+/// Shared memory a block of the integer path may stage weights in (static shared memory).
+const INT8_STAGE_LIMIT: usize = 48 << 10;
+
+/// Bytes of one round of weights a block of `variant` stages for `call` on the integer path
+/// (each warp: `unroll` units of each of its weight rows for 32 lanes); `None` off the integer
+/// formats. Pipelined, a block holds two rounds.
+fn int8_stage_bytes(call: &LinearCall, variant: LinearVariant) -> Option<usize> {
+    let words = int8_unit_words(call.weight)?;
+    let weight_rows = variant.rows as usize * call.epilogue.weight_rows_per_output();
+    Some(variant.warps as usize * variant.unroll as usize * weight_rows * 32 * words * 4)
+}
+
 /// Lanes that split a row on the integer path: the largest power of two (8 to 32) not above
 /// the row's units.
 fn int8_lanes_per_row(cols: usize) -> usize {
@@ -235,16 +247,18 @@ impl LinearVariant {
         while rows * gates * unroll * words > budget && unroll > 1 {
             unroll /= 2;
         }
-        // Pipelined, a warp's two stages of weights (4 warps a block) fit 48 KiB.
-        let staged = |rows: usize, unroll: usize| 2 * 4 * rows * gates * unroll * 32 * words * 4;
+        // Pipelined, a block's two rounds of weights fit the stage limit.
+        let staged = |rows: usize, unroll: usize| {
+            int8_stage_bytes(call, integer(4, rows as u32, unroll as u32)).map_or(0, |b| 2 * b)
+        };
         while (rows * gates * unroll * words > budget
             || rows * gates * call.tokens > 32
-            || (pipe && staged(rows, unroll) > 48 << 10))
+            || (pipe && staged(rows, unroll) > INT8_STAGE_LIMIT))
             && rows > 1
         {
             rows /= 2;
         }
-        while pipe && staged(rows, unroll) > 48 << 10 && unroll > 1 {
+        while pipe && staged(rows, unroll) > INT8_STAGE_LIMIT && unroll > 1 {
             unroll /= 2;
         }
         Some(integer(4, rows as u32, unroll as u32))
@@ -472,7 +486,7 @@ impl LinearCall {
             || variant.mma
             || weight_rows * self.tokens > 32
             || weight_rows * variant.unroll as usize * words > 80
-            || variant.warps as usize * variant.unroll as usize * weight_rows * 32 * words * 4 > 48 << 10
+            || int8_stage_bytes(self, variant).is_some_and(|b| b > INT8_STAGE_LIMIT)
         {
             return refuse(format!(
                 "{} tokens, {:?} (1 to 16 warps, 1 to 4 rows and units; at most 32 sums and 80 words a lane, 48 KiB of staged weights a block)",
@@ -485,10 +499,9 @@ impl LinearCall {
     /// Whether the integer path runs `variant` pipelined for this call ([`INT8_PIPE_ENV`]): turned
     /// on, and the two stages of weights a warp fit the 48 KiB of a block.
     pub fn int8_pipelined(&self, variant: LinearVariant) -> bool {
-        let Some(words) = int8_unit_words(self.weight).filter(|_| variant.int8) else { return false };
-        let weight_rows = variant.rows as usize * self.epilogue.weight_rows_per_output();
-        int8_pipe_on(self.tokens)
-            && 2 * variant.warps as usize * variant.unroll as usize * weight_rows * 32 * words * 4 <= 48 << 10
+        variant.int8
+            && int8_pipe_on(self.tokens)
+            && int8_stage_bytes(self, variant).is_some_and(|b| 2 * b <= INT8_STAGE_LIMIT)
     }
 
     /// Bytes of the integer path's scratch ([`int8_scratch_bytes`]).
@@ -711,14 +724,12 @@ pub const INT8_FUSED_ENV: &str = "KILN_INT8_FUSED";
 /// bytes a column) beside the warps' weight stages within the 48 KiB a block gets without an
 /// opt-in.
 pub fn int8_fused_shared_bytes(call: &LinearCall, variant: LinearVariant) -> Option<usize> {
-    let words = int8_unit_words(call.weight)?;
+    let stage = int8_stage_bytes(call, variant)?;
     if !variant.int8 || call.tokens != 1 || !std::env::var(INT8_FUSED_ENV).is_ok_and(|v| v.trim() == "1") {
         return None;
     }
-    let gates = if matches!(call.epilogue, Epilogue::SwiGlu) { 2 } else { 1 };
-    let stage = (variant.warps * variant.unroll * variant.rows) as usize * gates * 32 * words * 4;
     let shared = int8_scratch_bytes(call.tokens, call.cols);
-    (stage + shared <= 48 * 1024).then_some(shared)
+    (stage + shared <= INT8_STAGE_LIMIT).then_some(shared)
 }
 
 /// The integer path's first launch: x as two int8 planes and block scales into `scratch`.
