@@ -8,13 +8,27 @@
 //! w_j   = weight element j of row v in fp32:
 //!           bf16 / fp16: the exact value;   Q8_0: d * q;   Q4_0: d * (q - 8);   Q4_1: fma(d, q, m)
 //!         (d and m are the block's fp16 scale and minimum, q its integer code as fp32)
-//! dot   = unit_sum(hidden, j -> h[r][j] * w_j)      (Kiln's fixed-order sum; each product rounded)
+//! dot   = unit_dot_fma(h[r], w)                     (Kiln's fused fixed-order dot product, below)
 //! y     = dot * row_scale[r]                        (with a deferred per-row scale, e.g. RMSNorm's r)
 //! y     = y * logit_scale
 //! y     = cap * tanh_poly(y / cap)                  (with soft-capping, Gemma)
 //! ```
 //!
-//! Each operation is rounded once, no fused multiply-add except where written (`fma`).
+//! The dot product ([`unit_dot_fma`]) runs in units of 256 elements, `hidden` padded with
+//! `(0, 0)` pairs to whole units. In unit `u`, lane `l` (0..32) owns elements `e = 256u + 8l + k`
+//! for `k = 0 .. 8` and computes
+//!
+//! ```text
+//! acc_l = h[e0] * w[e0]                             (rounded; e0 = 256u + 8l)
+//! acc_l = fma(h[e0 + k], w[e0 + k], acc_l)          for k = 1 .. 7 in order (each rounded once)
+//! ```
+//!
+//! then the 32 lane values fold by the warp's xor butterfly (`acc_l += acc_{l + d}` for
+//! `d = 16, 8, 4, 2, 1`; lane 0's value is the unit's sum), and the unit sums are added left to
+//! right to `+0.0`. The order depends only on `hidden`: not on the kernel variant, the split of
+//! the units over warps, the tile or the grid.
+//!
+//! Every other operation is rounded once, no fused multiply-add except where written (`fma`).
 //! [`tanh_poly`] is Kiln's tanh, written with the same operations in CUDA.
 //!
 //! With block statistics, the head also writes, for each block of `stats_block` consecutive
@@ -24,7 +38,7 @@
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::ops::primitives::{bf16_bits_to_f32, exp_poly, f16_bits_to_f32, unit_sum};
+use crate::ops::primitives::{bf16_bits_to_f32, exp_poly, f16_bits_to_f32, unit_dot_fma};
 use crate::ops::sample::order_key;
 
 /// The most rows one LM head call serves.
@@ -249,7 +263,7 @@ impl LmHead {
             let w: Vec<f32> = (0..hidden).map(|j| weight_element(self.weight, w_row, j)).collect();
             for (r, o) in out.iter_mut().enumerate() {
                 let x = &h[r * hidden..(r + 1) * hidden];
-                let dot = unit_sum(hidden, |j| x[j] * w[j]);
+                let dot = unit_dot_fma(x, &w);
                 *o = self.epilogue(dot, row_scale.map(|s| s[r]));
             }
         });
@@ -355,6 +369,67 @@ mod tests {
                     }
                     let got = f64::from(out.logits[r * vocab + v]);
                     assert!((got - want).abs() <= 1e-6 * scale, "{dtype} r{r} v{v}: {got} vs {want}");
+                }
+            }
+        }
+    }
+
+    /// The fused order written out from its definition (module docs), independently of
+    /// `unit_dot_fma`: every lane of every unit, the full xor butterfly on all 32 lanes.
+    fn fused_dot_by_definition(x: &[f32], w: &[f32]) -> f32 {
+        let at = |v: &[f32], j: usize| if j < v.len() { v[j] } else { 0.0 };
+        let mut total = 0.0f32;
+        for u in 0..x.len().div_ceil(256) {
+            let mut lane: Vec<f32> = (0..32)
+                .map(|l| {
+                    let e0 = 256 * u + 8 * l;
+                    (1..8).fold(at(x, e0) * at(w, e0), |acc, k| at(x, e0 + k).mul_add(at(w, e0 + k), acc))
+                })
+                .collect();
+            for d in [16, 8, 4, 2, 1] {
+                lane = (0..32).map(|l| lane[l] + lane[l ^ d]).collect();
+            }
+            total = total + lane[0];
+        }
+        total
+    }
+
+    #[test]
+    fn logits_follow_the_fused_order_bit_for_bit() {
+        // The reference (which takes the CPU's FMA instructions where it has them) against the
+        // definition through `f32::mul_add`, for every dtype, ragged and partial units, 1..8 rows.
+        let mut rng = TestRng(23);
+        for (k, dtype) in
+            [DType::BF16, DType::F16, DType::Q8_0, DType::Q4_0, DType::Q4_1].into_iter().enumerate()
+        {
+            for (hidden, rows) in [(576, 1 + k), (896, 8), (4096, 2), (32, 3)] {
+                let vocab = 29;
+                let w = random_weights(&mut rng, dtype, vocab, hidden);
+                // Values over several binades, so that a different order or rounding shows.
+                let h: Vec<f32> =
+                    (0..rows * hidden).map(|_| rng.uniform() * (1 << (rng.next() % 12)) as f32).collect();
+                let head = LmHead {
+                    hidden,
+                    vocab,
+                    weight: dtype,
+                    logit_scale: 1.0,
+                    soft_cap: None,
+                    stats_block: None,
+                };
+                let out = head.run(&h, &w, None).unwrap();
+                let row = row_bytes(dtype, hidden).unwrap();
+                for v in 0..vocab {
+                    let wv: Vec<f32> =
+                        (0..hidden).map(|j| weight_element(dtype, &w[v * row..(v + 1) * row], j)).collect();
+                    for r in 0..rows {
+                        let want = fused_dot_by_definition(&h[r * hidden..(r + 1) * hidden], &wv);
+                        let got = out.logits[r * vocab + v];
+                        assert_eq!(
+                            got.to_bits(),
+                            want.to_bits(),
+                            "{dtype} {hidden} r{r} v{v}: {got} vs {want}"
+                        );
+                    }
                 }
             }
         }

@@ -8,6 +8,12 @@
 //!   when lane `l` holds elements `8l .. 8l + 8` of the unit: each lane adds its eight in pairs,
 //!   then the warp folds with `shfl_xor` 16, 8, 4, 2, 1. The result does not depend on the warp
 //!   count, the block shape or the row length.
+//! - [`unit_dot_fma`]: the LM head's dot product, in the same units and lanes as [`unit_sum`],
+//!   but each lane runs one chain of fused multiply-adds over its eight elements instead of
+//!   rounding every product and adding them in pairs: `acc = x0 * w0` (rounded), then
+//!   `acc = fma(x_k, w_k, acc)` for `k = 1 .. 8` in order, each rounded once; then the warp's xor
+//!   butterfly 16, 8, 4, 2, 1 over the 32 lane values, units combined left to right. A GPU lane
+//!   does one FFMA per element and row, half the instructions of a rounded product and an add.
 //! - [`exp_poly`] and [`silu`]: `exp` as one polynomial with explicit fused multiply-adds, since
 //!   neither side's library `exp` is specified to the bit.
 //! - [`FloatType`]: rounding to bf16 / fp16 to nearest even, as the `half` crate and the CUDA
@@ -39,6 +45,12 @@ fn unit_tree(value: impl Fn(usize) -> f32) -> f32 {
         let v: [f32; 8] = std::array::from_fn(|k| value(8 * lane + k));
         *slot = lane_sum8(&v);
     }
+    warp_butterfly(&mut lanes)
+}
+
+/// The warp's xor butterfly over 32 lane values (distances 16, 8, 4, 2, 1): lane 0's result.
+#[inline(always)]
+fn warp_butterfly(lanes: &mut [f32; 32]) -> f32 {
     let mut width = 16;
     while width > 0 {
         for lane in 0..width {
@@ -47,6 +59,84 @@ fn unit_tree(value: impl Fn(usize) -> f32) -> f32 {
         width /= 2;
     }
     lanes[0]
+}
+
+/// The dot product of `x` and `w` (over the shorter length) in Kiln's fused order: units of
+/// [`UNIT`] elements; in each, lane `l` (0..32) runs `acc = x[8l] * w[8l]` (rounded), then
+/// `acc = fma(x[8l + k], w[8l + k], acc)` for `k = 1 .. 8` in order, each fused operation rounded
+/// once; the 32 lane values go through the warp's xor butterfly (as [`unit_sum`]); the units'
+/// results are added left to right to `+0.0`. Elements past the end of the last unit count as
+/// the pair `(+0.0, +0.0)`.
+///
+/// The result does not depend on the CPU: `f32::mul_add` is correctly rounded everywhere, and on
+/// x86-64 CPUs with FMA the same operations run as FMA instructions.
+pub fn unit_dot_fma(x: &[f32], w: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if has_fma() {
+        // SAFETY: the running CPU has the FMA extension (checked just above).
+        return unsafe { unit_dot_fma_x86_fma(x, w) };
+    }
+    unit_dot_fma_portable(x, w)
+}
+
+/// [`unit_dot_fma`] through `f32::mul_add` alone, whatever the CPU (a library call where the
+/// target has no fused multiply-add instruction).
+pub fn unit_dot_fma_portable(x: &[f32], w: &[f32]) -> f32 {
+    unit_dot_fma_body(x, w)
+}
+
+/// [`unit_dot_fma`] compiled for x86-64 CPUs with the FMA extension.
+///
+/// # Safety
+///
+/// The running CPU must have FMA (`is_x86_feature_detected!("fma")`).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma")]
+unsafe fn unit_dot_fma_x86_fma(x: &[f32], w: &[f32]) -> f32 {
+    unit_dot_fma_body(x, w)
+}
+
+/// Whether the running CPU has FMA (checked once).
+#[cfg(target_arch = "x86_64")]
+fn has_fma() -> bool {
+    use std::sync::OnceLock;
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| is_x86_feature_detected!("fma"))
+}
+
+#[inline(always)]
+fn unit_dot_fma_body(x: &[f32], w: &[f32]) -> f32 {
+    let len = x.len().min(w.len());
+    let mut total = 0.0f32;
+    let mut start = 0;
+    while start < len {
+        let n = (len - start).min(UNIT);
+        let mut lanes = [0.0f32; 32];
+        if n == UNIT {
+            fma_lanes(&x[start..start + UNIT], &w[start..start + UNIT], &mut lanes);
+        } else {
+            // The partial last unit, padded with (+0.0, +0.0) pairs.
+            let (mut xs, mut ws) = ([0.0f32; UNIT], [0.0f32; UNIT]);
+            xs[..n].copy_from_slice(&x[start..start + n]);
+            ws[..n].copy_from_slice(&w[start..start + n]);
+            fma_lanes(&xs, &ws, &mut lanes);
+        }
+        total += warp_butterfly(&mut lanes);
+        start += UNIT;
+    }
+    total
+}
+
+/// Each lane's chain over one full unit: `x` and `w` hold [`UNIT`] elements.
+#[inline(always)]
+fn fma_lanes(x: &[f32], w: &[f32], lanes: &mut [f32; 32]) {
+    for (lane, (xs, ws)) in lanes.iter_mut().zip(x.chunks_exact(8).zip(w.chunks_exact(8))) {
+        let mut acc = xs[0] * ws[0];
+        for k in 1..8 {
+            acc = xs[k].mul_add(ws[k], acc);
+        }
+        *lane = acc;
+    }
 }
 
 /// The sum of eight values in a lane: `((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7))`.
@@ -215,6 +305,79 @@ mod tests {
             }
         });
         assert_eq!(sum, big + 1.0);
+    }
+
+    #[test]
+    fn unit_dot_fma_fuses_each_lane_chain() {
+        // a * a = 1 + 2^-11 + 2^-24 is not an fp32: a rounded product loses 2^-24, a fused
+        // multiply-add keeps it. The first product of a lane is rounded, the rest are fused.
+        let a = 1.0 + 2.0f32.powi(-12);
+        let x = [1.0, a, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0];
+        let w = [-(1.0 + 2.0f32.powi(-11)), a, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0];
+        assert_eq!(unit_dot_fma(&x, &w), 2.0f32.powi(-24));
+        assert_eq!(unit_sum(8, |i| x[i] * w[i]), 0.0);
+        // Swapped: the rounded first product is a * a, and the fused one adds exactly -1 - 2^-11.
+        let (x2, w2) = ([a, 1.0], [a, -(1.0 + 2.0f32.powi(-11))]);
+        assert_eq!(unit_dot_fma(&x2, &w2), 0.0);
+        // A chain runs in sequence: ((2^24 + 0) + 1) + 1 stays 2^24 (each + 1 a tie to even),
+        // where lane_sum8's pairs give (2^24 + 0) + (1 + 1) = 2^24 + 2.
+        let big = 16_777_216.0f32;
+        let (x3, ones) = ([big, 0.0, 1.0, 1.0], [1.0f32; 4]);
+        assert_eq!(unit_dot_fma(&x3, &ones), big);
+        assert_eq!(unit_sum(4, |i| x3[i]), big + 2.0);
+        // Lanes meet in the butterfly: lane 0 + lane 16 first, then + (lane 8 + lane 24).
+        let mut xs = vec![0.0f32; 256];
+        xs[0] = big;
+        xs[16 * 8] = 1.0;
+        xs[8 * 8] = 1.0;
+        xs[24 * 8] = -big;
+        // (2^24 + 1) + (1 - 2^24) = 2^24 + (1 - 2^24) = 1; left to right it would be 0.
+        assert_eq!(unit_dot_fma(&xs, &[1.0; 256]), 1.0);
+        // Units add left to right.
+        let mut long = vec![0.0f32; 513];
+        long[0] = big;
+        long[256] = 1.0;
+        long[512] = 1.0;
+        assert_eq!(unit_dot_fma(&long, &[1.0; 513]), big);
+        assert_eq!(unit_dot_fma(&[], &[]), 0.0);
+    }
+
+    #[test]
+    fn unit_dot_fma_is_the_same_on_every_path() {
+        // Values over many binades, subnormals and signed zeros; the portable path (mul_add)
+        // and the path this CPU takes (FMA instructions where it has them) give the same bits.
+        let mut state = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for len in [1usize, 8, 9, 255, 256, 257, 576, 896, 4096] {
+            for _ in 0..20 {
+                let mut value = || {
+                    let r = next();
+                    match r % 16 {
+                        0 => f32::from_bits((r >> 32) as u32 & 0x807F_FFFF), // subnormal or zero
+                        1 => 0.0,
+                        2 => -0.0,
+                        _ => f32::from_bits(
+                            ((r >> 32) as u32 & 0x807F_FFFF) | ((100 + (r >> 8) % 56) as u32) << 23,
+                        ),
+                    }
+                };
+                let x: Vec<f32> = (0..len).map(|_| value()).collect();
+                let w: Vec<f32> = (0..len).map(|_| value()).collect();
+                let portable = unit_dot_fma_portable(&x, &w);
+                assert_eq!(unit_dot_fma(&x, &w).to_bits(), portable.to_bits(), "len {len}");
+                #[cfg(target_arch = "x86_64")]
+                if is_x86_feature_detected!("fma") {
+                    // SAFETY: the CPU has FMA (checked just above).
+                    let fused = unsafe { unit_dot_fma_x86_fma(&x, &w) };
+                    assert_eq!(fused.to_bits(), portable.to_bits(), "len {len}");
+                }
+            }
+        }
     }
 
     #[test]
