@@ -281,8 +281,9 @@ fn report(heading: &str, rows: &[SummaryRow]) -> String {
     let _ = writeln!(s, "# Certified kernel configurations\n\n{heading}\n");
     let _ = writeln!(
         s,
-        "Times are CUDA-event medians per launch over inputs rotated beyond twice the L2 cache; \
-         the slowest is the slowest candidate that was correct.\n"
+        "Times are CUDA-event medians per launch over inputs rotated beyond twice the L2 cache \
+         (norms and decode attention: launches captured in a CUDA graph and replayed, as in the \
+         engine's decode step); the slowest is the slowest candidate that was correct.\n"
     );
     let _ = writeln!(
         s,
