@@ -50,6 +50,11 @@ pub struct BenchNormArgs {
     /// Time only the certified and the declared default variant of each case.
     #[arg(long)]
     pub default_only: bool,
+    /// Time only the certified and the declared default variant and these (labels such as
+    /// `8w1r+s3`, comma-separated; `staged` for every staged variant), each with a row of its
+    /// own in the table (tagged `listed`).
+    #[arg(long, value_delimiter = ',')]
+    pub variants: Vec<String>,
     /// Time plain launches between CUDA events (the host's launch cost included) instead of
     /// replays of a CUDA graph holding a batch's launches.
     #[arg(long)]
@@ -119,6 +124,15 @@ pub fn run(args: &BenchNormArgs) -> Result<()> {
         }
         None => BTreeMap::new(),
     };
+    for l in &args.variants {
+        if l != "staged" && !NORM_VARIANTS.iter().any(|v| label(*v) == *l) {
+            return Err(Error::InvalidArgument {
+                name: "--variants",
+                value: l.clone(),
+                reason: "not the label of a listed norm variant (nor `staged`)".into(),
+            });
+        }
+    }
     let l2 = gpu.facts().l2_cache_bytes as usize;
 
     // The copy ceiling: a large device-to-device copy, bytes read plus bytes written.
@@ -196,8 +210,15 @@ pub fn run(args: &BenchNormArgs) -> Result<()> {
         let shape = format!("{rows}x{hidden}");
         let default = NormVariant::default_for(&call);
         let mut candidates: Vec<NormVariant> = vec![certified];
+        let listed: Vec<NormVariant> = NORM_VARIANTS
+            .iter()
+            .copied()
+            .filter(|v| args.variants.iter().any(|l| *l == label(*v) || (l == "staged" && v.stages > 0)))
+            .collect();
         let others: Vec<NormVariant> = if args.default_only {
             vec![default]
+        } else if !args.variants.is_empty() {
+            std::iter::once(default).chain(listed.iter().copied()).collect()
         } else {
             std::iter::once(default).chain(NORM_VARIANTS.iter().copied()).collect()
         };
@@ -231,7 +252,12 @@ pub fn run(args: &BenchNormArgs) -> Result<()> {
         }
         let best = results.iter().copied().min_by(|a, b| a.1.total_cmp(&b.1)).map(|r| r.0);
         let torch = peer.get(name).and_then(|m| m.get(&shape)).copied();
-        let rows_to_print = tagged_rows(&results, certified, default, best);
+        let mut rows_to_print = tagged_rows(&results, certified, default, best);
+        for &(v, us) in results.iter().filter(|(v, _)| listed.contains(v)) {
+            if !rows_to_print.iter().any(|(_, (p, _))| *p == v) {
+                rows_to_print.push(("listed".to_owned(), (v, us)));
+            }
+        }
         for (which, (variant, us)) in rows_to_print {
             let gbs = moved as f64 / us / 1e3;
             println!(

@@ -47,11 +47,26 @@
 //                 through the whole launch instead of a wave of reads, then a wave of writes;
 //                 with one group per segment the weight (EARLY_WEIGHT) stays in registers
 //                 across segments. 0: one group per block.
+//   STAGES        (optional, 0 by default) 2 or more: persistent as well, but the loads go by
+//                 cp.async into STAGES stages of dynamic shared memory, each thread's own 16-byte
+//                 pieces (no barrier: a thread reads back only what it copied), issued
+//                 STAGES - 1 groups ahead of the group being reduced and written; registers hold
+//                 only the current group, as without PERSISTENT. The launcher sizes the grid to a
+//                 few blocks a multiprocessor, so that each block walks many groups and the reads
+//                 of later groups overlap the stores of earlier ones over the whole launch.
+//                 Dynamic shared memory: STAGES * KILN_NORM_SLOTS * KILN_NORM_THREADS * 16 bytes.
 //
 // Registers hold x as loaded (its raw bits, half the registers of fp32 values for 16-bit types)
 // unless a gate multiplies it before the norm; with more than 4 units per warp every use converts
 // the bits again, exactly, so that only the bits stay live across the reductions. All loads of a
 // warp's x (and residual) are issued before the first use; x bypasses L1 (it is read once).
+
+#ifndef STAGES
+#define STAGES 0
+#endif
+#if STAGES == 1 || (STAGES && PERSISTENT)
+#error "STAGES is 0 or at least 2, and replaces PERSISTENT"
+#endif
 
 #define KILN_OUT_INT8 3
 #define KILN_OUT_NVFP4 4
@@ -331,6 +346,56 @@ __device__ __forceinline__ void kiln_norm_load(KilnNormLoads& in, const void* x,
         }
     }
 }
+
+#if STAGES
+// A stage holds, for every thread, KILN_NORM_SLOTS pieces of 16 bytes: slot (u * streams +
+// stream) * pieces + h is piece h of unit u of x (stream 0), the residual (1) and the gate before
+// the norm (last); slot s of thread t is the stage's 16-byte element s * KILN_NORM_THREADS + t,
+// so a warp's reads of one slot are 512 consecutive bytes.
+#define KILN_NORM_PIECES (X_T == KILN_F32 ? 2 : 1)
+#define KILN_NORM_STREAMS (1 + HAS_RESIDUAL + (GATE == 1 ? 1 : 0))
+#define KILN_NORM_SLOTS (UNITS_PER_WARP * KILN_NORM_STREAMS * KILN_NORM_PIECES)
+
+// Issues the cp.async copies of this thread's share of the segment at `base` into `stage` (zeros
+// where not valid: the copy reads nothing and fills the 16 bytes with zeros). No commit.
+__device__ __forceinline__ void kiln_norm_stage_issue(uint4* stage, const void* x, const void* residual,
+                                                      const void* gate, long long base, bool active, int n,
+                                                      int warp_in_row, int lane) {
+#pragma unroll
+    for (int u = 0; u < UNITS_PER_WARP; ++u) {
+        const int col = (warp_in_row + u * WARPS_PER_ROW) * 256 + lane * 8;
+        const bool valid = active && col < n;
+        const long long offset = valid ? (base + col) * (X_T == KILN_F32 ? 4 : 2) : 0;
+#pragma unroll
+        for (int stream = 0; stream < KILN_NORM_STREAMS; ++stream) {
+            // Stream 1 is the residual when there is one, else the gate; the last is the gate.
+            const void* source = stream == 0 ? x : (stream == 1 && HAS_RESIDUAL ? residual : gate);
+#pragma unroll
+            for (int h = 0; h < KILN_NORM_PIECES; ++h) {
+                const int slot = (u * KILN_NORM_STREAMS + stream) * KILN_NORM_PIECES + h;
+                kiln_cp_async_16(kiln_smem_address(stage + slot * KILN_NORM_THREADS + threadIdx.x),
+                                 static_cast<const unsigned char*>(source) + offset + 16 * h, valid);
+            }
+        }
+    }
+}
+
+// This thread's pieces of `stage` into registers, as kiln_norm_load leaves them.
+__device__ __forceinline__ void kiln_norm_stage_read(KilnNormLoads& in, const uint4* stage) {
+#pragma unroll
+    for (int u = 0; u < UNITS_PER_WARP; ++u) {
+#pragma unroll
+        for (int h = 0; h < KILN_NORM_PIECES; ++h) {
+            const uint4* slot = stage + ((u * KILN_NORM_STREAMS) * KILN_NORM_PIECES + h) * KILN_NORM_THREADS + threadIdx.x;
+            in.x[u].q[h] = slot[0];
+            if (HAS_RESIDUAL) in.residual[HAS_RESIDUAL ? u : 0].q[h] = slot[KILN_NORM_PIECES * KILN_NORM_THREADS];
+            if (GATE == 1) {
+                in.gate[GATE == 1 ? u : 0].q[h] = slot[(KILN_NORM_STREAMS - 1) * KILN_NORM_PIECES * KILN_NORM_THREADS];
+            }
+        }
+    }
+}
+#endif
 
 // The weight (and bias) units of the segment whose weight row starts at `wbase`.
 __device__ __forceinline__ void kiln_norm_load_weight(KilnRaw8<W_T> (&wr)[EARLY_WEIGHT && WEIGHT != 2 ? UNITS_PER_WARP : 1],
@@ -684,7 +749,7 @@ kiln_norm(const void* __restrict__ x, void* residual, const void* __restrict__ w
           void* __restrict__ scales, float eps, float qscale, long long segments, int n, int groups) {
     kiln_wait_prior();
     // [group parity][mean, squares][segment of the block][unit]
-    __shared__ __align__(16) float shared_sums[PERSISTENT ? 2 : 1][2][ROWS_PER_BLOCK]
+    __shared__ __align__(16) float shared_sums[PERSISTENT || STAGES ? 2 : 1][2][ROWS_PER_BLOCK]
                                               [WARPS_PER_ROW > 1 ? KILN_NORM_UNITS : 1];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -693,6 +758,53 @@ kiln_norm(const void* __restrict__ x, void* residual, const void* __restrict__ w
     const int units = (n + 255) >> 8;
     const long long row_groups = (segments + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK;
 
+#if STAGES
+    // [stage][slot][thread], 16 bytes each (the launcher's dynamic shared memory).
+    extern __shared__ __align__(16) uint4 kiln_norm_stages[];
+    const int stage_elements = KILN_NORM_SLOTS * KILN_NORM_THREADS;
+    // The first STAGES - 1 groups of this block, one commit group each (empty past the end, so
+    // that the loop's wait always leaves the STAGES - 1 newest groups in flight).
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        const long long g = blockIdx.x + (long long)s * gridDim.x;
+        const long long sg = g * ROWS_PER_BLOCK + row_in_block;
+        if (g < row_groups) {
+            kiln_norm_stage_issue(kiln_norm_stages + s * stage_elements, x, residual, gate, sg * n, sg < segments, n,
+                                  warp_in_row, lane);
+        }
+        kiln_cp_async_commit();
+    }
+    KilnRaw8<W_T> wr[EARLY_WEIGHT && WEIGHT != 2 ? UNITS_PER_WARP : 1];
+    KilnRaw8<W_T> br[EARLY_WEIGHT && HAS_BIAS ? UNITS_PER_WARP : 1];
+    if (EARLY_WEIGHT) {
+        const long long sg = (long long)blockIdx.x * ROWS_PER_BLOCK + row_in_block;
+        kiln_norm_load_weight(wr, br, weight, bias, groups == 1 ? 0 : (sg % groups) * n, n, warp_in_row, lane);
+    }
+    int stage = 0, parity = 0;
+    for (long long group = blockIdx.x; group < row_groups; group += gridDim.x) {
+        const long long seg = group * ROWS_PER_BLOCK + row_in_block;
+        // The group STAGES - 1 ahead goes into the stage this thread read back last time round.
+        const long long ahead = group + (long long)(STAGES - 1) * gridDim.x;
+        const long long ahead_seg = ahead * ROWS_PER_BLOCK + row_in_block;
+        const int ahead_stage = stage == 0 ? STAGES - 1 : stage - 1;
+        if (ahead < row_groups) {
+            kiln_norm_stage_issue(kiln_norm_stages + ahead_stage * stage_elements, x, residual, gate, ahead_seg * n,
+                                  ahead_seg < segments, n, warp_in_row, lane);
+        }
+        kiln_cp_async_commit();
+        kiln_cp_async_wait<STAGES - 1>();
+        KilnNormLoads current;
+        kiln_norm_stage_read(current, kiln_norm_stages + stage * stage_elements);
+        if (EARLY_WEIGHT && groups != 1 && group != blockIdx.x) {
+            kiln_norm_load_weight(wr, br, weight, bias, (seg % groups) * n, n, warp_in_row, lane);
+        }
+        kiln_norm_segment(current, wr, br, residual, weight, bias, gate, out, scales, eps, qscale, seg * n,
+                          groups == 1 ? 0 : (seg % groups) * n, seg < segments, n, units, warp_in_row, lane,
+                          shared_sums[parity][0][row_in_block], shared_sums[parity][1][row_in_block], segments);
+        stage = stage + 1 == STAGES ? 0 : stage + 1;
+        parity ^= 1;
+    }
+#else
     long long group = blockIdx.x;
     long long seg = group * ROWS_PER_BLOCK + row_in_block;
     KilnNormLoads current;
@@ -722,5 +834,5 @@ kiln_norm(const void* __restrict__ x, void* residual, const void* __restrict__ w
             kiln_norm_load_weight(wr, br, weight, bias, (seg % groups) * n, n, warp_in_row, lane);
         }
     }
+#endif
 }
-

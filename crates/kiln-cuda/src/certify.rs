@@ -510,14 +510,15 @@ impl AttentionTask {
 // ---- configurations and their names ----------------------------------------------------------
 
 /// A norm variant's name: `4w1r` (warps per row, rows per block), `+e` when it loads the weight
-/// early, `+p` when its grid is persistent.
+/// early, `+p` when its grid is persistent, `+s3` for a staged grid of 3 cp.async stages.
 pub fn norm_label(v: NormVariant) -> String {
     format!(
-        "{}w{}r{}{}",
+        "{}w{}r{}{}{}",
         v.warps_per_row,
         v.rows_per_block,
         if v.early_weight { "+e" } else { "" },
-        if v.persistent { "+p" } else { "" }
+        if v.persistent { "+p" } else { "" },
+        if v.stages > 0 { format!("+s{}", v.stages) } else { String::new() }
     )
 }
 
@@ -683,18 +684,22 @@ pub fn norm_candidates(task: &NormTask, facts: &DeviceFacts) -> Candidates<NormV
                     Ok(units) => {
                         let threads = 32 * u64::from(v.warps_per_row) * u64::from(v.rows_per_block);
                         let held = if v.warps_per_row > 1 { units } else { 1 };
-                        let shared = 2 * u64::from(v.rows_per_block) * held as u64 * 4;
+                        let staged = v.staged_shared_bytes(&task.call, task.residual).unwrap_or(usize::MAX);
+                        let shared = 2 * u64::from(v.rows_per_block) * held as u64 * 4 + staged as u64;
+                        // Staged variants opt in to more than the default per block.
+                        let shared_limit = if v.stages > 0 {
+                            facts.shared_memory_per_block_optin_bytes
+                        } else {
+                            facts.shared_memory_per_block_bytes
+                        };
                         let registers = 8 * units as u64 * if v.early_weight { 2 } else { 1 } + 32;
                         if threads > u64::from(facts.max_threads_per_block) {
                             Some(format!(
                                 "{threads} threads, the device allows {}",
                                 facts.max_threads_per_block
                             ))
-                        } else if shared > facts.shared_memory_per_block_bytes {
-                            Some(format!(
-                                "{shared} bytes of shared memory, the device gives {}",
-                                facts.shared_memory_per_block_bytes
-                            ))
+                        } else if shared > shared_limit {
+                            Some(format!("{shared} bytes of shared memory, the device gives {shared_limit}"))
                         } else if registers > MAX_REGISTERS_PER_THREAD
                             || threads * registers > u64::from(facts.registers_per_block)
                         {

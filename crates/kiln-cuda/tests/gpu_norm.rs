@@ -367,6 +367,50 @@ fn every_flavor_and_dtype_matches_the_reference() {
     }
 }
 
+/// The staged variants alone (a quick check of them: `cargo test ... --test gpu_norm staged`):
+/// every flavor and dtype (plain, residual, gate, groups, bias, LayerNorm, INT8, NVFP4, FP8) over
+/// ragged shapes, with the grid much smaller than the row count (each block walks many groups,
+/// stages wrapping around) and with fewer groups than stages, with and without the residual.
+#[test]
+fn staged_variants_match_the_reference() {
+    let gpu = gpu();
+    let mut rng = Rng::fresh();
+    let staged: Vec<NormVariant> = NORM_VARIANTS.iter().copied().filter(|v| v.stages > 0).collect();
+    assert!(staged.len() >= 4, "{staged:?}");
+    let mut checked = 0;
+    let types = [DType::BF16, DType::F16, DType::F32];
+    for (f, spec) in flavors().into_iter().enumerate() {
+        for (i, &x_type) in types.iter().enumerate() {
+            let weight_type = types[(i + f + 1) % 3];
+            let mut spec = spec;
+            if let NormOutput::Float(_) = spec.out {
+                spec.out = NormOutput::Float(types[(i + 2) % 3]);
+            }
+            // 3 rows of 1040: fewer groups than stages; 3001 rows: a block walks 11 or more.
+            for &(rows, hidden) in &[(3usize, 1040usize), (3001, 1056), (9, 8192)] {
+                let call = NormCall { spec, rows, hidden, x_type, weight_type };
+                for &variant in staged.iter().filter(|v| call.validate(**v).is_ok()) {
+                    let xt = FloatType::of(x_type, "test").unwrap();
+                    let x = rng.values(rows * hidden, -2.0, 2.0, xt);
+                    check_on(&gpu, &mut rng, call, variant, &x, checked % 2 == 1);
+                    checked += 1;
+                }
+            }
+        }
+    }
+    // The benchmark's bf16 cases at 8192 x 8192 and 2048 x 4096 on every staged variant.
+    for spec in [flavors()[0], flavors()[7], flavors()[8], flavors()[10]] {
+        for &(rows, hidden) in &[(8192usize, 8192usize), (2048, 4096)] {
+            let call = NormCall { spec, rows, hidden, x_type: DType::BF16, weight_type: DType::BF16 };
+            for &variant in staged.iter().filter(|v| call.validate(**v).is_ok()) {
+                check(&gpu, &mut rng, call, variant);
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked >= 150, "only {checked} staged checks served");
+}
+
 /// The kernel's E2M1 encoder on its own, one code per input float.
 static E2M1_PROBE: KernelSource = KernelSource {
     name: "e2m1_probe",

@@ -6,6 +6,7 @@
 //! NVFP4 output two codes per byte (even element low) plus one E4M3 byte per 16, the FP8 output
 //! one byte per value. The residual, when given, is read and overwritten with `x + residual`.
 
+use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::LaunchConfig;
 use kiln_core::ops::norm::{Gate, NormKind, NormOutput, NormSpec, RmsNormRounding, WeightMode};
 use kiln_core::ops::primitives::{FloatType, UNIT};
@@ -20,23 +21,44 @@ use crate::runtime::{driver_error, Gpu};
 /// thread block, whether the weight and bias are loaded with x, before the reduction (more
 /// loads in flight, more registers), and whether the grid is persistent: a few blocks per
 /// multiprocessor, each looping over groups of segments with the next group's loads issued
-/// before the current group's reductions and stores (twice the registers for x). Every variant
-/// computes the same bits.
+/// before the current group's reductions and stores (twice the registers for x), and the
+/// number of cp.async stages of a staged grid (0: none; see [`NormVariant::stages`]). Every
+/// variant computes the same bits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct NormVariant {
     pub warps_per_row: u32,
     pub rows_per_block: u32,
     pub early_weight: bool,
     pub persistent: bool,
+    /// 0, or 2 or more: a persistent grid of [`STAGED_WARPS_PER_MULTIPROCESSOR`] warps a
+    /// multiprocessor whose blocks walk the groups of segments r, r + G, ... with the loads of
+    /// the next `stages - 1` groups in flight by cp.async into shared memory (registers hold only
+    /// the current group), so that reads and writes overlap over the whole launch (the kernel's
+    /// `STAGES`). Excludes `persistent`.
+    pub stages: u32,
 }
 
 const fn variant(warps_per_row: u32, rows_per_block: u32, early_weight: bool) -> NormVariant {
-    NormVariant { warps_per_row, rows_per_block, early_weight, persistent: false }
+    NormVariant { warps_per_row, rows_per_block, early_weight, persistent: false, stages: 0 }
 }
 
 const fn persistent(warps_per_row: u32, rows_per_block: u32, early_weight: bool) -> NormVariant {
-    NormVariant { warps_per_row, rows_per_block, early_weight, persistent: true }
+    NormVariant { warps_per_row, rows_per_block, early_weight, persistent: true, stages: 0 }
 }
+
+const fn staged(warps_per_row: u32, rows_per_block: u32, early_weight: bool, stages: u32) -> NormVariant {
+    NormVariant { warps_per_row, rows_per_block, early_weight, persistent: false, stages }
+}
+
+/// Warps a multiprocessor a staged grid ([`NormVariant::stages`]) aims for: its blocks a
+/// multiprocessor are this over the warps of a block (at least one, at most the resident ones).
+/// With the stage count this sets the bytes in flight: at 2048 x 4096 bf16, 16 warps a row and 2
+/// stages keep 2 rows (32 KiB) loading a multiprocessor, 8 warps and 3 stages 8 rows.
+pub const STAGED_WARPS_PER_MULTIPROCESSOR: usize = 32;
+
+/// Most shared memory (bytes) of a staged variant's stages, with a residual (the largest of the
+/// launches of a call): what every supported GPU gives a block (sm_86 and sm_89: 99 KiB).
+pub const STAGED_SHARED_LIMIT: usize = 96 * 1024;
 
 /// Bytes of x (with the residual and the gate) a persistent grid aims to have loading on each
 /// multiprocessor at once: the next group of every resident block. About 4.2 TB/s times the
@@ -70,6 +92,12 @@ pub const NORM_VARIANTS: &[NormVariant] = &[
     persistent(16, 1, false),
     persistent(16, 1, true),
     persistent(4, 2, false),
+    staged(4, 1, false, 2),
+    staged(4, 1, false, 3),
+    staged(8, 1, false, 2),
+    staged(8, 1, false, 3),
+    staged(16, 1, false, 2),
+    staged(16, 1, false, 3),
 ];
 
 /// Most units of 256 elements one warp holds in registers (16: 128 fp32 values per lane).
@@ -85,6 +113,20 @@ impl NormVariant {
     pub fn units_per_warp(&self, n: usize) -> Option<usize> {
         let per_warp = n.div_ceil(UNIT).div_ceil(self.warps_per_row as usize).max(1).next_power_of_two();
         (per_warp <= self.max_units_per_warp()).then_some(per_warp)
+    }
+
+    /// Bytes of shared memory of a staged variant's stages for `call` with or without the
+    /// residual (0 for other variants): every thread's 16-byte pieces of x, residual and gate
+    /// before the norm, for every stage.
+    pub fn staged_shared_bytes(&self, call: &NormCall, residual: bool) -> Result<usize> {
+        if self.stages == 0 {
+            return Ok(0);
+        }
+        let units = self.units_per_warp(call.segment_len()).unwrap_or(self.max_units_per_warp());
+        let pieces = FloatType::of(call.x_type, "norm input")?.bytes() / 2;
+        let streams = 1 + usize::from(residual) + usize::from(call.spec.gate == Some(Gate::Before));
+        let threads = 32 * self.warps_per_row as usize * self.rows_per_block as usize;
+        Ok(self.stages as usize * units * streams * pieces.max(1) * threads * 16)
     }
 
     /// Most units of 256 elements each warp of this variant holds.
@@ -120,6 +162,7 @@ impl NormVariant {
                 rows_per_block: 1,
                 early_weight: true,
                 persistent: false,
+                stages: 0,
             };
         }
         let two_byte_x = matches!(call.x_type, DType::BF16 | DType::F16);
@@ -128,7 +171,13 @@ impl NormVariant {
         // One warp a row: 4 rows a block; more: one (2w1r ran 1-3% ahead of 2w2r in all five
         // cases at 2048 x 4096).
         let rows_per_block = if warps == 1 { 4 } else { 1 };
-        NormVariant { warps_per_row: warps, rows_per_block, early_weight: false, persistent: false }
+        NormVariant {
+            warps_per_row: warps,
+            rows_per_block,
+            early_weight: false,
+            persistent: false,
+            stages: 0,
+        }
     }
 }
 
@@ -233,14 +282,32 @@ impl NormCall {
                 reason: "LayerNorm has one rounding and no gate".into(),
             });
         }
-        variant.units_per_warp(n).ok_or_else(|| Error::NotServed {
+        let units = variant.units_per_warp(n).ok_or_else(|| Error::NotServed {
             op: "norm kernel",
             reason: format!(
                 "{} warps per row hold at most {} elements, segments have {n}",
                 variant.warps_per_row,
                 variant.warps_per_row as usize * variant.max_units_per_warp() * UNIT
             ),
-        })
+        })?;
+        if variant.stages == 1 || (variant.stages > 0 && variant.persistent) {
+            return Err(Error::InvalidArgument {
+                name: "norm variant",
+                value: format!("{variant:?}"),
+                reason: "stages are 0 or at least 2, and exclude `persistent`".into(),
+            });
+        }
+        let shared = variant.staged_shared_bytes(self, true)?;
+        if shared > STAGED_SHARED_LIMIT {
+            return Err(Error::NotServed {
+                op: "norm kernel",
+                reason: format!(
+                    "{} stages of segments of {n} elements need {shared} bytes of shared memory (at most {})",
+                    variant.stages, STAGED_SHARED_LIMIT
+                ),
+            });
+        }
+        Ok(units)
     }
 
     /// The compile-time constants of this call on `variant`.
@@ -375,8 +442,29 @@ fn norm_launch(
         super::check_buffer("norm", "residual", len(buffers.residual), x_bytes)?;
         defines.iter_mut().filter(|(k, _)| *k == "HAS_RESIDUAL").for_each(|(_, v)| *v = "1".to_owned());
     }
+    if variant.stages > 0 {
+        defines.push(("STAGES", variant.stages.to_string()));
+    }
     let define_refs: Vec<(&str, &str)> = defines.iter().map(|(k, v)| (*k, v.as_str())).collect();
     let function = gpu.function(&NORM, "kiln_norm", &define_refs)?;
+    let shared = variant.staged_shared_bytes(call, buffers.residual.is_some())?;
+    if shared > 0 {
+        let optin = gpu.facts().shared_memory_per_block_optin_bytes as usize;
+        if shared > optin {
+            return Err(Error::NotServed {
+                op: "norm kernel",
+                reason: format!(
+                    "{variant:?} needs {shared} bytes of shared memory, the device gives {optin}"
+                ),
+            });
+        }
+        function
+            .set_attribute(
+                CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                shared as i32,
+            )
+            .map_err(|e| driver_error("cuFuncSetAttribute(kiln_norm)", e))?;
+    }
 
     let segments = call.rows * s.groups;
     if segments == 0 {
@@ -391,7 +479,12 @@ fn norm_launch(
     let threads = 32 * variant.warps_per_row * variant.rows_per_block;
     let row_groups = segments.div_ceil(variant.rows_per_block as usize);
     let multiprocessors = gpu.facts().multiprocessors.max(1) as usize;
-    let blocks = if variant.persistent && row_groups > multiprocessors {
+    let blocks = if variant.stages > 0 && row_groups > multiprocessors {
+        let resident = function
+            .occupancy_max_active_blocks_per_multiprocessor(threads, shared, None)
+            .map_err(|e| driver_error("cuOccupancyMaxActiveBlocksPerMultiprocessor(kiln_norm)", e))?;
+        row_groups.min(staged_blocks_per_multiprocessor(variant, resident as usize) * multiprocessors)
+    } else if variant.persistent && row_groups > multiprocessors {
         let resident = function
             .occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)
             .map_err(|e| driver_error("cuOccupancyMaxActiveBlocksPerMultiprocessor(kiln_norm)", e))?;
@@ -407,7 +500,11 @@ fn norm_launch(
     };
     let blocks = u32::try_from(blocks)
         .map_err(|_| Error::NotServed { op: "norm kernel", reason: format!("{segments} segments") })?;
-    let config = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+    let config = LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: shared as u32,
+    };
     let (_, qscale) = out_code(s.out)?;
     let segments = segments as i64;
 
@@ -438,6 +535,13 @@ fn norm_launch(
     // order of this stream, so they stay valid until the kernel has run.
     unsafe { launch.launch(config) }.map_err(|e| driver_error("cuLaunchKernel(kiln_norm)", e))?;
     Ok(())
+}
+
+/// Blocks per multiprocessor of a staged grid: [`STAGED_WARPS_PER_MULTIPROCESSOR`] warps, at least
+/// one block, at most the `resident` ones.
+pub fn staged_blocks_per_multiprocessor(variant: NormVariant, resident: usize) -> usize {
+    let warps = (variant.warps_per_row * variant.rows_per_block).max(1) as usize;
+    STAGED_WARPS_PER_MULTIPROCESSOR.div_ceil(warps).clamp(1, resident.max(1))
 }
 
 /// Blocks per multiprocessor of a persistent grid: enough that the loads of their next groups
@@ -502,6 +606,45 @@ mod tests {
         assert_eq!(variant(4, 1, true).units_per_warp(8200), None);
         let unique: std::collections::HashSet<_> = NORM_VARIANTS.iter().collect();
         assert_eq!(unique.len(), NORM_VARIANTS.len(), "variants are listed once");
+    }
+
+    #[test]
+    fn staged_variants_size_their_stages_and_grid() {
+        let rms: NormSpec = RmsNorm::llama(1e-5, DType::BF16).into();
+        let call =
+            |spec, rows, hidden, x_type| NormCall { spec, rows, hidden, x_type, weight_type: DType::BF16 };
+        let staged_list: Vec<NormVariant> = NORM_VARIANTS.iter().copied().filter(|v| v.stages > 0).collect();
+        assert!(staged_list.len() >= 4);
+        // Every staged variant serves the benchmark's bf16 shapes, with or without the residual.
+        for v in &staged_list {
+            assert!(v.stages >= 2 && !v.persistent, "{v:?}");
+            for (rows, hidden) in [(2048, 4096), (8192, 8192)] {
+                let c = call(rms, rows, hidden, DType::BF16);
+                assert!(c.validate(*v).is_ok(), "{v:?} at {rows} x {hidden}");
+                assert!(v.staged_shared_bytes(&c, true).unwrap() <= STAGED_SHARED_LIMIT);
+            }
+        }
+        // 16 warps at 4096: one unit a warp, 512 threads, 16 bytes each a stage.
+        let c = call(rms, 2048, 4096, DType::BF16);
+        assert_eq!(staged(16, 1, false, 2).staged_shared_bytes(&c, false).unwrap(), 2 * 512 * 16);
+        assert_eq!(staged(16, 1, false, 3).staged_shared_bytes(&c, true).unwrap(), 3 * 2 * 512 * 16);
+        // fp32 x takes two pieces a unit; a gate before the norm a third stream.
+        let gated = NormSpec { gate: Some(Gate::Before), ..rms };
+        assert_eq!(
+            staged(4, 1, false, 3).staged_shared_bytes(&call(gated, 2, 4096, DType::F32), true).unwrap(),
+            3 * 4 * 3 * 2 * 128 * 16
+        );
+        assert!(call(gated, 2, 4096, DType::F32).validate(staged(4, 1, false, 3)).is_err());
+        assert_eq!(variant(4, 1, false).staged_shared_bytes(&c, true).unwrap(), 0);
+        // 32 warps a multiprocessor, within the resident blocks.
+        assert_eq!(staged_blocks_per_multiprocessor(staged(16, 1, false, 2), 4), 2);
+        assert_eq!(staged_blocks_per_multiprocessor(staged(8, 1, false, 2), 8), 4);
+        assert_eq!(staged_blocks_per_multiprocessor(staged(4, 1, false, 2), 5), 5);
+        assert_eq!(staged_blocks_per_multiprocessor(staged(4, 1, false, 2), 0), 1);
+        // One stage, or stages with the register-pipelined grid, are refused.
+        for bad in [staged(4, 1, false, 1), NormVariant { persistent: true, ..staged(4, 1, false, 2) }] {
+            assert!(matches!(c.validate(bad), Err(Error::InvalidArgument { .. })), "{bad:?}");
+        }
     }
 
     #[test]
