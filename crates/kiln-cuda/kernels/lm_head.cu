@@ -9,9 +9,11 @@
 // over tiles). Its WARPS warps split the hidden dimension in units of 256: warp w takes units w,
 // w + WARPS, ...; for each, every lane keeps its eight h values of every row in registers and
 // streams the tile's W rows, VROWS at a time with one 16-byte load each (bf16 / fp16), so VROWS
-// loads per lane are in flight. A lane's eight products are summed by `kiln_lane_sum8`; the
-// unit's sum over the warp uses the prelude's butterfly tree, computed for VROWS x ROWS sums at
-// once by a transposed reduction (each step halves the sums a lane carries: 31 shuffles for 32
+// loads per lane are in flight. A lane's eight elements make one chain, as `unit_dot_fma` in
+// Rust: the first product rounded, then seven fused multiply-adds in order (`lm_chain8`, one
+// FFMA per weight and row); the weights are decoded once per step for every row. The
+// unit's sum over the warp uses the prelude's butterfly tree, computed for VSUB x ROWS (at most
+// 32) sums at once by a transposed reduction (each step halves the sums a lane carries: 31 shuffles for 32
 // sums instead of 160; each sum sees the same additions in the same tree). Unit sums go to
 // shared memory and one thread per (row, token) adds them left to right, applies the epilogue,
 // and writes the logit; with STATS the tile's largest logit and its lowest index, packed as
@@ -32,16 +34,16 @@
 // the next tile are in flight while the block adds up the last one (the launcher sizes the grid
 // to the resident blocks: persistent). Each lane copies and later reads only its own 16 bytes,
 // so no lane waits for another. Rows past the vocabulary and elements past `hidden` are copied
-// as zeros (cp.async's source size 0). At 8 rows the kernel is bound by its instructions, not
-// its bytes: every product is rounded and summed as `unit_sum` says (8 FMUL + 7 FADD per 8
-// weights and row, 31 FADD per 32 unit sums), about 2 fp32 instructions per weight and row,
-// which at 151936 x 4096 x 8 rows is ~300 us of the H200's issue slots alone; the ring frees
-// the registers of the next step's weights and keeps addressing off the products' path.
+// as zeros (cp.async's source size 0). At 8 rows the instructions come close to the bytes: one
+// FFMA per weight and row, one shift or mask per bf16 weight, and the butterfly's 31 SHFL + 31
+// FADD per 32 unit sums, about 1.2 instructions per weight and row, which at 151936 x 4096 x 8
+// rows is ~250 us of the H200's issue slots; the ring frees the registers of the next step's
+// weights and keeps addressing off the products' path.
 //
 // Compile-time constants: ROWS (1..8), W_T (0 bf16, 1 fp16, 2 Q8_0, 3 Q4_0, 4 Q4_1), WARPS,
-// VROWS (VROWS x next_pow2(ROWS) <= 32), XSLOT, PIPE, STAGES (0, 2, 4, 8), ROW_SCALE, SOFT_CAP,
+// VROWS (a power of two <= 16; reduced VSUB = min(VROWS, 32 / next_pow2(ROWS)) rows at a time), XSLOT, PIPE, STAGES (0, 2, 4, 8), ROW_SCALE, SOFT_CAP,
 // STATS (0 / 1).
-// Compiled with --fmad=false; the one fused operation (Q4_1's d * q + m) is an explicit
+// Compiled with --fmad=false; the fused operations (the chains, Q4_1's d * q + m) are explicit
 // __fmaf_rn.
 
 #ifndef ROWS
@@ -76,10 +78,13 @@
 #endif
 
 #define ROWS_P2 (ROWS <= 1 ? 1 : (ROWS <= 2 ? 2 : (ROWS <= 4 ? 4 : 8)))
-#define SLOTS (VROWS * ROWS_P2)
+// A step's VROWS rows are reduced VSUB at a time: at most 32 sums per transposed reduction.
+#define VSUB (VROWS * ROWS_P2 <= 32 ? VROWS : 32 / ROWS_P2)
+#define SLOTS (VSUB * ROWS_P2)
 #define GROUP (32 / SLOTS)
 static_assert(ROWS >= 1 && ROWS <= 8, "ROWS must be 1..8");
-static_assert(SLOTS <= 32 && (SLOTS & (SLOTS - 1)) == 0, "VROWS x next_pow2(ROWS) must be a power of two <= 32");
+static_assert(VROWS >= 1 && VROWS <= 16 && (VROWS & (VROWS - 1)) == 0, "VROWS must be a power of two <= 16");
+static_assert(SLOTS <= 32 && (SLOTS & (SLOTS - 1)) == 0, "VSUB x next_pow2(ROWS) must be a power of two <= 32");
 static_assert(STAGES == 0 || (STAGES >= 2 && (STAGES & (STAGES - 1)) == 0), "STAGES must be 0 or a power of two >= 2");
 // The shared-memory ring of the STAGES path holds 2-byte weights; quantized ones are decoded at
 // the load, straight into registers.
@@ -180,15 +185,16 @@ __device__ __forceinline__ void lm_zero(LmW& out) {
 #endif
 }
 
-// Elements e0 .. e0 + 8 in fp32, as `weight_element` in Rust.
+// Elements e0 .. e0 + 8 in fp32, as `weight_element` in Rust (bf16: one shift or one mask per
+// element, done once per step and shared by every row).
 __device__ __forceinline__ void lm_decode(const LmW& in, float w[8]) {
 #if W_T == 0 || W_T == 1
     const kiln_u32 words[4] = {in.q.x, in.q.y, in.q.z, in.q.w};
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
 #if W_T == 0
-        w[2 * k] = kiln_bf16_to_f32((kiln_u16)(words[k] & 0xFFFFu));
-        w[2 * k + 1] = kiln_bf16_to_f32((kiln_u16)(words[k] >> 16));
+        w[2 * k] = __uint_as_float(words[k] << 16);
+        w[2 * k + 1] = __uint_as_float(words[k] & 0xFFFF0000u);
 #else
         w[2 * k] = kiln_f16_to_f32((kiln_u16)(words[k] & 0xFFFFu));
         w[2 * k + 1] = kiln_f16_to_f32((kiln_u16)(words[k] >> 16));
@@ -303,32 +309,38 @@ __device__ __forceinline__ kiln_u32 lm_order_key(float y) {
     return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }
 
-// One step: the products of VROWS weight rows with every h row, their lane sums and the warp's
-// unit sums, written to out[r * stride + i] for the step's token i (below `left`) and row r.
+// One lane's chain over its eight elements, as `unit_dot_fma` in Rust: the first product
+// rounded, then seven fused multiply-adds in order (explicit, so nothing can reassociate).
+__device__ __forceinline__ float lm_chain8(const float (&x)[8], const float (&w)[8]) {
+    float acc = __fmul_rn(x[0], w[0]);
+#pragma unroll
+    for (int k = 1; k < 8; ++k) acc = __fmaf_rn(x[k], w[k], acc);
+    return acc;
+}
+
+// One step: the chains of VROWS weight rows with every h row and the warp's unit sums, written
+// to out[r * stride + i] for the step's token i and row r; VSUB rows per reduction. (Every step
+// lies inside its tile: the tile is a multiple of VROWS, which the launcher checks.)
 __device__ __forceinline__ void lm_step(const LmW (&cur)[VROWS], const float (&hv)[ROWS_P2][8], int lane,
-                                        float* out, int stride, int left) {
-    float s[SLOTS];
+                                        float* out, int stride) {
 #pragma unroll
-    for (int i = 0; i < VROWS; ++i) {
-        float wv[8];
-        lm_decode(cur[i], wv);
+    for (int c = 0; c < VROWS / VSUB; ++c) {
+        float s[SLOTS];
 #pragma unroll
-        for (int r = 0; r < ROWS_P2; ++r) {
-            if (XSLOT || r < ROWS) {
-                float prod[8];
+        for (int i = 0; i < VSUB; ++i) {
+            float wv[8];
+            lm_decode(cur[c * VSUB + i], wv);
 #pragma unroll
-                for (int k = 0; k < 8; ++k) prod[k] = hv[r][k] * wv[k];
-                s[i * ROWS_P2 + r] = kiln_lane_sum8(prod);
-            } else {
-                s[i * ROWS_P2 + r] = 0.0f;
+            for (int r = 0; r < ROWS_P2; ++r) {
+                s[i * ROWS_P2 + r] = (XSLOT || r < ROWS) ? lm_chain8(hv[r], wv) : 0.0f;
             }
         }
-    }
-    const float sum = lm_reduce_slots<SLOTS>(s, lane);
-    if ((lane & (GROUP - 1)) == 0) {
-        const int j = lane / GROUP;
-        const int i = j / ROWS_P2, r = j % ROWS_P2;
-        if (r < ROWS && i < left) out[r * stride + i] = sum;
+        const float sum = lm_reduce_slots<SLOTS>(s, lane);
+        if ((lane & (GROUP - 1)) == 0) {
+            const int j = lane / GROUP;
+            const int i = c * VSUB + j / ROWS_P2, r = j % ROWS_P2;
+            if (r < ROWS) out[r * stride + i] = sum;
+        }
     }
 }
 
@@ -375,9 +387,9 @@ __device__ __forceinline__ void lm_finish_tile(const float* partial, const float
 
 #if RING
 // Copies one step of weights (vocabulary rows t * tile + g * VROWS + (i ^ xi), unit u, this
-// lane's 16 bytes) into ring slot `dst` (this lane's address of row 0; rows 512 bytes apart) and
-// commits the group; past the last tile, past the vocabulary or past `hidden` it copies zeros
-// (an empty group past the last tile keeps the group count of every step the same). Row
+// lane's 16 bytes) into ring slot `dst` (this lane's address of row 0; rows 512 bytes apart);
+// past the vocabulary or past `hidden` it copies zeros, past the last tile nothing (the caller
+// commits a group either way, so the group count of every step stays the same). Row
 // indices fit 32 bits (the vocabulary is below 2^32) and so do rows of 2-byte weights
 // (`hidden` is an int), so each row's address is one 32 x 32 + 64-bit multiply-add.
 __device__ __forceinline__ void lm_issue(const kiln_u8* __restrict__ weights, kiln_u32 row_bytes, kiln_u32 vocab,
@@ -405,7 +417,57 @@ __device__ __forceinline__ void lm_issue(const kiln_u8* __restrict__ weights, ki
             }
         }
     }
+}
+
+// 16 bytes from global to shared memory, all of them (the fast path of the ring's producer).
+__device__ __forceinline__ void lm_cp_async_16_full(kiln_u32 shared_address, kiln_u64 global) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_address), "l"(global) : "memory");
+}
+
+// The ring's producer: the next step to copy (tile t, unit u, group g), its source (this lane's 16 bytes of the step's row 0) and whether the step lies wholly inside
+// the vocabulary and a full unit (then its copies need no checks: `fast`).
+struct LmProducer {
+    kiln_u32 t;  // tiles <= vocab < 2^32, and the grid (at most 2^20 blocks) keeps t + gridDim.x below 2^32 for any vocabulary that fits a GPU
+    int u, g;
+    kiln_u64 src;
+    bool fast;
+};
+
+__device__ __forceinline__ void lm_locate(const kiln_u8* weights, kiln_u32 row_bytes, kiln_u32 vocab, int hidden,
+                                          int tile, long long tiles, int lane, LmProducer& p) {
+    const kiln_u32 vb = p.t * (kiln_u32)tile + (kiln_u32)(p.g * VROWS);
+    p.src = (kiln_u64)weights + (kiln_u64)vb * row_bytes + (kiln_u64)(2 * (p.u * 256 + lane * 8));
+    p.fast = p.t < tiles && (kiln_u64)p.t * (kiln_u32)tile + (kiln_u32)tile <= vocab &&
+             p.u * 256 + 256 <= hidden;
+}
+
+// Copies the producer's step into ring slot `slot`, commits the group and moves on by one step (within
+// a tile and unit the source just moves VROWS rows on: `step_bytes`).
+__device__ __forceinline__ void lm_produce(const kiln_u8* __restrict__ weights, kiln_u32 row_bytes, kiln_u32 vocab,
+                                           int hidden, int tile, long long tiles, int units, int groups, int warp,
+                                           int lane, int xi, kiln_u32 ring, int slot, kiln_u64 step_bytes,
+                                           LmProducer& p) {
+    const kiln_u32 dst = ring + slot * (VROWS * 512);
+    if (p.fast) {
+#pragma unroll
+        for (int i = 0; i < VROWS; ++i) {
+            lm_cp_async_16_full(dst + i * 512, p.src + (kiln_u64)(kiln_u32)(i ^ xi) * row_bytes);
+        }
+    } else {
+        lm_issue(weights, row_bytes, vocab, hidden, tile, tiles, lane, xi, dst, p.t, p.u, p.g);
+    }
     kiln_cp_async_commit();
+    if (++p.g == groups) {
+        p.g = 0;
+        p.u += WARPS;
+        if (p.u >= units) {
+            p.u = warp;
+            p.t += gridDim.x;
+        }
+        lm_locate(weights, row_bytes, vocab, hidden, tile, tiles, lane, p);
+    } else {
+        p.src += step_bytes;
+    }
 }
 #endif
 
@@ -436,65 +498,50 @@ kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, c
 #if STAGES
     // Steps run over (tile, unit, group of VROWS tokens), tile-major then unit-major; the ring's
     // producer runs STAGES - 1 steps ahead of the products, across tile ends.
-    const int my_units = warp < units ? (units - warp + WARPS - 1) / WARPS : 0;
     const int groups = tile / VROWS;
-    const int steps_per_tile = my_units * groups;
 #if RING
     const int ring_offset = (units * ROWS * stride + 3) & ~3;
-    const kiln_u32 ring = kiln_smem_address(reinterpret_cast<const uint4*>(partial + ring_offset) +
-                                            warp * (STAGES * VROWS * 32) + lane);
+    const uint4* ring_lane = reinterpret_cast<const uint4*>(partial + ring_offset) + warp * (STAGES * VROWS * 32) + lane;
+    const kiln_u32 ring = kiln_smem_address(ring_lane);
     // The ring path serves 2-byte weights: rows of 2 * hidden bytes, which fit 32 bits.
     const kiln_u32 ring_row_bytes = (kiln_u32)row_bytes, ring_vocab = (kiln_u32)vocab;
-    long long pt = my_units > 0 ? (long long)blockIdx.x : tiles;
-    int pu = warp, pg = 0, pslot = 0, cslot = 0;
+    const kiln_u64 step_bytes = (kiln_u64)VROWS * ring_row_bytes;
+    LmProducer producer;
+    producer.t = warp < units ? blockIdx.x : (kiln_u32)tiles;  // a warp with no unit copies nothing
+    producer.u = warp;
+    producer.g = 0;
+    lm_locate(weights, ring_row_bytes, ring_vocab, hidden, tile, tiles, lane, producer);
 #pragma unroll
     for (int k = 0; k < STAGES - 1; ++k) {
-        lm_issue(weights, ring_row_bytes, ring_vocab, hidden, tile, tiles, lane, xi, ring + pslot * (VROWS * 512), pt, pu, pg);
-        pslot = (pslot + 1) & (STAGES - 1);
-        if (++pg == groups) {
-            pg = 0;
-            pu += WARPS;
-            if (pu >= units) {
-                pu = warp;
-                pt += gridDim.x;
-            }
-        }
+        lm_produce(weights, ring_row_bytes, ring_vocab, hidden, tile, tiles, units, groups, warp, lane, xi, ring, k,
+                   step_bytes, producer);
     }
+    // Step n reads slot n % STAGES and copies step n + STAGES - 1 into slot (n - 1) % STAGES.
+    int cslot = 0;
 #endif
     float hv[ROWS_P2][8];
     int hu = -1;
     for (long long t = blockIdx.x; t < tiles; t += gridDim.x) {
-        int u = warp, g = 0;
-        for (int k = 0; k < steps_per_tile; ++k) {
-            LmW cur[VROWS];
-#if RING
-            kiln_cp_async_wait<STAGES - 2>();
-            lm_issue(weights, ring_row_bytes, ring_vocab, hidden, tile, tiles, lane, xi, ring + pslot * (VROWS * 512), pt, pu, pg);
-            pslot = (pslot + 1) & (STAGES - 1);
-            if (++pg == groups) {
-                pg = 0;
-                pu += WARPS;
-                if (pu >= units) {
-                    pu = warp;
-                    pt += gridDim.x;
-                }
-            }
-            const uint4* slot = reinterpret_cast<const uint4*>(partial + ring_offset) +
-                                (warp * STAGES + cslot) * (VROWS * 32) + lane;
-#pragma unroll
-            for (int i = 0; i < VROWS; ++i) cur[i].q = slot[i * 32];
-            cslot = (cslot + 1) & (STAGES - 1);
-#else
-            lm_fetch_step(weights, row_bytes, vocab, hidden, t * tile, u, g * VROWS, lane, xi, cur);
-#endif
+        for (int u = warp; u < units; u += WARPS) {
             if (u != hu) {
                 lm_load_h(h, hidden, u, lane, xr, hv);
                 hu = u;
             }
-            lm_step(cur, hv, lane, partial + (long long)u * ROWS * stride + g * VROWS, stride, tile - g * VROWS);
-            if (++g == groups) {
-                g = 0;
-                u += WARPS;
+            float* out = partial + (long long)u * ROWS * stride;
+            for (int g = 0; g < groups; ++g) {
+                LmW cur[VROWS];
+#if RING
+                kiln_cp_async_wait<STAGES - 2>();
+                lm_produce(weights, ring_row_bytes, ring_vocab, hidden, tile, tiles, units, groups, warp, lane, xi,
+                           ring, (cslot + STAGES - 1) & (STAGES - 1), step_bytes, producer);
+                const uint4* slot = ring_lane + cslot * (VROWS * 32);
+#pragma unroll
+                for (int i = 0; i < VROWS; ++i) cur[i].q = slot[i * 32];
+                cslot = (cslot + 1) & (STAGES - 1);
+#else
+                lm_fetch_step(weights, row_bytes, vocab, hidden, t * tile, u, g * VROWS, lane, xi, cur);
+#endif
+                lm_step(cur, hv, lane, out + g * VROWS, stride);
             }
         }
         lm_finish_tile(partial, row_scale, logits, stats, tile_max, vocab, units, tile, tiles, t, logit_scale, cap);
@@ -526,7 +573,7 @@ kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, c
 #pragma unroll
                 for (int i = 0; i < VROWS; ++i) lm_zero(nxt[i]);
             }
-            lm_step(cur, hv, lane, partial + (long long)u * ROWS * stride + i0, stride, tile - i0);
+            lm_step(cur, hv, lane, partial + (long long)u * ROWS * stride + i0, stride);
 #pragma unroll
             for (int i = 0; i < VROWS; ++i) cur[i] = nxt[i];
             if (nu != u && step + 1 < steps) lm_load_h(h, hidden, nu, lane, xr, hv);
@@ -539,7 +586,7 @@ kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, c
             for (int i0 = 0; i0 < tile; i0 += VROWS) {
                 LmW cur[VROWS];
                 lm_fetch_step(weights, row_bytes, vocab, hidden, v0, u, i0, lane, xi, cur);
-                lm_step(cur, hv, lane, partial + (long long)u * ROWS * stride + i0, stride, tile - i0);
+                lm_step(cur, hv, lane, partial + (long long)u * ROWS * stride + i0, stride);
             }
         }
 #endif

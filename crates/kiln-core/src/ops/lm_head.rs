@@ -389,7 +389,7 @@ mod tests {
             for d in [16, 8, 4, 2, 1] {
                 lane = (0..32).map(|l| lane[l] + lane[l ^ d]).collect();
             }
-            total = total + lane[0];
+            total += lane[0];
         }
         total
     }

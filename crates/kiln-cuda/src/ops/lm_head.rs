@@ -16,7 +16,8 @@ use crate::memory::DeviceMemory;
 use crate::runtime::{driver_error, Gpu};
 
 /// One shape of the kernel: warps per block (splitting `hidden` in units of 256), vocabulary
-/// rows each warp loads per step, vocabulary rows per tile, whether the lanes hold permuted
+/// rows each warp loads per step (a power of two up to 16; reduced `32 / rows.next_power_of_two()`
+/// at a time when the step holds more sums than a warp's 32 lanes), vocabulary rows per tile, whether the lanes hold permuted
 /// slots (a reduction with no selects: `XSLOT`), whether each step's loads are issued one
 /// step ahead in registers (`PIPE`), and the depth of the shared-memory ring that cp.async
 /// fills ahead of the products across tiles, on a persistent grid (`STAGES`, 0 for none).
@@ -98,6 +99,16 @@ pub const LM_HEAD_VARIANTS: &[LmHeadVariant] = &[
     LmHeadVariant::ring(4, 8, 32, 2),
     LmHeadVariant::ring(8, 8, 32, 2),
     LmHeadVariant::ring(16, 8, 32, 2),
+    // With the fused chains (one FFMA per weight and row) and the ring's lean producer, for 4 and
+    // 8 rows at the 151936 x 4096 shape: deeper rings, wider tiles, and 8 rows a step at 8 rows
+    // (two reductions of 32 sums a step, half the loop and copy overhead per weight).
+    LmHeadVariant::ring(16, 4, 64, 4),
+    LmHeadVariant::ring(16, 4, 128, 2),
+    LmHeadVariant::ring(8, 4, 64, 4),
+    LmHeadVariant::ring(8, 8, 64, 2),
+    LmHeadVariant::ring(8, 8, 64, 4),
+    LmHeadVariant::ring(16, 8, 64, 2),
+    LmHeadVariant::ring(4, 8, 64, 4),
 ];
 
 impl LmHeadVariant {
@@ -159,9 +170,8 @@ pub fn plan(head: &LmHead, rows: usize, variant: LmHeadVariant) -> Result<LmHead
     if head.hidden == 0 || !head.hidden.is_multiple_of(8) || (code >= 2 && !head.hidden.is_multiple_of(32)) {
         return Err(not_served(format!("hidden {} for {} weights", head.hidden, head.weight)));
     }
-    let slots = variant.vocab_rows as usize * rows.next_power_of_two();
     if !variant.vocab_rows.is_power_of_two()
-        || slots > 32
+        || variant.vocab_rows > 16
         || ![1, 2, 4, 8, 16, 32].contains(&variant.warps)
         || ![0, 2, 4, 8].contains(&variant.stages)
         || (variant.stages > 0 && variant.pipelined)
@@ -343,8 +353,13 @@ mod tests {
         assert!(matches!(plan(&head(4096, DType::F32), 1, v), Err(Error::DTypeNotServed { .. })));
         assert!(matches!(plan(&head(100, DType::BF16), 1, v), Err(Error::NotServed { .. })));
         assert!(matches!(plan(&head(4096, DType::BF16), 9, v), Err(Error::NotServed { .. })));
-        let wide = LmHeadVariant::plain(8, 8, 64);
+        let wide = LmHeadVariant::plain(8, 32, 64);
         assert!(matches!(plan(&head(4096, DType::BF16), 8, wide), Err(Error::NotServed { .. })));
+        let odd = LmHeadVariant::plain(8, 3, 63);
+        assert!(matches!(plan(&head(4096, DType::BF16), 1, odd), Err(Error::NotServed { .. })));
+        // More sums a step than 32 lanes: reduced 32 at a time.
+        let split = LmHeadVariant::ring(8, 8, 64, 4);
+        assert!(plan(&head(4096, DType::BF16), 8, split).is_ok());
         let odd_stats = LmHead { stats_block: Some(30), ..head(4096, DType::BF16) };
         assert!(matches!(plan(&odd_stats, 1, v), Err(Error::NotServed { .. })));
     }
