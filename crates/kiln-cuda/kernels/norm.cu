@@ -61,9 +61,6 @@
 // the bits again, exactly, so that only the bits stay live across the reductions. All loads of a
 // warp's x (and residual) are issued before the first use; x bypasses L1 (it is read once).
 
-#ifndef STAGES
-#define STAGES 0
-#endif
 #if STAGES == 1 || (STAGES && PERSISTENT)
 #error "STAGES is 0 or at least 2, and replaces PERSISTENT"
 #endif
@@ -76,6 +73,35 @@
 // Block-quantized outputs (one scale per 16 values).
 #define KILN_NORM_BLOCKED (OUT_T == KILN_OUT_INT8 || OUT_T == KILN_OUT_NVFP4)
 #define KILN_NORM_THREADS (32 * WARPS_PER_ROW * ROWS_PER_BLOCK)
+
+#ifndef I8_PLANES
+#define I8_PLANES 0
+#endif
+// Hugging Face's round(round(x * r) * w) with bf16 x, weight and output: the product of two bf16
+// values is exact in fp32 (16 significant bits; below fp32's normal range it has too few bits
+// for a rounding to fp32 and then to bf16 to differ from one rounding, and above bf16's largest
+// value both round to infinity), so round(x_r * w) is the exact product rounded once, which
+// `fma.rn.bf16x2` with a -0 addend gives for two values in one instruction, from the packed
+// rounding of x * r and the weight's raw bits: 1 instruction a value where unpacking, the fp32
+// product and the second rounding take 4.
+#define KILN_NORM_PACKED_BF16                                                                      \
+    (KIND == 0 && HF_ROUNDING && X_T == KILN_BF16 && W_T == KILN_BF16 && OUT_T == KILN_BF16 &&      \
+     WEIGHT == 0 && !HAS_BIAS && GATE != 2 && !I8_PLANES)
+// A staged grid with the weight loaded early keeps it (and the bias) as fp32 values, 1 + w for
+// WEIGHT 1, across the segments it walks: no conversion a value and segment (up to 4 units a
+// warp: 32 registers for the weight, 32 for the bias).
+#ifndef STAGES
+#define STAGES 0
+#endif
+#define KILN_NORM_WF (STAGES && EARLY_WEIGHT && !KILN_NORM_PACKED_BF16 && UNITS_PER_WARP <= 4)
+
+// round(a * b) for two packed pairs of bf16: the exact products rounded once (a -0 addend keeps
+// the sign of a zero product).
+__device__ __forceinline__ unsigned int kiln_bf16x2_mul(unsigned int a, unsigned int b) {
+    unsigned int d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+    return d;
+}
 
 // max(a, b), NaN when either is (PTX max.NaN, sm_80 and later): a NaN reaching a fast-path
 // check makes it fail.
@@ -356,16 +382,20 @@ __device__ __forceinline__ void kiln_norm_load(KilnNormLoads& in, const void* x,
 #define KILN_NORM_STREAMS (1 + HAS_RESIDUAL + (GATE == 1 ? 1 : 0))
 #define KILN_NORM_SLOTS (UNITS_PER_WARP * KILN_NORM_STREAMS * KILN_NORM_PIECES)
 
-// Issues the cp.async copies of this thread's share of the segment at `base` into `stage` (zeros
-// where not valid: the copy reads nothing and fills the 16 bytes with zeros). No commit.
-__device__ __forceinline__ void kiln_norm_stage_issue(uint4* stage, const void* x, const void* residual,
+// Issues the cp.async copies of this thread's share of the segment at `base` into the stage
+// whose slot 0 of this thread is at shared address `stage` (zeros where not valid: the copy
+// reads nothing and fills the 16 bytes with zeros). No commit. Addresses are the row's, plus
+// constants: a few instructions a copy.
+__device__ __forceinline__ void kiln_norm_stage_issue(kiln_u32 stage, const void* x, const void* residual,
                                                       const void* gate, long long base, bool active, int n,
                                                       int warp_in_row, int lane) {
+    const long long first = (base + warp_in_row * 256 + lane * 8) * (X_T == KILN_F32 ? 4 : 2);
+    const int first_col = warp_in_row * 256 + lane * 8;
 #pragma unroll
     for (int u = 0; u < UNITS_PER_WARP; ++u) {
-        const int col = (warp_in_row + u * WARPS_PER_ROW) * 256 + lane * 8;
-        const bool valid = active && col < n;
-        const long long offset = valid ? (base + col) * (X_T == KILN_F32 ? 4 : 2) : 0;
+        const bool valid = active && first_col + u * WARPS_PER_ROW * 256 < n;
+        // Past the segment nothing is read: the address is never dereferenced.
+        const long long offset = first + (long long)u * WARPS_PER_ROW * 256 * (X_T == KILN_F32 ? 4 : 2);
 #pragma unroll
         for (int stream = 0; stream < KILN_NORM_STREAMS; ++stream) {
             // Stream 1 is the residual when there is one, else the gate; the last is the gate.
@@ -373,7 +403,7 @@ __device__ __forceinline__ void kiln_norm_stage_issue(uint4* stage, const void* 
 #pragma unroll
             for (int h = 0; h < KILN_NORM_PIECES; ++h) {
                 const int slot = (u * KILN_NORM_STREAMS + stream) * KILN_NORM_PIECES + h;
-                kiln_cp_async_16(kiln_smem_address(stage + slot * KILN_NORM_THREADS + threadIdx.x),
+                kiln_cp_async_16(stage + slot * KILN_NORM_THREADS * 16,
                                  static_cast<const unsigned char*>(source) + offset + 16 * h, valid);
             }
         }
@@ -412,9 +442,26 @@ __device__ __forceinline__ void kiln_norm_load_weight(KilnRaw8<W_T> (&wr)[EARLY_
     }
 }
 
-#ifndef I8_PLANES
-#define I8_PLANES 0
-#endif
+// The early weight and bias units as fp32 values (1 + w for WEIGHT 1), for KILN_NORM_WF.
+__device__ __forceinline__ void kiln_norm_weight_values(
+    const KilnRaw8<W_T> (&wr)[EARLY_WEIGHT && WEIGHT != 2 ? UNITS_PER_WARP : 1],
+    const KilnRaw8<W_T> (&br)[EARLY_WEIGHT && HAS_BIAS ? UNITS_PER_WARP : 1],
+    float (&wf)[KILN_NORM_WF && WEIGHT != 2 ? UNITS_PER_WARP : 1][8],
+    float (&bf)[KILN_NORM_WF && HAS_BIAS ? UNITS_PER_WARP : 1][8]) {
+    if constexpr (KILN_NORM_WF) {
+#pragma unroll
+        for (int u = 0; u < UNITS_PER_WARP; ++u) {
+            if (WEIGHT != 2) {
+                float w[8];
+                kiln_raw8_unpack<W_T>(wr[EARLY_WEIGHT && WEIGHT != 2 ? u : 0], w);
+#pragma unroll
+                for (int k = 0; k < 8; ++k) wf[KILN_NORM_WF && WEIGHT != 2 ? u : 0][k] = WEIGHT == 1 ? 1.0f + w[k] : w[k];
+            }
+            if (HAS_BIAS) kiln_raw8_unpack<W_T>(br[EARLY_WEIGHT && HAS_BIAS ? u : 0], bf[KILN_NORM_WF && HAS_BIAS ? u : 0]);
+        }
+    }
+}
+
 #ifndef I8_SECOND_INT
 #define I8_SECOND_INT 0
 #endif
@@ -485,7 +532,9 @@ __device__ __forceinline__ void kiln_norm_i8_planes(const float (&p)[8], void* p
 // by one group never writes sums another warp still reads).
 __device__ __forceinline__ void kiln_norm_segment(
     KilnNormLoads& in, KilnRaw8<W_T> (&wr)[EARLY_WEIGHT && WEIGHT != 2 ? UNITS_PER_WARP : 1],
-    KilnRaw8<W_T> (&br)[EARLY_WEIGHT && HAS_BIAS ? UNITS_PER_WARP : 1], void* residual, const void* __restrict__ weight,
+    KilnRaw8<W_T> (&br)[EARLY_WEIGHT && HAS_BIAS ? UNITS_PER_WARP : 1],
+    const float (&wf)[KILN_NORM_WF && WEIGHT != 2 ? UNITS_PER_WARP : 1][8],
+    const float (&bf)[KILN_NORM_WF && HAS_BIAS ? UNITS_PER_WARP : 1][8], void* residual, const void* __restrict__ weight,
     const void* __restrict__ bias, const void* __restrict__ gate, void* __restrict__ out, void* __restrict__ scales,
     float eps, float qscale, long long base, long long wbase, bool active, int n, int units, int warp_in_row,
     int lane, float* mean_sums, float* square_sums, long long i8_tokens) {
@@ -576,16 +625,45 @@ __device__ __forceinline__ void kiln_norm_segment(
         // the two lanes of a block agree on `valid`).
         if (!KILN_NORM_BLOCKED && (!active || unit >= units)) continue;
         const bool valid = KILN_NORM_BLOCKED ? active && col < n : col < n;
+        if constexpr (KILN_NORM_PACKED_BF16) {
+            if (valid) {
+                const KilnRaw8<W_T> wraw = EARLY_WEIGHT ? wr[EARLY_WEIGHT && WEIGHT != 2 ? u : 0]
+                                                        : kiln_raw8_load<W_T, false>(weight, wbase + col);
+                KILN_NORM_VALUES(u, a);
+                KilnRaw8<W_T> y;
+                y.q[0].x = kiln_bf16x2_mul(kiln_pack_bf16x2(a[0] * r, a[1] * r), wraw.q[0].x);
+                y.q[0].y = kiln_bf16x2_mul(kiln_pack_bf16x2(a[2] * r, a[3] * r), wraw.q[0].y);
+                y.q[0].z = kiln_bf16x2_mul(kiln_pack_bf16x2(a[4] * r, a[5] * r), wraw.q[0].z);
+                y.q[0].w = kiln_bf16x2_mul(kiln_pack_bf16x2(a[6] * r, a[7] * r), wraw.q[0].w);
+                kiln_raw8_store<W_T>(out, base + col, y);
+            }
+        } else {
         float p[8];
         if (valid) {
+            // w: the weight's factor (w, or 1 + w); b: the bias.
             float w[8], b[8], z[8];
             if (WEIGHT != 2) {
-                if (EARLY_WEIGHT) kiln_raw8_unpack<W_T>(wr[EARLY_WEIGHT && WEIGHT != 2 ? u : 0], w);
-                else kiln_raw8_unpack<W_T>(kiln_raw8_load<W_T, false>(weight, wbase + col), w);
+                if (KILN_NORM_WF) {
+#pragma unroll
+                    for (int k = 0; k < 8; ++k) w[k] = wf[KILN_NORM_WF && WEIGHT != 2 ? u : 0][k];
+                } else {
+                    if (EARLY_WEIGHT) kiln_raw8_unpack<W_T>(wr[EARLY_WEIGHT && WEIGHT != 2 ? u : 0], w);
+                    else kiln_raw8_unpack<W_T>(kiln_raw8_load<W_T, false>(weight, wbase + col), w);
+                    if (WEIGHT == 1) {
+#pragma unroll
+                        for (int k = 0; k < 8; ++k) w[k] = 1.0f + w[k];
+                    }
+                }
             }
             if (HAS_BIAS) {
-                if (EARLY_WEIGHT) kiln_raw8_unpack<W_T>(br[EARLY_WEIGHT && HAS_BIAS ? u : 0], b);
-                else kiln_raw8_unpack<W_T>(kiln_raw8_load<W_T, false>(bias, wbase + col), b);
+                if (KILN_NORM_WF) {
+#pragma unroll
+                    for (int k = 0; k < 8; ++k) b[k] = bf[KILN_NORM_WF && HAS_BIAS ? u : 0][k];
+                } else if (EARLY_WEIGHT) {
+                    kiln_raw8_unpack<W_T>(br[EARLY_WEIGHT && HAS_BIAS ? u : 0], b);
+                } else {
+                    kiln_raw8_unpack<W_T>(kiln_raw8_load<W_T, false>(bias, wbase + col), b);
+                }
             }
             if (GATE == 2) kiln_raw8_unpack<X_T>(kiln_raw8_load<X_T, true>(gate, base + col), z);
             KILN_NORM_VALUES(u, a);
@@ -598,8 +676,7 @@ __device__ __forceinline__ void kiln_norm_segment(
 #pragma unroll
             for (int k = 0; k < 8; ++k) {
                 float q = p[k];
-                if (WEIGHT == 0) q = q * w[k];
-                if (WEIGHT == 1) q = q * (1.0f + w[k]);
+                if (WEIGHT != 2) q = q * w[k];
                 if (HAS_BIAS) q = q + b[k];
                 if (GATE == 2) q = q * kiln_silu(z[k]);
                 p[k] = q;
@@ -724,6 +801,7 @@ __device__ __forceinline__ void kiln_norm_segment(
                 if ((lane & 1) == 0) static_cast<unsigned char*>(scales)[block] = (unsigned char)s;
             }
         }
+        }  // KILN_NORM_PACKED_BF16
     }
 #undef KILN_NORM_X
 #undef KILN_NORM_XV
@@ -762,6 +840,8 @@ kiln_norm(const void* __restrict__ x, void* residual, const void* __restrict__ w
     // [stage][slot][thread], 16 bytes each (the launcher's dynamic shared memory).
     extern __shared__ __align__(16) uint4 kiln_norm_stages[];
     const int stage_elements = KILN_NORM_SLOTS * KILN_NORM_THREADS;
+    // This thread's slot 0 of stage 0, as a shared address.
+    const kiln_u32 stage0 = kiln_smem_address(kiln_norm_stages + threadIdx.x);
     // The first STAGES - 1 groups of this block, one commit group each (empty past the end, so
     // that the loop's wait always leaves the STAGES - 1 newest groups in flight).
 #pragma unroll
@@ -769,16 +849,19 @@ kiln_norm(const void* __restrict__ x, void* residual, const void* __restrict__ w
         const long long g = blockIdx.x + (long long)s * gridDim.x;
         const long long sg = g * ROWS_PER_BLOCK + row_in_block;
         if (g < row_groups) {
-            kiln_norm_stage_issue(kiln_norm_stages + s * stage_elements, x, residual, gate, sg * n, sg < segments, n,
+            kiln_norm_stage_issue(stage0 + s * stage_elements * 16, x, residual, gate, sg * n, sg < segments, n,
                                   warp_in_row, lane);
         }
         kiln_cp_async_commit();
     }
     KilnRaw8<W_T> wr[EARLY_WEIGHT && WEIGHT != 2 ? UNITS_PER_WARP : 1];
     KilnRaw8<W_T> br[EARLY_WEIGHT && HAS_BIAS ? UNITS_PER_WARP : 1];
+    float wf[KILN_NORM_WF && WEIGHT != 2 ? UNITS_PER_WARP : 1][8];
+    float bf[KILN_NORM_WF && HAS_BIAS ? UNITS_PER_WARP : 1][8];
     if (EARLY_WEIGHT) {
         const long long sg = (long long)blockIdx.x * ROWS_PER_BLOCK + row_in_block;
         kiln_norm_load_weight(wr, br, weight, bias, groups == 1 ? 0 : (sg % groups) * n, n, warp_in_row, lane);
+        kiln_norm_weight_values(wr, br, wf, bf);
     }
     int stage = 0, parity = 0;
     for (long long group = blockIdx.x; group < row_groups; group += gridDim.x) {
@@ -788,7 +871,7 @@ kiln_norm(const void* __restrict__ x, void* residual, const void* __restrict__ w
         const long long ahead_seg = ahead * ROWS_PER_BLOCK + row_in_block;
         const int ahead_stage = stage == 0 ? STAGES - 1 : stage - 1;
         if (ahead < row_groups) {
-            kiln_norm_stage_issue(kiln_norm_stages + ahead_stage * stage_elements, x, residual, gate, ahead_seg * n,
+            kiln_norm_stage_issue(stage0 + ahead_stage * stage_elements * 16, x, residual, gate, ahead_seg * n,
                                   ahead_seg < segments, n, warp_in_row, lane);
         }
         kiln_cp_async_commit();
@@ -797,8 +880,9 @@ kiln_norm(const void* __restrict__ x, void* residual, const void* __restrict__ w
         kiln_norm_stage_read(current, kiln_norm_stages + stage * stage_elements);
         if (EARLY_WEIGHT && groups != 1 && group != blockIdx.x) {
             kiln_norm_load_weight(wr, br, weight, bias, (seg % groups) * n, n, warp_in_row, lane);
+            kiln_norm_weight_values(wr, br, wf, bf);
         }
-        kiln_norm_segment(current, wr, br, residual, weight, bias, gate, out, scales, eps, qscale, seg * n,
+        kiln_norm_segment(current, wr, br, wf, bf, residual, weight, bias, gate, out, scales, eps, qscale, seg * n,
                           groups == 1 ? 0 : (seg % groups) * n, seg < segments, n, units, warp_in_row, lane,
                           shared_sums[parity][0][row_in_block], shared_sums[parity][1][row_in_block], segments);
         stage = stage + 1 == STAGES ? 0 : stage + 1;
@@ -814,6 +898,7 @@ kiln_norm(const void* __restrict__ x, void* residual, const void* __restrict__ w
     if (EARLY_WEIGHT) {
         kiln_norm_load_weight(wr, br, weight, bias, groups == 1 ? 0 : (seg % groups) * n, n, warp_in_row, lane);
     }
+    const float wf[1][8] = {}, bf[1][8] = {};  // unused (KILN_NORM_WF is 0 here)
     int parity = 0;
     for (;;) {
         const long long next_group = group + gridDim.x;
@@ -822,7 +907,7 @@ kiln_norm(const void* __restrict__ x, void* residual, const void* __restrict__ w
         KilnNormLoads next;
         if (more) kiln_norm_load(next, x, residual, gate, next_seg * n, next_seg < segments, n, warp_in_row, lane);
         float* sums = shared_sums[PERSISTENT ? parity : 0][0][row_in_block];
-        kiln_norm_segment(current, wr, br, residual, weight, bias, gate, out, scales, eps, qscale, seg * n,
+        kiln_norm_segment(current, wr, br, wf, bf, residual, weight, bias, gate, out, scales, eps, qscale, seg * n,
                           groups == 1 ? 0 : (seg % groups) * n, seg < segments, n, units, warp_in_row, lane, sums,
                           shared_sums[PERSISTENT ? parity : 0][1][row_in_block], segments);
         if (!more) break;

@@ -98,6 +98,8 @@ pub const NORM_VARIANTS: &[NormVariant] = &[
     staged(8, 1, false, 3),
     staged(16, 1, false, 2),
     staged(16, 1, false, 3),
+    staged(4, 1, true, 2),
+    staged(8, 1, true, 2),
 ];
 
 /// Most units of 256 elements one warp holds in registers (16: 128 fp32 values per lane).
