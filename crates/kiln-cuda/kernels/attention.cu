@@ -79,6 +79,16 @@
 #ifndef HYBRID_STREAM_CHUNK
 #define HYBRID_STREAM_CHUNK 512
 #endif
+// 1 (with WARPS_M 1, WARP_KEYS 16): compile the persistent decode kernel
+// (kiln_attention_decode_persistent, described at its definition) instead of kiln_attention;
+// WARPS_N is its computing warps, STAGES its K/V stages; PERSIST_BULK 1 copies K/V rows by
+// cp.async.bulk on sm_90 (cp.async 16-byte copies below sm_90, and with PERSIST_BULK 0).
+#ifndef PERSISTENT
+#define PERSISTENT 0
+#endif
+#ifndef PERSIST_BULK
+#define PERSIST_BULK 0
+#endif
 // Ticket counters of the combine, one per (sequence, row tile, kv head) of a split launch; the
 // launcher refuses a split grid with more groups.
 #define KILN_ATTENTION_TICKETS 65536
@@ -114,7 +124,7 @@ struct alignas(16) kiln_chunk16 { kiln_u32 x, y, z, w; };
 // Zero at module load; each launch's last block of a group puts its counter back to zero.
 __device__ kiln_u32 kiln_attention_tickets[KILN_ATTENTION_TICKETS];
 
-#if !STREAMING
+#if !STREAMING && !PERSISTENT
 static_assert((BLOCK_N * CHUNKS_PER_ROW) % THREADS == 0, "a K/V tile splits evenly over the threads");
 static_assert((BLOCK_M * CHUNKS_PER_ROW) % THREADS == 0, "a Q tile splits evenly over the threads");
 // The merge of WARPS_N > 1 reuses the K/V buffers: WARPS_M * WARPS_N * 16 rows of HEAD_DIM + 4 f32.
@@ -1028,6 +1038,560 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) kiln_attention_decode_h
     }
 }
 #endif  // HYBRID
+
+#if PERSISTENT
+// ---- The persistent decode kernel (PERSISTENT = 1) ---------------------------------------------
+// One query token per sequence. The grid is a fixed number of blocks (one a multiprocessor, set
+// by the launcher from the device alone), never the context: a captured decode step replays as
+// the cache grows, and one launch serves a batch of any lengths.
+//
+// Work items: (sequence, virtual head, chunk), a virtual head being a kv head and a row tile of
+// up to 16 of its query heads. Each sequence's context is cut into chunks of
+// chunk = PERSIST_QUANTUM * ceil(context / (PERSIST_QUANTUM * splits)) keys (at most `splits`
+// chunks, `splits` <= 64): the partition depends on the context and `splits` alone, never on the
+// grid, so the output bits do not depend on how many blocks run it. Items are ordered by
+// sequence, virtual head, chunk; item i starts at key s_i of that order (the keys of every
+// earlier item summed); block g of G takes the items with s_i in [T g / G, T (g + 1) / G), T the
+// keys of all items: contiguous runs of items balanced by keys (every warp of the block walks
+// the same run, computed from the context lengths).
+//
+// A block: one copying warp (the last) and WARPS_N computing warps. The copying warp streams the
+// K and V rows of the block's items, stage after stage of PERSIST_STAGE_KEYS = 16 * WARPS_N keys,
+// STAGES stages deep in shared memory (rows padded by 16 bytes), across item boundaries, so the
+// copies of the next item fly while the current one is finished. A stage is announced on its
+// `full` mbarrier: on sm_90 with PERSIST_BULK one cp.async.bulk per K or V row (the transaction
+// bytes counted by expect_tx), else 16-byte cp.async copies whose completion each copying lane
+// signals by cp.async.mbarrier.arrive. Computing warp w takes keys [16 w, 16 w + 16) of every
+// stage (mma.m16n8k16 as the streaming kernel, Q in registers), then arrives on the stage's
+// `empty` mbarrier, which the copying warp waits for before it reuses the stage. Keys past the
+// context are masked in S and their V rows zeroed in the operands (their shared rows are not
+// written).
+// End of an item: the computing warps merge in warp order through shared memory (a named
+// barrier of the computing warps only); a sequence of one chunk writes its output, else the
+// chunk writes its partial (f32, normalized, and its log2-sum) at index `chunk` and takes a
+// ticket; the block taking the last ticket of the (sequence, virtual head) combines the chunks'
+// partials in chunk order, as the streaming kernel does. Nothing waits on another block.
+#define PERSIST_STAGE_KEYS (16 * WARPS_N)
+#define PERSIST_QUANTUM 256
+#define PERSIST_THREADS (32 * (WARPS_N + 1))
+#define PERSIST_COMPUTE_THREADS (32 * WARPS_N)
+#define PERSIST_STAGE_ELEMENTS (2 * PERSIST_STAGE_KEYS * ROW)
+#define PERSIST_MERGE_ROW (HEAD_DIM + 4)
+#define PERSIST_MAX_CHUNKS 64
+// Partials in flight a thread in the combine.
+#define PERSIST_COMBINE_BATCH 16
+#if PERSIST_BULK && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define PERSIST_USE_BULK 1
+#else
+#define PERSIST_USE_BULK 0
+#endif
+
+static_assert(WARPS_M == 1 && WARP_KEYS == 16, "the persistent kernel takes 16 rows and 16 keys a warp and stage");
+static_assert(WARPS_N == 2 || WARPS_N == 4, "two or four computing warps (nine warps a block leave 168 registers a thread)");
+static_assert(STAGES >= 2 && STAGES <= 8, "two to eight stages");
+static_assert(PERSIST_QUANTUM % PERSIST_STAGE_KEYS == 0, "chunks are whole stages");
+static_assert(HEAD_DIM % 32 == 0 && (HEAD_DIM / 16) % 2 == 0, "pairs of 16-column blocks");
+static_assert(PERSIST_MAX_CHUNKS * 16 <= WARPS_N * 16 * PERSIST_MERGE_ROW, "the combine's log-sums fit the merge rows");
+
+KILN_DEVICE void kiln_mbar_init(kiln_u32 barrier, kiln_u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(barrier), "r"(count) : "memory");
+}
+KILN_DEVICE void kiln_mbar_arrive(kiln_u32 barrier) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(barrier) : "memory");
+}
+// Waits until the phase of parity `parity` of the barrier has completed.
+// (try_wait, which suspends the thread a while, from sm_90; test_wait polls below that.)
+KILN_DEVICE void kiln_mbar_wait(kiln_u32 barrier, kiln_u32 parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile(
+        "{\n.reg .pred done;\nKILN_PERSIST_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra KILN_PERSIST_WAIT;\n}\n" ::"r"(barrier),
+        "r"(parity)
+        : "memory");
+#else
+    asm volatile(
+        "{\n.reg .pred done;\nKILN_PERSIST_WAIT:\n"
+        "mbarrier.test_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra KILN_PERSIST_WAIT;\n}\n" ::"r"(barrier),
+        "r"(parity)
+        : "memory");
+#endif
+}
+KILN_DEVICE void kiln_persist_sync() {
+    asm volatile("bar.sync 1, %0;" ::"n"(PERSIST_COMPUTE_THREADS) : "memory");
+}
+KILN_DEVICE kiln_u64 kiln_persist_policy() {
+    kiln_u64 policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    return policy;
+}
+#if PERSIST_USE_BULK
+KILN_DEVICE void kiln_mbar_expect_tx(kiln_u32 barrier, kiln_u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(barrier), "r"(bytes) : "memory");
+}
+// `bytes` (a multiple of 16) from global to shared memory, completing on `barrier`.
+KILN_DEVICE void kiln_bulk_copy(kiln_u32 shared_address, const void* global, kiln_u32 bytes, kiln_u32 barrier,
+                                kiln_u64 policy) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(
+            shared_address),
+        "l"(global), "r"(bytes), "r"(barrier), "l"(policy)
+        : "memory");
+}
+#else
+KILN_DEVICE void kiln_cp_async_16_hint(kiln_u32 shared_address, const void* global, kiln_u64 policy) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, 16, %2;" ::"r"(shared_address), "l"(global),
+                 "l"(policy)
+                 : "memory");
+}
+// The barrier's arrival once every cp.async this thread issued has completed (counted among the
+// barrier's expected arrivals).
+KILN_DEVICE void kiln_cp_async_arrive(kiln_u32 barrier) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(barrier) : "memory");
+}
+#endif
+
+// A block's run of work items (see above); every warp of the block walks the same one.
+struct kiln_persist_walk {
+    const kiln_i32* query_offsets;
+    const kiln_i32* context_lens;
+    int batch, vheads, splits;
+    long long hi;       // the run ends at the first item starting at or past hi
+    int sequence;       // the current item: sequence, virtual head, chunk
+    int vhead, chunk;
+    long long base;     // keys of the items of the sequences before `sequence`
+    int context, chunk_keys, chunks;
+
+    // Keys of every item of sequence b: its context times the virtual heads, 0 for a sequence
+    // without a query token.
+    __device__ __forceinline__ long long weight(int b) const {
+        const int q_len = query_offsets[b + 1] - query_offsets[b];
+        const int c = context_lens[b];
+        return (q_len == 1 && c > 0) ? (long long)c * vheads : 0ll;
+    }
+    __device__ __forceinline__ void enter(int b) {
+        sequence = b;
+        if (b >= batch) return;
+        context = context_lens[b];
+        const int unit = PERSIST_QUANTUM * splits;
+        chunk_keys = PERSIST_QUANTUM * ((context + unit - 1) / unit);
+        chunks = (context + chunk_keys - 1) / chunk_keys;
+    }
+    // To the next sequence that holds items (base advanced past the current one's).
+    __device__ __forceinline__ void next_sequence() {
+        base += weight(sequence);
+        int b = sequence + 1;
+        while (b < batch && weight(b) == 0) ++b;
+        enter(b);
+        vhead = 0;
+        chunk = 0;
+    }
+    __device__ __forceinline__ bool valid() const {
+        return sequence < batch && base + (long long)vhead * context + (long long)chunk * chunk_keys < hi;
+    }
+    __device__ __forceinline__ void advance() {
+        if (++chunk < chunks) return;
+        chunk = 0;
+        if (++vhead < vheads) return;
+        next_sequence();
+    }
+    // The first item of block g's run, found by a warp-wide scan of the sequences' weights.
+    __device__ __forceinline__ void start(int lane, int g, int blocks) {
+        long long prefix = 0;
+        for (int b0 = 0; b0 < batch; b0 += 32) {
+            const long long w = b0 + lane < batch ? weight(b0 + lane) : 0ll;
+            long long inclusive = w;
+#pragma unroll
+            for (int d = 1; d < 32; d <<= 1) {
+                const long long up = __shfl_up_sync(KILN_FULL_MASK, inclusive, d);
+                if (lane >= d) inclusive += up;
+            }
+            prefix += __shfl_sync(KILN_FULL_MASK, inclusive, 31);
+        }
+        const long long total = prefix;
+        const long long lo = total * g / blocks;
+        hi = total * (g + 1) / blocks;
+        base = 0;
+        vhead = chunk = 0;
+        if (lo >= total) {
+            enter(batch);
+            return;
+        }
+        // The sequence holding key lo: the first lane whose range [exclusive, inclusive) holds it.
+        for (int b0 = 0; b0 < batch; b0 += 32) {
+            const long long w = b0 + lane < batch ? weight(b0 + lane) : 0ll;
+            long long inclusive = w;
+#pragma unroll
+            for (int d = 1; d < 32; d <<= 1) {
+                const long long up = __shfl_up_sync(KILN_FULL_MASK, inclusive, d);
+                if (lane >= d) inclusive += up;
+            }
+            const long long exclusive = base + inclusive - w;
+            const unsigned holds = __ballot_sync(KILN_FULL_MASK, w > 0 && exclusive <= lo && lo < exclusive + w);
+            if (holds != 0u) {
+                const int l = __ffs(holds) - 1;
+                base = __shfl_sync(KILN_FULL_MASK, exclusive, l);
+                enter(b0 + l);
+                break;
+            }
+            base += __shfl_sync(KILN_FULL_MASK, inclusive, 31);
+        }
+        const long long offset = lo - base;
+        vhead = (int)(offset / context);
+        const int within = (int)(offset - (long long)vhead * context);
+        chunk = (within + chunk_keys - 1) / chunk_keys;
+        if (chunk >= chunks) {
+            chunk = 0;
+            if (++vhead >= vheads) next_sequence();
+        }
+    }
+};
+
+// Dynamic shared memory: STAGES stages of K then V rows ([PERSIST_STAGE_KEYS][ROW] bf16 each),
+// then the merge rows ([WARPS_N][16][PERSIST_MERGE_ROW] f32). One block a multiprocessor.
+extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, 1)
+    kiln_attention_decode_persistent(KILN_ATTENTION_PARAMS, int batch) {
+    extern __shared__ kiln_chunk16 shared_chunks[];
+    __shared__ kiln_u64 full_barriers[STAGES], empty_barriers[STAGES];
+    __shared__ float warp_max[WARPS_N][16], warp_sum[WARPS_N][16];
+    __shared__ int is_last_block;
+    kiln_wait_prior();
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    kiln_u16* stages = reinterpret_cast<kiln_u16*>(shared_chunks);
+    float* merge = reinterpret_cast<float*>(stages + STAGES * PERSIST_STAGE_ELEMENTS);
+    const kiln_u32 full0 = kiln_smem_address(full_barriers), empty0 = kiln_smem_address(empty_barriers);
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            kiln_mbar_init(full0 + 8 * s, PERSIST_USE_BULK ? 1 : 32);
+            kiln_mbar_init(empty0 + 8 * s, WARPS_N);
+        }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+    }
+    __syncthreads();
+
+    const int heads_per_group = q_heads / kv_heads;
+    const int row_tiles = (heads_per_group + 15) / 16;
+    kiln_persist_walk walk;
+    walk.query_offsets = query_offsets;
+    walk.context_lens = context_lens;
+    walk.batch = batch;
+    walk.vheads = kv_heads * row_tiles;
+    walk.splits = splits;
+    walk.start(lane, blockIdx.x, gridDim.x);
+    const kiln_u64 policy = kiln_persist_policy();
+
+    if (warp == WARPS_N) {
+        // ---- The copying warp.
+        int n = 0;  // stages issued
+        for (; walk.valid(); walk.advance()) {
+            const kiln_u32* pages = page_ids + page_offsets[walk.sequence];
+            const int kv_head = walk.vhead / row_tiles;
+            const int begin = walk.chunk * walk.chunk_keys;
+            const int end = min(walk.context, begin + walk.chunk_keys);
+            for (int key0 = begin; key0 < end; key0 += PERSIST_STAGE_KEYS, ++n) {
+                const int slot = n % STAGES;
+                const int valid = min(PERSIST_STAGE_KEYS, end - key0);
+                kiln_u16* k_stage = stages + slot * PERSIST_STAGE_ELEMENTS;
+                kiln_u16* v_stage = k_stage + PERSIST_STAGE_KEYS * ROW;
+                // The pages of this lane's rows (r = lane + 32 i), read before the wait.
+                kiln_u32 row_pages[(PERSIST_STAGE_KEYS + 31) / 32];
+#pragma unroll
+                for (int i = 0; i < (PERSIST_STAGE_KEYS + 31) / 32; ++i) {
+                    const int r = lane + 32 * i;
+                    row_pages[i] = r < valid ? pages[(key0 + r) >> page_shift] : 0u;
+                }
+                if (n >= STAGES) kiln_mbar_wait(empty0 + 8 * slot, ((n / STAGES) - 1) & 1);
+#if PERSIST_USE_BULK
+                if (lane == 0) kiln_mbar_expect_tx(full0 + 8 * slot, (kiln_u32)(valid * HEAD_DIM * 2 * 2));
+                __syncwarp();
+#pragma unroll
+                for (int i = 0; i < (PERSIST_STAGE_KEYS + 31) / 32; ++i) {
+                    const int r = lane + 32 * i;
+                    if (r < valid) {
+                        const int position = key0 + r;
+                        const kiln_u64 offset = ((((kiln_u64)row_pages[i] * kv_heads + kv_head) << page_shift) |
+                                                 (kiln_u64)(position & ((1 << page_shift) - 1))) *
+                                                HEAD_DIM;
+                        kiln_bulk_copy(kiln_smem_address(k_stage + r * ROW), k_cache + offset, HEAD_DIM * 2,
+                                       full0 + 8 * slot, policy);
+                        kiln_bulk_copy(kiln_smem_address(v_stage + r * ROW), v_cache + offset, HEAD_DIM * 2,
+                                       full0 + 8 * slot, policy);
+                    }
+                }
+#else
+                // Row r = lane / CHUNKS_PER_ROW + (32 / CHUNKS_PER_ROW) i, chunk lane % CHUNKS_PER_ROW:
+                // its page is lane r % 32's row_pages[r / 32] = row_pages[i / CHUNKS_PER_ROW].
+#pragma unroll
+                for (int i = 0; i < PERSIST_STAGE_KEYS * CHUNKS_PER_ROW / 32; ++i) {
+                    const int index = lane + 32 * i;
+                    const int r = index / CHUNKS_PER_ROW, c = index % CHUNKS_PER_ROW;
+                    const kiln_u32 page = __shfl_sync(KILN_FULL_MASK, row_pages[i / CHUNKS_PER_ROW], r & 31);
+                    if (r < valid) {
+                        const int position = key0 + r;
+                        const kiln_u64 offset = ((((kiln_u64)page * kv_heads + kv_head) << page_shift) |
+                                                 (kiln_u64)(position & ((1 << page_shift) - 1))) *
+                                                    HEAD_DIM +
+                                                c * 8;
+                        kiln_cp_async_16_hint(kiln_smem_address(k_stage + r * ROW + c * 8), k_cache + offset, policy);
+                        kiln_cp_async_16_hint(kiln_smem_address(v_stage + r * ROW + c * 8), v_cache + offset, policy);
+                    }
+                }
+                kiln_cp_async_arrive(full0 + 8 * slot);
+#endif
+            }
+        }
+#if !PERSIST_USE_BULK
+        kiln_cp_async_wait<0>();
+#endif
+        return;
+    }
+
+    // ---- The computing warps.
+    const int group = lane >> 2, thread_in_group = lane & 3;
+    const int total_queries = query_offsets[batch];
+    const kiln_u64 split_stride = (kiln_u64)total_queries * q_heads;
+    int n = 0;  // stages consumed
+    for (; walk.valid(); walk.advance()) {
+        const int kv_head = walk.vhead / row_tiles;
+        const int row0 = (walk.vhead % row_tiles) * 16;
+        const int rows = min(heads_per_group - row0, 16);
+        const int begin = walk.chunk * walk.chunk_keys;
+        const int end = min(walk.context, begin + walk.chunk_keys);
+        const int chunks = walk.chunks;
+        const kiln_u64 query_row0 =
+            (kiln_u64)query_offsets[walk.sequence] * q_heads + kv_head * heads_per_group + row0;
+
+        // Q rows as A fragments (rows past the group are zeros), as the streaming kernel.
+        kiln_u32 q_fragments[HEAD_DIM / 16][4];
+        {
+            const kiln_u32* q_words = reinterpret_cast<const kiln_u32*>(q + query_row0 * HEAD_DIM);
+#pragma unroll
+            for (int kd = 0; kd < HEAD_DIM / 16; ++kd) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int r = group + (e & 1) * 8;
+                    const int word = kd * 8 + thread_in_group + (e >> 1) * 4;
+                    q_fragments[kd][e] = r < rows ? q_words[r * (HEAD_DIM / 2) + word] : 0u;
+                }
+            }
+        }
+        const bool upper_rows = rows > 8;
+        float o[HEAD_DIM / 8][4];
+#pragma unroll
+        for (int d = 0; d < HEAD_DIM / 8; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
+        float row_max[2] = {KILN_NEG_INF, KILN_NEG_INF};  // in units of scale_log2 * q.k
+        float row_sum[2] = {0.0f, 0.0f};                  // this thread's columns only, until the end
+
+        for (int key0 = begin; key0 < end; key0 += PERSIST_STAGE_KEYS, ++n) {
+            const int slot = n % STAGES;
+            const int start = key0 + warp * 16;  // this warp's 16 keys
+            kiln_mbar_wait(full0 + 8 * slot, (n / STAGES) & 1);
+            if (start < end) {
+                const kiln_u16* k_rows = stages + slot * PERSIST_STAGE_ELEMENTS + warp * 16 * ROW;
+                const kiln_u16* v_rows = k_rows + PERSIST_STAGE_KEYS * ROW;
+                // S = Q K^T over the 16 keys (two blocks of 8).
+                float s[2][4];
+#pragma unroll
+                for (int j = 0; j < 2; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+                for (int kd = 0; kd < HEAD_DIM / 16; kd += 2) {
+#pragma unroll
+                    for (int j = 0; j < 2; ++j) {
+                        const int key = j * 8 + (lane & 7);
+                        kiln_u32 b[4];
+                        kiln_ldmatrix_x4(b, kiln_smem_address(k_rows + key * ROW + (kd * 2 + (lane >> 3)) * 8));
+                        kiln_mma_bf16_16816(s[j], q_fragments[kd], b[0], b[1]);
+                        kiln_mma_bf16_16816(s[j], q_fragments[kd + 1], b[2], b[3]);
+                    }
+                }
+                // Keys past the chunk's end: -inf scores, and zeros in place of their V rows
+                // (which were not copied). This thread's V operands hold keys 2t, 2t + 1 (b[0],
+                // b[2]) and 8 + 2t, 9 + 2t (b[1], b[3]), the lower key in the low half.
+                kiln_u32 v_mask[2] = {0xffffffffu, 0xffffffffu};
+                if (start + 16 > end) {
+#pragma unroll
+                    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            if (start + j * 8 + 2 * thread_in_group + (e & 1) >= end) s[j][e] = KILN_NEG_INF;
+                        }
+                        const int key = start + j * 8 + 2 * thread_in_group;
+                        v_mask[j] = (key < end ? 0x0000ffffu : 0u) | (key + 1 < end ? 0xffff0000u : 0u);
+                    }
+                }
+
+                // Online softmax (as the streaming kernel), the upper rows only where they hold heads.
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    if (h == 1 && !upper_rows) continue;
+                    float m = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
+                    m = fmaxf(m, __shfl_xor_sync(KILN_FULL_MASK, m, 1));
+                    m = fmaxf(m, __shfl_xor_sync(KILN_FULL_MASK, m, 2));
+                    const float new_max = fmaxf(row_max[h], m * scale_log2);
+                    const float base = new_max == KILN_NEG_INF ? 0.0f : new_max;
+                    const float alpha = kiln_exp2_approx(row_max[h] - base);
+                    row_max[h] = new_max;
+                    row_sum[h] *= alpha;
+#pragma unroll
+                    for (int d = 0; d < HEAD_DIM / 8; ++d) {
+                        o[d][2 * h] *= alpha;
+                        o[d][2 * h + 1] *= alpha;
+                    }
+#pragma unroll
+                    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const float p = kiln_exp2_approx(fmaf(s[j][2 * h + e], scale_log2, -base));
+                            s[j][2 * h + e] = p;
+                            row_sum[h] += p;
+                        }
+                    }
+                }
+
+                // O += P V.
+                const kiln_u32 p[4] = {
+                    kiln_pack_bf16x2(s[0][0], s[0][1]),
+                    upper_rows ? kiln_pack_bf16x2(s[0][2], s[0][3]) : 0u,
+                    kiln_pack_bf16x2(s[1][0], s[1][1]),
+                    upper_rows ? kiln_pack_bf16x2(s[1][2], s[1][3]) : 0u,
+                };
+                const int v_key = (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+                for (int nd = 0; nd < HEAD_DIM / 16; ++nd) {
+                    kiln_u32 b[4];
+                    kiln_ldmatrix_x4_trans(b, kiln_smem_address(v_rows + v_key * ROW + (nd * 2 + (lane >> 4)) * 8));
+                    kiln_mma_bf16_16816(o[2 * nd], p, b[0] & v_mask[0], b[1] & v_mask[1]);
+                    kiln_mma_bf16_16816(o[2 * nd + 1], p, b[2] & v_mask[0], b[3] & v_mask[1]);
+                }
+            }
+            // Every lane is done with the stage.
+            __syncwarp();
+            if (lane == 0) kiln_mbar_arrive(empty0 + 8 * slot);
+        }
+
+        // ---- End of the item: row sums over the quad, in a fixed order; each warp's rows
+        // (unnormalized) and maxima and sums into shared memory.
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            row_sum[h] += __shfl_xor_sync(KILN_FULL_MASK, row_sum[h], 1);
+            row_sum[h] += __shfl_xor_sync(KILN_FULL_MASK, row_sum[h], 2);
+        }
+        float* my_merge = merge + warp * 16 * PERSIST_MERGE_ROW;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            if (h == 1 && !upper_rows) continue;
+            const int r = group + 8 * h;
+            if (thread_in_group == 0) {
+                warp_max[warp][r] = row_max[h];
+                warp_sum[warp][r] = row_sum[h];
+            }
+#pragma unroll
+            for (int d = 0; d < HEAD_DIM / 8; ++d) {
+                *reinterpret_cast<float2*>(my_merge + r * PERSIST_MERGE_ROW + d * 8 + 2 * thread_in_group) =
+                    make_float2(o[d][2 * h], o[d][2 * h + 1]);
+            }
+        }
+        kiln_persist_sync();
+
+        // The chunk's rows: the warps merged in warp order (warp 0 holds the chunk's first keys,
+        // so the maximum is finite); the output itself for a sequence of one chunk, else the
+        // partial and its log-sum.
+        for (int item = tid; item < rows * (HEAD_DIM / 4); item += PERSIST_COMPUTE_THREADS) {
+            const int r = item / (HEAD_DIM / 4), d = (item % (HEAD_DIM / 4)) * 4;
+            float m = KILN_NEG_INF;
+#pragma unroll
+            for (int w = 0; w < WARPS_N; ++w) m = fmaxf(m, warp_max[w][r]);
+            float sum = 0.0f;
+            float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+            for (int w = 0; w < WARPS_N; ++w) {
+                const float f = kiln_exp2_approx(warp_max[w][r] - m);
+                const float4 part =
+                    *reinterpret_cast<const float4*>(merge + (w * 16 + r) * PERSIST_MERGE_ROW + d);
+                sum = fmaf(warp_sum[w][r], f, sum);
+                acc.x = fmaf(part.x, f, acc.x);
+                acc.y = fmaf(part.y, f, acc.y);
+                acc.z = fmaf(part.z, f, acc.z);
+                acc.w = fmaf(part.w, f, acc.w);
+            }
+            const float inverse = 1.0f / sum;
+            const kiln_u64 query_row = query_row0 + r;
+            if (chunks == 1) {
+                *reinterpret_cast<uint2*>(out + query_row * HEAD_DIM + d) =
+                    make_uint2(kiln_pack_bf16x2(acc.x * inverse, acc.y * inverse),
+                               kiln_pack_bf16x2(acc.z * inverse, acc.w * inverse));
+            } else {
+                const kiln_u64 partial_row = (kiln_u64)walk.chunk * split_stride + query_row;
+                *reinterpret_cast<float4*>(partial_out + partial_row * HEAD_DIM + d) =
+                    make_float4(acc.x * inverse, acc.y * inverse, acc.z * inverse, acc.w * inverse);
+                if (d == 0) partial_lse[partial_row] = m + __log2f(sum);
+            }
+        }
+        if (chunks > 1) {
+            // The ticket: the last chunk of this (sequence, virtual head) to finish combines.
+            __threadfence();
+            kiln_persist_sync();
+            const int ticket_index = walk.sequence * walk.vheads + walk.vhead;
+            if (tid == 0) {
+                const kiln_u32 ticket = atomicAdd(&kiln_attention_tickets[ticket_index], 1u);
+                is_last_block = ticket == (kiln_u32)chunks - 1u;
+                if (is_last_block) kiln_attention_tickets[ticket_index] = 0u;  // every chunk has taken its ticket
+            }
+            kiln_persist_sync();
+            if (is_last_block) {
+                __threadfence();
+                // out = sum_c w_c O_c / sum_c w_c, w_c = 2^(lse_c - M), M = max_c lse_c, in chunk
+                // order; the log-sums gathered into the merge rows first.
+                float* lse = merge;  // [chunks][rows]
+                for (int i = tid; i < chunks * rows; i += PERSIST_COMPUTE_THREADS) {
+                    lse[i] = __ldcg(partial_lse + (i / rows) * split_stride + query_row0 + i % rows);
+                }
+                kiln_persist_sync();
+                const kiln_u64 chunk_floats = split_stride * HEAD_DIM;
+                for (int item = tid; item < rows * (HEAD_DIM / 4); item += PERSIST_COMPUTE_THREADS) {
+                    const int r = item / (HEAD_DIM / 4), d = (item % (HEAD_DIM / 4)) * 4;
+                    const float* first = partial_out + (query_row0 + r) * HEAD_DIM + d;
+                    float m = KILN_NEG_INF;
+                    for (int c = 0; c < chunks; ++c) m = fmaxf(m, lse[c * rows + r]);
+                    float sum = 0.0f;
+                    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    for (int c0 = 0; c0 < chunks; c0 += PERSIST_COMBINE_BATCH) {
+                        float4 parts[PERSIST_COMBINE_BATCH];
+#pragma unroll
+                        for (int b = 0; b < PERSIST_COMBINE_BATCH; ++b) {
+                            if (c0 + b < chunks) {
+                                parts[b] = __ldcg(reinterpret_cast<const float4*>(first + (c0 + b) * chunk_floats));
+                            }
+                        }
+#pragma unroll
+                        for (int b = 0; b < PERSIST_COMBINE_BATCH; ++b) {
+                            if (c0 + b < chunks) {
+                                const float w = kiln_exp2_approx(lse[(c0 + b) * rows + r] - m);
+                                sum += w;
+                                acc.x = fmaf(parts[b].x, w, acc.x);
+                                acc.y = fmaf(parts[b].y, w, acc.y);
+                                acc.z = fmaf(parts[b].z, w, acc.z);
+                                acc.w = fmaf(parts[b].w, w, acc.w);
+                            }
+                        }
+                    }
+                    const float inverse = 1.0f / sum;
+                    *reinterpret_cast<uint2*>(out + (query_row0 + r) * HEAD_DIM + d) =
+                        make_uint2(kiln_pack_bf16x2(acc.x * inverse, acc.y * inverse),
+                                   kiln_pack_bf16x2(acc.z * inverse, acc.w * inverse));
+                }
+            }
+        }
+        // The merge rows, maxima and the ticket's flag are free for the next item.
+        kiln_persist_sync();
+    }
+}
+#endif  // PERSISTENT
 
 // Writes new tokens' K and V into their slots: k_new, v_new [token][kv_head][HEAD_DIM] bf16,
 // slots[token] = page * page_tokens + slot. One 16-byte chunk per thread, grid-stride.

@@ -297,12 +297,12 @@ fn the_attention_default_is_the_launchers_default() {
     );
     // The decode candidates: five variants (streaming, wide, the two deep ones, the hybrid) at 1,
     // half, once and twice the default splits, and the wide and deep streaming ones at once and
-    // twice their own (16 at batch 1: one wave of 128 one-block multiprocessors), each named
-    // apart and parsed back.
+    // twice their own (16 at batch 1: one wave of 128 one-block multiprocessors), and the three
+    // persistent ones cutting a sequence into at most 64 chunks, each named apart and parsed back.
     let kept = attention_candidates(&decode, &h200()).kept;
     let labels: Vec<String> = kept.iter().map(|c| c.label()).collect();
     assert_eq!(labels[0], "1x4x16.s33");
-    assert_eq!(labels.len(), 24, "{labels:?}");
+    assert_eq!(labels.len(), 27, "{labels:?}");
     for label in [
         "1x4x32.s64",
         "1x4x16.s1",
@@ -313,12 +313,29 @@ fn the_attention_default_is_the_launchers_default() {
         "stream3-1x8x16.s32",
         "stream6-1x4x16.s16",
         "stream6-1x4x16.s32",
+        "persist5-1x4x16.s64",
+        "bulk5-1x4x16.s64",
+        "bulk3-1x4x16.s64",
     ] {
         assert!(labels.contains(&label.to_owned()), "{label} in {labels:?}");
     }
     for c in &kept {
         assert_eq!(AttentionConfig::parse(&c.label()), Some(*c), "{}", c.label());
     }
+    // Past 16k positions the persistent variants also at 32 chunks; below sm_90 the bulk-copy
+    // ones are pruned (they would compile the 16-byte copies, the plain persistent variant).
+    let long = AttentionTask { shape, phase: AttentionPhase::Decode { batch: 1, context: 131_072 } };
+    let long_labels: Vec<String> =
+        attention_candidates(&long, &h200()).kept.iter().map(|c| c.label()).collect();
+    for label in ["persist5-1x4x16.s32", "bulk5-1x4x16.s32", "bulk3-1x4x16.s64"] {
+        assert!(long_labels.contains(&label.to_owned()), "{label} in {long_labels:?}");
+    }
+    let ampere = DeviceFacts { compute_capability: (8, 0), ..h200() };
+    let on_ampere = attention_candidates(&decode, &ampere);
+    assert!(on_ampere.kept.iter().any(|c| c.variant == AttentionVariant::DECODE_PERSISTENT));
+    let pruned_bulk: Vec<&str> =
+        on_ampere.pruned.iter().filter(|p| p.config.starts_with("bulk")).map(|p| p.config.as_str()).collect();
+    assert_eq!(pruned_bulk, ["bulk5-1x4x16.s64", "bulk3-1x4x16.s64"]);
     // Prefill: the two tiled variants and, on sm_90 at head dim 128, the two wgmma kernels.
     let prefill_labels: Vec<String> =
         attention_candidates(&prefill, &h200()).kept.iter().map(|c| c.label()).collect();
