@@ -307,6 +307,34 @@ fn quantized_outputs_of_nan_and_infinite_values_match_the_reference() {
     }
 }
 
+/// bf16 outputs of Hugging Face's rounding (the kernel's packed `fma.rn.bf16x2` product) with
+/// weights over bf16's whole range: subnormal, tiny and huge magnitudes, so that round(x_r * w)
+/// underflows to subnormals and zero and overflows to infinity, every variant, with and without
+/// the residual.
+#[test]
+fn bf16_outputs_of_extreme_weights_match_the_reference() {
+    let gpu = gpu();
+    let mut rng = Rng::fresh();
+    let spec: NormSpec = RmsNorm::llama(1e-5, DType::BF16).into();
+    let (rows, hidden) = (40usize, 4096usize);
+    let call = NormCall { spec, rows, hidden, x_type: DType::BF16, weight_type: DType::BF16 };
+    let mut weight = Vec::with_capacity(hidden);
+    for i in 0..hidden {
+        // bf16 bits with every exponent (0: subnormals and zero; 0xFE: up to the largest finite).
+        let exponent = (rng.next() % 255) as u32;
+        let bits =
+            (u32::from(i % 2 == 1) << 31) | (exponent << 23) | (((rng.next() >> 20) as u32 & 0x7F) << 16);
+        weight.push(f32::from_bits(bits));
+    }
+    let x = rng.values(rows * hidden, -2.0, 2.0, FloatType::BF16);
+    let mut checked = 0;
+    for &variant in NORM_VARIANTS.iter().filter(|v| call.validate(**v).is_ok()) {
+        check_on_weight(&gpu, &mut rng, call, variant, &x, checked % 2 == 1, Some(&weight));
+        checked += 1;
+    }
+    assert!(checked >= NORM_VARIANTS.len() / 2, "only {checked} variants served");
+}
+
 fn flavors() -> Vec<NormSpec> {
     let rms = RmsNorm::llama(1e-6, DType::BF16);
     let single = RmsNorm { rounding: RmsNormRounding::Single, ..rms };
