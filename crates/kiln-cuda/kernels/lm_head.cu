@@ -33,8 +33,10 @@
 // flight are no longer bounded by registers, and the ring runs on across tiles, so the loads of
 // the next tile are in flight while the block adds up the last one (the launcher sizes the grid
 // to the resident blocks: persistent). Each lane copies and later reads only its own 16 bytes,
-// so no lane waits for another. Rows past the vocabulary and elements past `hidden` are copied
-// as zeros (cp.async's source size 0). At 8 rows the instructions come close to the bytes: one
+// so no lane waits for another. The producer keeps the next step's source address and moves it
+// VROWS rows on per step; only steps in the last tile or a partial unit take the checked copy,
+// where rows past the vocabulary and elements past `hidden` are copied as zeros (cp.async's
+// source size 0). At 8 rows the instructions come close to the bytes: one
 // FFMA per weight and row, one shift or mask per bf16 weight, and the butterfly's 31 SHFL + 31
 // FADD per 32 unit sums, about 1.2 instructions per weight and row, which at 151936 x 4096 x 8
 // rows is ~250 us of the H200's issue slots; the ring frees the registers of the next step's
@@ -445,7 +447,7 @@ __device__ __forceinline__ void lm_locate(const kiln_u8* weights, kiln_u32 row_b
 // a tile and unit the source just moves VROWS rows on: `step_bytes`).
 __device__ __forceinline__ void lm_produce(const kiln_u8* __restrict__ weights, kiln_u32 row_bytes, kiln_u32 vocab,
                                            int hidden, int tile, long long tiles, int units, int groups, int warp,
-                                           int lane, int xi, kiln_u32 ring, int slot, kiln_u64 step_bytes,
+                                           int lane, int xi, kiln_u32 ring, int slot, kiln_u32 step_bytes,
                                            LmProducer& p) {
     const kiln_u32 dst = ring + slot * (VROWS * 512);
     if (p.fast) {
@@ -505,7 +507,8 @@ kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, c
     const kiln_u32 ring = kiln_smem_address(ring_lane);
     // The ring path serves 2-byte weights: rows of 2 * hidden bytes, which fit 32 bits.
     const kiln_u32 ring_row_bytes = (kiln_u32)row_bytes, ring_vocab = (kiln_u32)vocab;
-    const kiln_u64 step_bytes = (kiln_u64)VROWS * ring_row_bytes;
+    // VROWS rows of 2 * hidden bytes: below 2^32 (the launcher serves the ring up to hidden 2^24).
+    const kiln_u32 step_bytes = VROWS * ring_row_bytes;
     LmProducer producer;
     producer.t = warp < units ? blockIdx.x : (kiln_u32)tiles;  // a warp with no unit copies nothing
     producer.u = warp;

@@ -178,6 +178,10 @@ pub fn plan(head: &LmHead, rows: usize, variant: LmHeadVariant) -> Result<LmHead
     {
         return Err(not_served(format!("variant {variant:?} for {rows} rows")));
     }
+    if variant.ring_bytes(head.weight) > 0 && head.hidden > 1 << 24 {
+        // The ring's producer steps VROWS rows of 2 * hidden bytes in 32 bits.
+        return Err(not_served(format!("hidden {} on the ring variant {}", head.hidden, variant.label())));
+    }
     let tile = head.stats_block.unwrap_or(variant.tile as usize);
     if tile == 0 || !tile.is_multiple_of(variant.vocab_rows as usize) || tile > 4096 {
         return Err(not_served(format!(
@@ -360,6 +364,9 @@ mod tests {
         // More sums a step than 32 lanes: reduced 32 at a time.
         let split = LmHeadVariant::ring(8, 8, 64, 4);
         assert!(plan(&head(4096, DType::BF16), 8, split).is_ok());
+        let huge = LmHead { vocab: 2, ..head(1 << 25, DType::BF16) };
+        assert!(matches!(plan(&huge, 8, split), Err(Error::NotServed { .. })));
+        assert!(plan(&huge, 8, LmHeadVariant::plain(8, 4, 64)).is_ok());
         let odd_stats = LmHead { stats_block: Some(30), ..head(4096, DType::BF16) };
         assert!(matches!(plan(&odd_stats, 1, v), Err(Error::NotServed { .. })));
     }
