@@ -56,6 +56,26 @@ const fn staged(warps_per_row: u32, rows_per_block: u32, early_weight: bool, sta
 /// stages keep 2 rows (32 KiB) loading a multiprocessor, 8 warps and 3 stages 8 rows.
 pub const STAGED_WARPS_PER_MULTIPROCESSOR: usize = 32;
 
+/// The environment variable that replaces [`STAGED_WARPS_PER_MULTIPROCESSOR`] (a count of warps
+/// from 1 to 64), for measurement: `KILN_NORM_STAGED_WARPS=16 kiln bench norm --variants staged`.
+pub const STAGED_WARPS_ENV: &str = "KILN_NORM_STAGED_WARPS";
+
+/// The staged grids' warps a multiprocessor: [`STAGED_WARPS_ENV`] when set, else
+/// [`STAGED_WARPS_PER_MULTIPROCESSOR`].
+pub fn staged_warps_per_multiprocessor() -> Result<usize> {
+    match std::env::var(STAGED_WARPS_ENV) {
+        Err(_) => Ok(STAGED_WARPS_PER_MULTIPROCESSOR),
+        Ok(v) => match v.trim().parse::<usize>() {
+            Ok(w) if (1..=64).contains(&w) => Ok(w),
+            _ => Err(Error::InvalidArgument {
+                name: STAGED_WARPS_ENV,
+                value: v,
+                reason: "a count of warps a multiprocessor from 1 to 64".into(),
+            }),
+        },
+    }
+}
+
 /// Most shared memory (bytes) of a staged variant's stages, with a residual (the largest of the
 /// launches of a call): what every supported GPU gives a block (sm_86 and sm_89: 99 KiB).
 pub const STAGED_SHARED_LIMIT: usize = 96 * 1024;
@@ -485,7 +505,8 @@ fn norm_launch(
         let resident = function
             .occupancy_max_active_blocks_per_multiprocessor(threads, shared, None)
             .map_err(|e| driver_error("cuOccupancyMaxActiveBlocksPerMultiprocessor(kiln_norm)", e))?;
-        row_groups.min(staged_blocks_per_multiprocessor(variant, resident as usize) * multiprocessors)
+        let warps = staged_warps_per_multiprocessor()?;
+        row_groups.min(staged_blocks_per_multiprocessor(variant, warps, resident as usize) * multiprocessors)
     } else if variant.persistent && row_groups > multiprocessors {
         let resident = function
             .occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)
@@ -539,11 +560,11 @@ fn norm_launch(
     Ok(())
 }
 
-/// Blocks per multiprocessor of a staged grid: [`STAGED_WARPS_PER_MULTIPROCESSOR`] warps, at least
-/// one block, at most the `resident` ones.
-pub fn staged_blocks_per_multiprocessor(variant: NormVariant, resident: usize) -> usize {
-    let warps = (variant.warps_per_row * variant.rows_per_block).max(1) as usize;
-    STAGED_WARPS_PER_MULTIPROCESSOR.div_ceil(warps).clamp(1, resident.max(1))
+/// Blocks per multiprocessor of a staged grid: `warps` warps a multiprocessor
+/// ([`staged_warps_per_multiprocessor`]), at least one block, at most the `resident` ones.
+pub fn staged_blocks_per_multiprocessor(variant: NormVariant, warps: usize, resident: usize) -> usize {
+    let per_block = (variant.warps_per_row * variant.rows_per_block).max(1) as usize;
+    warps.div_ceil(per_block).clamp(1, resident.max(1))
 }
 
 /// Blocks per multiprocessor of a persistent grid: enough that the loads of their next groups
@@ -639,10 +660,13 @@ mod tests {
         assert!(call(gated, 2, 4096, DType::F32).validate(staged(4, 1, false, 3)).is_err());
         assert_eq!(variant(4, 1, false).staged_shared_bytes(&c, true).unwrap(), 0);
         // 32 warps a multiprocessor, within the resident blocks.
-        assert_eq!(staged_blocks_per_multiprocessor(staged(16, 1, false, 2), 4), 2);
-        assert_eq!(staged_blocks_per_multiprocessor(staged(8, 1, false, 2), 8), 4);
-        assert_eq!(staged_blocks_per_multiprocessor(staged(4, 1, false, 2), 5), 5);
-        assert_eq!(staged_blocks_per_multiprocessor(staged(4, 1, false, 2), 0), 1);
+        let w = STAGED_WARPS_PER_MULTIPROCESSOR;
+        assert_eq!(staged_blocks_per_multiprocessor(staged(16, 1, false, 2), w, 4), 2);
+        assert_eq!(staged_blocks_per_multiprocessor(staged(8, 1, false, 2), w, 8), 4);
+        assert_eq!(staged_blocks_per_multiprocessor(staged(4, 1, false, 2), w, 5), 5);
+        assert_eq!(staged_blocks_per_multiprocessor(staged(4, 1, false, 2), w, 0), 1);
+        assert_eq!(staged_blocks_per_multiprocessor(staged(4, 1, false, 2), 16, 8), 4);
+        assert_eq!(staged_blocks_per_multiprocessor(staged(16, 1, false, 2), 8, 8), 1);
         // One stage, or stages with the register-pipelined grid, are refused.
         for bad in [staged(4, 1, false, 1), NormVariant { persistent: true, ..staged(4, 1, false, 2) }] {
             assert!(matches!(c.validate(bad), Err(Error::InvalidArgument { .. })), "{bad:?}");
