@@ -43,8 +43,8 @@
 // weights and keeps addressing off the products' path.
 //
 // Compile-time constants: ROWS (1..8), W_T (0 bf16, 1 fp16, 2 Q8_0, 3 Q4_0, 4 Q4_1), WARPS,
-// VROWS (a power of two <= 16; reduced VSUB = min(VROWS, 32 / next_pow2(ROWS)) rows at a time), XSLOT, PIPE, STAGES (0, 2, 4, 8), ROW_SCALE, SOFT_CAP,
-// STATS (0 / 1).
+// VROWS (a power of two <= 16; reduced VSUB = min(VROWS, 32 / next_pow2(ROWS)) rows at a time),
+// XSLOT, PIPE, STAGES (0, 2, 4, 8), ROW_SCALE, SOFT_CAP, STATS (0 / 1).
 // Compiled with --fmad=false; the fused operations (the chains, Q4_1's d * q + m) are explicit
 // __fmaf_rn.
 
@@ -426,10 +426,12 @@ __device__ __forceinline__ void lm_cp_async_16_full(kiln_u32 shared_address, kil
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_address), "l"(global) : "memory");
 }
 
-// The ring's producer: the next step to copy (tile t, unit u, group g), its source (this lane's 16 bytes of the step's row 0) and whether the step lies wholly inside
-// the vocabulary and a full unit (then its copies need no checks: `fast`).
+// The ring's producer: the next step to copy (tile t, unit u, group g), its source (this lane's
+// 16 bytes of the step's row 0) and whether the step lies wholly inside the vocabulary and a full
+// unit (then its copies need no checks: `fast`). Tiles <= vocab < 2^32, and t + gridDim.x (at
+// most 2^20 blocks) stays below 2^32 for any vocabulary whose rows fit a GPU.
 struct LmProducer {
-    kiln_u32 t;  // tiles <= vocab < 2^32, and the grid (at most 2^20 blocks) keeps t + gridDim.x below 2^32 for any vocabulary that fits a GPU
+    kiln_u32 t;
     int u, g;
     kiln_u64 src;
     bool fast;
@@ -443,8 +445,8 @@ __device__ __forceinline__ void lm_locate(const kiln_u8* weights, kiln_u32 row_b
              p.u * 256 + 256 <= hidden;
 }
 
-// Copies the producer's step into ring slot `slot`, commits the group and moves on by one step (within
-// a tile and unit the source just moves VROWS rows on: `step_bytes`).
+// Copies the producer's step into ring slot `slot`, commits the group and moves on by one step
+// (within a tile and unit the source just moves VROWS rows on: `step_bytes`).
 __device__ __forceinline__ void lm_produce(const kiln_u8* __restrict__ weights, kiln_u32 row_bytes, kiln_u32 vocab,
                                            int hidden, int tile, long long tiles, int units, int groups, int warp,
                                            int lane, int xi, kiln_u32 ring, int slot, kiln_u32 step_bytes,
@@ -503,7 +505,8 @@ kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, c
     const int groups = tile / VROWS;
 #if RING
     const int ring_offset = (units * ROWS * stride + 3) & ~3;
-    const uint4* ring_lane = reinterpret_cast<const uint4*>(partial + ring_offset) + warp * (STAGES * VROWS * 32) + lane;
+    const uint4* ring_lane =
+        reinterpret_cast<const uint4*>(partial + ring_offset) + warp * (STAGES * VROWS * 32) + lane;
     const kiln_u32 ring = kiln_smem_address(ring_lane);
     // The ring path serves 2-byte weights: rows of 2 * hidden bytes, which fit 32 bits.
     const kiln_u32 ring_row_bytes = (kiln_u32)row_bytes, ring_vocab = (kiln_u32)vocab;
