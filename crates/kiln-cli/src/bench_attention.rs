@@ -27,7 +27,11 @@
 //! kernel one block a multiprocessor, 8 warps (`stream wide`, `stream3-1x8x16.sN`) or six steps
 //! in flight a warp (`stream deep`, `stream6-1x4x16.sN`), at the splits of
 //! [`decode_stream_splits_for`](kiln_cuda::ops::attention::decode_stream_splits_for) (one wave),
-//! and at batch 1 and 8 both at twice those (`stream wide, two waves`, `stream deep, two waves`).
+//! and at batch 1 and 8 both at twice those (`stream wide, two waves`, `stream deep, two waves`);
+//! then the persistent kernel (one block a multiprocessor, a copying warp streaming K/V five
+//! stages deep) with 16-byte copies (`persistent`, `persist5-1x4x16.s64`), bulk copies on sm_90
+//! (`persistent bulk`, `bulk5-1x4x16.s64`), bulk copies three stages deep (`persistent bulk
+//! shallow`, `bulk3-1x4x16.s64`), and bulk copies at most 32 chunks a sequence (`bulk5-...s32`).
 //!
 //! Both as a ratio to PyTorch's `scaled_dot_product_attention` (flash backend) on the same shapes
 //! (unpaged), read from the JSON of `bench/peers/attention.py` (`--peer`). Timing: CUDA events,
@@ -50,7 +54,7 @@ use kiln_core::{Error, Result};
 use kiln_cuda::certify::{attention_config, graph_replay_us, AttentionConfig, AttentionPhase, AttentionTask};
 use kiln_cuda::ops::attention::{
     attention, decode_splits_resident, decode_stream_splits_for, scratch_bytes, AttentionVariant, KvBuffers,
-    PagedBatch, DECODE_L2_HINT_ENV,
+    PagedBatch, DECODE_L2_HINT_ENV, PERSISTENT_SPLITS,
 };
 use kiln_cuda::{DeviceMemory, Gpu};
 
@@ -73,6 +77,11 @@ pub struct BenchAttentionArgs {
     /// Also write the table (markdown) here.
     #[arg(long)]
     pub out: Option<PathBuf>,
+    /// Only the decode rows whose tag or configuration name contains one of these
+    /// comma-separated words (the certified row always), and no prefill table: `--decode-only
+    /// persist,bulk` times the persistent variants beside the certified configuration.
+    #[arg(long, value_delimiter = ',')]
+    pub decode_only: Vec<String>,
 }
 
 /// The tag of the decode row whose streaming kernel reads K/V without the evict-first hint.
@@ -217,8 +226,10 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
             tiled.push(AttentionConfig { variant, splits: 1 });
         }
     }
-    let mut prefill = PrefillRun { gpu: &gpu, args, peer: &peer, seed: &mut seed, report: &mut report };
-    prefill.table(&tiled, Some(prefill_config), false)?;
+    if args.decode_only.is_empty() {
+        let mut prefill = PrefillRun { gpu: &gpu, args, peer: &peer, seed: &mut seed, report: &mut report };
+        prefill.table(&tiled, Some(prefill_config), false)?;
+    }
 
     let header = "\n## Decode (GQA 32/8, head dim 128, page 64; % of the copy ceiling)\n\n\
                   graph_us: the time per launch of launches captured once in a CUDA graph and replayed \
@@ -283,6 +294,25 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
                 "stream deep, two waves",
                 AttentionConfig { variant: AttentionVariant::DECODE_STREAM_DEEP, splits: 2 * stream },
             ));
+        }
+        // The persistent kernel (one block a multiprocessor, a copying warp): 16-byte copies
+        // (`persistent`), bulk copies on sm_90 five and three stages deep (`persistent bulk`,
+        // `persistent bulk shallow`), a sequence cut into at most 64 chunks; the bulk one also
+        // at 32 (longer chunks past 8k positions, half the partials).
+        for (tag, variant, splits) in [
+            ("persistent", AttentionVariant::DECODE_PERSISTENT, PERSISTENT_SPLITS),
+            ("persistent bulk", AttentionVariant::DECODE_PERSISTENT_BULK, PERSISTENT_SPLITS),
+            ("persistent bulk shallow", AttentionVariant::DECODE_PERSISTENT_BULK_SHALLOW, PERSISTENT_SPLITS),
+            ("persistent bulk, 32 chunks", AttentionVariant::DECODE_PERSISTENT_BULK, PERSISTENT_SPLITS / 2),
+        ] {
+            configs.push((tag, AttentionConfig { variant, splits }));
+        }
+        if !args.decode_only.is_empty() {
+            configs.retain(|(tag, config)| {
+                let label = config.label();
+                tag.starts_with("certified")
+                    || args.decode_only.iter().any(|w| tag.contains(w.as_str()) || label.contains(w.as_str()))
+            });
         }
         for &context in &DECODE_CONTEXTS {
             let case_bytes = batch_size * context * token_bytes;
@@ -361,7 +391,7 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
     }
     // The wgmma prefill kernels last, so that a fault or a hang there cannot cost the tables
     // above (they are printed as they come); a failure is a row, not the end of the run.
-    if gpu.arch() == kiln_cuda::Arch(90) {
+    if gpu.arch() == kiln_cuda::Arch(90) && args.decode_only.is_empty() {
         let header = format!(
             "\n## Prefill on wgmma (sm_90; causal, GQA {Q_HEADS}/{KV_HEADS}, head dim {HEAD_DIM}, page {PAGE_TOKENS})\n\n\
              | tokens | variant | time_us | TFLOP/s | torch_us / speedup |\n|---|---|---|---|---|"

@@ -11,7 +11,7 @@ use kiln_core::ops::primitives::{bf16_bits_to_f32, f32_to_bf16_bits};
 use kiln_core::Error;
 use kiln_cuda::ops::attention::{
     attention, decode_splits, decode_stream_splits_for, kv_append, scratch_bytes, AttentionKernel,
-    AttentionVariant, KvBuffers, PagedBatch, DECODE_L2_HINT_ENV, HYBRID_STREAM_CHUNK,
+    AttentionVariant, KvBuffers, PagedBatch, DECODE_L2_HINT_ENV, HYBRID_STREAM_CHUNK, PERSISTENT_SPLITS,
 };
 use kiln_cuda::{DeviceMemory, Gpu};
 
@@ -802,5 +802,186 @@ fn wgmma_prefill_refuses_what_it_does_not_serve() {
             matches!(refused, Err(Error::NotServed { .. })),
             "{variant:?} at head dim {head_dim}, {splits} splits: {refused:?}"
         );
+    }
+}
+
+/// The persistent decode kernel (one block a multiprocessor, chunk items in a fixed order, a
+/// copying warp; `splits` the most chunks a sequence is cut into) at its edges: contexts shorter
+/// than a stage (64 keys), around a chunk (256), ragged batches with sequences without a query
+/// beside ones with, groups of 1 to 32 query heads (two row tiles), page sizes 1 to 128, head dims
+/// 64 and 128; at 64, 1, 2, 7 and 33 chunks at most; three runs in a row (the ticket counters must
+/// come back to zero), against the float64 reference and bit for bit. The three variants (16-byte
+/// copies, bulk copies five and three stages deep) compute each chunk the same way, so they give
+/// the same bits.
+#[test]
+fn persistent_decode_at_its_edges_matches_float64_and_repeats_bit_for_bit() {
+    let (gpu, mut rng) = (gpu(), Rng::fresh());
+    let contexts = [1, 2, 15, 16, 17, 63, 64, 65, 255, 256, 257, 1000, 4096];
+    for head_dim in [64, 128] {
+        for (i, &(q_heads, kv_heads, page_tokens)) in
+            [(32, 8, 64), (32, 1, 16), (6, 6, 1), (16, 2, 8), (8, 1, 128)].iter().enumerate()
+        {
+            let mut lengths: Vec<usize> = contexts.to_vec();
+            lengths.push(1 + rng.below(6000));
+            for j in (1..lengths.len()).rev() {
+                lengths.swap(j, rng.below(j + 1));
+            }
+            for batch in lengths.chunks(5) {
+                let mut sequences: Vec<(usize, usize)> = batch.iter().map(|&c| (1, c)).collect();
+                if i % 2 == 0 {
+                    sequences.insert(rng.below(sequences.len() + 1), (0, 1 + rng.below(300)));
+                }
+                let mut case = Case {
+                    q_heads,
+                    kv_heads,
+                    head_dim,
+                    page_tokens,
+                    sequences: sequences.clone(),
+                    splits: None,
+                    variant: AttentionVariant::DECODE_PERSISTENT,
+                };
+                let inputs = inputs(&mut rng, &case);
+                let want = reference(&case, &inputs);
+                for splits in [PERSISTENT_SPLITS, 1, 2, 7, 33] {
+                    let mut first: Option<Vec<u8>> = None;
+                    for variant in AttentionVariant::PERSISTENT {
+                        (case.splits, case.variant) = (Some(splits), variant);
+                        let outputs = check_on(&gpu, &case, &inputs, &want, 3);
+                        assert!(
+                            outputs[0] == outputs[1] && outputs[1] == outputs[2],
+                            "{variant:?} differs between runs: {sequences:?} {splits}"
+                        );
+                        let first = first.get_or_insert_with(|| outputs[0].clone());
+                        assert!(
+                            *first == outputs[0],
+                            "{variant:?} differs from {:?}: {sequences:?} {splits}",
+                            AttentionVariant::DECODE_PERSISTENT
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The persistent kernel's chunks depend on a sequence's own context alone, not on the grid's
+/// split of the work: each sequence of a ragged batch gets the same bits alone as in the batch
+/// (its items then run on other blocks, with other neighbours), at 64 and 5 chunks at most.
+#[test]
+fn persistent_decode_gives_each_sequence_the_same_bits_alone_as_in_a_batch() {
+    let (gpu, mut rng) = (gpu(), Rng::fresh());
+    let sequences: Vec<(usize, usize)> =
+        vec![(1, 5000 + rng.below(3000)), (1, 1 + rng.below(300)), (1, 20_000 + rng.below(2000)), (1, 700)];
+    for variant in [AttentionVariant::DECODE_PERSISTENT, AttentionVariant::DECODE_PERSISTENT_BULK] {
+        for splits in [PERSISTENT_SPLITS, 5] {
+            let case = Case {
+                q_heads: 32,
+                kv_heads: 8,
+                head_dim: 128,
+                page_tokens: 64,
+                sequences: sequences.clone(),
+                splits: Some(splits),
+                variant,
+            };
+            let inputs = inputs(&mut rng, &case);
+            let want = reference(&case, &inputs);
+            let together = check_on(&gpu, &case, &inputs, &want, 1).remove(0);
+            let row_bytes = case.q_heads * case.head_dim * 2;
+            for (b, &sequence) in sequences.iter().enumerate() {
+                let alone = Case { sequences: vec![sequence], ..case };
+                let row = case.q_heads * case.head_dim;
+                let single = Inputs {
+                    shape: inputs.shape,
+                    q: inputs.q[b * row..(b + 1) * row].to_vec(),
+                    k: inputs.k.clone(),
+                    v: inputs.v.clone(),
+                    pages: inputs.pages,
+                    tables: vec![inputs.tables[b].clone()],
+                };
+                let got = run_gpu(&gpu, &alone, &single, 1).remove(0);
+                assert!(
+                    got[..] == together[b * row_bytes..(b + 1) * row_bytes],
+                    "{variant:?} at {splits} chunks: sequence {b} ({sequence:?}) alone differs from the batch"
+                );
+            }
+        }
+    }
+}
+
+/// The persistent variants where they are meant to serve: a batch of 8 ragged long contexts at
+/// GQA 32/8, head dim 128, page 64, and one sequence of about 40k positions (chunks of 768 keys at
+/// 64 chunks, hundreds of stages a block), at 64, 32 and 16 chunks at most; against the float64
+/// reference, three runs bit for bit.
+#[test]
+fn persistent_decode_over_long_contexts_matches_float64() {
+    let (gpu, mut rng) = (gpu(), Rng::fresh());
+    let batch8: Vec<(usize, usize)> = (0..8).map(|_| (1, 3000 + rng.below(12_000))).collect();
+    let one = vec![(1, 40_000 + rng.below(3000))];
+    for (q_heads, kv_heads, sequences) in [(32, 8, batch8), (8, 2, one)] {
+        let mut case = Case {
+            q_heads,
+            kv_heads,
+            head_dim: 128,
+            page_tokens: 64,
+            sequences: sequences.clone(),
+            splits: None,
+            variant: AttentionVariant::DECODE_PERSISTENT,
+        };
+        let inputs = inputs(&mut rng, &case);
+        let want = reference(&case, &inputs);
+        for splits in [PERSISTENT_SPLITS, 32, 16] {
+            for variant in AttentionVariant::PERSISTENT {
+                (case.splits, case.variant) = (Some(splits), variant);
+                let outputs = check_on(&gpu, &case, &inputs, &want, 3);
+                assert!(
+                    outputs[0] == outputs[1] && outputs[1] == outputs[2],
+                    "{variant:?} differs between runs: {sequences:?} {splits}"
+                );
+            }
+        }
+    }
+}
+
+/// The persistent kernel serves one query token a sequence and at most 64 chunks, and refuses the
+/// rest by name.
+#[test]
+fn persistent_decode_refuses_what_it_does_not_serve() {
+    let (gpu, mut rng) = (gpu(), Rng::fresh());
+    for variant in AttentionVariant::PERSISTENT {
+        assert!(variant.is_persistent());
+        let prefill = Case {
+            q_heads: 8,
+            kv_heads: 2,
+            head_dim: 128,
+            page_tokens: 16,
+            sequences: vec![(2, 40)],
+            splits: Some(4),
+            variant,
+        };
+        let inputs = inputs(&mut rng, &prefill);
+        let q = upload(&gpu, &bytes(&inputs.q));
+        let (k, v) = (upload(&gpu, &bytes(&inputs.k)), upload(&gpu, &bytes(&inputs.v)));
+        let cache = KvBuffers { k: &k, v: &v, pages: inputs.pages };
+        let out = poisoned(&gpu, inputs.q.len() * 2);
+        // Two query tokens at 4 chunks; one query token at 65 chunks.
+        for (query_tokens, splits) in [(2, 4), (1, 65)] {
+            let sequences: Vec<AttentionSequence<'_>> =
+                vec![AttentionSequence { query_tokens, context_tokens: 40, pages: &inputs.tables[0] }];
+            let batch =
+                PagedBatch::upload(&gpu, &inputs.shape, &sequences, inputs.pages).expect("batch upload");
+            let scratch = poisoned(&gpu, scratch_bytes(&inputs.shape, batch.total_queries, splits));
+            let result = attention(
+                &gpu,
+                &inputs.shape,
+                &batch,
+                &q,
+                cache,
+                &out,
+                Some(&scratch),
+                splits,
+                Some(variant),
+            );
+            assert!(matches!(result, Err(Error::NotServed { .. })), "{variant:?} {splits}: {result:?}");
+        }
     }
 }
