@@ -14,7 +14,12 @@
 //! without top-k run on one block each, so only greedy and top-k rows are fast there), the
 //! lists with the mass path (`SamplePath::Lists`) and, for greedy rows, the greedy kernel
 //! (`SamplePath::Greedy`), and, for greedy and top-k rows without penalties, the top-k merge
-//! kernel (`SamplePath::TopKMerge`, a candidate not yet chosen by `for_rows`).
+//! kernel (`SamplePath::TopKMerge`, a candidate not yet chosen by `for_rows`) and the top-k
+//! bound kernel (`SamplePath::TopKBound`, likewise).
+//!
+//! `--profile` prints, instead of the table, the phases of the top-k bound kernel compiled with
+//! `SAMPLE_PROFILE=1` (one launch a sample, the median of several) for its modes at batch 1 and
+//! 64: where the microseconds go, in a few seconds.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -23,8 +28,8 @@ use kiln_core::ops::sample::SamplingParams;
 use kiln_core::{Error, Result};
 use kiln_cuda::certify::{median_graph_launch_us, median_launch_us};
 use kiln_cuda::ops::sample::{
-    encode_histories, encode_params, sample_with_path, PenaltyScratch, SampleBuffers, SamplePath,
-    SampleScratch, DEFAULT_PATH, TOPK_MERGE_KMAX,
+    encode_histories, encode_params, sample_with_path, sample_with_path_profiled, PenaltyScratch,
+    SampleBuffers, SamplePath, SampleScratch, DEFAULT_PATH, PROFILE_SLOTS, TOPK_BOUND_KMAX, TOPK_MERGE_KMAX,
 };
 use kiln_cuda::Gpu;
 
@@ -48,6 +53,59 @@ pub struct BenchSampleArgs {
     /// Also write the table (markdown) here.
     #[arg(long)]
     pub out: Option<PathBuf>,
+    /// Print the phases of the top-k bound kernel (compiled with SAMPLE_PROFILE=1) instead of
+    /// the table.
+    #[arg(long)]
+    pub profile: bool,
+}
+
+/// Profiled launches a case (the median of each slot is printed).
+const PROFILE_RUNS: usize = 9;
+
+/// The median over `runs` of slot `i`, with `f` of the slots.
+fn median_of(runs: &[Vec<u64>], f: impl Fn(&[u64]) -> f64) -> f64 {
+    let mut v: Vec<f64> = runs.iter().map(|r| f(r)).collect();
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// The profile lines of one case: the kernel's span from the first block's entry (ns of
+/// %globaltimer), block (0, 0)'s phases and the phases of row 0's last block (SM cycles, and
+/// microseconds at the clock that block measured), row 0's counts.
+fn profile_lines(name: &str, batch: usize, runs: &[Vec<u64>]) -> String {
+    let ns = |a: usize| move |r: &[u64]| r[a].wrapping_sub(!r[0]) as f64;
+    let cycles = |a: usize, b: usize| move |r: &[u64]| r[b].wrapping_sub(r[a]) as f64;
+    // The last block's clock: its cycles over its nanoseconds.
+    let ghz =
+        median_of(runs, |r| r[22].wrapping_sub(r[16]) as f64 / (r[25].wrapping_sub(r[24]) as f64).max(1.0))
+            .max(0.1);
+    let mut out = format!(
+        "{name} batch {batch}: span {:.2} us (last ticket at {:.2} us, row 0's last block {:.2} to {:.2} us), \
+         clock {ghz:.2} GHz\n",
+        median_of(runs, ns(2)) / 1e3,
+        median_of(runs, ns(1)) / 1e3,
+        median_of(runs, ns(24)) / 1e3,
+        median_of(runs, ns(25)) / 1e3,
+    );
+    let phase = |label: &str, a: usize, b: usize| {
+        let c = median_of(runs, cycles(a, b));
+        format!("  {label:<28} {c:>8.0} cycles {:>7.2} us\n", c / ghz / 1e3)
+    };
+    out.push_str(&phase("block (0,0) keys loaded", 8, 9));
+    out.push_str(&phase("block (0,0) maxima + fence", 9, 10));
+    out.push_str(&phase("block (0,0) ticket", 10, 11));
+    out.push_str(&phase("last block: maxima loaded", 16, 17));
+    out.push_str(&phase("last block: bound (3 passes)", 17, 18));
+    out.push_str(&phase("last block: candidate groups", 18, 19));
+    out.push_str(&phase("last block: gather", 19, 20));
+    out.push_str(&phase("last block: rank", 20, 21));
+    out.push_str(&phase("last block: finish", 21, 22));
+    let last = &runs[runs.len() - 1];
+    out.push_str(&format!(
+        "  row 0: k {}, {} slices of {} groups, {} valid groups, {} candidate groups, {} candidates, fallback {}\n",
+        last[35], last[37], last[38], last[32], last[33], last[34], last[36]
+    ));
+    out
 }
 
 /// The modes of the table, the same names as the peer's.
@@ -95,12 +153,14 @@ pub fn run(args: &BenchSampleArgs) -> Result<()> {
     let mut table = format!(
         "Sampler, vocabulary {vocab}, on {} ({})\n\n\
          | mode | batch | path | time_us | graph_us | auto_us | auto_graph_us | fused_graph_us | lists_graph_us \
-         | greedy_graph_us | topk_merge_graph_us | torch_us | torch / kiln | torch / kiln graph |\n\
-         | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n",
+         | greedy_graph_us | topk_merge_graph_us | topk_bound_graph_us | torch_us | torch / kiln \
+         | torch / kiln graph |\n\
+         | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n",
         gpu.facts().name,
         gpu.arch()
     );
     let mut values = Values::fresh();
+    let mut profiles = String::new();
     for batch in [1usize, 64] {
         let sets = 4;
         let logits = (0..sets)
@@ -147,6 +207,49 @@ pub fn run(args: &BenchSampleArgs) -> Result<()> {
             let graph_time = |path: SamplePath| {
                 median_graph_launch_us(&gpu, args.batches, args.launches, |i| launch(path, i))
             };
+            let bound_serves =
+                !penalties && (params.is_greedy() || (1..=TOPK_BOUND_KMAX).contains(&params.top_k));
+            if args.profile {
+                if bound_serves {
+                    let profile = gpu.alloc(PROFILE_SLOTS * 8)?;
+                    let mut runs = Vec::new();
+                    for i in 0..PROFILE_RUNS + 1 {
+                        profile.fill_bytes(0)?;
+                        let buffers = SampleBuffers {
+                            logits: &logits[i % sets],
+                            row_stride: vocab,
+                            params: &params_dev,
+                            steps: &steps_dev,
+                            history_offsets: &offsets_dev,
+                            history: &history_dev,
+                            penalty: None,
+                            stats: None,
+                            tokens: &out,
+                            scratch: Some(&sample_scratch),
+                        };
+                        sample_with_path_profiled(
+                            &gpu,
+                            batch,
+                            vocab,
+                            buffers,
+                            SamplePath::TopKBound,
+                            Some(&profile),
+                        )?;
+                        let bytes = profile.to_host_bytes()?;
+                        let slots: Vec<u64> = bytes
+                            .chunks_exact(8)
+                            .map(|c| u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
+                            .collect();
+                        if i > 0 {
+                            runs.push(slots); // the first launch compiles and warms
+                        }
+                    }
+                    let lines = profile_lines(name, batch, &runs);
+                    print!("{lines}");
+                    profiles.push_str(&lines);
+                }
+                continue;
+            }
             let path = SamplePath::for_rows(rows.iter().map(|(p, _)| p));
             let us = time(path)?;
             let graph_us = graph_time(path)?;
@@ -170,17 +273,28 @@ pub fn run(args: &BenchSampleArgs) -> Result<()> {
             } else {
                 "-".to_owned()
             };
+            let topk_bound_graph_us = if bound_serves {
+                format!("{:.1}", graph_time(SamplePath::TopKBound)?)
+            } else {
+                "-".to_owned()
+            };
             let torch = peer.get(name).and_then(|m| m.get(&batch.to_string())).copied();
             let ratio = |kiln: f64| torch.map_or("-".to_owned(), |t| format!("{:.2}x", t / kiln));
             table.push_str(&format!(
                 "| {name} | {batch} | {path:?} | {us:.1} | {graph_us:.1} | {auto_us:.1} | {auto_graph_us:.1} \
-                 | {fused_graph_us:.1} | {lists_graph_us:.1} | {greedy_graph_us} | {topk_merge_graph_us} | {} | {} \
-                 | {} |\n",
+                 | {fused_graph_us:.1} | {lists_graph_us:.1} | {greedy_graph_us} | {topk_merge_graph_us} \
+                 | {topk_bound_graph_us} | {} | {} | {} |\n",
                 torch.map_or("-".to_owned(), |t| format!("{t:.1}")),
                 ratio(us),
                 ratio(graph_us),
             ));
         }
+    }
+    if args.profile {
+        if let Some(path) = &args.out {
+            std::fs::write(path, &profiles).map_err(|e| Error::io(path, e))?;
+        }
+        return Ok(());
     }
     table.push_str(
         "\npath: SamplePath::for_rows of the batch's parameters. time_us, auto_us: CUDA events around \

@@ -2694,3 +2694,407 @@ kiln_sample_topk_merge(const float* __restrict__ logits, long long vocab, long l
     }
 }
 #endif  // THREADS <= 256
+
+// ---- The top-k bound path ---------------------------------------------------------------------
+//
+// Serves the rows of the top-k merge path (greedy rows and rows with 1 <= top_k <= TKB_KMAX,
+// without penalties or the LM head's statistics; every other row on block 0 of its row on the
+// single-block path) in one launch of `kiln_sample_topk_bound` on a (slices, rows) grid, with no
+// selection in the blocks that read the logits:
+//   1. Block (s, r) loads its slice (TKB_PER order keys a thread, every load in flight) and writes
+//      the maximum order key of each group of 32 consecutive logits (one warp-wide max a group;
+//      slices are multiples of 32 logits, so no group crosses a slice). Then it takes the row's
+//      ticket; every block but the last of the row is done.
+//   2. The last block of the row holds the row's group maxima in registers (TKB_GROUP_PER a
+//      thread) and selects a bound among them by three 8-bit radix passes: B, the lowest key with
+//      the top 24 bits of the k-th largest group maximum. The k groups of the k largest maxima
+//      hold k distinct tokens at or above B, so every token of the row's top-k is at or above B.
+//      The groups whose maximum reaches B (k and a few more) are read again from L2, one warp a
+//      group, and their tokens at or above B (the candidates: k and a few more) are ranked
+//      (counting, or a bitonic sort past TKB_RANK_MAX). The block finishes on the top-k in the
+//      order as the top-k merge path does: weights from the first, top-p in rank order by one
+//      block scan, min-p, and the draw in index order.
+// A row with more candidate groups or candidates than the buffers hold (ties) is sampled by its
+// last block on the single-block path; a row whose group maxima are fewer than k takes every
+// valid token as a candidate. Every quantity is an integer or the reference's fp32 operation on
+// the same value, so the token is the reference's whatever the slices.
+//
+// SAMPLE_PROFILE=1 compiles time stamps into `profile` (64 u64, zero on entry; null otherwise):
+// slot 0 the largest ~%globaltimer at a block's entry (the first entry, complemented), 1 the
+// latest ticket, 2 the latest end of a row's last block; block (0, 0): clock64 at entry (8),
+// keys loaded (9), maxima stored (10), ticket taken (11); the last block of row 0: clock64 at its
+// start (16), maxima loaded (17), bound (18), candidate groups (19), candidates gathered (20),
+// ranked (21), token written (22), %globaltimer at its start (24) and end (25); row 0's counts:
+// valid groups (32), candidate groups (33), candidates (34), k (35), fallback (36), slices (37),
+// groups a slice (38). `kiln bench sample --profile` prints them.
+
+#ifndef SAMPLE_PROFILE
+#define SAMPLE_PROFILE 0
+#endif
+#define TKB_KMAX 256          // the largest top-k the path serves
+#define TKB_PER 32            // order keys a thread holds: a slice is at most TKB_PER * THREADS
+#define TKB_GROUP_PER 32      // group maxima a thread of the last block holds
+#define TKB_GROUP_CAP 1024    // candidate groups the last block gathers
+#define TKB_CAND_CAP 2048     // candidates the last block ranks (a power of two)
+#define TKB_RANK_MAX 512      // ranked by counting up to this many, by a bitonic sort above
+#define TKB_FALLBACK 1
+#define TKB_MIN_BLOCKS 2
+
+#if THREADS <= 256
+struct TopKBoundShared {
+    kiln_u64 cand[TKB_CAND_CAP];      // the candidates; then the kept weights and indices
+    kiln_u64 groups[TKB_GROUP_CAP];   // the candidate groups' numbers
+    kiln_u64 top[TKB_KMAX];           // the top-k in the order
+    kiln_u32 bins[256];
+    kiln_u64 warp_u64[SAMPLE_WARPS];
+    kiln_u32 warp_u32[SAMPLE_WARPS];
+    kiln_u32 chosen, above, total, ngroups, ncand;
+    int last;
+};
+static_assert(THREADS >= TKB_KMAX, "one thread per top-k token");
+static_assert(2 * TKB_KMAX * 4 <= TKB_CAND_CAP * 8, "the kept weights and indices fit in `cand`");
+
+__device__ __forceinline__ kiln_u64 tkb_globaltimer() {
+    kiln_u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+#if SAMPLE_PROFILE
+#define TKB_CLOCK(slot, when)                                               \
+    do {                                                                    \
+        if ((when) && profile != nullptr && threadIdx.x == 0)               \
+            profile[slot] = (kiln_u64)clock64();                            \
+    } while (0)
+#define TKB_SET(slot, when, value)                                          \
+    do {                                                                    \
+        if ((when) && profile != nullptr && threadIdx.x == 0)               \
+            profile[slot] = (kiln_u64)(value);                              \
+    } while (0)
+#else
+#define TKB_CLOCK(slot, when) \
+    do {                      \
+        (void)(when);         \
+    } while (0)
+#define TKB_SET(slot, when, value) \
+    do {                           \
+        (void)(when);              \
+        (void)sizeof(value);       \
+    } while (0)
+#endif
+
+// One warp (warp 0) finds the first bin from 255 down at which the running count reaches
+// `target`: sh.chosen, the count above it in sh.above, the total of the bins in sh.total (the
+// bin is meaningless when the total is below the target). Followed by a barrier.
+__device__ __forceinline__ void tkb_pick(TopKBoundShared& sh, kiln_u32 target) {
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        kiln_u32 sum = 0u;
+#pragma unroll
+        for (int q = 0; q < 8; ++q) sum += sh.bins[255 - (lane * 8 + q)];
+        kiln_u32 inclusive = sum;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const kiln_u32 n = __shfl_up_sync(KILN_FULL_MASK, inclusive, o);
+            if (lane >= o) inclusive += n;
+        }
+        const kiln_u32 before = inclusive - sum;
+        if (lane == 31) sh.total = inclusive;
+        if (before < target && inclusive >= target) {
+            kiln_u32 acc = before;
+            for (int q = 0; q < 8; ++q) {
+                const int b = 255 - (lane * 8 + q);
+                const kiln_u32 c = sh.bins[b];
+                if (acc + c >= target) {
+                    sh.chosen = (kiln_u32)b;
+                    sh.above = acc;
+                    break;
+                }
+                acc += c;
+            }
+        }
+    }
+    __syncthreads();
+}
+
+// The last block of served row r: the top-k from the group maxima, then the token. Returns
+// TKB_FALLBACK when the candidates overflow the buffers (the caller samples the row on the
+// single-block path), else 0.
+__device__ __forceinline__ int sample_row_topk_bound(int r, kiln_u32 k, const float* __restrict__ row,
+                                                     long long vocab, const KilnSampleParams& p, kiln_u64 step,
+                                                     kiln_u32* __restrict__ tokens, const kiln_u32* row_maxima,
+                                                     int groups, TopKBoundShared& sh, kiln_u64* profile) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const bool row0 = r == 0;
+    kiln_u32 g[TKB_GROUP_PER];
+#pragma unroll
+    for (int q = 0; q < TKB_GROUP_PER; ++q) {
+        const int i = q * THREADS + (int)threadIdx.x;
+        g[q] = i < groups ? __ldcg(&row_maxima[i]) : 0u;
+    }
+    // The bound: three radix passes over the top 24 bits of the group maxima (keys 0 are NaN
+    // groups: never counted).
+    kiln_u32 prefix = 0u, mask = 0u, target = k, bound = 1u;
+    bool found = true;
+    for (int shift = 24; shift >= 8; shift -= 8) {
+        for (int b = threadIdx.x; b < 256; b += THREADS) sh.bins[b] = 0u;
+        if (threadIdx.x == 0) {
+            sh.ngroups = 0u;
+            sh.ncand = 0u;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int q = 0; q < TKB_GROUP_PER; ++q) {
+            if (q * THREADS >= groups) break;  // the same for the whole block
+            const bool in = g[q] != 0u && (g[q] & mask) == prefix;
+            if (__ballot_sync(KILN_FULL_MASK, in) == 0u) continue;
+            const int digit = in ? (int)((g[q] >> shift) & 0xFFu) : -1;
+            const kiln_u32 peers = __match_any_sync(KILN_FULL_MASK, digit);
+            if (in && lane == __ffs(peers) - 1) atomicAdd(&sh.bins[digit], (kiln_u32)__popc(peers));
+        }
+        __syncthreads();
+        if (shift == 24) TKB_CLOCK(17, row0);
+        tkb_pick(sh, target);
+        TKB_SET(32, row0 && shift == 24, sh.total);
+        if (sh.total < target) {  // fewer valid groups than k (the first pass): every valid token
+            found = false;
+            __syncthreads();
+            break;
+        }
+        prefix |= sh.chosen << shift;
+        mask |= 0xFFu << shift;
+        target -= sh.above;
+        __syncthreads();  // sh.chosen, sh.above, sh.total are read by every thread before reuse
+    }
+    if (found) bound = prefix > 1u ? prefix : 1u;
+    TKB_CLOCK(18, row0);
+
+    // The candidate groups: maxima at or above the bound (an empty row has none).
+    kiln_u64* const cgroups = sh.groups;
+#pragma unroll
+    for (int q = 0; q < TKB_GROUP_PER; ++q) {
+        if (q * THREADS >= groups) break;
+        const bool take = g[q] != 0u && g[q] >= bound;
+        fused_append(take, (kiln_u64)(q * THREADS + (int)threadIdx.x), cgroups, &sh.ngroups, TKB_GROUP_CAP);
+    }
+    __syncthreads();
+    const int ng = (int)sh.ngroups;
+    TKB_CLOCK(19, row0);
+    TKB_SET(33, row0, ng);
+    if (ng == 0) {  // every logit of the row is NaN
+        if (threadIdx.x == 0) tokens[r] = NO_TOKEN;
+        return 0;
+    }
+    if (ng > TKB_GROUP_CAP) return TKB_FALLBACK;
+
+    // The candidates: the groups' tokens at or above the bound, one warp a group, four groups a
+    // warp in flight.
+    for (int base = warp; base < ng; base += 4 * SAMPLE_WARPS) {
+        float x[4];
+        long long idx[4];
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            const int gi = base + t * SAMPLE_WARPS;
+            idx[t] = -1;
+            x[t] = 0.0f;
+            if (gi < ng) {
+                const long long i = 32ll * (long long)cgroups[gi] + lane;  // group g: logits [32 g, 32 g + 32)
+                if (i < vocab) {
+                    idx[t] = i;
+                    x[t] = __ldcg(&row[i]);
+                }
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            const kiln_u32 key = idx[t] >= 0 ? sample_order_key(x[t]) : 0u;
+            const bool take = key != 0u && key >= bound;
+            fused_append(take, take ? fast_pack(key, (kiln_u32)idx[t]) : 0ull, sh.cand, &sh.ncand, TKB_CAND_CAP);
+        }
+    }
+    __syncthreads();
+    const int m_n = (int)sh.ncand;
+    TKB_CLOCK(20, row0);
+    TKB_SET(34, row0, m_n);
+    if (m_n > TKB_CAND_CAP) return TKB_FALLBACK;
+
+    // The top-k in the order, into sh.top.
+    const int kk = min((int)k, m_n);
+    kiln_u64* top = sh.top;
+    if (m_n <= TKB_RANK_MAX) {
+        fused_rank(sh.cand, m_n, [&](kiln_u64 e, kiln_u32 rank) {
+            if ((int)rank < kk) top[rank] = e;
+        });
+    } else {
+        int size = 1;
+        while (size < m_n) size <<= 1;
+        for (int j = m_n + (int)threadIdx.x; j < size; j += THREADS) sh.cand[j] = 0ull;
+        __syncthreads();
+        fused_bitonic(sh.cand, size);
+        for (int j = threadIdx.x; j < kk; j += THREADS) top[j] = sh.cand[j];
+    }
+    __syncthreads();
+    TKB_CLOCK(21, row0);
+    if (k == 1u) {  // greedy, or top-k 1: the first of the order
+        if (threadIdx.x == 0) tokens[r] = 0xFFFFFFFFu - (kiln_u32)top[0];
+        return 0;
+    }
+
+    // Token j of the order (thread j): its weight from the first; top-p in rank order; min-p;
+    // the draw in index order (as the top-k merge path).
+    const int j = threadIdx.x;
+    const bool mine = j < kk;
+    const kiln_u64 e = mine ? top[j] : 0ull;
+    const float xv = fused_value((kiln_u32)(e >> 32));
+    float m = fused_value((kiln_u32)(top[0] >> 32)) / p.temperature;
+    m = fminf(fmaxf(m, -3.40282347e38f), 3.40282347e38f);
+    const kiln_u32 w = mine ? sample_weight(xv, p.temperature, m) : 0u;
+    kiln_u64 mass;
+    const kiln_u64 before = fast_scan((kiln_u64)w, sh.warp_u64, mass);
+    bool kept = mine;
+    if (p.top_p_units < (1u << 24)) {
+        // max(1, ceil(mass * p_units / 2^24)), exact in 128 bits; the cutoff is the first rank
+        // whose inclusive mass reaches it.
+        const kiln_u64 lo_p = mass * (kiln_u64)p.top_p_units, hi_p = __umul64hi(mass, (kiln_u64)p.top_p_units);
+        const kiln_u64 add = lo_p + 0xFFFFFFull;
+        const kiln_u64 carry = add < lo_p ? 1ull : 0ull;
+        kiln_u64 target_p = (add >> 24) | ((hi_p + carry) << 40);
+        if (target_p == 0ull) target_p = 1ull;
+        kept = mine && before < target_p;
+    }
+    const kiln_u32 kw = kept && w >= p.min_weight ? w : 0u;
+    kiln_u32* kept_weight = reinterpret_cast<kiln_u32*>(sh.cand);  // the candidates are no longer read
+    kiln_u32* kept_index = kept_weight + TKB_KMAX;
+    const kiln_u32 index = 0xFFFFFFFFu - (kiln_u32)e;
+    if (mine) {
+        kept_weight[j] = kw;
+        kept_index[j] = index;
+    }
+    kiln_u64 kept_mass;
+    fast_scan((kiln_u64)kw, sh.warp_u64, kept_mass);  // its barriers publish kept_*
+    const kiln_u64 u = sample_uniform(p.seed, step, p.stream);
+    const kiln_u64 draw = __umul64hi(u, kept_mass);  // < kept_mass: the first token is kept
+    // The draw in index order: the token whose inclusive kept mass over the tokens of lower or
+    // equal index passes the target; gw threads sum a token's.
+    int gw = 1;
+    while (gw < 32 && 2 * gw * kk <= THREADS) gw <<= 1;
+    if (threadIdx.x == 0) tokens[r] = NO_TOKEN;
+    __syncthreads();
+    for (int base = 0; base < kk; base += THREADS / gw) {
+        const int jj = base + (int)threadIdx.x / gw, part = (int)threadIdx.x & (gw - 1);
+        const kiln_u32 own_index = jj < kk ? kept_index[jj] : 0u;
+        const kiln_u32 own_weight = jj < kk ? kept_weight[jj] : 0u;
+        kiln_u64 inclusive = 0ull;
+        if (own_weight != 0u) {
+            for (int i = part; i < kk; i += gw) inclusive += kept_index[i] <= own_index ? (kiln_u64)kept_weight[i] : 0ull;
+        }
+        for (int o = gw >> 1; o > 0; o >>= 1) inclusive += __shfl_xor_sync(KILN_FULL_MASK, inclusive, o);
+        if (part == 0 && own_weight != 0u && inclusive - own_weight <= draw && draw < inclusive) {
+            tokens[r] = own_index;
+        }
+    }
+    return 0;
+}
+
+// One launch: grid (slices, rows), `slice_len` logits a block (a multiple of 32, at most
+// TKB_PER * THREADS; the launcher keeps ceil(vocab / 32) <= TKB_GROUP_PER * THREADS and
+// slices * slice_len / 32 <= `group_stride`). `maxima` holds `group_stride` u32 a row,
+// `tickets` one u32 a row (zero on entry, left zero); `profile` is read only with
+// SAMPLE_PROFILE=1.
+extern "C" __global__ void __launch_bounds__(THREADS, TKB_MIN_BLOCKS)
+kiln_sample_topk_bound(const float* __restrict__ logits, long long vocab, long long row_stride,
+                       const KilnSampleParams* __restrict__ params, const kiln_u64* __restrict__ steps,
+                       const kiln_u32* __restrict__ history_offsets, const kiln_u32* __restrict__ history,
+                       kiln_u32* __restrict__ counts, float* __restrict__ scratch, const kiln_u64* __restrict__ stats,
+                       int stats_per_row, kiln_u32* __restrict__ tokens, kiln_u32* tickets, kiln_u32* maxima,
+                       int group_stride, long long slice_len, kiln_u64* profile) {
+    kiln_wait_prior();
+    __shared__ TopKBoundShared sh;
+#if SAMPLE_PROFILE
+    if (profile != nullptr && threadIdx.x == 0) atomicMax(&profile[0], ~tkb_globaltimer());
+#else
+    (void)profile;
+#endif
+    const bool first = blockIdx.x == 0 && blockIdx.y == 0;
+    TKB_CLOCK(8, first);
+    const int r = blockIdx.y;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const long long lo = (long long)blockIdx.x * slice_len;
+    const long long hi = lo + slice_len < vocab ? lo + slice_len : vocab;
+    const int n = hi > lo ? (int)(hi - lo) : 0;  // <= TKB_PER * THREADS (launcher)
+    const float* x = logits + (long long)r * row_stride + lo;
+    // The slice's order keys (every load in flight), the parameters beside them; a row this
+    // path does not serve wasted only its read.
+    kiln_u32 key[TKB_PER];
+#pragma unroll
+    for (int u = 0; u < TKB_PER; ++u) {
+        const int i = u * THREADS + (int)threadIdx.x;
+        key[u] = 0u;
+        if (u * THREADS < slice_len && i < n) key[u] = sample_order_key(__ldg(&x[i]));
+    }
+    const KilnSampleParams p = params[r];
+    const kiln_u32 h0 = history_offsets[r], h1 = history_offsets[r + 1];
+    const bool penalties = sample_penalized(p, counts, h0, h1);
+    const bool greedy = p.temperature == 0.0f;
+    const bool from_stats = greedy && stats != nullptr && !penalties;
+    const bool served = !from_stats && !penalties && (greedy || (p.top_k >= 1u && p.top_k <= TKB_KMAX));
+    if (!served) {
+        if (blockIdx.x == 0) {
+            sample_row_single(r, logits, vocab, row_stride, params, steps, history_offsets, history, counts,
+                              scratch, stats, stats_per_row, tokens);
+        }
+        return;
+    }
+    // The group maxima: group j of the slice is logits [32 j, 32 j + 32), the lanes of warp
+    // j % SAMPLE_WARPS at step j / SAMPLE_WARPS; a group past the row's end has maximum 0.
+    const int slice_groups = (int)(slice_len / 32);
+    kiln_u32* out = maxima + (long long)r * group_stride + (long long)blockIdx.x * slice_groups;
+#pragma unroll
+    for (int u = 0; u < TKB_PER; ++u) {
+        if (u * THREADS >= slice_len) break;  // the same for the whole block
+        const kiln_u32 m = __reduce_max_sync(KILN_FULL_MASK, key[u]);
+        const int j = u * SAMPLE_WARPS + warp;
+        if (lane == 0 && j < slice_groups) out[j] = m;
+    }
+    TKB_CLOCK(9, first);
+    __threadfence();
+    __syncthreads();
+    TKB_CLOCK(10, first);
+    if (threadIdx.x == 0) {
+        const kiln_u32 ticket = atomicAdd(&tickets[r], 1u);
+        sh.last = ticket == gridDim.x - 1u;
+        if (sh.last) tickets[r] = 0u;  // every block of the row has taken its ticket
+#if SAMPLE_PROFILE
+        if (profile != nullptr) atomicMax(&profile[1], tkb_globaltimer());
+#endif
+    }
+    TKB_CLOCK(11, first);
+    __syncthreads();
+    if (!sh.last) return;
+    __threadfence();  // the other blocks' maxima, published before their tickets, are read after ours
+    const bool row0 = r == 0;
+    TKB_CLOCK(16, row0);
+    TKB_SET(24, row0, tkb_globaltimer());
+    const kiln_u32 k = greedy ? 1u : p.top_k;
+    const kiln_u64 step = steps[r];  // read now: its latency hides behind the selection
+    // Group g of the row is logits [32 g, 32 g + 32) (slices are whole groups); the groups past
+    // the row's end hold no logit.
+    const int groups = (int)((vocab + 31) / 32);  // <= TKB_GROUP_PER * THREADS (launcher)
+    TKB_SET(35, row0, k);
+    TKB_SET(37, row0, gridDim.x);
+    TKB_SET(38, row0, slice_groups);
+    const int fallback = sample_row_topk_bound(r, k, logits + (long long)r * row_stride, vocab, p, step, tokens,
+                                               maxima + (long long)r * group_stride, groups, sh, profile);
+    TKB_SET(36, row0, fallback);
+    if (fallback == TKB_FALLBACK) {
+        __syncthreads();
+        sample_row_single(r, logits, vocab, row_stride, params, steps, history_offsets, history, counts, scratch,
+                          stats, stats_per_row, tokens);
+    }
+    TKB_CLOCK(22, row0);
+    TKB_SET(25, row0, tkb_globaltimer());
+#if SAMPLE_PROFILE
+    if (profile != nullptr && threadIdx.x == 0) atomicMax(&profile[2], tkb_globaltimer());
+#endif
+}
+#endif  // THREADS <= 256

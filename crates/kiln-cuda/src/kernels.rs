@@ -783,6 +783,8 @@ pub const SAMPLE: KernelSource = KernelSource {
         &[("THREADS", "1024"), ("PENALTIES", "1")],
         &[("THREADS", "256"), ("PENALTIES", "0")],
         &[("THREADS", "256"), ("PENALTIES", "1")],
+        // The top-k bound kernel's phase time stamps (`kiln bench sample --profile`).
+        &[("THREADS", "256"), ("PENALTIES", "0"), ("SAMPLE_PROFILE", "1")],
     ],
     fmad: false,
 };

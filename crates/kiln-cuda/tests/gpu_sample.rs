@@ -11,8 +11,9 @@ use kiln_core::ops::sample::{sample, SamplingParams, NO_TOKEN};
 use kiln_core::DType;
 use kiln_cuda::ops::lm_head::{lm_head, LmHeadBuffers};
 use kiln_cuda::ops::sample::{
-    encode_histories, encode_params, sample_with_path, PenaltyScratch, SampleBuffers, SamplePath,
-    SampleScratch, FAST_KMAX, FUSED_KMAX, MAX_SAMPLE_ROWS,
+    encode_histories, encode_params, sample_with_path, sample_with_path_profiled, topk_bound_slices,
+    PenaltyScratch, SampleBuffers, SamplePath, SampleScratch, FAST_KMAX, FUSED_KMAX, MAX_SAMPLE_ROWS,
+    PROFILE_SLOTS,
 };
 use kiln_cuda::{DeviceMemory, Gpu};
 
@@ -293,8 +294,8 @@ fn a_scratch_is_reused_across_launches() {
         let logits_dev = upload(&gpu, &words(&logits, |v: f32| v.to_le_bytes().to_vec()));
         let empty: Vec<&[u32]> = vec![&[]; rows];
         let mut failures = 0;
-        // 35 launches: every mode on every path (7 modes, 5 paths).
-        for launch in 0..35 {
+        // 42 launches: every mode on every path (7 modes, 6 paths).
+        for launch in 0..42 {
             let params: Vec<(SamplingParams, u64)> = (0..rows)
                 .map(|_| {
                     let mode = [
@@ -316,7 +317,8 @@ fn a_scratch_is_reused_across_launches() {
                 SamplePath::Lists,
                 SamplePath::Greedy,
                 SamplePath::TopKMerge,
-            ][launch % 5];
+                SamplePath::TopKBound,
+            ][launch % 6];
             let (got, _) = run_gpu(
                 &gpu,
                 &[],
@@ -344,6 +346,89 @@ fn a_scratch_is_reused_across_launches() {
             }
         }
         assert_eq!(failures, 0, "rows {rows}: {failures} tokens differ");
+    }
+}
+
+/// The top-k bound kernel compiled with SAMPLE_PROFILE=1 samples the reference's tokens and
+/// writes its phases' counts: row 0's k, slices, candidate groups (at least k) and candidates (at
+/// least k), no fallback on a model-like row, and a span that starts before it ends.
+#[test]
+fn the_profiled_top_k_bound_kernel_samples_and_counts() {
+    let gpu = Gpu::open(0).expect("the GPU tests need CUDA device 0");
+    let mut rng = Rng::fresh();
+    let vocab = 151_936;
+    for rows in [1usize, 64] {
+        let logits: Vec<f32> = (0..rows * vocab).map(|_| rng.uniform(-8.0, 8.0)).collect();
+        let logits_dev = upload(&gpu, &words(&logits, |v: f32| v.to_le_bytes().to_vec()));
+        let k = 1 + rng.below(256) as u32;
+        let params: Vec<(SamplingParams, u64)> = (0..rows)
+            .map(|_| {
+                let p = SamplingParams {
+                    temperature: 0.8,
+                    top_k: k,
+                    top_p: 0.9,
+                    seed: rng.next(),
+                    ..Default::default()
+                };
+                (p, rng.next())
+            })
+            .collect();
+        let steps: Vec<u64> = (0..rows).map(|_| rng.next()).collect();
+        let (offsets, _) = encode_histories(&vec![&[][..]; rows], vocab).expect("histories");
+        let params_dev = upload(&gpu, &encode_params(&params).expect("params"));
+        let steps_dev = upload(&gpu, &words(&steps, |v: u64| v.to_le_bytes().to_vec()));
+        let offsets_dev = upload(&gpu, &words(&offsets, |v: u32| v.to_le_bytes().to_vec()));
+        let history_dev = upload(&gpu, &[0u8; 4]);
+        let out = gpu.alloc(rows * 4).expect("tokens");
+        out.fill_bytes(0xAB).expect("poison");
+        let profile = gpu.alloc(PROFILE_SLOTS * 8).expect("profile");
+        profile.fill_bytes(0).expect("zero");
+        let scratch = SampleScratch::new(&gpu, rows, vocab).expect("scratch");
+        let buffers = SampleBuffers {
+            logits: &logits_dev,
+            row_stride: vocab,
+            params: &params_dev,
+            steps: &steps_dev,
+            history_offsets: &offsets_dev,
+            history: &history_dev,
+            penalty: None,
+            stats: None,
+            tokens: &out,
+            scratch: Some(&scratch),
+        };
+        sample_with_path_profiled(&gpu, rows, vocab, buffers, SamplePath::TopKBound, Some(&profile))
+            .expect("profiled launch");
+        let bytes = out.to_host_bytes().expect("copy back");
+        for r in 0..rows {
+            let got =
+                u32::from_le_bytes([bytes[4 * r], bytes[4 * r + 1], bytes[4 * r + 2], bytes[4 * r + 3]]);
+            let (p, stream) = params[r];
+            let want =
+                sample(&logits[r * vocab..(r + 1) * vocab], &p, &[], steps[r], stream).expect("reference");
+            assert_eq!(got, want, "rows {rows} row {r}: k {k}");
+        }
+        let slots: Vec<u64> = profile
+            .to_host_bytes()
+            .expect("copy back")
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
+            .collect();
+        let (count, len) =
+            topk_bound_slices(rows, vocab, gpu.facts().multiprocessors as usize).expect("grid");
+        assert_eq!(slots[35], k as u64, "rows {rows}: k");
+        assert_eq!(slots[37], count as u64, "rows {rows}: slices");
+        assert_eq!(slots[38], (len / 32) as u64, "rows {rows}: groups a slice");
+        assert_eq!(slots[32], (vocab / 32) as u64 + u64::from(vocab % 32 != 0), "rows {rows}: valid groups");
+        assert!(slots[33] >= k as u64 && slots[34] >= k as u64, "rows {rows}: {slots:?}");
+        assert_eq!(slots[36], 0, "rows {rows}: fell back");
+        let first_entry = !slots[0];
+        assert!(slots[2] > first_entry && slots[25] > slots[24], "rows {rows}: {slots:?}");
+        println!(
+            "rows {rows} k {k}: {} candidate groups, {} candidates, span {} ns",
+            slots[33],
+            slots[34],
+            slots[2] - first_entry
+        );
     }
 }
 
@@ -476,7 +561,13 @@ fn fused_paths_equal_the_cpu_reference_on_edge_rows() {
         // The greedy path too: its greedy rows (without penalties) on the greedy kernel, the
         // others on one block each; and the top-k merge path (its rows without penalties on the
         // merge kernel, the crowded ones and the others on one block each).
-        for path in [SamplePath::Fused, SamplePath::Auto, SamplePath::Greedy, SamplePath::TopKMerge] {
+        for path in [
+            SamplePath::Fused,
+            SamplePath::Auto,
+            SamplePath::Greedy,
+            SamplePath::TopKMerge,
+            SamplePath::TopKBound,
+        ] {
             for penalty in [true, false] {
                 let want_here: Vec<u32> = if penalty {
                     want.clone()
@@ -659,8 +750,13 @@ fn gpu_frequencies_match_the_exact_distribution() {
         for launch in 0..launches {
             let params: Vec<(SamplingParams, u64)> = (0..rows).map(|_| (p, 0)).collect();
             let steps: Vec<u64> = (0..rows).map(|r| (launch * rows + r) as u64).collect();
-            let path = [SamplePath::Auto, SamplePath::SingleBlock, SamplePath::Fused, SamplePath::TopKMerge]
-                [launch % 4];
+            let path = [
+                SamplePath::Auto,
+                SamplePath::SingleBlock,
+                SamplePath::Fused,
+                SamplePath::TopKMerge,
+                SamplePath::TopKBound,
+            ][launch % 5];
             let (got, _) = run_gpu(
                 &gpu,
                 &[],

@@ -47,6 +47,15 @@
 //! per-warp histograms and writes it sorted; the last block of the row merges the lists above a
 //! bound from their first entries and finishes on the top-k.
 //!
+//! The top-k bound path ([`SamplePath::TopKBound`]) serves the same rows as the top-k merge path
+//! in one launch (`kiln_sample_topk_bound`, blocks of [`TOPK_BOUND_THREADS`] on a grid of
+//! [`topk_bound_slices`]) with no selection in the blocks that read the logits: each block
+//! writes the maximum of every group of 32 logits, and the last block of the row bounds the
+//! row's k-th token from below by the k-th largest group maximum (k groups hold k distinct
+//! tokens at or above it), reads again only the groups that reach the bound and finishes on the
+//! few candidates. Compiled with `SAMPLE_PROFILE=1` ([`sample_with_path_profiled`]) it writes
+//! time stamps of its phases.
+//!
 //! Every path gives the reference's token; [`SamplePath`] chooses among them. The default,
 //! [`SamplePath::Auto`], runs the fused path and the mass path's three launches after it (which
 //! return at once when no row needs them); a caller that knows its rows' parameters on the host
@@ -196,7 +205,7 @@ const FAST_BLOCK_CAP: usize = 512;
 const MIN_SLICE: usize = 2048;
 
 /// Which rows may take a multi-block path.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum SamplePath {
     /// The fused path for greedy and top-k rows, the mass path for rows at temperature > 0 with
     /// top-k off (four launches: the mass path's three follow the fused one, and return at once
@@ -229,11 +238,18 @@ pub enum SamplePath {
     /// finishes on the top-k (top-p, min-p, the draw). Every other row on one block. Not chosen
     /// by [`SamplePath::for_rows`]: a candidate to measure against [`SamplePath::Fused`].
     TopKMerge,
+    /// One launch of a kernel for the rows of [`SamplePath::TopKMerge`] (`kiln_sample_topk_bound`,
+    /// blocks of [`TOPK_BOUND_THREADS`] on a grid of [`topk_bound_slices`]): the blocks write the
+    /// maxima of groups of 32 logits, the last block of the row selects a bound among them (the
+    /// k-th largest group maximum is at most the row's k-th largest logit), ranks the tokens at
+    /// or above it and finishes on the top-k. Every other row on one block. Not chosen by
+    /// [`SamplePath::for_rows`]: a candidate to measure against [`SamplePath::Fused`].
+    TopKBound,
 }
 
 impl SamplePath {
     /// Every path, for tests that compare each with the reference.
-    pub const ALL: [SamplePath; 8] = [
+    pub const ALL: [SamplePath; 9] = [
         SamplePath::Auto,
         SamplePath::SingleBlock,
         SamplePath::TopKBlocks,
@@ -242,6 +258,7 @@ impl SamplePath {
         SamplePath::Lists,
         SamplePath::Greedy,
         SamplePath::TopKMerge,
+        SamplePath::TopKBound,
     ];
 
     /// The path for a batch of rows with these parameters, known on the host, by the H200's
@@ -378,6 +395,58 @@ pub fn topk_merge_slices(rows: usize, vocab: usize, multiprocessors: usize) -> O
     }
     let slice_len = vocab.div_ceil(count);
     Some((vocab.div_ceil(slice_len), slice_len))
+}
+
+/// The largest `top_k` the top-k bound path serves (`TKB_KMAX` in `sample.cu`).
+pub const TOPK_BOUND_KMAX: u32 = 256;
+/// Threads per block of the top-k bound kernel (`THREADS` of its compile, that of the fused
+/// kernel; at least [`TOPK_BOUND_KMAX`]: one thread per top-k token).
+pub const TOPK_BOUND_THREADS: u32 = FUSED_THREADS;
+const _: () = assert!(TOPK_BOUND_THREADS >= TOPK_BOUND_KMAX);
+/// Order keys a thread of the top-k bound kernel holds (`TKB_PER`).
+const TOPK_BOUND_PER_THREAD: usize = 32;
+/// Group maxima a thread of its last block holds (`TKB_GROUP_PER`): at most this many times
+/// [`TOPK_BOUND_THREADS`] groups of 32 logits a row.
+const TOPK_BOUND_GROUPS_PER_THREAD: usize = 32;
+/// Logits of a group of the top-k bound path (one warp-wide maximum).
+const TOPK_BOUND_GROUP: usize = 32;
+/// The shortest slice of the top-k bound path (as the greedy path's: fewer tickets a row).
+const TOPK_BOUND_MIN_SLICE: usize = FUSED_MIN_SLICE;
+/// Blocks of the top-k bound kernel a multiprocessor keeps resident (`TKB_MIN_BLOCKS`).
+const TOPK_BOUND_BLOCKS_PER_SM: usize = 2;
+/// u64 slots of the profile buffer of [`sample_with_path_profiled`].
+pub const PROFILE_SLOTS: usize = 64;
+
+/// The top-k bound path's grid for `rows` rows of `vocab` logits on a device of
+/// `multiprocessors`: (slices per row, logits per slice, a multiple of 32). As many blocks as the
+/// device keeps resident at once where the slices allow, each slice at least
+/// `FUSED_MIN_SLICE` logits and at most `TKB_PER * THREADS` (the registers of a block); the
+/// row's groups of 32 (group g: logits `[32 g, 32 g + 32)`) at most `TKB_GROUP_PER * THREADS`
+/// (the registers of the last block).
+/// 149 slices of 1024 at batch 1 and vocab 151936 on 132 multiprocessors, 19 of 8000 at batch
+/// 64. `None` beyond 262144 logits.
+pub fn topk_bound_slices(rows: usize, vocab: usize, multiprocessors: usize) -> Option<(usize, usize)> {
+    if rows == 0 || vocab == 0 {
+        return None;
+    }
+    let slice_max = TOPK_BOUND_PER_THREAD * TOPK_BOUND_THREADS as usize;
+    let fewest = vocab.div_ceil(slice_max);
+    let most = vocab.div_ceil(TOPK_BOUND_MIN_SLICE).max(fewest);
+    let resident = TOPK_BOUND_BLOCKS_PER_SM * multiprocessors.max(1);
+    let count = (resident / rows).clamp(fewest, most);
+    let slice_len = vocab.div_ceil(count).next_multiple_of(TOPK_BOUND_GROUP);
+    let count = vocab.div_ceil(slice_len);
+    // The last block holds the groups that hold logits (those of the last slice past the row's
+    // end are not read).
+    let groups = vocab.div_ceil(TOPK_BOUND_GROUP);
+    (slice_len <= slice_max && groups <= TOPK_BOUND_GROUPS_PER_THREAD * TOPK_BOUND_THREADS as usize)
+        .then_some((count, slice_len))
+}
+
+/// u32 group maxima a row of the top-k bound path may write (they lie in the fused lists'
+/// region: `fused_slots` lists of [`FUSED_KMAX`] u64 a row).
+fn topk_bound_group_stride(vocab: usize) -> usize {
+    fused_slots(vocab) * FUSED_KMAX as usize * 2
 }
 
 /// Bins of the mass path's histogram per row (`MASS_BINS` in `sample.cu`).
@@ -556,6 +625,24 @@ pub fn sample_with_path(
     buffers: SampleBuffers<'_>,
     path: SamplePath,
 ) -> Result<()> {
+    sample_with_path_profiled(gpu, rows, vocab, buffers, path, None)
+}
+
+/// [`sample_with_path`]; with `profile` (at least [`PROFILE_SLOTS`] u64, zeroed by the caller)
+/// and [`SamplePath::TopKBound`], the kernel is compiled with `SAMPLE_PROFILE=1` and writes the
+/// time stamps and counts of its phases there (the slots are listed in `sample.cu`; other paths
+/// leave it untouched).
+pub fn sample_with_path_profiled(
+    gpu: &Gpu,
+    rows: usize,
+    vocab: usize,
+    buffers: SampleBuffers<'_>,
+    path: SamplePath,
+    profile: Option<&DeviceMemory>,
+) -> Result<()> {
+    if let Some(p) = profile {
+        super::check_buffer("sample", "profile", p.len_bytes(), PROFILE_SLOTS * 8)?;
+    }
     if rows == 0 || rows > MAX_SAMPLE_ROWS {
         return Err(Error::NotServed {
             op: "sample kernel",
@@ -597,7 +684,11 @@ pub fn sample_with_path(
     };
     let multiprocessors = gpu.facts().multiprocessors as usize;
     let grid = match path {
-        SamplePath::SingleBlock | SamplePath::Fused | SamplePath::Greedy | SamplePath::TopKMerge => None,
+        SamplePath::SingleBlock
+        | SamplePath::Fused
+        | SamplePath::Greedy
+        | SamplePath::TopKMerge
+        | SamplePath::TopKBound => None,
         _ => slices(rows, vocab, multiprocessors),
     };
     // The fused launch also runs the mass path's first step on the mass path's slices: its grid
@@ -608,8 +699,11 @@ pub fn sample_with_path(
         if path == SamplePath::Greedy { greedy_slices(rows, vocab, multiprocessors) } else { None };
     let merge_grid =
         if path == SamplePath::TopKMerge { topk_merge_slices(rows, vocab, multiprocessors) } else { None };
+    let bound_grid =
+        if path == SamplePath::TopKBound { topk_bound_slices(rows, vocab, multiprocessors) } else { None };
+    let group_stride = topk_bound_group_stride(vocab) as i32;
     let owned;
-    let scratch = match (grid.or(fused_grid).or(greedy_grid).or(merge_grid), buffers.scratch) {
+    let scratch = match (grid.or(fused_grid).or(greedy_grid).or(merge_grid).or(bound_grid), buffers.scratch) {
         (None, _) => None,
         (Some(_), Some(scratch)) => {
             if scratch.rows < rows || scratch.vocab != vocab {
@@ -732,6 +826,37 @@ pub fn sample_with_path(
         // zero (zeroed at allocation, left zero by every launch).
         unsafe { launch.launch(merge_config) }
             .map_err(|e| driver_error("cuLaunchKernel(kiln_sample_topk_merge)", e))?;
+        return Ok(());
+    }
+    if let (Some((bound_count, bound_len)), true) = (bound_grid, base != 0) {
+        let bound_threads = TOPK_BOUND_THREADS.to_string();
+        let profiled = if profile.is_some() { "1" } else { "0" };
+        let bound_defines =
+            [("THREADS", bound_threads.as_str()), ("PENALTIES", penalties), ("SAMPLE_PROFILE", profiled)];
+        let function = gpu.function(&SAMPLE, "kiln_sample_topk_bound", &bound_defines)?;
+        let bound_config = LaunchConfig {
+            grid_dim: (bound_count as u32, rows as u32, 1),
+            block_dim: (TOPK_BOUND_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let maxima_region = at(layout.fused_lists);
+        let bound_len = bound_len as i64;
+        let profile_ptr = profile.map_or(0u64, DeviceMemory::device_ptr);
+        let mut launch = gpu.launch_builder(&function);
+        row_args.push(&mut launch);
+        launch.arg(&tickets).arg(&maxima_region).arg(&group_stride).arg(&bound_len).arg(&profile_ptr);
+        // SAFETY: the arguments match `kiln_sample_topk_bound`'s signature (pointer, i64, i64, 7
+        // pointers, i32, 3 pointers, i32, i64, pointer); every buffer was checked above to hold
+        // what `rows` rows touch, `counts` and `scratch` are null only with PENALTIES=0, `stats`
+        // only with zero statistics per row, `profile` null or PROFILE_SLOTS u64 (checked above).
+        // The scratch is laid out by `ScratchLayout` for at least `rows` rows of this vocabulary
+        // (checked above): the group maxima of a row (`topk_bound_slices` keeps them within
+        // TKB_GROUP_PER * THREADS and within the stride, tested) lie in the fused lists' region
+        // (`fused_slots` * FUSED_KMAX u64 a row: the stride's bytes); each slice is a multiple of
+        // 32 logits and at most TKB_PER * THREADS; the tickets are zero (zeroed at allocation,
+        // left zero by every launch).
+        unsafe { launch.launch(bound_config) }
+            .map_err(|e| driver_error("cuLaunchKernel(kiln_sample_topk_bound)", e))?;
         return Ok(());
     }
     match (fused_grid, base != 0) {
@@ -976,6 +1101,22 @@ mod tests {
         assert_eq!(topk_merge_slices(1, 151_936, 132), Some((149, 1020)));
         assert_eq!(topk_merge_slices(64, 151_936, 132), Some((19, 7997)));
         assert_eq!(topk_merge_slices(1, 256 * 8192 + 1, 132), None);
+        for vocab in [1usize, 3, 7, 31, 33, 1000, 1025, 2048, 8193, 32_000, 151_937, 262_144] {
+            for rows in [1usize, 2, 8, 64, 256] {
+                for sms in [1usize, 108, 132] {
+                    let (count, len) = topk_bound_slices(rows, vocab, sms).unwrap();
+                    assert!(len.is_multiple_of(32), "{vocab} {rows}: slice of {len}");
+                    assert!(len <= TOPK_BOUND_PER_THREAD * TOPK_BOUND_THREADS as usize, "{vocab} {rows}");
+                    assert!(vocab.div_ceil(32) <= TOPK_BOUND_GROUPS_PER_THREAD * TOPK_BOUND_THREADS as usize);
+                    let written = count * len / 32;
+                    assert!(written <= topk_bound_group_stride(vocab), "{vocab} {rows}: {written} groups");
+                    assert!((count - 1) * len < vocab && count * len >= vocab, "{vocab} {rows}");
+                }
+            }
+        }
+        assert_eq!(topk_bound_slices(1, 151_936, 132), Some((149, 1024)));
+        assert_eq!(topk_bound_slices(64, 151_936, 132), Some((19, 8000)));
+        assert_eq!(topk_bound_slices(1, 262_145, 132), None);
         let layout = ScratchLayout::new(3, 151_936);
         let lists = 3 * 75 * FAST_BLOCK_CAP * 4;
         assert!(layout.counts >= 3 * 4 && layout.cuts >= layout.counts + 3 * 75 * 4);
