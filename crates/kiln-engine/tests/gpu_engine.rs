@@ -104,6 +104,50 @@ fn captured_decode_steps_equal_plain_launches_bit_for_bit() {
     }
 }
 
+/// Requests whose sampling parameters pick other sampler paths (greedy, top-k + top-p, plain
+/// temperature) one after another on one sequence: with graphs each path is captured on its own
+/// (a change of parameters captures again, a return to earlier ones replays), every token is the
+/// CPU reference's for the step's logits, and the tokens equal those of plain launches.
+#[test]
+fn a_change_of_sampling_parameters_captures_again() {
+    let model = model("LlamaForCausalLM", false, 13);
+    let prompt = random_ids(5, 12, 300);
+    let top_k =
+        SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.9, seed: 77, ..SamplingParams::default() };
+    let plain = SamplingParams { temperature: 1.1, seed: 5, ..SamplingParams::default() };
+    let phases = [greedy(), top_k, greedy(), plain, top_k];
+    let run = |graphs: bool| -> (Vec<u32>, usize) {
+        let mut engine = engine(&model, graphs, 1);
+        let mut seq = engine.new_sequence(greedy()).expect("sequence");
+        let mut tokens = engine.step(&mut [(&mut seq, &prompt)]).expect("prefill");
+        let mut out = Vec::new();
+        for (phase, params) in phases.iter().enumerate() {
+            seq.params = *params;
+            for i in 0..4 {
+                let step = seq.step;
+                let (next, logits) =
+                    engine.step_with_logits(&mut [(&mut seq, &[tokens[0]])]).expect("decode");
+                let want =
+                    kiln_core::ops::sample::sample(&logits[0], params, &[], step, 0).expect("reference");
+                assert_eq!(
+                    next[0], want,
+                    "graphs {graphs} phase {phase} step {i}: token against the reference"
+                );
+                seq.step += 1;
+                out.push(next[0]);
+                tokens = next;
+            }
+        }
+        (out, engine.captured_graphs())
+    };
+    let (plain_tokens, none) = run(false);
+    let (captured_tokens, captured) = run(true);
+    assert_eq!(none, 0, "graphs off captured {none}");
+    // Greedy, top-k + top-p and plain temperature: three paths, three graphs.
+    assert_eq!(captured, 3, "one graph per path");
+    assert_eq!(plain_tokens, captured_tokens, "replayed steps sampled other tokens");
+}
+
 #[test]
 fn overlapped_launches_equal_serial_launches_bit_for_bit() {
     // Each kernel of a step may start while the one before it finishes (sm_90 and later); it

@@ -18,7 +18,7 @@
 //! tokens); longer ones use cuBLAS on 16-bit copies of the activations (quantized weights are
 //! expanded to bf16 one matrix at a time).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -36,7 +36,9 @@ use kiln_cuda::ops::attention::{self, decode_splits, scratch_bytes, KvBuffers, P
 use kiln_cuda::ops::forward::{self, QkvBuffers, QkvShape};
 use kiln_cuda::ops::linear::{self, Epilogue, LinearCall};
 use kiln_cuda::ops::norm::{self as norm_op, NormBuffers, NormCall};
-use kiln_cuda::ops::sample::{self as sample_op, DeviceSamplingParams, SampleBuffers, PARAMS_BYTES};
+use kiln_cuda::ops::sample::{
+    self as sample_op, DeviceSamplingParams, SampleBuffers, SamplePath, PARAMS_BYTES,
+};
 use kiln_cuda::{DeviceMemory, DeviceView, Gpu};
 
 use crate::kv::{KvFormat, KvLayout, PagePool, PageTable};
@@ -458,7 +460,11 @@ pub struct GpuEngine {
     pool: PagePool,
     ws: Workspace,
     blas: Option<Blas>,
-    graphs: HashMap<usize, CudaGraph>,
+    /// Captured decode steps by batch size and sampler path (a graph holds the launches of one
+    /// path: a batch whose parameters pick another path is captured again).
+    graphs: HashMap<(usize, SamplePath), CudaGraph>,
+    /// The (batch size, sampler path) pairs whose kernels a plain step has compiled.
+    warmed: HashSet<(usize, SamplePath)>,
     load: LoadReport,
     launches_per_step: HashMap<usize, usize>,
     /// Certified kernel configurations; without a store every kernel runs its declared default.
@@ -562,6 +568,12 @@ fn fuse(parts: Vec<DeviceLinear>) -> Vec<DeviceLinear> {
         rows: parts.iter().map(|p| p.rows).sum(),
         cols: first.cols,
     }]
+}
+
+/// The sampler's path for a step's rows: [`SamplePath::for_rows`] of their parameters (one
+/// launch for plain greedy or top-k rows instead of the default's four).
+fn sample_path<'a>(rows: impl IntoIterator<Item = &'a SamplingParams>) -> SamplePath {
+    SamplePath::for_rows(rows)
 }
 
 fn device_f32(gpu: &Gpu, values: &[f32]) -> Result<DeviceMemory> {
@@ -705,6 +717,7 @@ impl GpuEngine {
             ws,
             blas,
             graphs: HashMap::new(),
+            warmed: HashSet::new(),
             load,
             launches_per_step: HashMap::new(),
             uploaded_params: Vec::new(),
@@ -731,6 +744,10 @@ impl GpuEngine {
     /// counts them).
     pub fn launches_per_step(&self, batch: usize) -> Option<usize> {
         self.launches_per_step.get(&batch).copied()
+    }
+    /// Decode steps captured as CUDA graphs (one per batch size and sampler path).
+    pub fn captured_graphs(&self) -> usize {
+        self.graphs.len()
     }
     /// KV pages not in use.
     pub fn free_pages(&self) -> usize {
@@ -1026,19 +1043,23 @@ impl GpuEngine {
             .collect();
         let decode = max_query == 1;
         let graph_ok = o.graphs && decode && !penalties;
+        // The sampler's path for these rows' parameters (known here, so the step runs one launch
+        // where the rows allow); part of a captured graph's key.
+        let path = sample_path(work.iter().map(|(seq, _)| &seq.params));
+        let key = (b, path);
         if graph_ok {
-            if let Some(graph) = self.graphs.get(&b) {
+            if let Some(graph) = self.graphs.get(&key) {
                 graph.launch().map_err(|e| kiln_cuda::runtime::driver_error("cuGraphLaunch", e))?;
             } else {
                 // The first step of this size runs plainly (it compiles every kernel), the next
                 // one is captured.
-                let warmed = self.launches_per_step.contains_key(&b);
+                let warmed = self.warmed.contains(&key);
                 if warmed {
                     let stream = self.gpu.stream().clone();
                     stream
                         .begin_capture(cu::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
                         .map_err(|e| kiln_cuda::runtime::driver_error("cuStreamBeginCapture", e))?;
-                    let launched = self.launch_step(b, t, max_query, None);
+                    let launched = self.launch_step(b, t, max_query, None, path);
                     let graph = stream
                         .end_capture(cu::CUgraphInstantiate_flags(0))
                         .map_err(|e| kiln_cuda::runtime::driver_error("cuStreamEndCapture", e))?;
@@ -1048,17 +1069,19 @@ impl GpuEngine {
                         reason: "the capture recorded no work".into(),
                     })?;
                     graph.launch().map_err(|e| kiln_cuda::runtime::driver_error("cuGraphLaunch", e))?;
-                    self.graphs.insert(b, graph);
+                    self.graphs.insert(key, graph);
                 } else {
-                    let launches = self.launch_step(b, t, max_query, None)?;
+                    let launches = self.launch_step(b, t, max_query, None, path)?;
                     self.launches_per_step.insert(b, launches);
+                    self.warmed.insert(key);
                 }
             }
         } else {
             let history = if penalties { Some(histories.as_slice()) } else { None };
-            let launches = self.launch_step(b, t, max_query, history)?;
+            let launches = self.launch_step(b, t, max_query, history, path)?;
             if decode {
                 self.launches_per_step.insert(b, launches);
+                self.warmed.insert(key);
             }
         }
         let mut token_bytes = vec![0u8; b * 4];
@@ -1085,6 +1108,7 @@ impl GpuEngine {
         t: usize,
         max_query: usize,
         histories: Option<&[Vec<u32>]>,
+        path: SamplePath,
     ) -> Result<usize> {
         let c = &self.config;
         let o = &self.options;
@@ -1277,7 +1301,7 @@ impl GpuEngine {
             counts.fill_bytes(0)?;
             scratch = gpu.alloc(b * c.vocab * 4)?;
             penalty = Some(sample_op::PenaltyScratch { counts: &counts, scratch: &scratch });
-            sample_op::sample(
+            sample_op::sample_with_path(
                 gpu,
                 b,
                 c.vocab,
@@ -1293,10 +1317,11 @@ impl GpuEngine {
                     tokens: &ws.tokens,
                     scratch: Some(&ws.sample_scratch),
                 },
+                path,
             )?;
         } else {
             let _ = &mut penalty;
-            sample_op::sample(
+            sample_op::sample_with_path(
                 gpu,
                 b,
                 c.vocab,
@@ -1312,6 +1337,7 @@ impl GpuEngine {
                     tokens: &ws.tokens,
                     scratch: Some(&ws.sample_scratch),
                 },
+                path,
             )?;
         }
         launches += 1;
@@ -1552,6 +1578,27 @@ mod tests {
             ..crate::models::test_models::TinySpec::llama()
         };
         crate::models::test_models::write_tiny_model(&dir, &spec, 1).unwrap()
+    }
+
+    /// A step's graph key changes with the sampler path its rows' parameters pick: a request of
+    /// other parameters is captured again, one of the same path replays.
+    #[test]
+    fn the_graph_key_follows_the_rows_parameters() {
+        let greedy = SamplingParams::greedy();
+        let top_k = SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.9, ..SamplingParams::default() };
+        let plain = SamplingParams { temperature: 0.8, ..SamplingParams::default() };
+        assert_eq!(sample_path([&greedy]), SamplePath::Greedy);
+        assert_eq!(sample_path([&top_k]), SamplePath::Fused);
+        assert_eq!(sample_path([&greedy, &top_k]), SamplePath::Fused);
+        assert_eq!(sample_path([&plain]), SamplePath::Lists);
+        assert_eq!(sample_path([&plain, &top_k]), SamplePath::Auto);
+        let keys: HashSet<(usize, SamplePath)> =
+            [(1, sample_path([&greedy])), (1, sample_path([&top_k])), (1, sample_path([&greedy]))].into();
+        assert_eq!(keys.len(), 2);
+        // Another seed or top-k of the same path keeps the key (the parameters are read on the
+        // device).
+        let other = SamplingParams { top_k: 7, seed: 99, ..top_k };
+        assert_eq!(sample_path([&other]), sample_path([&top_k]));
     }
 
     #[test]
