@@ -44,7 +44,9 @@
 //
 // Compile-time constants: ROWS (1..8), W_T (0 bf16, 1 fp16, 2 Q8_0, 3 Q4_0, 4 Q4_1), WARPS,
 // VROWS (a power of two <= 16; reduced VSUB = min(VROWS, 32 / next_pow2(ROWS)) rows at a time),
-// XSLOT, PIPE, STAGES (0, 2, 4, 8), ROW_SCALE, SOFT_CAP, STATS (0 / 1).
+// XSLOT, PIPE, STAGES (0, 2, 4, 8), MIN_BLOCKS (blocks a multiprocessor the registers must
+// allow: 1, 2 or 4; two 8-warp blocks keep 16 warps resident while one of them adds up a tile),
+// ROW_SCALE, SOFT_CAP, STATS (0 / 1).
 // Compiled with --fmad=false; the fused operations (the chains, Q4_1's d * q + m) are explicit
 // __fmaf_rn.
 
@@ -68,6 +70,9 @@
 #endif
 #ifndef STAGES
 #define STAGES 0
+#endif
+#ifndef MIN_BLOCKS
+#define MIN_BLOCKS 1
 #endif
 #ifndef ROW_SCALE
 #define ROW_SCALE 0
@@ -475,7 +480,7 @@ __device__ __forceinline__ void lm_produce(const kiln_u8* __restrict__ weights, 
 }
 #endif
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
 kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, const float* __restrict__ row_scale,
              float* __restrict__ logits, kiln_u64* __restrict__ stats, long long vocab, int hidden,
              long long row_bytes, int tile, float logit_scale, float cap) {

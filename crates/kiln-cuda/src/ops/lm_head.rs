@@ -17,11 +17,12 @@ use crate::runtime::{driver_error, Gpu};
 
 /// One shape of the kernel: warps per block (splitting `hidden` in units of 256), vocabulary
 /// rows each warp loads per step (a power of two up to 16; reduced `32 / rows.next_power_of_two()`
-/// at a time when the step holds more sums than a warp's 32 lanes), vocabulary rows per tile, whether the lanes hold permuted
-/// slots (a reduction with no selects: `XSLOT`), whether each step's loads are issued one
-/// step ahead in registers (`PIPE`), and the depth of the shared-memory ring that cp.async
-/// fills ahead of the products across tiles, on a persistent grid (`STAGES`, 0 for none).
-/// Every variant computes the same bits.
+/// at a time when the step holds more sums than a warp's 32 lanes), vocabulary rows per tile,
+/// whether the lanes hold permuted slots (a reduction with no selects: `XSLOT`), whether each
+/// step's loads are issued one step ahead in registers (`PIPE`), the depth of the shared-memory
+/// ring that cp.async fills ahead of the products across tiles, on a persistent grid (`STAGES`,
+/// 0 for none), and the blocks a multiprocessor the compile keeps registers for (`MIN_BLOCKS`:
+/// 1, 2 or 4). Every variant computes the same bits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct LmHeadVariant {
     pub warps: u32,
@@ -30,32 +31,41 @@ pub struct LmHeadVariant {
     pub permuted: bool,
     pub pipelined: bool,
     pub stages: u32,
+    pub blocks: u32,
 }
 
 impl LmHeadVariant {
     const fn plain(warps: u32, vocab_rows: u32, tile: u32) -> LmHeadVariant {
-        LmHeadVariant { warps, vocab_rows, tile, permuted: false, pipelined: false, stages: 0 }
+        LmHeadVariant { warps, vocab_rows, tile, permuted: false, pipelined: false, stages: 0, blocks: 1 }
     }
 
     const fn fast(warps: u32, vocab_rows: u32, tile: u32) -> LmHeadVariant {
-        LmHeadVariant { warps, vocab_rows, tile, permuted: true, pipelined: true, stages: 0 }
+        LmHeadVariant { warps, vocab_rows, tile, permuted: true, pipelined: true, stages: 0, blocks: 1 }
     }
 
     const fn ring(warps: u32, vocab_rows: u32, tile: u32, stages: u32) -> LmHeadVariant {
-        LmHeadVariant { warps, vocab_rows, tile, permuted: true, pipelined: false, stages }
+        LmHeadVariant { warps, vocab_rows, tile, permuted: true, pipelined: false, stages, blocks: 1 }
     }
 
-    /// A short label: `8w/4v/64t`, with `x` for permuted slots, `p` for pipelined loads and
-    /// `s4` for a ring of 4 stages.
+    /// A ring variant compiled for `blocks` resident blocks a multiprocessor (at most 65536 /
+    /// (`blocks` x threads) registers a thread), so that small blocks keep as many warps
+    /// resident as one large block while each adds up its tiles apart.
+    const fn ring_blocks(warps: u32, vocab_rows: u32, tile: u32, stages: u32, blocks: u32) -> LmHeadVariant {
+        LmHeadVariant { warps, vocab_rows, tile, permuted: true, pipelined: false, stages, blocks }
+    }
+
+    /// A short label: `8w/4v/64t`, with `x` for permuted slots, `p` for pipelined loads, `s4`
+    /// for a ring of 4 stages and `b2` for two blocks a multiprocessor.
     pub fn label(&self) -> String {
         format!(
-            "{}w/{}v/{}t{}{}{}",
+            "{}w/{}v/{}t{}{}{}{}",
             self.warps,
             self.vocab_rows,
             self.tile,
             if self.permuted { "x" } else { "" },
             if self.pipelined { "p" } else { "" },
-            if self.stages > 0 { format!("s{}", self.stages) } else { String::new() }
+            if self.stages > 0 { format!("s{}", self.stages) } else { String::new() },
+            if self.blocks > 1 { format!("b{}", self.blocks) } else { String::new() }
         )
     }
 
@@ -84,7 +94,15 @@ pub const LM_HEAD_VARIANTS: &[LmHeadVariant] = &[
     LmHeadVariant::fast(8, 8, 128),
     LmHeadVariant::fast(8, 2, 64),
     LmHeadVariant::fast(4, 2, 64),
-    LmHeadVariant { warps: 16, vocab_rows: 4, tile: 32, permuted: false, pipelined: true, stages: 0 },
+    LmHeadVariant {
+        warps: 16,
+        vocab_rows: 4,
+        tile: 32,
+        permuted: false,
+        pipelined: true,
+        stages: 0,
+        blocks: 1,
+    },
     // The ring (cp.async ahead of the products, persistent grid), for 4 and 8 rows first. With
     // 16 warps each warp keeps one unit of 4096 for the whole launch (h loaded once).
     LmHeadVariant::ring(4, 4, 16, 4),
@@ -109,6 +127,13 @@ pub const LM_HEAD_VARIANTS: &[LmHeadVariant] = &[
     LmHeadVariant::ring(8, 8, 64, 4),
     LmHeadVariant::ring(16, 8, 64, 2),
     LmHeadVariant::ring(4, 8, 64, 4),
+    // 16 warps a multiprocessor in two or four blocks (128 registers a thread): while one block
+    // adds up a tile at its barriers, the others stream and compute.
+    LmHeadVariant::ring_blocks(8, 4, 64, 2, 2),
+    LmHeadVariant::ring_blocks(8, 4, 64, 4, 2),
+    LmHeadVariant::ring_blocks(8, 4, 32, 4, 2),
+    LmHeadVariant::ring_blocks(4, 4, 32, 4, 4),
+    LmHeadVariant::ring_blocks(8, 8, 64, 2, 2),
 ];
 
 impl LmHeadVariant {
@@ -174,6 +199,7 @@ pub fn plan(head: &LmHead, rows: usize, variant: LmHeadVariant) -> Result<LmHead
         || variant.vocab_rows > 16
         || ![1, 2, 4, 8, 16, 32].contains(&variant.warps)
         || ![0, 2, 4, 8].contains(&variant.stages)
+        || ![1, 2, 4].contains(&variant.blocks)
         || (variant.stages > 0 && variant.pipelined)
     {
         return Err(not_served(format!("variant {variant:?} for {rows} rows")));
@@ -201,6 +227,7 @@ pub fn plan(head: &LmHead, rows: usize, variant: LmHeadVariant) -> Result<LmHead
         ("XSLOT", flag(variant.permuted)),
         ("PIPE", flag(variant.pipelined)),
         ("STAGES", variant.stages.to_string()),
+        ("MIN_BLOCKS", variant.blocks.to_string()),
         ("ROW_SCALE", flag(false)),
         ("SOFT_CAP", flag(head.soft_cap.is_some())),
         ("STATS", flag(head.stats_block.is_some())),
@@ -349,6 +376,11 @@ mod tests {
         let odd = LmHeadVariant::ring(4, 4, 16, 3);
         assert!(matches!(plan(&head(4096, DType::BF16), 8, odd), Err(Error::NotServed { .. })));
         assert_eq!(LmHeadVariant::ring(4, 8, 16, 4).label(), "4w/8v/16txs4");
+        assert_eq!(LmHeadVariant::ring_blocks(8, 4, 64, 2, 2).label(), "8w/4v/64txs2b2");
+        let three = LmHeadVariant::ring_blocks(8, 4, 64, 2, 3);
+        assert!(matches!(plan(&head(4096, DType::BF16), 8, three), Err(Error::NotServed { .. })));
+        let labels: std::collections::HashSet<String> = LM_HEAD_VARIANTS.iter().map(|v| v.label()).collect();
+        assert_eq!(labels.len(), LM_HEAD_VARIANTS.len(), "two variants share a label");
     }
 
     #[test]
