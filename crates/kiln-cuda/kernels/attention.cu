@@ -1156,6 +1156,7 @@ KILN_DEVICE void kiln_cp_async_arrive(kiln_u32 barrier) {
 struct kiln_persist_walk {
     const kiln_i32* query_offsets;
     const kiln_i32* context_lens;
+    const kiln_i32* page_offsets;
     int batch, vheads, splits;
     long long hi;       // the run ends at the first item starting at or past hi
     int sequence;       // the current item: sequence, virtual head, chunk
@@ -1200,6 +1201,8 @@ struct kiln_persist_walk {
     __device__ __forceinline__ void start(int lane, int g, int blocks) {
         long long prefix = 0;
         for (int b0 = 0; b0 < batch; b0 += 32) {
+            // The page offsets, read once the run is known, requested into L1 beside the weights.
+            if (b0 + lane < batch) asm volatile("prefetch.global.L1 [%0];" ::"l"(page_offsets + b0 + lane));
             const long long w = b0 + lane < batch ? weight(b0 + lane) : 0ll;
             long long inclusive = w;
 #pragma unroll
@@ -1279,6 +1282,7 @@ extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, 1)
     kiln_persist_walk walk;
     walk.query_offsets = query_offsets;
     walk.context_lens = context_lens;
+    walk.page_offsets = page_offsets;
     walk.batch = batch;
     walk.vheads = kv_heads * row_tiles;
     walk.splits = splits;
@@ -1547,25 +1551,39 @@ extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, 1)
                 __threadfence();
                 // out = sum_c w_c O_c / sum_c w_c, w_c = 2^(lse_c - M), M = max_c lse_c, in chunk
                 // order; the log-sums gathered into the merge rows first.
+                // The first batch of this thread's first item is requested before the log-sums
+                // are gathered.
                 float* lse = merge;  // [chunks][rows]
+                const kiln_u64 chunk_floats = split_stride * HEAD_DIM;
+                const int items = rows * (HEAD_DIM / 4);
+                auto partials = [&](int item) -> const float* {
+                    return partial_out + (query_row0 + item / (HEAD_DIM / 4)) * HEAD_DIM + (item % (HEAD_DIM / 4)) * 4;
+                };
+                float4 parts[PERSIST_COMBINE_BATCH];
+                if (tid < items) {
+#pragma unroll
+                    for (int b = 0; b < PERSIST_COMBINE_BATCH; ++b) {
+                        if (b < chunks) parts[b] = __ldcg(reinterpret_cast<const float4*>(partials(tid) + b * chunk_floats));
+                    }
+                }
                 for (int i = tid; i < chunks * rows; i += PERSIST_COMPUTE_THREADS) {
                     lse[i] = __ldcg(partial_lse + (i / rows) * split_stride + query_row0 + i % rows);
                 }
                 kiln_persist_sync();
-                const kiln_u64 chunk_floats = split_stride * HEAD_DIM;
-                for (int item = tid; item < rows * (HEAD_DIM / 4); item += PERSIST_COMPUTE_THREADS) {
+                for (int item = tid; item < items; item += PERSIST_COMPUTE_THREADS) {
                     const int r = item / (HEAD_DIM / 4), d = (item % (HEAD_DIM / 4)) * 4;
-                    const float* first = partial_out + (query_row0 + r) * HEAD_DIM + d;
+                    const float* first = partials(item);
                     float m = KILN_NEG_INF;
                     for (int c = 0; c < chunks; ++c) m = fmaxf(m, lse[c * rows + r]);
                     float sum = 0.0f;
                     float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
                     for (int c0 = 0; c0 < chunks; c0 += PERSIST_COMBINE_BATCH) {
-                        float4 parts[PERSIST_COMBINE_BATCH];
+                        if (c0 > 0 || item != tid) {
 #pragma unroll
-                        for (int b = 0; b < PERSIST_COMBINE_BATCH; ++b) {
-                            if (c0 + b < chunks) {
-                                parts[b] = __ldcg(reinterpret_cast<const float4*>(first + (c0 + b) * chunk_floats));
+                            for (int b = 0; b < PERSIST_COMBINE_BATCH; ++b) {
+                                if (c0 + b < chunks) {
+                                    parts[b] = __ldcg(reinterpret_cast<const float4*>(first + (c0 + b) * chunk_floats));
+                                }
                             }
                         }
 #pragma unroll
