@@ -31,7 +31,10 @@
 //! then the persistent kernel (one block a multiprocessor, a copying warp streaming K/V five
 //! stages deep) with 16-byte copies (`persistent`, `persist5-1x4x16.s64`), bulk copies on sm_90
 //! (`persistent bulk`, `bulk5-1x4x16.s64`), bulk copies three stages deep (`persistent bulk
-//! shallow`, `bulk3-1x4x16.s64`), and bulk copies at most 32 chunks a sequence (`bulk5-...s32`).
+//! shallow`, `bulk3-1x4x16.s64`), bulk copies at most 32 chunks a sequence (`bulk5-...s32`), and
+//! both copies at the chunks of
+//! [`persistent_splits_for`](kiln_cuda::ops::attention::persistent_splits_for) (`own chunks`:
+//! about four items a block; 9 at batch 8, 2 at batch 64).
 //!
 //! Both as a ratio to PyTorch's `scaled_dot_product_attention` (flash backend) on the same shapes
 //! (unpaged), read from the JSON of `bench/peers/attention.py` (`--peer`). Timing: CUDA events,
@@ -53,8 +56,8 @@ use kiln_core::ops::primitives::f32_to_bf16_bits;
 use kiln_core::{Error, Result};
 use kiln_cuda::certify::{attention_config, graph_replay_us, AttentionConfig, AttentionPhase, AttentionTask};
 use kiln_cuda::ops::attention::{
-    attention, decode_splits_resident, decode_stream_splits_for, scratch_bytes, AttentionVariant, KvBuffers,
-    PagedBatch, DECODE_L2_HINT_ENV, PERSISTENT_SPLITS,
+    attention, decode_splits_resident, decode_stream_splits_for, persistent_splits_for, scratch_bytes,
+    AttentionVariant, KvBuffers, PagedBatch, DECODE_L2_HINT_ENV, PERSISTENT_SPLITS,
 };
 use kiln_cuda::{DeviceMemory, Gpu};
 
@@ -299,12 +302,18 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
         // (`persistent`), bulk copies on sm_90 five and three stages deep (`persistent bulk`,
         // `persistent bulk shallow`), a sequence cut into at most 64 chunks; the bulk one also
         // at 32 (longer chunks past 8k positions, half the partials).
+        let own_chunks = persistent_splits_for(multiprocessors, batch_size, KV_HEADS);
         for (tag, variant, splits) in [
             ("persistent", AttentionVariant::DECODE_PERSISTENT, PERSISTENT_SPLITS),
             ("persistent bulk", AttentionVariant::DECODE_PERSISTENT_BULK, PERSISTENT_SPLITS),
             ("persistent bulk shallow", AttentionVariant::DECODE_PERSISTENT_BULK_SHALLOW, PERSISTENT_SPLITS),
             ("persistent bulk, 32 chunks", AttentionVariant::DECODE_PERSISTENT_BULK, PERSISTENT_SPLITS / 2),
+            ("persistent, own chunks", AttentionVariant::DECODE_PERSISTENT, own_chunks),
+            ("persistent bulk, own chunks", AttentionVariant::DECODE_PERSISTENT_BULK, own_chunks),
         ] {
+            if splits == own_chunks && splits == PERSISTENT_SPLITS && tag.ends_with("own chunks") {
+                continue; // the same configuration as the 64-chunk rows
+            }
             configs.push((tag, AttentionConfig { variant, splits }));
         }
         if !args.decode_only.is_empty() {

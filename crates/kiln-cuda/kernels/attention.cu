@@ -1369,6 +1369,18 @@ extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, 1)
         const int chunks = walk.chunks;
         const kiln_u64 query_row0 =
             (kiln_u64)query_offsets[walk.sequence] * q_heads + kv_head * heads_per_group + row0;
+        // The next item's Q rows requested into L1 when it is of the same sequence (its rows
+        // known without a load): its fragments then load from L1 after this item's epilogue.
+        if (walk.chunk + 1 == walk.chunks && walk.vhead + 1 < walk.vheads) {
+            const int next_vhead = walk.vhead + 1;
+            const kiln_u64 next_row0 = (kiln_u64)query_offsets[walk.sequence] * q_heads +
+                                       (next_vhead / row_tiles) * heads_per_group + (next_vhead % row_tiles) * 16;
+            const int next_rows = min(heads_per_group - (next_vhead % row_tiles) * 16, 16);
+            // 128-byte lines of the next rows, one a lane.
+            if (lane < next_rows * HEAD_DIM * 2 / 128) {
+                asm volatile("prefetch.global.L1 [%0];" ::"l"(q + next_row0 * HEAD_DIM + lane * 64));
+            }
+        }
 
         // Q rows as A fragments (rows past the group are zeros), as the streaming kernel.
         kiln_u32 q_fragments[HEAD_DIM / 16][4];

@@ -48,8 +48,8 @@ use crate::facts::DeviceFacts;
 use crate::kernels::{ATTENTION, LM_HEAD, NORM};
 use crate::memory::DeviceMemory;
 use crate::ops::attention::{
-    attention, decode_splits_for, decode_stream_splits_for, scratch_bytes, AttentionKernel, AttentionVariant,
-    KvBuffers, PagedBatch, PERSISTENT_SPLITS,
+    attention, decode_splits_for, decode_stream_splits_for, persistent_splits_for, scratch_bytes,
+    AttentionKernel, AttentionVariant, KvBuffers, PagedBatch, PERSISTENT_SPLITS,
 };
 use crate::ops::lm_head::{lm_head, plan, LmHeadBuffers, LmHeadVariant, LM_HEAD_VARIANTS};
 use crate::ops::norm::{norm, NormBuffers, NormCall, NormVariant, NORM_VARIANTS};
@@ -772,14 +772,19 @@ fn stream_candidates(task: &AttentionTask, facts: &DeviceFacts) -> Vec<Attention
 }
 
 /// The persistent decode variants ([`AttentionVariant::PERSISTENT`]) cut each sequence into at
-/// most [`PERSISTENT_SPLITS`] chunks, and half that (longer chunks, fewer partials) at contexts
-/// past 16k positions. The bulk-copy ones are pruned below sm_90 (where they compile the 16-byte
-/// copies, the plain persistent variant).
-fn persistent_candidates(task: &AttentionTask) -> Vec<AttentionConfig> {
-    let AttentionPhase::Decode { context, .. } = task.phase else { return Vec::new() };
+/// most [`PERSISTENT_SPLITS`] chunks, half that (longer chunks, fewer partials) at contexts past
+/// 16k positions, and [`persistent_splits_for`] the batch (about four items a block). The
+/// bulk-copy ones are pruned below sm_90 (where they compile the 16-byte copies, the plain
+/// persistent variant).
+fn persistent_candidates(task: &AttentionTask, facts: &DeviceFacts) -> Vec<AttentionConfig> {
+    let AttentionPhase::Decode { batch, context } = task.phase else { return Vec::new() };
     let mut splits = vec![PERSISTENT_SPLITS];
     if context > 16_384 {
         splits.push(PERSISTENT_SPLITS / 2);
+    }
+    let own = persistent_splits_for(facts.multiprocessors, batch, task.shape.kv_heads);
+    if !splits.contains(&own) {
+        splits.push(own);
     }
     AttentionVariant::PERSISTENT
         .into_iter()
@@ -817,7 +822,7 @@ pub fn attention_candidates(task: &AttentionTask, facts: &DeviceFacts) -> Candid
             .into_iter()
             .flat_map(|variant| splits.iter().map(move |&splits| AttentionConfig { variant, splits }))
             .chain(stream_candidates(task, facts))
-            .chain(persistent_candidates(task))
+            .chain(persistent_candidates(task, facts))
             .collect()
         }
     };

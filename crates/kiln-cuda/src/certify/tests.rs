@@ -330,6 +330,13 @@ fn the_attention_default_is_the_launchers_default() {
     for label in ["persist5-1x4x16.s32", "bulk5-1x4x16.s32", "bulk3-1x4x16.s64"] {
         assert!(long_labels.contains(&label.to_owned()), "{label} in {long_labels:?}");
     }
+    // At batch 8 also at their own chunks (9 on 132 multiprocessors).
+    let batch8 = AttentionTask { shape, phase: AttentionPhase::Decode { batch: 8, context: 4096 } };
+    let batch8_labels: Vec<String> =
+        attention_candidates(&batch8, &h200()).kept.iter().map(|c| c.label()).collect();
+    for label in ["persist5-1x4x16.s9", "bulk5-1x4x16.s9", "bulk3-1x4x16.s64"] {
+        assert!(batch8_labels.contains(&label.to_owned()), "{label} in {batch8_labels:?}");
+    }
     let ampere = DeviceFacts { compute_capability: (8, 0), ..h200() };
     let on_ampere = attention_candidates(&decode, &ampere);
     assert!(on_ampere.kept.iter().any(|c| c.variant == AttentionVariant::DECODE_PERSISTENT));

@@ -400,6 +400,17 @@ pub fn persistent_chunk_keys(context: usize, splits: u32) -> usize {
     PERSISTENT_QUANTUM * context.div_ceil(unit).max(1)
 }
 
+/// Splits (the most chunks a sequence is cut into) for the persistent variants on a device of
+/// `multiprocessors`, from the batch and the heads alone: enough (sequence, kv head, chunk) items
+/// for about four a block (so a block with one item more than another idles little), at most
+/// [`PERSISTENT_SPLITS`]: 64 at batch 1 (GQA 32/8 on 132 multiprocessors), 9 at batch 8, 2 at
+/// batch 64. Fewer chunks are fewer partials to write and combine.
+pub fn persistent_splits_for(multiprocessors: u32, batch: usize, kv_heads: usize) -> u32 {
+    let groups = (batch * kv_heads).max(1);
+    let wanted = (4 * multiprocessors.max(1) as usize).div_ceil(groups);
+    wanted.clamp(1, PERSISTENT_SPLITS as usize) as u32
+}
+
 /// Steps in flight per warp of the streaming kernel (its `STREAM_STAGES`).
 const STREAM_STAGES: u32 = 3;
 
@@ -1305,6 +1316,11 @@ mod tests {
         ] {
             assert!(matches!(bad.validate(128), Err(Error::NotServed { .. })), "{bad:?}");
         }
+        assert_eq!(persistent_splits_for(132, 1, 8), 64);
+        assert_eq!(persistent_splits_for(132, 8, 8), 9);
+        assert_eq!(persistent_splits_for(132, 64, 8), 2);
+        assert_eq!(persistent_splits_for(132, 1000, 8), 1);
+        assert_eq!(persistent_splits_for(0, 0, 0), 4);
         // Chunks: 256 keys up to 256 * splits positions, then the context over `splits` rounded
         // up to 256; never more than `splits` chunks, each chunk a multiple of 256.
         assert_eq!(persistent_chunk_keys(1, 64), 256);
