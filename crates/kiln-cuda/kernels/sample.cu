@@ -2706,9 +2706,10 @@ kiln_sample_topk_merge(const float* __restrict__ logits, long long vocab, long l
 //      slices are multiples of 32 logits, so no group crosses a slice). Then it takes the row's
 //      ticket; every block but the last of the row is done.
 //   2. The last block of the row holds the row's group maxima in registers (TKB_GROUP_PER a
-//      thread) and selects a bound among them by three 8-bit radix passes: B, the lowest key with
-//      the top 24 bits of the k-th largest group maximum. The k groups of the k largest maxima
-//      hold k distinct tokens at or above B, so every token of the row's top-k is at or above B.
+//      thread) and selects a bound among them by up to three 8-bit radix passes: B, the lowest key
+//      with the top 8, 16 or 24 bits of the k-th largest group maximum (the passes stop at a bin
+//      of at most TKB_SLACK groups). The k groups of the k largest maxima hold k distinct tokens
+//      at or above B, so every token of the row's top-k is at or above B.
 //      The groups whose maximum reaches B (k and a few more) are read again from L2, one warp a
 //      group, and their tokens at or above B (the candidates: k and a few more) are ranked
 //      (counting, or a bitonic sort past TKB_RANK_MAX). The block finishes on the top-k in the
@@ -2726,7 +2727,7 @@ kiln_sample_topk_merge(const float* __restrict__ logits, long long vocab, long l
 // start (16), maxima loaded (17), bound (18), candidate groups (19), candidates gathered (20),
 // ranked (21), token written (22), %globaltimer at its start (24) and end (25); row 0's counts:
 // valid groups (32), candidate groups (33), candidates (34), k (35), fallback (36), slices (37),
-// groups a slice (38). `kiln bench sample --profile` prints them.
+// groups a slice (38), radix passes (39). `kiln bench sample --profile` prints them.
 
 #ifndef SAMPLE_PROFILE
 #define SAMPLE_PROFILE 0
@@ -2737,6 +2738,7 @@ kiln_sample_topk_merge(const float* __restrict__ logits, long long vocab, long l
 #define TKB_GROUP_CAP 1024    // candidate groups the last block gathers
 #define TKB_CAND_CAP 2048     // candidates the last block ranks (a power of two)
 #define TKB_RANK_MAX 512      // ranked by counting up to this many, by a bitonic sort above
+#define TKB_SLACK 48          // the radix passes stop at a bin of at most this many groups
 #define TKB_FALLBACK 1
 #define TKB_MIN_BLOCKS 2
 
@@ -2748,7 +2750,7 @@ struct TopKBoundShared {
     kiln_u32 bins[256];
     kiln_u64 warp_u64[SAMPLE_WARPS];
     kiln_u32 warp_u32[SAMPLE_WARPS];
-    kiln_u32 chosen, above, total, ngroups, ncand;
+    kiln_u32 chosen, above, count, total, ngroups, ncand;
     int last;
 };
 static_assert(THREADS >= TKB_KMAX, "one thread per top-k token");
@@ -2784,8 +2786,9 @@ __device__ __forceinline__ kiln_u64 tkb_globaltimer() {
 #endif
 
 // One warp (warp 0) finds the first bin from 255 down at which the running count reaches
-// `target`: sh.chosen, the count above it in sh.above, the total of the bins in sh.total (the
-// bin is meaningless when the total is below the target). Followed by a barrier.
+// `target`: sh.chosen, the count above it in sh.above, its own in sh.count, the total of the
+// bins in sh.total (the bin is meaningless when the total is below the target). Followed by a
+// barrier.
 __device__ __forceinline__ void tkb_pick(TopKBoundShared& sh, kiln_u32 target) {
     if (threadIdx.x < 32) {
         const int lane = threadIdx.x;
@@ -2808,6 +2811,7 @@ __device__ __forceinline__ void tkb_pick(TopKBoundShared& sh, kiln_u32 target) {
                 if (acc + c >= target) {
                     sh.chosen = (kiln_u32)b;
                     sh.above = acc;
+                    sh.count = c;
                     break;
                 }
                 acc += c;
@@ -2864,7 +2868,12 @@ __device__ __forceinline__ int sample_row_topk_bound(int r, kiln_u32 k, const fl
         prefix |= sh.chosen << shift;
         mask |= 0xFFu << shift;
         target -= sh.above;
-        __syncthreads();  // sh.chosen, sh.above, sh.total are read by every thread before reuse
+        // A bin of few groups bounds as well as the next pass would (every group of the bin is a
+        // candidate group: at most TKB_SLACK more than k).
+        const bool enough = sh.count <= TKB_SLACK;
+        __syncthreads();  // sh.chosen, sh.above, sh.count, sh.total are read before reuse
+        TKB_SET(39, row0, (32 - shift) / 8);
+        if (enough) break;
     }
     if (found) bound = prefix > 1u ? prefix : 1u;
     TKB_CLOCK(18, row0);
