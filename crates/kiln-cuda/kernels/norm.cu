@@ -15,16 +15,18 @@
 // scale of NVFP4 and the FP8 output use the hardware's `cvt.rn.satfinite.e4m3x2.f32` on sm_89
 // and later, INT8 and E2M1 codes come from fp32 arithmetic alone (a rounding "magic" addition
 // whose low bits are the code, no conversion instruction: `kiln_int8_bracket`, two fused
-// multiply-adds a value that bracket the quotient; `kiln_e2m1_fast`, after one multiplication)
-// by an approximate reciprocal of the block's divisor, with the reference's division only for
+// multiply-adds a value that bracket the quotient; `kiln_e2m1_fast`, after one multiplication,
+// two that bracket E2M1's continuous map of it) by an approximate reciprocal of the block's divisor, with the reference's division only for
 // the rare block whose quotient comes near a rounding tie; the block scales divide by 127 and 6
 // with a reciprocal and one correction (`kiln_div_const`), the block maximum's shuffle runs
 // outside any branch, quantized bytes and E2M1 signs are packed with `prmt`, a warp's unit sums
 // are reduced together (`kiln_norm_units_reduce`: 6 shuffles for 4 units, not 20), and the unit
 // sums of several warps are combined from shared memory four at a time. With an NVFP4 output the
 // budget is about 20 instructions a value at the copy ceiling (2.56 bytes a bf16 value) and the
-// kernel needs about 22 (the norm 9, E2M1 10, block maximum and scale 3): it is bound by issue,
-// not by DRAM; INT8 (3.25 bytes, about 26) needs about 15.
+// kernel needs about 22 (the norm 9, E2M1 9, block maximum and scale 3): it is bound by issue,
+// not by DRAM; INT8 (3.25 bytes, about 26) needs about 15. Hugging Face's rounding with bf16 x,
+// weight and output takes the weight's product packed (`kiln_bf16x2_mul`, see
+// KILN_NORM_PACKED_BF16): about 6 a value for the whole norm.
 //
 // A segment is one norm: a row, or one group of a row (`n` elements, `groups` per row). Unit `u`
 // of a segment (elements 256u .. 256u + 256) belongs to warp `u % WARPS_PER_ROW` of the row's
@@ -146,20 +148,26 @@ __device__ __forceinline__ unsigned int kiln_int8_bracket(float p, float below, 
     return lo;
 }
 
-// NVFP4 fast path: the E2M1 code of |v| in the low 3 bits of the result, for |v| <= 6.4; in `worst` the larger of `worst` and g's distance to its nearest integer (NaN for a
-// NaN v). Only floating-point additions: with a = |v|, g = a + min(a, 2, 4 - a / 2) is 2a below 2,
-// a + 2 from 2 to 4 and a / 2 + 4 above, a continuous map that takes the E2M1 grid points 0, 0.5,
-// 1, 1.5, 2, 3, 4, 6 to the codes 0 .. 7 and each rounding midpoint between two of them to the
-// half-integer between their codes, so rint(g), ties to even (the even code has the even
-// mantissa), is the code of a; g's own rounding errors (below 2^-21) and v's are far inside the
-// 1e-4 margin the caller demands of `worst`. The sign is not in the result (bit 3 is clear):
-// kiln_e2m1_signs adds it to eight packed codes at once.
-__device__ __forceinline__ unsigned int kiln_e2m1_fast(float v, float& worst) {
+// NVFP4 fast path: the E2M1 code of |v| in the low 3 bits of the result, for finite |v| <= 6.4;
+// `differ` collects the bits where the two ends of g's bracket round apart (0: the code is sure).
+// With a = |v|, g = a + min(a, 2, 4 - a / 2) is 2a below 2, a + 2 from 2 to 4 and a / 2 + 4
+// above, a continuous map that takes the E2M1 grid points 0, 0.5, 1, 1.5, 2, 3, 4, 6 to the codes
+// 0 .. 7 and each rounding midpoint between two of them to the half-integer between their codes,
+// so rint(g), ties to even (the even code has the even mantissa), is the code of a. Two fused
+// multiply-adds round g (1 -+ 2^-20) plus the magic, each exact product rounded once; where they
+// agree, rint is the same over the whole bracket (rint is monotonic), which holds the exact map of
+// the reference's quotient: that quotient is within 4.2e-7 of v relatively (the caller's
+// reciprocal), the map's slopes (2, 1, 1/2) keep a relative error relative, and g's own roundings
+// add below 7.5e-8 of g; 2^-20 is 9.5e-7. A NaN v gives equal ends: the caller sends blocks with a
+// NaN value the reference's way (its block maximum propagates NaN). The sign is not in the result
+// (bit 3 is clear): kiln_e2m1_signs adds it to eight packed codes at once.
+__device__ __forceinline__ unsigned int kiln_e2m1_fast(float v, unsigned int& differ) {
     const float a = fabsf(v);
     const float g = a + fminf(fminf(a, 2.0f), __fmaf_rn(a, -0.5f, 4.0f));
-    const float s = g + KILN_ROUND_MAGIC;
-    worst = kiln_max_nan(worst, fabsf(g - (s - KILN_ROUND_MAGIC)));
-    return __float_as_uint(s);
+    const unsigned int lo = __float_as_uint(__fmaf_rn(g, 1.0f - 1.0f / 1048576.0f, KILN_ROUND_MAGIC));
+    const unsigned int hi = __float_as_uint(__fmaf_rn(g, 1.0f + 1.0f / 1048576.0f, KILN_ROUND_MAGIC));
+    differ |= lo ^ hi;
+    return lo;
 }
 
 // Bit 3 of every nibble of eight packed E2M1 codes (value 2i in the low nibble of byte i, 2i + 1
@@ -704,23 +712,18 @@ __device__ __forceinline__ void kiln_norm_segment(
             }
         } else {
             // INT8 / NVFP4: lanes 2i and 2i + 1 hold one block of 16 values.
-            // INT8: NaN when any of the block's values is (the reference's maximum skips NaN,
-            // so such a block takes the slow path, which takes that maximum again).
+            // NaN when any of the block's values is (the reference's maximum skips NaN, so such a
+            // block takes the slow path, which takes that maximum again).
             float amax = 0.0f;
 #pragma unroll
-            for (int k = 0; k < 8; ++k) {
-                amax = OUT_T == KILN_OUT_INT8 ? kiln_max_nan(amax, fabsf(p[k])) : fmaxf(amax, fabsf(p[k]));
-            }
-            const float partner = __shfl_xor_sync(0xFFFFFFFFu, amax, 1);
-            amax = OUT_T == KILN_OUT_INT8 ? kiln_max_nan(amax, partner) : fmaxf(amax, partner);
+            for (int k = 0; k < 8; ++k) amax = kiln_max_nan(amax, fabsf(p[k]));
+            amax = kiln_max_nan(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
             if (!valid) continue;
             const long long block = (base + col) >> 4;
             // Fast paths from an approximate 1 / divisor, with a check that the code is the
-            // reference's (INT8: the quotient bracketed; NVFP4: t = p * inverse is within 4e-7 |t|
-            // of the reference's p / divisor, so its code is the reference's wherever t is 1e-4
-            // or more from a rounding tie, `worst` saying how close the closest came); otherwise,
-            // or for a divisor out of range, the reference's division.
-            float worst = 0.0f;
+            // reference's (INT8: the quotient bracketed; NVFP4: t = p * inverse is within 4.2e-7
+            // |t| of the reference's p / divisor, and E2M1's map of t bracketed); otherwise, or for
+            // a divisor out of range, the reference's division.
             if (OUT_T == KILN_OUT_INT8) {
                 // amax / 127 (1 / 127 is 0x3C010204), the reference's scale where amax is in
                 // kiln_div_const's range; the slow path divides again.
@@ -776,16 +779,25 @@ __device__ __forceinline__ void kiln_norm_segment(
                 const float inverse = qscale * kiln_rcp_approx(scale_value);
                 const bool normal = in_range && inverse >= 1.0e-37f && inverse <= 1.0e37f && (s & 0x78u) != 0 &&
                                     scaled <= 448.0f;
-                unsigned int c[8];
+                unsigned int c[8], differ = 0;
 #pragma unroll
-                for (int k = 0; k < 8; ++k) c[k] = kiln_e2m1_fast(p[k] * inverse, worst);
+                for (int k = 0; k < 8; ++k) c[k] = kiln_e2m1_fast(p[k] * inverse, differ);
                 // The signs of p are those of p * inverse (inverse > 0 on this path).
                 unsigned int packed = kiln_bytes4((c[1] << 4) + c[0], (c[3] << 4) + c[2], (c[5] << 4) + c[4],
                                                   (c[7] << 4) + c[6]) |
                                       kiln_e2m1_signs(p);
-                if (!(normal && worst <= 0.4999f)) {
+                if (!(normal && differ == 0)) {
                     if (!in_range) {
-                        scaled = (amax / 6.0f) * qscale;
+                        // Both lanes of the block are here (they share amax): for a NaN, the
+                        // maximum without the NaN values, as the reference takes it.
+                        float m = amax;
+                        if (amax != amax) {
+                            m = 0.0f;
+#pragma unroll
+                            for (int k = 0; k < 8; ++k) m = fmaxf(m, fabsf(p[k]));
+                            m = fmaxf(m, __shfl_xor_sync(3u << (lane & 30), m, 1));
+                        }
+                        scaled = (m / 6.0f) * qscale;
                         s = kiln_e4m3x2(scaled, 0.0f) & 0xFFu;
                         scale_value = kiln_e4m3_value(s);
                     }
@@ -812,10 +824,10 @@ __device__ __forceinline__ void kiln_norm_segment(
 // With block-quantized outputs, registers for 1024 threads a multiprocessor (64 a thread), where
 // the quantization's temporaries would otherwise cost a quarter of the resident warps; only where
 // the inputs held fit beside them (RMSNorm, 4 warps a row or more, at most 4 units a warp of
-// 2-byte x, no residual, gate, bias or early weight; not for a persistent grid's INT8 output,
-// whose next group's loads and the INT8 bracket's ends spill at 64), as a spill would cost more.
+// 2-byte x, no residual, gate, bias or early weight; not for a persistent grid, whose next
+// group's loads and the INT8 or E2M1 brackets' ends spill at 64), as a spill would cost more.
 #if KILN_NORM_BLOCKED && KIND == 0 && WARPS_PER_ROW >= 4 && UNITS_PER_WARP <= 4 && X_T != KILN_F32 && \
-    !HAS_RESIDUAL && GATE == 0 && !HAS_BIAS && !EARLY_WEIGHT && !(PERSISTENT && OUT_T == KILN_OUT_INT8)
+    !HAS_RESIDUAL && GATE == 0 && !HAS_BIAS && !EARLY_WEIGHT && !PERSISTENT
 #define KILN_NORM_BOUNDS __launch_bounds__(KILN_NORM_THREADS, (1024 / KILN_NORM_THREADS < 32 ? 1024 / KILN_NORM_THREADS : 32))
 #else
 #define KILN_NORM_BOUNDS __launch_bounds__(KILN_NORM_THREADS)
