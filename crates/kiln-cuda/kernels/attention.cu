@@ -1562,9 +1562,8 @@ extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, 1)
             if (is_last_block) {
                 __threadfence();
                 // out = sum_c w_c O_c / sum_c w_c, w_c = 2^(lse_c - M), M = max_c lse_c, in chunk
-                // order; the log-sums gathered into the merge rows first.
-                // The first batch of this thread's first item is requested before the log-sums
-                // are gathered.
+                // order; the log-sums gathered into the merge rows first, the first batch of this
+                // thread's first item requested before them.
                 float* lse = merge;  // [chunks][rows]
                 const kiln_u64 chunk_floats = split_stride * HEAD_DIM;
                 const int items = rows * (HEAD_DIM / 4);
