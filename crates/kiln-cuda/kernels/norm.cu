@@ -333,7 +333,18 @@ __device__ __forceinline__ float kiln_norm_total(float (&lane_sums)[UNITS_PER_WA
             unit_sums[warp_in_row + kiln_norm_unit_of(lane) * WARPS_PER_ROW] = mine;
         }
         __syncthreads();
-        if (KILN_NORM_UNITS % 4 == 0) {
+        if (KILN_NORM_UNITS % 4 == 0 && units == KILN_NORM_UNITS) {
+            // Every unit present (the row fills the warps' units): the same sums in the same
+            // order, without a test a unit.
+#pragma unroll
+            for (int i = 0; i < KILN_NORM_UNITS; i += 4) {
+                const float4 s = *reinterpret_cast<const float4*>(unit_sums + i);
+                total += s.x;
+                total += s.y;
+                total += s.z;
+                total += s.w;
+            }
+        } else if (KILN_NORM_UNITS % 4 == 0) {
 #pragma unroll
             for (int i = 0; i < KILN_NORM_UNITS; i += 4) {
                 if (i < units) {
