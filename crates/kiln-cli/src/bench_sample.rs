@@ -17,9 +17,9 @@
 //! kernel (`SamplePath::TopKMerge`, a candidate not yet chosen by `for_rows`) and the top-k
 //! bound kernel (`SamplePath::TopKBound`, likewise).
 //!
-//! `--profile` prints, instead of the table, the phases of the top-k bound kernel compiled with
-//! `SAMPLE_PROFILE=1` (one launch a sample, the median of several) for its modes at batch 1 and
-//! 64: where the microseconds go, in a few seconds.
+//! `--profile` prints, instead of the table, the phases of the top-k bound and top-k merge
+//! kernels compiled with `SAMPLE_PROFILE=1` (one launch a sample, the median of several) for
+//! their modes at batch 1 and 64: where the microseconds go, in a few seconds.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -53,8 +53,8 @@ pub struct BenchSampleArgs {
     /// Also write the table (markdown) here.
     #[arg(long)]
     pub out: Option<PathBuf>,
-    /// Print the phases of the top-k bound kernel (compiled with SAMPLE_PROFILE=1) instead of
-    /// the table.
+    /// Print the phases of the top-k bound and top-k merge kernels (compiled with
+    /// SAMPLE_PROFILE=1) instead of the table.
     #[arg(long)]
     pub profile: bool,
 }
@@ -72,7 +72,7 @@ fn median_of(runs: &[Vec<u64>], f: impl Fn(&[u64]) -> f64) -> f64 {
 /// The profile lines of one case: the kernel's span from the first block's entry (ns of
 /// %globaltimer), block (0, 0)'s phases and the phases of row 0's last block (SM cycles, and
 /// microseconds at the clock that block measured), row 0's counts.
-fn profile_lines(name: &str, batch: usize, runs: &[Vec<u64>]) -> String {
+fn profile_lines(name: &str, batch: usize, path: SamplePath, runs: &[Vec<u64>]) -> String {
     let ns = |a: usize| move |r: &[u64]| r[a].wrapping_sub(!r[0]) as f64;
     let cycles = |a: usize, b: usize| move |r: &[u64]| r[b].wrapping_sub(r[a]) as f64;
     // The last block's clock: its cycles over its nanoseconds.
@@ -80,17 +80,39 @@ fn profile_lines(name: &str, batch: usize, runs: &[Vec<u64>]) -> String {
         median_of(runs, |r| r[22].wrapping_sub(r[16]) as f64 / (r[25].wrapping_sub(r[24]) as f64).max(1.0))
             .max(0.1);
     let mut out = format!(
-        "{name} batch {batch}: span {:.2} us (last ticket at {:.2} us, row 0's last block {:.2} to {:.2} us), \
+        "{name} batch {batch} {path:?}: span {:.2} us (last ticket at {:.2} us, row 0's last block {:.2} to {:.2} us), \
          clock {ghz:.2} GHz\n",
         median_of(runs, ns(2)) / 1e3,
         median_of(runs, ns(1)) / 1e3,
         median_of(runs, ns(24)) / 1e3,
         median_of(runs, ns(25)) / 1e3,
     );
+    // A phase the launches did not reach (a greedy row skips the weights) has no stamps.
     let phase = |label: &str, a: usize, b: usize| {
-        let c = median_of(runs, cycles(a, b));
+        let reached: Vec<Vec<u64>> = runs.iter().filter(|r| r[a] != 0 && r[b] != 0).cloned().collect();
+        if reached.is_empty() {
+            return format!("  {label:<28} {:>8} cycles {:>7} us\n", "-", "-");
+        }
+        let c = median_of(&reached, cycles(a, b));
         format!("  {label:<28} {c:>8.0} cycles {:>7.2} us\n", c / ghz / 1e3)
     };
+    if path == SamplePath::TopKMerge {
+        out.push_str(&phase("block (0,0) slice loaded", 8, 9));
+        out.push_str(&phase("block (0,0) histogram + pick", 9, 10));
+        out.push_str(&phase("block (0,0) list written", 10, 11));
+        out.push_str(&phase("block (0,0) fence + ticket", 11, 12));
+        out.push_str(&phase("last block: heads staged", 16, 17));
+        out.push_str(&phase("last block: bound", 17, 18));
+        out.push_str(&phase("last block: survivors", 18, 19));
+        out.push_str(&phase("last block: rank", 19, 20));
+        out.push_str(&phase("last block: finish", 20, 22));
+        let last = &runs[runs.len() - 1];
+        out.push_str(&format!(
+            "  row 0: k {}, {} slices, staged depth {}, {} survivors, fallback {}\n",
+            last[35], last[37], last[38], last[33], last[36]
+        ));
+        return out;
+    }
     out.push_str(&phase("block (0,0) keys loaded", 8, 9));
     out.push_str(&phase("block (0,0) maxima + fence", 9, 10));
     out.push_str(&phase("block (0,0) ticket", 10, 11));
@@ -211,7 +233,11 @@ pub fn run(args: &BenchSampleArgs) -> Result<()> {
             let bound_serves =
                 !penalties && (params.is_greedy() || (1..=TOPK_BOUND_KMAX).contains(&params.top_k));
             if args.profile {
-                if bound_serves {
+                // The top-k merge kernel serves the same rows.
+                for profiled in [SamplePath::TopKBound, SamplePath::TopKMerge] {
+                    if !bound_serves {
+                        break;
+                    }
                     let profile = gpu.alloc(PROFILE_SLOTS * 8)?;
                     let mut runs = Vec::new();
                     for i in 0..PROFILE_RUNS + 1 {
@@ -228,14 +254,7 @@ pub fn run(args: &BenchSampleArgs) -> Result<()> {
                             tokens: &out,
                             scratch: Some(&sample_scratch),
                         };
-                        sample_with_path_profiled(
-                            &gpu,
-                            batch,
-                            vocab,
-                            buffers,
-                            SamplePath::TopKBound,
-                            Some(&profile),
-                        )?;
+                        sample_with_path_profiled(&gpu, batch, vocab, buffers, profiled, Some(&profile))?;
                         let bytes = profile.to_host_bytes()?;
                         let slots: Vec<u64> = bytes
                             .chunks_exact(8)
@@ -245,7 +264,7 @@ pub fn run(args: &BenchSampleArgs) -> Result<()> {
                             runs.push(slots); // the first launch compiles and warms
                         }
                     }
-                    let lines = profile_lines(name, batch, &runs);
+                    let lines = profile_lines(name, batch, profiled, &runs);
                     print!("{lines}");
                     profiles.push_str(&lines);
                 }

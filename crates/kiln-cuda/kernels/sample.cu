@@ -2275,6 +2275,63 @@ kiln_sample_greedy(const float* __restrict__ logits, long long vocab, long long 
 }
 #endif  // THREADS <= 256
 
+// ---- Phase profiles ----------------------------------------------------------------------------
+//
+// SAMPLE_PROFILE=1 compiles time stamps and counts of the top-k merge and top-k bound kernels
+// into their `profile` argument (64 u64, zero on entry; null otherwise): slot 0 the largest
+// ~%globaltimer at a block's entry (the first entry, complemented), 1 the latest ticket, 2 the
+// latest end of a row's last block; clock64 of block (0, 0) from slot 8 and of the last block of
+// row 0 from slot 16 at the phase boundaries each kernel lists, %globaltimer at that last block's
+// start (24) and end (25); row 0's counts from slot 32. `kiln bench sample --profile` prints them.
+#ifndef SAMPLE_PROFILE
+#define SAMPLE_PROFILE 0
+#endif
+__device__ __forceinline__ kiln_u64 tkb_globaltimer() {
+    kiln_u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+#if SAMPLE_PROFILE
+#define TKB_CLOCK(slot, when)                                               \
+    do {                                                                    \
+        if ((when) && profile != nullptr && threadIdx.x == 0)               \
+            profile[slot] = (kiln_u64)clock64();                            \
+    } while (0)
+#define TKB_SET(slot, when, value)                                          \
+    do {                                                                    \
+        if ((when) && profile != nullptr && threadIdx.x == 0)               \
+            profile[slot] = (kiln_u64)(value);                              \
+    } while (0)
+// The end of a row's last block: clock64 (22) and %globaltimer (25) for row 0, the latest end
+// of any row (2).
+#define TKB_END(row0)                                                         \
+    do {                                                                      \
+        if (profile != nullptr && threadIdx.x == 0) {                         \
+            if (row0) {                                                       \
+                profile[22] = (kiln_u64)clock64();                            \
+                profile[25] = tkb_globaltimer();                              \
+            }                                                                 \
+            atomicMax(&profile[2], tkb_globaltimer());                        \
+        }                                                                     \
+    } while (0)
+#else
+#define TKB_END(row0) \
+    do {              \
+        (void)(row0); \
+    } while (0)
+#define TKB_CLOCK(slot, when) \
+    do {                      \
+        (void)(when);         \
+    } while (0)
+#define TKB_SET(slot, when, value) \
+    do {                           \
+        (void)(when);              \
+        (void)sizeof(value);       \
+    } while (0)
+#endif
+
+
 // ---- The top-k merge path ---------------------------------------------------------------------
 //
 // Serves greedy rows and rows with 1 <= top_k <= TKM_KMAX (with any temperature, top-p and
@@ -2302,6 +2359,11 @@ kiln_sample_greedy(const float* __restrict__ logits, long long vocab, long long 
 // A row with an overflowed list or more survivors than the buffers hold is sampled by its last
 // block on the single-block path. Every quantity is an integer or the reference's fp32 operation
 // on the same value, so the token is the reference's whatever the slices.
+// Profile slots (SAMPLE_PROFILE=1, see above): block (0, 0): clock64 at entry (8), slice loaded
+// and its maximum found (9), bin of the k-th chosen (10), list written (11), ticket taken (12);
+// the last block of row 0: clock64 at its start (16), heads staged (17), bound (18), survivors
+// (19), top-k ranked (20), token written (22); counts: survivors (33), k (35), fallback (36),
+// slices (37), staged depth (38).
 
 #define TKM_KMAX 256          // the largest top-k the path serves
 #define TKM_PER 32            // logits a thread holds: a slice is at most TKM_PER * THREADS
@@ -2361,8 +2423,10 @@ __device__ __forceinline__ int sample_row_topk_merge(int r, kiln_u32 k, const fl
                                                      long long lo, const KilnSampleParams* __restrict__ p,
                                                      const kiln_u64* __restrict__ steps,
                                                      kiln_u32* __restrict__ tokens, kiln_u32* tickets,
-                                                     kiln_u32* list_counts, kiln_u64* lists, int slots) {
+                                                     kiln_u32* list_counts, kiln_u64* lists, int slots,
+                                                     kiln_u64* profile) {
     __shared__ TopKMergeShared sh;
+    const bool first = blockIdx.x == 0 && r == 0, row0 = r == 0;
     const int warp = threadIdx.x >> 5;
     // The slice's maximum and candidates from the registers; the bins zeroed meanwhile.
     kiln_u64 thread_best = 0ull;
@@ -2377,6 +2441,7 @@ __device__ __forceinline__ int sample_row_topk_merge(int r, kiln_u32 k, const fl
             thread_best = packed > thread_best ? packed : thread_best;
         }
     }
+    TKB_CLOCK(9, first);
     if (threadIdx.x == 0) {
         sh.best = 0ull;
         sh.valid = 0u;
@@ -2456,6 +2521,7 @@ __device__ __forceinline__ int sample_row_topk_merge(int r, kiln_u32 k, const fl
             chosen = (int)sh.chosen;
             crowded = sh.above + sh.count > TKM_LIST_CAP;
         }
+        TKB_CLOCK(10, first);
         if (crowded) {
             written = TKM_OVERFLOW;
         } else {
@@ -2476,6 +2542,7 @@ __device__ __forceinline__ int sample_row_topk_merge(int r, kiln_u32 k, const fl
             });
         }
     }
+    TKB_CLOCK(11, first);
     if (threadIdx.x == 0) list_counts[slot] = written;
 
     // The last block of the row to finish goes on; every thread fences its own writes first.
@@ -2488,9 +2555,17 @@ __device__ __forceinline__ int sample_row_topk_merge(int r, kiln_u32 k, const fl
             tickets[r] = 0u;  // every block of the row has taken its ticket
             __threadfence();
         }
+#if SAMPLE_PROFILE
+        if (profile != nullptr) atomicMax(&profile[1], tkb_globaltimer());
+#endif
     }
+    TKB_CLOCK(12, first);
     __syncthreads();
     if (!sh.last) return 0;
+    TKB_CLOCK(16, row0);
+    TKB_SET(24, row0, tkb_globaltimer());
+    TKB_SET(35, row0, k);
+    TKB_SET(37, row0, gridDim.x);
 
     const kiln_u64 step = steps[r];  // read now: its latency hides behind the merge
     const int blocks = (int)gridDim.x;  // <= THREADS (launcher)
@@ -2513,10 +2588,13 @@ __device__ __forceinline__ int sample_row_topk_merge(int r, kiln_u32 k, const fl
         sh.staged[e] = cb != TKM_OVERFLOW && (kiln_u32)i < cb ? x : 0ull;
     }
     if (__syncthreads_or(owner && c == TKM_OVERFLOW)) return TKM_FALLBACK;
+    TKB_CLOCK(17, row0);
+    TKB_SET(38, row0, depth);
     if (k == 1u) {
         // Greedy (or top-k 1): the best of the slices' maxima.
         const kiln_u64 best = tkm_max(owner && c != 0u ? sh.staged[threadIdx.x] : 0ull, sh);
         if (threadIdx.x == 0) tokens[r] = best != 0ull ? 0xFFFFFFFFu - (kiln_u32)best : NO_TOKEN;
+        TKB_END(row0);
         return 0;
     }
     // The candidates of the row, and how many the lists' first h entries hold, h from
@@ -2548,6 +2626,7 @@ __device__ __forceinline__ int sample_row_topk_merge(int r, kiln_u32 k, const fl
         __syncthreads();
         bound = sh.bound > local ? sh.bound : local;
     }
+    TKB_CLOCK(18, row0);
 
     // The survivors: the staged entries at or above the bound, then the next entries of each list
     // whose staged ones all are (read by its owner, 8 at a time, down to the bound).
@@ -2578,6 +2657,8 @@ __device__ __forceinline__ int sample_row_topk_merge(int r, kiln_u32 k, const fl
     }
     __syncthreads();
     const int m_n = (int)sh.nsurv;
+    TKB_CLOCK(19, row0);
+    TKB_SET(33, row0, m_n);
     if (m_n > TKM_SURV_CAP) return TKM_FALLBACK;
 
     // The top-k in the order, into sh.list.
@@ -2597,6 +2678,7 @@ __device__ __forceinline__ int sample_row_topk_merge(int r, kiln_u32 k, const fl
     }
     __syncthreads();
 
+    TKB_CLOCK(20, row0);
     // Token j of the order (thread j): its weight from the first; top-p in rank order; min-p;
     // the draw in index order (as the fused path).
     const int j = threadIdx.x;
@@ -2650,6 +2732,7 @@ __device__ __forceinline__ int sample_row_topk_merge(int r, kiln_u32 k, const fl
             tokens[r] = own_index;
         }
     }
+    TKB_END(row0);
     return 0;
 }
 
@@ -2662,8 +2745,14 @@ kiln_sample_topk_merge(const float* __restrict__ logits, long long vocab, long l
                        const kiln_u32* __restrict__ history_offsets, const kiln_u32* __restrict__ history,
                        kiln_u32* __restrict__ counts, float* __restrict__ scratch, const kiln_u64* __restrict__ stats,
                        int stats_per_row, kiln_u32* __restrict__ tokens, kiln_u32* tickets, kiln_u32* list_counts,
-                       kiln_u64* lists, int slots, long long slice_len) {
+                       kiln_u64* lists, int slots, long long slice_len, kiln_u64* profile) {
     kiln_wait_prior();
+#if SAMPLE_PROFILE
+    if (profile != nullptr && threadIdx.x == 0) atomicMax(&profile[0], ~tkb_globaltimer());
+#else
+    (void)profile;
+#endif
+    TKB_CLOCK(8, blockIdx.x == 0 && blockIdx.y == 0);
     const int r = blockIdx.y;
     const long long lo = (long long)blockIdx.x * slice_len;
     const long long hi = lo + slice_len < vocab ? lo + slice_len : vocab;
@@ -2686,7 +2775,8 @@ kiln_sample_topk_merge(const float* __restrict__ logits, long long vocab, long l
     bool single = !served && blockIdx.x == 0;
     if (served) {
         single = sample_row_topk_merge(r, greedy ? 1u : p.top_k, v, n, lo, params + r, steps, tokens, tickets,
-                                       list_counts, lists, slots) == TKM_FALLBACK;
+                                       list_counts, lists, slots, profile) == TKM_FALLBACK;
+        TKB_SET(36, r == 0 && single, 1);
     }
     if (single) {
         sample_row_single(r, logits, vocab, row_stride, params, steps, history_offsets, history, counts, scratch,
@@ -2720,18 +2810,13 @@ kiln_sample_topk_merge(const float* __restrict__ logits, long long vocab, long l
 // valid token as a candidate. Every quantity is an integer or the reference's fp32 operation on
 // the same value, so the token is the reference's whatever the slices.
 //
-// SAMPLE_PROFILE=1 compiles time stamps into `profile` (64 u64, zero on entry; null otherwise):
-// slot 0 the largest ~%globaltimer at a block's entry (the first entry, complemented), 1 the
-// latest ticket, 2 the latest end of a row's last block; block (0, 0): clock64 at entry (8),
+// Profile slots (SAMPLE_PROFILE=1, see above): block (0, 0): clock64 at entry (8),
 // keys loaded (9), maxima stored (10), ticket taken (11); the last block of row 0: clock64 at its
 // start (16), maxima loaded (17), bound (18), candidate groups (19), candidates gathered (20),
 // ranked (21), token written (22), %globaltimer at its start (24) and end (25); row 0's counts:
 // valid groups (32), candidate groups (33), candidates (34), k (35), fallback (36), slices (37),
 // groups a slice (38), radix passes (39). `kiln bench sample --profile` prints them.
 
-#ifndef SAMPLE_PROFILE
-#define SAMPLE_PROFILE 0
-#endif
 #define TKB_KMAX 256          // the largest top-k the path serves
 #define TKB_PER 32            // order keys a thread holds: a slice is at most TKB_PER * THREADS
 #define TKB_GROUP_PER 32      // group maxima a thread of the last block holds
@@ -2755,35 +2840,6 @@ struct TopKBoundShared {
 };
 static_assert(THREADS >= TKB_KMAX, "one thread per top-k token");
 static_assert(2 * TKB_KMAX * 4 <= TKB_CAND_CAP * 8, "the kept weights and indices fit in `cand`");
-
-__device__ __forceinline__ kiln_u64 tkb_globaltimer() {
-    kiln_u64 t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-
-#if SAMPLE_PROFILE
-#define TKB_CLOCK(slot, when)                                               \
-    do {                                                                    \
-        if ((when) && profile != nullptr && threadIdx.x == 0)               \
-            profile[slot] = (kiln_u64)clock64();                            \
-    } while (0)
-#define TKB_SET(slot, when, value)                                          \
-    do {                                                                    \
-        if ((when) && profile != nullptr && threadIdx.x == 0)               \
-            profile[slot] = (kiln_u64)(value);                              \
-    } while (0)
-#else
-#define TKB_CLOCK(slot, when) \
-    do {                      \
-        (void)(when);         \
-    } while (0)
-#define TKB_SET(slot, when, value) \
-    do {                           \
-        (void)(when);              \
-        (void)sizeof(value);       \
-    } while (0)
-#endif
 
 // One warp (warp 0) finds the first bin from 255 down at which the running count reaches
 // `target`: sh.chosen, the count above it in sh.above, its own in sh.count, the total of the
@@ -3100,10 +3156,6 @@ kiln_sample_topk_bound(const float* __restrict__ logits, long long vocab, long l
         sample_row_single(r, logits, vocab, row_stride, params, steps, history_offsets, history, counts, scratch,
                           stats, stats_per_row, tokens);
     }
-    TKB_CLOCK(22, row0);
-    TKB_SET(25, row0, tkb_globaltimer());
-#if SAMPLE_PROFILE
-    if (profile != nullptr && threadIdx.x == 0) atomicMax(&profile[2], tkb_globaltimer());
-#endif
+    TKB_END(row0);
 }
 #endif  // THREADS <= 256

@@ -349,11 +349,12 @@ fn a_scratch_is_reused_across_launches() {
     }
 }
 
-/// The top-k bound kernel compiled with SAMPLE_PROFILE=1 samples the reference's tokens and
-/// writes its phases' counts: row 0's k, slices, candidate groups (at least k) and candidates (at
-/// least k), no fallback on a model-like row, and a span that starts before it ends.
+/// The top-k bound and top-k merge kernels compiled with SAMPLE_PROFILE=1 sample the reference's
+/// tokens and write their phases' counts: row 0's k and slices, the bound kernel's candidate
+/// groups and candidates (at least k), the merge kernel's survivors (at least k), no fallback on
+/// a uniform row, and a span that starts before it ends.
 #[test]
-fn the_profiled_top_k_bound_kernel_samples_and_counts() {
+fn the_profiled_top_k_kernels_sample_and_count() {
     let gpu = Gpu::open(0).expect("the GPU tests need CUDA device 0");
     let mut rng = Rng::fresh();
     let vocab = 151_936;
@@ -381,54 +382,62 @@ fn the_profiled_top_k_bound_kernel_samples_and_counts() {
         let history_dev = upload(&gpu, &[0u8; 4]);
         let out = gpu.alloc(rows * 4).expect("tokens");
         out.fill_bytes(0xAB).expect("poison");
-        let profile = gpu.alloc(PROFILE_SLOTS * 8).expect("profile");
-        profile.fill_bytes(0).expect("zero");
         let scratch = SampleScratch::new(&gpu, rows, vocab).expect("scratch");
-        let buffers = SampleBuffers {
-            logits: &logits_dev,
-            row_stride: vocab,
-            params: &params_dev,
-            steps: &steps_dev,
-            history_offsets: &offsets_dev,
-            history: &history_dev,
-            penalty: None,
-            stats: None,
-            tokens: &out,
-            scratch: Some(&scratch),
-        };
-        sample_with_path_profiled(&gpu, rows, vocab, buffers, SamplePath::TopKBound, Some(&profile))
-            .expect("profiled launch");
-        let bytes = out.to_host_bytes().expect("copy back");
-        for r in 0..rows {
-            let got =
-                u32::from_le_bytes([bytes[4 * r], bytes[4 * r + 1], bytes[4 * r + 2], bytes[4 * r + 3]]);
-            let (p, stream) = params[r];
-            let want =
-                sample(&logits[r * vocab..(r + 1) * vocab], &p, &[], steps[r], stream).expect("reference");
-            assert_eq!(got, want, "rows {rows} row {r}: k {k}");
+        let sms = gpu.facts().multiprocessors as usize;
+        for path in [SamplePath::TopKBound, SamplePath::TopKMerge] {
+            out.fill_bytes(0xAB).expect("poison");
+            let profile = gpu.alloc(PROFILE_SLOTS * 8).expect("profile");
+            profile.fill_bytes(0).expect("zero");
+            let buffers = SampleBuffers {
+                logits: &logits_dev,
+                row_stride: vocab,
+                params: &params_dev,
+                steps: &steps_dev,
+                history_offsets: &offsets_dev,
+                history: &history_dev,
+                penalty: None,
+                stats: None,
+                tokens: &out,
+                scratch: Some(&scratch),
+            };
+            sample_with_path_profiled(&gpu, rows, vocab, buffers, path, Some(&profile))
+                .expect("profiled launch");
+            let bytes = out.to_host_bytes().expect("copy back");
+            for r in 0..rows {
+                let got =
+                    u32::from_le_bytes([bytes[4 * r], bytes[4 * r + 1], bytes[4 * r + 2], bytes[4 * r + 3]]);
+                let (p, stream) = params[r];
+                let want = sample(&logits[r * vocab..(r + 1) * vocab], &p, &[], steps[r], stream)
+                    .expect("reference");
+                assert_eq!(got, want, "{path:?} rows {rows} row {r}: k {k}");
+            }
+            let slots: Vec<u64> = profile
+                .to_host_bytes()
+                .expect("copy back")
+                .chunks_exact(8)
+                .map(|c| u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
+                .collect();
+            assert_eq!(slots[35], k as u64, "{path:?} rows {rows}: k");
+            assert_eq!(slots[36], 0, "{path:?} rows {rows}: fell back");
+            let first_entry = !slots[0];
+            assert!(slots[2] > first_entry && slots[25] > slots[24], "{path:?} rows {rows}: {slots:?}");
+            if path == SamplePath::TopKBound {
+                let (count, len) = topk_bound_slices(rows, vocab, sms).expect("grid");
+                assert_eq!(slots[37], count as u64, "rows {rows}: slices");
+                assert_eq!(slots[38], (len / 32) as u64, "rows {rows}: groups a slice");
+                assert_eq!(slots[32], vocab.div_ceil(32) as u64, "rows {rows}: valid groups");
+                assert!(slots[33] >= k as u64 && slots[34] >= k as u64, "rows {rows}: {slots:?}");
+            } else {
+                let (count, _) = topk_merge_slices(rows, vocab, sms).expect("grid");
+                assert_eq!(slots[37], count as u64, "rows {rows}: merge slices");
+                assert!(k == 1 || slots[33] >= k as u64, "rows {rows}: {slots:?}");
+            }
+            println!(
+                "{path:?} rows {rows} k {k}: counts {:?}, span {} ns",
+                &slots[32..40],
+                slots[2] - first_entry
+            );
         }
-        let slots: Vec<u64> = profile
-            .to_host_bytes()
-            .expect("copy back")
-            .chunks_exact(8)
-            .map(|c| u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
-            .collect();
-        let (count, len) =
-            topk_bound_slices(rows, vocab, gpu.facts().multiprocessors as usize).expect("grid");
-        assert_eq!(slots[35], k as u64, "rows {rows}: k");
-        assert_eq!(slots[37], count as u64, "rows {rows}: slices");
-        assert_eq!(slots[38], (len / 32) as u64, "rows {rows}: groups a slice");
-        assert_eq!(slots[32], (vocab / 32) as u64 + u64::from(vocab % 32 != 0), "rows {rows}: valid groups");
-        assert!(slots[33] >= k as u64 && slots[34] >= k as u64, "rows {rows}: {slots:?}");
-        assert_eq!(slots[36], 0, "rows {rows}: fell back");
-        let first_entry = !slots[0];
-        assert!(slots[2] > first_entry && slots[25] > slots[24], "rows {rows}: {slots:?}");
-        println!(
-            "rows {rows} k {k}: {} candidate groups, {} candidates, span {} ns",
-            slots[33],
-            slots[34],
-            slots[2] - first_entry
-        );
     }
 }
 

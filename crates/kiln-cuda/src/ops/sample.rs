@@ -53,8 +53,8 @@
 //! writes the maximum of every group of 32 logits, and the last block of the row bounds the
 //! row's k-th token from below by the k-th largest group maximum (k groups hold k distinct
 //! tokens at or above it), reads again only the groups that reach the bound and finishes on the
-//! few candidates. Compiled with `SAMPLE_PROFILE=1` ([`sample_with_path_profiled`]) it writes
-//! time stamps of its phases.
+//! few candidates. Compiled with `SAMPLE_PROFILE=1` ([`sample_with_path_profiled`]) it and the
+//! top-k merge kernel write time stamps of their phases.
 //!
 //! Every path gives the reference's token; [`SamplePath`] chooses among them. The default,
 //! [`SamplePath::Auto`], runs the fused path and the mass path's three launches after it (which
@@ -629,9 +629,9 @@ pub fn sample_with_path(
 }
 
 /// [`sample_with_path`]; with `profile` (at least [`PROFILE_SLOTS`] u64, zeroed by the caller)
-/// and [`SamplePath::TopKBound`], the kernel is compiled with `SAMPLE_PROFILE=1` and writes the
-/// time stamps and counts of its phases there (the slots are listed in `sample.cu`; other paths
-/// leave it untouched).
+/// and [`SamplePath::TopKBound`] or [`SamplePath::TopKMerge`], the kernel is compiled with
+/// `SAMPLE_PROFILE=1` and writes the time stamps and counts of its phases there (the slots are
+/// listed in `sample.cu`; other paths leave it untouched).
 pub fn sample_with_path_profiled(
     gpu: &Gpu,
     rows: usize,
@@ -802,7 +802,9 @@ pub fn sample_with_path_profiled(
     }
     if let (Some((merge_count, merge_len)), true) = (merge_grid, base != 0) {
         let merge_threads = TOPK_MERGE_THREADS.to_string();
-        let merge_defines = [("THREADS", merge_threads.as_str()), ("PENALTIES", penalties)];
+        let profiled = if profile.is_some() { "1" } else { "0" };
+        let merge_defines =
+            [("THREADS", merge_threads.as_str()), ("PENALTIES", penalties), ("SAMPLE_PROFILE", profiled)];
         let function = gpu.function(&SAMPLE, "kiln_sample_topk_merge", &merge_defines)?;
         let merge_config = LaunchConfig {
             grid_dim: (merge_count as u32, rows as u32, 1),
@@ -812,13 +814,20 @@ pub fn sample_with_path_profiled(
         let (merge_counts, merge_lists) = (at(layout.fused_counts), at(layout.fused_lists));
         let merge_slots = layout.fused_slots as i32;
         let merge_len = merge_len as i64;
+        let profile_ptr = profile.map_or(0u64, DeviceMemory::device_ptr);
         let mut launch = gpu.launch_builder(&function);
         row_args.push(&mut launch);
-        launch.arg(&tickets).arg(&merge_counts).arg(&merge_lists).arg(&merge_slots).arg(&merge_len);
+        launch
+            .arg(&tickets)
+            .arg(&merge_counts)
+            .arg(&merge_lists)
+            .arg(&merge_slots)
+            .arg(&merge_len)
+            .arg(&profile_ptr);
         // SAFETY: the arguments match `kiln_sample_topk_merge`'s signature (pointer, i64, i64, 7
-        // pointers, i32, 4 pointers, i32, i64); every buffer was checked above to hold what
-        // `rows` rows touch, `counts` and `scratch` are null only with PENALTIES=0 and `stats`
-        // only with zero statistics per row. The scratch is laid out by `ScratchLayout` for at
+        // pointers, i32, 4 pointers, i32, i64, pointer); every buffer was checked above to hold
+        // what `rows` rows touch, `counts` and `scratch` are null only with PENALTIES=0, `stats`
+        // only with zero statistics per row and `profile` null or PROFILE_SLOTS u64. The scratch is laid out by `ScratchLayout` for at
         // least `rows` rows of this vocabulary (checked above): `topk_merge_slices` keeps the
         // slices within `fused_slots` (the lists' counts and the lists of FUSED_KMAX =
         // TKM_KMAX entries a slot), within TOPK_MERGE_THREADS, the THREADS of this compile, as
