@@ -12,8 +12,8 @@ use kiln_core::DType;
 use kiln_cuda::ops::lm_head::{lm_head, LmHeadBuffers};
 use kiln_cuda::ops::sample::{
     encode_histories, encode_params, sample_with_path, sample_with_path_profiled, topk_bound_slices,
-    PenaltyScratch, SampleBuffers, SamplePath, SampleScratch, FAST_KMAX, FUSED_KMAX, MAX_SAMPLE_ROWS,
-    PROFILE_SLOTS,
+    topk_merge_slices, PenaltyScratch, SampleBuffers, SamplePath, SampleScratch, FAST_KMAX, FUSED_KMAX,
+    MAX_SAMPLE_ROWS, PROFILE_SLOTS,
 };
 use kiln_cuda::{DeviceMemory, Gpu};
 
