@@ -70,8 +70,14 @@ pub const LM_HEAD_ROWS: [usize; 2] = [1, 4];
 pub const PREFILL_TOKENS: usize = 2048;
 /// Batches certified for decode attention (one per batch class).
 pub const DECODE_BATCHES: [usize; 3] = [1, 8, 64];
-/// Context of the decode attention keys' timed instance (the key never depends on it).
+/// Context of the short decode class's timed instance ([`DecodeClass::Short`]).
 pub const DECODE_CONTEXT: usize = 4096;
+/// The longest context of decode attention's short class; longer ones are its long class
+/// ([`DecodeClass`]). The engine takes its boundary from `GpuOptions`, this one by default.
+pub const DECODE_SHORT_MAX: usize = 16_384;
+/// Context of the long decode class's timed instance ([`DecodeClass::Long`]): the geometric middle
+/// of 16k to 256k positions. At batch 64 its rotated set is one set of 17.2 GB (K and V).
+pub const DECODE_LONG_CONTEXT: usize = 65_536;
 
 /// Largest number of input sets a timing rotates over.
 const MAX_SETS: usize = 4096;
@@ -232,8 +238,68 @@ pub enum AttentionPhase {
     /// One sequence of `tokens` query tokens (the key holds for every prefill or chunk).
     Prefill { tokens: usize },
     /// `batch` sequences of one query token at `context` positions (the key depends on the
-    /// batch's class only).
+    /// batch's class and the context's [`DecodeClass`] under [`DECODE_SHORT_MAX`]).
     Decode { batch: usize, context: usize },
+}
+
+/// The context class of a decode attention call, from the batch's longest context.
+///
+/// The best decode variant depends on the context (at batch 1 the streaming kernels win at 4k, the
+/// wide tiled one at 128k), so each batch class has a certificate per context class. Within a
+/// class the configuration (variant and splits) is fixed, and the grid does not depend on the
+/// context: a decode step captured as a CUDA graph replays as the cache grows until its longest
+/// sequence crosses into the other class, which needs a step captured with that class's
+/// configuration (the engine keys its graphs by the class).
+///
+/// The short class keeps the unsuffixed key (`decode.q32.kv8.d128.p64.b1`): certificates made
+/// before the classes existed were timed at 4096 positions and are the short class's. The long
+/// class's key ends in `.long`. A store without the long class's certificate runs the short
+/// class's (in strict mode too; see [`attention_config`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum DecodeClass {
+    /// Longest context up to the boundary ([`DECODE_SHORT_MAX`] by default).
+    Short,
+    /// Longest context past the boundary.
+    Long,
+}
+
+impl DecodeClass {
+    pub const ALL: [DecodeClass; 2] = [DecodeClass::Short, DecodeClass::Long];
+
+    /// The class of a batch whose longest context is `max_context` positions, the short class
+    /// holding contexts of at most `short_max` positions.
+    pub fn of(max_context: usize, short_max: usize) -> DecodeClass {
+        if max_context <= short_max {
+            DecodeClass::Short
+        } else {
+            DecodeClass::Long
+        }
+    }
+
+    /// `short` or `long`.
+    pub fn name(self) -> &'static str {
+        match self {
+            DecodeClass::Short => "short",
+            DecodeClass::Long => "long",
+        }
+    }
+
+    /// What the class adds to a decode key: nothing (short), `.long`.
+    pub fn key_suffix(self) -> &'static str {
+        match self {
+            DecodeClass::Short => "",
+            DecodeClass::Long => ".long",
+        }
+    }
+
+    /// The context of the class's timed instance: [`DECODE_CONTEXT`], [`DECODE_LONG_CONTEXT`].
+    /// A task at this context has this class's key (both sides of [`DECODE_SHORT_MAX`]).
+    pub fn timed_context(self) -> usize {
+        match self {
+            DecodeClass::Short => DECODE_CONTEXT,
+            DecodeClass::Long => DECODE_LONG_CONTEXT,
+        }
+    }
 }
 
 /// An attention call.
@@ -360,10 +426,12 @@ pub fn tasks(model: &ModelShapes, families: &[Family], arch: Arch) -> Result<Vec
             phase: AttentionPhase::Prefill { tokens: PREFILL_TOKENS },
         }));
         for batch in DECODE_BATCHES {
-            all.push(Task::Attention(AttentionTask {
-                shape,
-                phase: AttentionPhase::Decode { batch, context: DECODE_CONTEXT },
-            }));
+            for class in DecodeClass::ALL {
+                all.push(Task::Attention(AttentionTask {
+                    shape,
+                    phase: AttentionPhase::Decode { batch, context: class.timed_context() },
+                }));
+            }
         }
     }
     let mut seen = std::collections::BTreeSet::new();
@@ -481,15 +549,34 @@ impl LmHeadTask {
 }
 
 impl AttentionTask {
-    /// `attention/prefill.q<heads>.kv<heads>.d<dim>.p<page>/bf16/<arch>`, or `decode.….b<class>`.
+    /// `attention/prefill.q<heads>.kv<heads>.d<dim>.p<page>/bf16/<arch>`, or
+    /// `decode.….b<class>` (short contexts) and `decode.….b<class>.long` ([`DecodeClass`]).
     pub fn key(&self, arch: Arch) -> Result<TuningKey> {
         let s = &self.shape;
         let base = format!("q{}.kv{}.d{}.p{}", s.q_heads, s.kv_heads, s.head_dim, s.page_tokens);
         let class = match self.phase {
             AttentionPhase::Prefill { .. } => format!("prefill.{base}"),
-            AttentionPhase::Decode { batch, .. } => format!("decode.{base}.{}", decode_batch_class(batch)),
+            AttentionPhase::Decode { batch, context } => format!(
+                "decode.{base}.{}{}",
+                decode_batch_class(batch),
+                DecodeClass::of(context, DECODE_SHORT_MAX).key_suffix()
+            ),
         };
         TuningKey::new(Family::Attention.kernel(), class, dtype_token(ACTIVATIONS), arch.to_string())
+    }
+
+    /// A decode call's context class (under [`DECODE_SHORT_MAX`]); `None` for prefill.
+    pub fn decode_class(&self) -> Option<DecodeClass> {
+        match self.phase {
+            AttentionPhase::Prefill { .. } => None,
+            AttentionPhase::Decode { context, .. } => Some(DecodeClass::of(context, DECODE_SHORT_MAX)),
+        }
+    }
+
+    /// The decode call of `batch` sequences in `class`, as the engine and the bench look it up
+    /// (at the class's timed context, so its key is the class's whatever the boundary in use).
+    pub fn decode(shape: AttentionShape, batch: usize, class: DecodeClass) -> AttentionTask {
+        AttentionTask { shape, phase: AttentionPhase::Decode { batch, context: class.timed_context() } }
     }
 
     /// The declared default: the variant for the phase, and the splits of
@@ -624,7 +711,11 @@ pub fn lm_head_variant(store: &TuningStore, task: &LmHeadTask, arch: Arch) -> Re
 }
 
 /// The attention configuration to run for `task` on a device of `multiprocessors` (see
-/// [`norm_variant`]; the default is [`AttentionTask::default_config`]).
+/// [`norm_variant`]; the default is [`AttentionTask::default_config`]). A decode call of the long
+/// class ([`DecodeClass`]) whose key is not certified runs the short class's certificate when
+/// there is one, in either mode: a store made before the classes existed (or certified with
+/// short keys only) keeps the configuration it had; without either certificate the store's mode
+/// decides as for any key.
 pub fn attention_config(
     store: &TuningStore,
     task: &AttentionTask,
@@ -633,7 +724,19 @@ pub fn attention_config(
 ) -> Result<AttentionConfig> {
     let key = task.key(arch)?;
     let default = task.default_config(multiprocessors).label();
-    let chosen = store.config_for(&key, &default)?;
+    let chosen = match (task.decode_class(), task.phase, store.winner(&key)) {
+        (Some(DecodeClass::Long), AttentionPhase::Decode { batch, .. }, None) => {
+            let short_key = AttentionTask::decode(task.shape, batch, DecodeClass::Short).key(arch)?;
+            match store.winner(&short_key) {
+                Some(winner) => {
+                    tracing::debug!("no certificate for {key}; running the short class's `{winner}`");
+                    winner
+                }
+                None => store.config_for(&key, &default)?,
+            }
+        }
+        _ => store.config_for(&key, &default)?,
+    };
     AttentionConfig::parse(chosen).ok_or_else(|| unknown_config(&key, chosen))
 }
 
@@ -1567,7 +1670,14 @@ impl AttentionHarness {
                     .collect()
             }
             AttentionPhase::Decode { batch, .. } => {
-                (0..batch).map(|_| (1, 1 + rng.next() as usize % 1500)).collect()
+                let mut sequences: Vec<(usize, usize)> =
+                    (0..batch).map(|_| (1, 1 + rng.next() as usize % 1500)).collect();
+                // The long class's check: one sequence past the class boundary, so the
+                // certified splits are proved over contexts of the class.
+                if let (Some(DecodeClass::Long), Some(first)) = (task.decode_class(), sequences.first_mut()) {
+                    first.1 = DECODE_SHORT_MAX + 1 + rng.next() as usize % 4096;
+                }
+                sequences
             }
         };
         let needed: usize = sequences.iter().map(|&(_, c)| c.div_ceil(shape.page_tokens)).sum();

@@ -54,8 +54,11 @@ fn llama3_8b_asks_for_these_keys() {
         "lm_head/v128256.h4096.rows4/bf16.f32/sm_90",
         "attention/prefill.q32.kv8.d128.p64/bf16/sm_90",
         "attention/decode.q32.kv8.d128.p64.b1/bf16/sm_90",
+        "attention/decode.q32.kv8.d128.p64.b1.long/bf16/sm_90",
         "attention/decode.q32.kv8.d128.p64.b2-8/bf16/sm_90",
+        "attention/decode.q32.kv8.d128.p64.b2-8.long/bf16/sm_90",
         "attention/decode.q32.kv8.d128.p64.b9-64/bf16/sm_90",
+        "attention/decode.q32.kv8.d128.p64.b9-64.long/bf16/sm_90",
     ];
     assert_eq!(keys, expected);
     assert_eq!(self::keys(&ModelShapes::llama3_8b(), &[Family::LmHead]), expected[8..10]);
@@ -68,6 +71,7 @@ fn keys_follow_the_model_shapes_and_types() {
     assert!(keys.contains(&"norm/rms.res.hf.n576.g1.rows1/bf16.f32.bf16/sm_90".to_owned()), "{keys:?}");
     assert!(keys.contains(&"lm_head/v49152.h576.rows4/q8_0.f32/sm_90".to_owned()), "{keys:?}");
     assert!(keys.contains(&"attention/decode.q9.kv3.d64.p64.b1/bf16/sm_90".to_owned()), "{keys:?}");
+    assert!(keys.contains(&"attention/decode.q9.kv3.d64.p64.b9-64.long/bf16/sm_90".to_owned()), "{keys:?}");
     // Qwen3's per-head q norm adds its own keys: 32 segments of 128, no residual.
     let qwen3 = ModelShapes { qk_norm: true, ..ModelShapes::llama3_8b() };
     let keys = self::keys(&qwen3, &[Family::Norm]);
@@ -85,12 +89,34 @@ fn row_and_batch_classes_have_their_boundaries() {
         [1, 2, 8, 9, 64, 65].map(decode_batch_class),
         ["b1", "b2-8", "b2-8", "b9-64", "b9-64", "b65+"]
     );
-    // A decode key never depends on the context: the grid of a step is the same at every step.
+    // A decode key depends on the context only through its class: the same key (so the same
+    // configuration and grid) at every context of a class, the boundary at DECODE_SHORT_MAX.
     let task = |context| AttentionTask {
         shape: AttentionShape { q_heads: 32, kv_heads: 8, head_dim: 128, page_tokens: 64, scale: 0.088 },
         phase: AttentionPhase::Decode { batch: 8, context },
     };
-    assert_eq!(task(100).key(SM90).unwrap(), task(131_072).key(SM90).unwrap());
+    let key = |context| task(context).key(SM90).unwrap().to_string();
+    assert_eq!(key(100), "attention/decode.q32.kv8.d128.p64.b2-8/bf16/sm_90");
+    assert_eq!(key(1), key(DECODE_SHORT_MAX));
+    assert_eq!(key(DECODE_SHORT_MAX + 1), "attention/decode.q32.kv8.d128.p64.b2-8.long/bf16/sm_90");
+    assert_eq!(key(DECODE_SHORT_MAX + 1), key(1 << 20));
+    assert_eq!(
+        [0, 1, DECODE_SHORT_MAX, DECODE_SHORT_MAX + 1, 131_072].map(|c| DecodeClass::of(c, DECODE_SHORT_MAX)),
+        [DecodeClass::Short, DecodeClass::Short, DecodeClass::Short, DecodeClass::Long, DecodeClass::Long]
+    );
+    // Each class's timed context has the class's key, and the engine's lookup (at the timed
+    // context) names the same key as a call at any context of the class.
+    for class in DecodeClass::ALL {
+        assert_eq!(DecodeClass::of(class.timed_context(), DECODE_SHORT_MAX), class);
+        let context = if class == DecodeClass::Short { 700 } else { 200_000 };
+        assert_eq!(
+            AttentionTask::decode(task(1).shape, 8, class).key(SM90).unwrap(),
+            task(context).key(SM90).unwrap()
+        );
+    }
+    assert_eq!(task(5).decode_class(), Some(DecodeClass::Short));
+    let prefill = AttentionTask { phase: AttentionPhase::Prefill { tokens: 20_000 }, ..task(1) };
+    assert_eq!(prefill.decode_class(), None);
     // Different architectures are different keys.
     let norm = tasks(&ModelShapes::llama3_8b(), &[Family::Norm], SM90).unwrap()[0];
     assert_ne!(norm.key(SM90).unwrap(), norm.key(Arch(80)).unwrap());
@@ -279,6 +305,58 @@ fn lookups_answer_the_winner_the_default_or_a_named_error() {
         }
         other => panic!("expected UnknownTuningConfig, got {other:?}"),
     }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A decode lookup names its class's key: the long class's certificate past the boundary, the
+/// short one's up to it; a long-class key without a certificate runs the short class's (the
+/// certificates made before the classes), in strict mode too; with neither, the mode decides.
+#[test]
+fn decode_lookups_follow_the_context_class() {
+    let shape = AttentionShape { q_heads: 32, kv_heads: 8, head_dim: 128, page_tokens: 64, scale: 0.088 };
+    let at = |batch, context| AttentionTask { shape, phase: AttentionPhase::Decode { batch, context } };
+    let dir = scratch_dir("decode-classes");
+    let (certs, index) = (dir.join("certificates"), dir.join("index"));
+    let open = |mode| TuningStore::open(std::slice::from_ref(&certs), &index, mode).unwrap();
+    let config = |store: &TuningStore, batch, context| {
+        attention_config(store, &at(batch, context), SM90, 132).map(|c| c.label())
+    };
+    let record = |task: AttentionTask, winner: &str| {
+        let c = Certificate::new(
+            task.key(SM90).unwrap(),
+            vec![CandidateResult::ok(winner, 1.0, 1e-3)],
+            generator_of_test(),
+            "NVIDIA H200",
+            "CUDA 13.0",
+            "2026-11-30",
+        )
+        .unwrap();
+        record_certificate(&certs, c).unwrap();
+    };
+
+    // Nothing certified: the long class is a key of its own, refused by name in strict mode.
+    match attention_config(&open(TuningMode::Strict), &at(1, 70_000), SM90, 132) {
+        Err(Error::KeyNotCertified { key, .. }) => {
+            assert_eq!(key, "attention/decode.q32.kv8.d128.p64.b1.long/bf16/sm_90")
+        }
+        other => panic!("expected KeyNotCertified, got {other:?}"),
+    }
+    let default = at(1, 4096).default_config(132).label();
+    assert_eq!(config(&open(TuningMode::Default), 1, 70_000).unwrap(), default);
+
+    // Only the short class certified (a store of before the classes): both classes run it.
+    record(AttentionTask::decode(shape, 1, DecodeClass::Short), "stream3-1x8x16.s16");
+    for context in [1, DECODE_SHORT_MAX, DECODE_SHORT_MAX + 1, 131_072] {
+        assert_eq!(config(&open(TuningMode::Strict), 1, context).unwrap(), "stream3-1x8x16.s16");
+    }
+    // Both certified: each class its own, the boundary at DECODE_SHORT_MAX.
+    record(AttentionTask::decode(shape, 1, DecodeClass::Long), "1x4x32.s16");
+    let strict = open(TuningMode::Strict);
+    assert_eq!(config(&strict, 1, DECODE_SHORT_MAX).unwrap(), "stream3-1x8x16.s16");
+    assert_eq!(config(&strict, 1, DECODE_SHORT_MAX + 1).unwrap(), "1x4x32.s16");
+    assert_eq!(config(&strict, 1, 131_072).unwrap(), "1x4x32.s16");
+    // Another batch class borrows nothing from this one.
+    assert!(matches!(config(&strict, 8, 131_072), Err(Error::KeyNotCertified { .. })));
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
