@@ -104,6 +104,95 @@ fn captured_decode_steps_equal_plain_launches_bit_for_bit() {
     }
 }
 
+/// A sequence whose decode steps cross the attention class boundary (moved to 48 positions), the
+/// short and long classes certified to different configurations (the streaming kernel unsplit,
+/// the wide tiled one at 4 splits): the engine's lookup names the long class's past the boundary;
+/// with graphs each class is captured once (two graphs) and every step's logits equal plain
+/// launches' bit for bit, so no graph captured in one class replays in the other; and a run that
+/// keeps the short class throughout has the same logits up to the boundary and others past it
+/// (the long configuration does run there).
+#[test]
+fn decode_steps_crossing_the_attention_class_boundary_capture_again() {
+    use kiln_core::tuning::store::record_certificate;
+    use kiln_core::tuning::{CandidateResult, Certificate, Generator, TuningMode, TuningStore};
+    use kiln_cuda::certify::{AttentionConfig, AttentionTask, DecodeClass};
+
+    const BOUNDARY: usize = 48;
+    let model = model("LlamaForCausalLM", false, 17);
+    let prompt = random_ids(6, 20, 300);
+    let dir = std::env::temp_dir().join(format!("kiln-gpu-engine-classes-{}", std::process::id()));
+    let (certs, index) = (dir.join("certificates"), dir.join("index"));
+    let c = model.config();
+    let shape = kiln_core::ops::attention::AttentionShape {
+        q_heads: c.heads,
+        kv_heads: c.kv_heads,
+        head_dim: c.head_dim,
+        page_tokens: GpuOptions::default().page_tokens,
+        scale: 1.0 / (c.head_dim as f32).sqrt(),
+    };
+    let (short, long) = ("1x4x16.s1", "1x4x32.s4");
+    let arch = kiln_cuda::Gpu::open(0).expect("a CUDA GPU").arch();
+    for (class, winner) in [(DecodeClass::Short, short), (DecodeClass::Long, long)] {
+        let key = AttentionTask::decode(shape, 1, class).key(arch).expect("key");
+        let generator = Generator { kiln_version: "0.1.0".into(), source_sha256: "ab".repeat(32) };
+        let candidates = vec![CandidateResult::ok(winner, 1.0, 1e-3)];
+        let certificate =
+            Certificate::new(key, candidates, generator, "GPU", "CUDA", "2026-11-30").expect("certificate");
+        record_certificate(&certs, certificate).expect("record");
+    }
+    let parsed = |label: &str| {
+        let config = AttentionConfig::parse(label).expect("label");
+        (Some(config.variant), config.splits)
+    };
+    // Decode logits (as bits) and the context of each step, and the graphs captured.
+    let run = |graphs: bool, short_max: usize| -> (Vec<(usize, Vec<u32>)>, usize) {
+        let gpu = kiln_cuda::Gpu::open(0).expect("a CUDA GPU");
+        let options =
+            GpuOptions { max_context: 256, graphs, decode_short_max: short_max, ..GpuOptions::default() };
+        let mut engine = GpuEngine::new(gpu, &model, options).expect("engine");
+        engine.use_tuning(
+            TuningStore::open(std::slice::from_ref(&certs), &index, TuningMode::Strict).expect("store"),
+        );
+        assert_eq!(engine.decode_attention_config(1, short_max).expect("short"), parsed(short));
+        assert_eq!(engine.decode_attention_config(1, short_max + 1).expect("long"), parsed(long));
+        let mut seq = engine.new_sequence(greedy()).expect("sequence");
+        let (mut tokens, _) = engine.step_with_logits(&mut [(&mut seq, &prompt)]).expect("prefill");
+        let mut rows = Vec::new();
+        for _ in 0..60 {
+            let (next, logits) = engine.step_with_logits(&mut [(&mut seq, &[tokens[0]])]).expect("decode");
+            let context = seq.len();
+            rows.push((context, logits[0].iter().map(|v| v.to_bits()).collect()));
+            if graphs && context == BOUNDARY {
+                assert_eq!(engine.captured_graphs(), 1, "one graph up to the boundary");
+            }
+            tokens = next;
+        }
+        engine.release(seq);
+        (rows, engine.captured_graphs())
+    };
+    let (plain, none) = run(false, BOUNDARY);
+    let (captured, graphs) = run(true, BOUNDARY);
+    let (all_short, _) = run(false, 256);
+    std::fs::remove_dir_all(&dir).expect("remove the certificates");
+    assert_eq!(none, 0);
+    assert_eq!(graphs, 2, "one graph per attention class");
+    assert!(
+        plain.first().is_some_and(|r| r.0 < BOUNDARY) && plain.last().is_some_and(|r| r.0 > BOUNDARY + 8)
+    );
+    for ((context, a), (_, b)) in plain.iter().zip(&captured) {
+        assert!(a == b, "context {context}: replayed logits differ from plain launches");
+    }
+    let mut differ_past = false;
+    for ((context, a), (_, b)) in plain.iter().zip(&all_short) {
+        if *context <= BOUNDARY {
+            assert!(a == b, "context {context}: the short class's logits differ between runs");
+        } else {
+            differ_past |= a != b;
+        }
+    }
+    assert!(differ_past, "the long class's configuration gave the short one's logits at every step");
+}
+
 /// Requests whose sampling parameters pick other sampler paths (greedy, top-k + top-p, plain
 /// temperature) one after another on one sequence: with graphs each path is captured on its own
 /// (a change of parameters captures again, a return to earlier ones replays), every token is the

@@ -80,6 +80,11 @@ pub struct GpuOptions {
     /// without a rounding launch of their own: the same bits as the rounding launch (checked by
     /// `tests/gpu_linear`), 64 fewer launches a Llama-3-8B step. On by default.
     pub norm_rounds_x: bool,
+    /// The longest context of decode attention's short class
+    /// ([`certify::DecodeClass`]): a decode step whose longest sequence is past it runs the long
+    /// class's certified configuration, and is captured apart. `certify::DECODE_SHORT_MAX` by
+    /// default, the boundary the certificates were measured for.
+    pub decode_short_max: usize,
 }
 
 impl Default for GpuOptions {
@@ -95,6 +100,7 @@ impl Default for GpuOptions {
             integer_products: true,
             norm_rounds_x: true,
             matvec_tokens: MATVEC_TOKENS,
+            decode_short_max: certify::DECODE_SHORT_MAX,
         }
     }
 }
@@ -460,11 +466,12 @@ pub struct GpuEngine {
     pool: PagePool,
     ws: Workspace,
     blas: Option<Blas>,
-    /// Captured decode steps by batch size and sampler path (a graph holds the launches of one
-    /// path: a batch whose parameters pick another path is captured again).
-    graphs: HashMap<(usize, SamplePath), CudaGraph>,
-    /// The (batch size, sampler path) pairs whose kernels a plain step has compiled.
-    warmed: HashSet<(usize, SamplePath)>,
+    /// Captured decode steps by [`StepKey`] (a graph holds the launches of one sampler path and
+    /// one decode attention configuration: a batch whose parameters pick another path, or whose
+    /// longest context crosses into the other attention class, is captured again).
+    graphs: HashMap<StepKey, CudaGraph>,
+    /// The step keys whose kernels a plain step has compiled.
+    warmed: HashSet<StepKey>,
     load: LoadReport,
     launches_per_step: HashMap<usize, usize>,
     /// Certified kernel configurations; without a store every kernel runs its declared default.
@@ -574,6 +581,26 @@ fn fuse(parts: Vec<DeviceLinear>) -> Vec<DeviceLinear> {
 /// launch for plain greedy or top-k rows instead of the default's four).
 fn sample_path<'a>(rows: impl IntoIterator<Item = &'a SamplingParams>) -> SamplePath {
     SamplePath::for_rows(rows)
+}
+
+/// What a step's launches depend on beyond the device memory they read, and so the key of a
+/// captured decode step: the batch size (the grids), the sampler path, and the decode attention
+/// class of the batch's longest context (the certified variant and splits, baked into the graph).
+/// Within a class a captured step replays as the cache grows (the attention grid does not depend
+/// on the context); a batch crossing the class boundary has another key and is captured again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct StepKey {
+    batch: usize,
+    path: SamplePath,
+    class: certify::DecodeClass,
+}
+
+impl StepKey {
+    /// The key of a step of `batch` sequences whose longest context (this step's tokens included)
+    /// is `max_context`, the short attention class ending at `short_max`.
+    fn new(batch: usize, path: SamplePath, max_context: usize, short_max: usize) -> StepKey {
+        StepKey { batch, path, class: certify::DecodeClass::of(max_context, short_max) }
+    }
 }
 
 fn device_f32(gpu: &Gpu, values: &[f32]) -> Result<DeviceMemory> {
@@ -745,7 +772,8 @@ impl GpuEngine {
     pub fn launches_per_step(&self, batch: usize) -> Option<usize> {
         self.launches_per_step.get(&batch).copied()
     }
-    /// Decode steps captured as CUDA graphs (one per batch size and sampler path).
+    /// Decode steps captured as CUDA graphs (one per batch size, sampler path and decode
+    /// attention class).
     pub fn captured_graphs(&self) -> usize {
         self.graphs.len()
     }
@@ -859,23 +887,40 @@ impl GpuEngine {
         certify::norm_variant(store, &task, self.gpu.arch()).map(Some)
     }
 
+    /// The attention variant and splits a decode step of `batch` sequences whose longest context
+    /// is `max_context` positions runs: its class's certified configuration, or the declared
+    /// default (a variant of `None`: the launcher's default).
+    pub fn decode_attention_config(
+        &self,
+        batch: usize,
+        max_context: usize,
+    ) -> Result<(Option<attention::AttentionVariant>, u32)> {
+        let shape = attention_shape(&self.config, self.options.page_tokens);
+        let class = certify::DecodeClass::of(max_context, self.options.decode_short_max);
+        self.attention_config(&shape, batch, 1, class)
+    }
+
     /// The attention variant and splits of a call with `max_query` tokens a sequence over `b`
-    /// sequences: certified, or the declared default.
+    /// sequences (`class`: a decode call's context class, the one of its step's key):
+    /// certified, or the declared default.
     fn attention_config(
         &self,
         shape: &AttentionShape,
         b: usize,
         max_query: usize,
+        class: certify::DecodeClass,
     ) -> Result<(Option<attention::AttentionVariant>, u32)> {
         let default_splits =
             if max_query == 1 { decode_splits(&self.gpu, b, self.config.kv_heads) } else { 1 };
         let Some(store) = &self.tuning else { return Ok((None, default_splits)) };
-        let phase = if max_query == 1 {
-            certify::AttentionPhase::Decode { batch: b, context: certify::DECODE_CONTEXT }
+        let task = if max_query == 1 {
+            certify::AttentionTask::decode(*shape, b, class)
         } else {
-            certify::AttentionPhase::Prefill { tokens: max_query }
+            certify::AttentionTask {
+                shape: *shape,
+                phase: certify::AttentionPhase::Prefill { tokens: max_query },
+            }
         };
-        let task = certify::AttentionTask { shape: *shape, phase };
         let config =
             certify::attention_config(store, &task, self.gpu.arch(), self.gpu.facts().multiprocessors)?;
         Ok((Some(config.variant), config.splits))
@@ -999,6 +1044,7 @@ impl GpuEngine {
         let mut meta = vec![0u32; m.words];
         let mut row = 0usize;
         let mut max_query = 0;
+        let mut max_context = 0;
         for (i, ((seq, tokens), plan)) in work.iter().zip(plans).enumerate() {
             for (j, &id) in tokens.iter().enumerate() {
                 meta[m.ids + row + j] = id;
@@ -1014,6 +1060,7 @@ impl GpuEngine {
                 meta[m.page_ids + i * m.pages_per_seq + k] = page;
             }
             max_query = max_query.max(tokens.len());
+            max_context = max_context.max(seq.table.len());
         }
         meta[m.query_offsets + b] = row as u32;
         meta[m.page_offsets + b] = (b * m.pages_per_seq) as u32;
@@ -1046,7 +1093,7 @@ impl GpuEngine {
         // The sampler's path for these rows' parameters (known here, so the step runs one launch
         // where the rows allow); part of a captured graph's key.
         let path = sample_path(work.iter().map(|(seq, _)| &seq.params));
-        let key = (b, path);
+        let key = StepKey::new(b, path, max_context, o.decode_short_max);
         if graph_ok {
             if let Some(graph) = self.graphs.get(&key) {
                 graph.launch().map_err(|e| kiln_cuda::runtime::driver_error("cuGraphLaunch", e))?;
@@ -1059,7 +1106,7 @@ impl GpuEngine {
                     stream
                         .begin_capture(cu::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
                         .map_err(|e| kiln_cuda::runtime::driver_error("cuStreamBeginCapture", e))?;
-                    let launched = self.launch_step(b, t, max_query, None, path);
+                    let launched = self.launch_step(b, t, max_query, None, key);
                     let graph = stream
                         .end_capture(cu::CUgraphInstantiate_flags(0))
                         .map_err(|e| kiln_cuda::runtime::driver_error("cuStreamEndCapture", e))?;
@@ -1071,14 +1118,14 @@ impl GpuEngine {
                     graph.launch().map_err(|e| kiln_cuda::runtime::driver_error("cuGraphLaunch", e))?;
                     self.graphs.insert(key, graph);
                 } else {
-                    let launches = self.launch_step(b, t, max_query, None, path)?;
+                    let launches = self.launch_step(b, t, max_query, None, key)?;
                     self.launches_per_step.insert(b, launches);
                     self.warmed.insert(key);
                 }
             }
         } else {
             let history = if penalties { Some(histories.as_slice()) } else { None };
-            let launches = self.launch_step(b, t, max_query, history, path)?;
+            let launches = self.launch_step(b, t, max_query, history, key)?;
             if decode {
                 self.launches_per_step.insert(b, launches);
                 self.warmed.insert(key);
@@ -1101,15 +1148,17 @@ impl GpuEngine {
         Ok(tokens)
     }
 
-    /// Queues the whole step on the stream; returns the number of kernel launches.
+    /// Queues the whole step on the stream; returns the number of kernel launches. The sampler
+    /// path and the decode attention class are `key`'s, so a captured step runs what its key says.
     fn launch_step(
         &self,
         b: usize,
         t: usize,
         max_query: usize,
         histories: Option<&[Vec<u32>]>,
-        path: SamplePath,
+        key: StepKey,
     ) -> Result<usize> {
+        let path = key.path;
         let c = &self.config;
         let o = &self.options;
         let gpu = &*self.gpu;
@@ -1132,7 +1181,7 @@ impl GpuEngine {
             max_query,
         )?;
         let shape = attention_shape(c, o.page_tokens);
-        let (attention_variant, splits) = self.attention_config(&shape, b, max_query)?;
+        let (attention_variant, splits) = self.attention_config(&shape, b, max_query, key.class)?;
         let norm_t = self.norm_variant(t, if t <= o.matvec_tokens { DType::F32 } else { DType::BF16 })?;
         let matvec = t <= o.matvec_tokens || self.blas.is_none();
 
@@ -1599,6 +1648,60 @@ mod tests {
         // device).
         let other = SamplingParams { top_k: 7, seed: 99, ..top_k };
         assert_eq!(sample_path([&other]), sample_path([&top_k]));
+    }
+
+    /// A captured step's key holds the decode attention class of the batch's longest context, so
+    /// every context that replays a graph looks up the configuration it was captured with: the
+    /// key changes once as a sequence grows over the boundary, and the two keys of a batch size
+    /// name the two classes' certificates (different here).
+    #[test]
+    fn the_graph_key_holds_the_decode_attention_class() {
+        use kiln_core::tuning::store::record_certificate;
+        use kiln_core::tuning::{CandidateResult, Certificate, Generator, TuningMode};
+        use std::collections::BTreeMap;
+
+        let dir = std::env::temp_dir().join(format!("kiln-step-key-{}", std::process::id()));
+        let (certs, index) = (dir.join("certificates"), dir.join("index"));
+        let shape = AttentionShape { q_heads: 32, kv_heads: 8, head_dim: 128, page_tokens: 64, scale: 0.088 };
+        let arch = kiln_cuda::Arch(90);
+        for (class, winner) in
+            [(certify::DecodeClass::Short, "stream3-1x8x16.s16"), (certify::DecodeClass::Long, "1x4x32.s16")]
+        {
+            let key = certify::AttentionTask::decode(shape, 1, class).key(arch).unwrap();
+            let generator = Generator { kiln_version: "0.1.0".into(), source_sha256: "ab".repeat(32) };
+            let candidates = vec![CandidateResult::ok(winner, 1.0, 1e-3)];
+            let c = Certificate::new(key, candidates, generator, "NVIDIA H200", "CUDA 13.0", "2026-11-30")
+                .unwrap();
+            record_certificate(&certs, c).unwrap();
+        }
+        let store = TuningStore::open(std::slice::from_ref(&certs), &index, TuningMode::Strict).unwrap();
+        let path = sample_path([&SamplingParams { temperature: 0.0, ..SamplingParams::default() }]);
+        // As the engine looks a decode step's configuration up: by the key's class.
+        let config = |key: StepKey| {
+            let task = certify::AttentionTask::decode(shape, key.batch, key.class);
+            certify::attention_config(&store, &task, arch, 132).unwrap().label()
+        };
+        for short_max in [48, certify::DECODE_SHORT_MAX] {
+            let keys: Vec<StepKey> =
+                (1..=3 * short_max).map(|c| StepKey::new(1, path, c, short_max)).collect();
+            let changes: Vec<usize> = (1..keys.len()).filter(|&i| keys[i] != keys[i - 1]).collect();
+            assert_eq!(changes, [short_max], "the key changes once, past the boundary");
+            assert_eq!(keys[short_max - 1].class, certify::DecodeClass::Short);
+            assert_eq!(keys[short_max].class, certify::DecodeClass::Long);
+            let mut seen: BTreeMap<String, String> = BTreeMap::new();
+            for (i, &key) in keys.iter().enumerate() {
+                let chosen = config(key);
+                let want = if i < short_max { "stream3-1x8x16.s16" } else { "1x4x32.s16" };
+                assert_eq!(chosen, want, "context {} of {short_max}", i + 1);
+                let previous = seen.insert(format!("{key:?}"), chosen.clone());
+                assert!(previous.is_none_or(|p| p == chosen), "one key, two configurations");
+            }
+            assert_eq!(seen.len(), 2);
+            // Another batch size or sampler path is another key in either class.
+            assert_ne!(StepKey::new(2, path, 1, short_max), keys[0]);
+            assert_ne!(StepKey::new(1, SamplePath::Fused, 1, short_max), keys[0]);
+        }
+        let _ = std::fs::remove_dir_all(dir);
     }
 
     #[test]
