@@ -8,7 +8,9 @@
 //!   written once), with the splits of [`decode_splits`](kiln_cuda::ops::attention::decode_splits).
 //!
 //! Each case runs the certified configuration (the tuning store's winner for its key: the prefill
-//! key, or the decode key of the batch's class; else the declared default; with
+//! key, or the decode key of the batch's class and of the context's class, `certified short` up
+//! to [`DECODE_SHORT_MAX`] positions and `certified long` past it, see
+//! [`DecodeClass`]; else the declared default; with
 //! `KILN_TUNING=strict` an uncertified key fails by name before anything is timed). The shapes are
 //! Llama-3-8B's, so `kiln tune certify --shapes llama3-8b` certifies every key this benchmark asks
 //! for. Prefill also times each prefill variant; decode also times the declared default (the
@@ -54,7 +56,10 @@ use std::path::PathBuf;
 use kiln_core::ops::attention::{AttentionSequence, AttentionShape};
 use kiln_core::ops::primitives::f32_to_bf16_bits;
 use kiln_core::{Error, Result};
-use kiln_cuda::certify::{attention_config, graph_replay_us, AttentionConfig, AttentionPhase, AttentionTask};
+use kiln_cuda::certify::{
+    attention_config, graph_replay_us, AttentionConfig, AttentionPhase, AttentionTask, DecodeClass,
+    DECODE_SHORT_MAX,
+};
 use kiln_cuda::ops::attention::{
     attention, decode_splits_resident, decode_stream_splits_for, persistent_splits_for, scratch_bytes,
     AttentionVariant, KvBuffers, PagedBatch, DECODE_L2_HINT_ENV, PERSISTENT_SPLITS,
@@ -199,10 +204,16 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
             phase: AttentionPhase::Decode { batch, context: DECODE_CONTEXTS[0] },
         })
         .collect();
-    let decode_configs = decode_tasks
+    // Each batch's certified configuration for each context class (short, long).
+    let decode_configs = DECODE_BATCHES
         .iter()
-        .map(|t| attention_config(&store, t, arch, multiprocessors))
-        .collect::<Result<Vec<AttentionConfig>>>()?;
+        .map(|&batch| {
+            let [short, long] = DecodeClass::ALL.map(|class| {
+                attention_config(&store, &AttentionTask::decode(shape, batch, class), arch, multiprocessors)
+            });
+            Ok([short?, long?])
+        })
+        .collect::<Result<Vec<[AttentionConfig; 2]>>>()?;
     let mut seed = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos() as u64)
@@ -244,26 +255,22 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
     let _ = writeln!(report, "{header}");
     let l2 = gpu.facts().l2_cache_bytes as usize;
     let token_bytes = KV_HEADS * HEAD_DIM * 2 * 2;
-    for (&batch_size, (task, &certified)) in
+    for (&batch_size, (task, &by_class)) in
         DECODE_BATCHES.iter().zip(decode_tasks.iter().zip(&decode_configs))
     {
         let default = task.default_config(multiprocessors);
         // The tiled kernel's decode at the default splits, beside the streaming default, and its
         // wide variant (128 keys a tile, one block a multiprocessor) at the splits that fill the
         // multiprocessors once.
-        let mut configs: Vec<(&str, AttentionConfig)> = if default == certified {
-            vec![("certified=default", certified)]
-        } else {
-            vec![("certified", certified), ("default", default)]
-        };
+        // The certified row is each context's class's, added at each context below (the default
+        // and wide rows left out there when they are the certified configuration).
+        let mut configs: Vec<(&str, AttentionConfig)> = vec![("default", default)];
         configs.push(("tiled", AttentionConfig { variant: AttentionVariant::DECODE_TILED, ..default }));
         let wide = AttentionConfig {
             variant: AttentionVariant::DECODE_WIDE,
             splits: decode_splits_resident(multiprocessors, 1, batch_size, KV_HEADS),
         };
-        if wide != certified {
-            configs.push(("wide", wide));
-        }
+        configs.push(("wide", wide));
         // Both tiled decode shapes three K/V tiles deep (two in flight while one is computed),
         // at the splits of their two-deep rows: candidates for the defaults, timed beside them.
         configs.push(("deep", AttentionConfig { variant: AttentionVariant::DECODE_DEEP, ..default }));
@@ -355,7 +362,21 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
             let q = random_device(&gpu, batch_size * Q_HEADS * HEAD_DIM * 2, &mut seed)?;
             let out = gpu.alloc(batch_size * Q_HEADS * HEAD_DIM * 2)?;
             let key = format!("{batch_size}x{context}");
-            for &(tag, config) in &configs {
+            let class = DecodeClass::of(context, DECODE_SHORT_MAX);
+            let certified = by_class[if class == DecodeClass::Short { 0 } else { 1 }];
+            let tag = match (certified == default, class) {
+                (true, DecodeClass::Short) => "certified=default short",
+                (true, DecodeClass::Long) => "certified=default long",
+                (false, DecodeClass::Short) => "certified short",
+                (false, DecodeClass::Long) => "certified long",
+            };
+            let rows: Vec<(&str, AttentionConfig)> =
+                std::iter::once((tag, certified))
+                    .chain(configs.iter().copied().filter(|&(row, config)| {
+                        !(config == certified && (row == "default" || row == "wide"))
+                    }))
+                    .collect();
+            for &(tag, config) in &rows {
                 let splits = config.splits;
                 let scratch = gpu.alloc(scratch_bytes(&shape, batch_size, splits).max(16))?;
                 let run = |turn: usize| {
