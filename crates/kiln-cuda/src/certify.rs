@@ -3,7 +3,11 @@
 //!
 //! For each family this module declares:
 //! - the **tuning key** of a call ([`Task::key`]): the shape class, the dtypes and the architecture,
-//!   as a [`TuningKey`] (`norm/rms.res.hf.n4096.g1.rows1/bf16.bf16.bf16/sm_90`);
+//!   as a [`TuningKey`] (`norm/rms.res.hf.n4096.g1.rows1/bf16.bf16.bf16/sm_90`); a decode
+//!   attention key names the batch class and the context class of the batch's longest sequence
+//!   ([`DecodeClass`]: `attention/decode.q32.kv8.d128.p64.b1/bf16/sm_90` up to
+//!   [`DECODE_SHORT_MAX`] positions, timed at [`DECODE_CONTEXT`]; `….b1.long/…` past them, timed
+//!   at [`DECODE_LONG_CONTEXT`]);
 //! - the **candidates** ([`norm_candidates`], [`lm_head_candidates`], [`attention_candidates`]): the
 //!   family's variant list, the declared default first, pruned by the device's facts (threads,
 //!   shared memory, registers) before anything is compiled;
