@@ -66,6 +66,9 @@
 #if STAGES == 1 || (STAGES && PERSISTENT)
 #error "STAGES is 0 or at least 2, and replaces PERSISTENT"
 #endif
+#if defined(BLOCK_LANE) && BLOCK_LANE && ((defined(STAGES) && STAGES) || (UNITS_PER_WARP % 2) || (defined(I8_PLANES) && I8_PLANES))
+#error "BLOCK_LANE needs an even UNITS_PER_WARP, no STAGES and no I8_PLANES"
+#endif
 
 #define KILN_OUT_INT8 3
 #define KILN_OUT_NVFP4 4
@@ -75,6 +78,27 @@
 // Block-quantized outputs (one scale per 16 values).
 #define KILN_NORM_BLOCKED (OUT_T == KILN_OUT_INT8 || OUT_T == KILN_OUT_NVFP4)
 #define KILN_NORM_THREADS (32 * WARPS_PER_ROW * ROWS_PER_BLOCK)
+
+// BLOCK_LANE (optional, 0 by default) 1: a lane holds 16 consecutive elements, one block of the
+// INT8 / NVFP4 outputs, so that each block's maximum, scale, checks and stores are one lane's
+// (no shuffle, half the scale computations, 16-byte INT8 stores). Register units go in pairs:
+// units 2P and 2P + 1 of a warp are the two halves (elements 0-7 and 8-15 of each lane's 16) of
+// the 512 elements (warp_in_row + P WARPS_PER_ROW) * 512 ...; lanes 0-15 hold the segment's unit
+// 2 (warp_in_row + P WARPS_PER_ROW) and lanes 16-31 the one after it, lane l holding what the
+// 8-element layout gives lanes 2 (l & 15) and 2 (l & 15) + 1. The unit sums are the same tree of
+// the same additions (kiln_norm_pairs_reduce). UNITS_PER_WARP even; not staged, not I8_PLANES.
+#ifndef BLOCK_LANE
+#define BLOCK_LANE 0
+#endif
+
+// The first of the 8 elements of register unit u that this lane holds, within the segment.
+__device__ __forceinline__ int kiln_norm_col(int warp_in_row, int u, int lane) {
+#if BLOCK_LANE
+    return (warp_in_row + (u >> 1) * WARPS_PER_ROW) * 512 + lane * 16 + (u & 1) * 8;
+#else
+    return (warp_in_row + u * WARPS_PER_ROW) * 256 + lane * 8;
+#endif
+}
 
 #ifndef I8_PLANES
 #define I8_PLANES 0
@@ -312,12 +336,55 @@ __device__ __forceinline__ int kiln_norm_lane_of(int unit) {
 // Sums `s` (one unit's lane_sum8 per lane) of every unit into the segment's total, left to right.
 // `unit_sums` is this segment's row of shared memory (unused with one warp per row), 16-byte
 // aligned and KILN_NORM_UNITS long; every warp reads it four sums at a time.
+#if BLOCK_LANE
+// The unit sums of the BLOCK_LANE layout: lane_sums[2P + h] is the lane_sum8 of what the 8-element
+// layout gives lane 2 (lane & 15) + h of unit 2 (warp_in_row + P WARPS_PER_ROW) + (lane >> 4).
+// That layout's butterfly (distances 16, 8, 4, 2, 1 over its lane bits 4 .. 0) is here lane xor
+// 8 (bit 4), 4, 2, 1 (bits 3 .. 1) and the two halves h (bit 0): the first step keeps the half h
+// = lane bit 3 and sends the other (the butterfly's own pairs), so that bit 3 then carries h and
+// the last step, xor 8, adds the two halves. Every partial sum is the butterfly's, pair for pair
+// (addition is commutative bit for bit). v[P]: the whole sum of unit 2 (warp_in_row + P
+// WARPS_PER_ROW) + (lane >> 4).
+__device__ __forceinline__ void kiln_norm_pairs_reduce(const float (&lane_sums)[UNITS_PER_WARP], int lane,
+                                                       float (&v)[UNITS_PER_WARP / 2]) {
+    const bool hi = (lane & 8) != 0;
+#pragma unroll
+    for (int p = 0; p < UNITS_PER_WARP / 2; ++p) {
+        const float keep = hi ? lane_sums[2 * p + 1] : lane_sums[2 * p];
+        const float send = hi ? lane_sums[2 * p] : lane_sums[2 * p + 1];
+        v[p] = keep + __shfl_xor_sync(0xFFFFFFFFu, send, 8);
+    }
+#pragma unroll
+    for (int distance = 4; distance > 0; distance >>= 1) {
+#pragma unroll
+        for (int p = 0; p < UNITS_PER_WARP / 2; ++p) v[p] += __shfl_xor_sync(0xFFFFFFFFu, v[p], distance);
+    }
+#pragma unroll
+    for (int p = 0; p < UNITS_PER_WARP / 2; ++p) v[p] += __shfl_xor_sync(0xFFFFFFFFu, v[p], 8);
+}
+#endif
+
 __device__ __forceinline__ float kiln_norm_total(float (&lane_sums)[UNITS_PER_WARP], int warp_in_row, int units,
                                                  float* unit_sums) {
     const int lane = threadIdx.x & 31;
+#if BLOCK_LANE
+    float v[UNITS_PER_WARP / 2];
+    kiln_norm_pairs_reduce(lane_sums, lane, v);
+#else
     const float mine = kiln_norm_units_reduce(lane_sums, lane);
+#endif
     float total = 0.0f;
     if (WARPS_PER_ROW == 1) {
+#if BLOCK_LANE
+        // Units 2P (lane 0) and 2P + 1 (lane 16), left to right.
+#pragma unroll
+        for (int p = 0; p < UNITS_PER_WARP / 2; ++p) {
+            const float a = __shfl_sync(0xFFFFFFFFu, v[p], 0);
+            const float b = __shfl_sync(0xFFFFFFFFu, v[p], 16);
+            if (2 * p < units) total += a;
+            if (2 * p + 1 < units) total += b;
+        }
+#else
         if (UNITS_PER_WARP == 1) {
             total = mine;
         } else {
@@ -327,11 +394,22 @@ __device__ __forceinline__ float kiln_norm_total(float (&lane_sums)[UNITS_PER_WA
                 if (u < units) total += s;
             }
         }
+#endif
     } else {
+#if BLOCK_LANE
+        // Lanes 0 and 16 write their units' sums.
+        if ((lane & 15) == 0) {
+#pragma unroll
+            for (int p = 0; p < UNITS_PER_WARP / 2; ++p) {
+                unit_sums[2 * (warp_in_row + p * WARPS_PER_ROW) + (lane >> 4)] = v[p];
+            }
+        }
+#else
         // One lane of each unit's group writes its sum.
         if ((lane & (32 / UNITS_PER_WARP - 1)) == 0) {
             unit_sums[warp_in_row + kiln_norm_unit_of(lane) * WARPS_PER_ROW] = mine;
         }
+#endif
         __syncthreads();
         if (KILN_NORM_UNITS % 4 == 0 && units == KILN_NORM_UNITS) {
             // Every unit present (the row fills the warps' units): the same sums in the same
@@ -381,7 +459,7 @@ __device__ __forceinline__ void kiln_norm_load(KilnNormLoads& in, const void* x,
                                                int warp_in_row, int lane) {
 #pragma unroll
     for (int u = 0; u < UNITS_PER_WARP; ++u) {
-        const int col = (warp_in_row + u * WARPS_PER_ROW) * 256 + lane * 8;
+        const int col = kiln_norm_col(warp_in_row, u, lane);
         if (active && col < n) {
             in.x[u] = kiln_raw8_load<X_T, true>(x, base + col);
             if (HAS_RESIDUAL) in.residual[HAS_RESIDUAL ? u : 0] = kiln_raw8_load<X_T, false>(residual, base + col);
@@ -453,7 +531,7 @@ __device__ __forceinline__ void kiln_norm_load_weight(KilnRaw8<W_T> (&wr)[EARLY_
                                                       int warp_in_row, int lane) {
 #pragma unroll
     for (int u = 0; u < UNITS_PER_WARP; ++u) {
-        const int col = (warp_in_row + u * WARPS_PER_ROW) * 256 + lane * 8;
+        const int col = kiln_norm_col(warp_in_row, u, lane);
         if (col < n) {
             if (EARLY_WEIGHT && WEIGHT != 2) wr[EARLY_WEIGHT && WEIGHT != 2 ? u : 0] = kiln_raw8_load<W_T, false>(weight, wbase + col);
             if (EARLY_WEIGHT && HAS_BIAS) br[EARLY_WEIGHT && HAS_BIAS ? u : 0] = kiln_raw8_load<W_T, false>(bias, wbase + col);
@@ -546,6 +624,95 @@ __device__ __forceinline__ void kiln_norm_i8_planes(const float (&p)[8], void* p
 }
 #endif
 
+#if BLOCK_LANE && KILN_NORM_BLOCKED
+// The INT8 or NVFP4 codes and scale of one block of 16 values y (BLOCK_LANE: one lane's), starting
+// at element `first` of the output: the fast paths and checks of the two-lane blocks
+// (kiln_norm_segment), with the block maximum, the scale and its store once for 16 values, and
+// the codes in one store (16 bytes of INT8, 8 of E2M1).
+__device__ __forceinline__ void kiln_norm_block16(const float (&y)[16], void* __restrict__ out,
+                                                  void* __restrict__ scales, float qscale, long long first) {
+    // NaN when any value is (the reference's maximum skips NaN: the slow path takes it again).
+    float m8[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) m8[k] = kiln_max_nan(fabsf(y[k]), fabsf(y[k + 8]));
+#pragma unroll
+    for (int k = 0; k < 4; ++k) m8[k] = kiln_max_nan(m8[k], m8[k + 4]);
+    const float amax = kiln_max_nan(kiln_max_nan(m8[0], m8[2]), kiln_max_nan(m8[1], m8[3]));
+    const long long block = first >> 4;
+    // The maximum without NaN values, as the reference takes it (slow paths only).
+    auto reference_amax = [&]() {
+        float m = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 16; ++k) m = fmaxf(m, fabsf(y[k]));
+        return m;
+    };
+    if (OUT_T == KILN_OUT_INT8) {
+        float scale = kiln_div_const(amax, 127.0f, __uint_as_float(0x3C010204u));
+        const bool normal = amax >= KILN_DIV_RANGE_LO && amax <= KILN_DIV_RANGE_HI;
+        const float inverse = kiln_rcp_approx(scale);
+        const float below = inverse * (1.0f - 1.0f / 1048576.0f);
+        const float above = inverse * (1.0f + 1.0f / 1048576.0f);
+        unsigned int differ = 0;
+        unsigned int w[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            w[j] = kiln_bytes4(kiln_int8_bracket(y[4 * j], below, above, differ),
+                               kiln_int8_bracket(y[4 * j + 1], below, above, differ),
+                               kiln_int8_bracket(y[4 * j + 2], below, above, differ),
+                               kiln_int8_bracket(y[4 * j + 3], below, above, differ));
+        }
+        if (!(normal && differ == 0)) {
+            scale = (amax != amax ? reference_amax() : amax) / 127.0f;
+            unsigned int q[16];
+#pragma unroll
+            for (int k = 0; k < 16; ++k) {
+                q[k] = scale > 0.0f ? (unsigned int)(int)fminf(fmaxf(rintf(y[k] / scale), -127.0f), 127.0f) : 0u;
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j) w[j] = kiln_bytes4(q[4 * j], q[4 * j + 1], q[4 * j + 2], q[4 * j + 3]);
+        }
+        *reinterpret_cast<uint4*>(static_cast<signed char*>(out) + first) = make_uint4(w[0], w[1], w[2], w[3]);
+        static_cast<float*>(scales)[block] = scale;
+    } else {
+        const bool in_range = amax >= KILN_DIV_RANGE_LO && amax <= KILN_DIV_RANGE_HI;
+        float scaled = kiln_div_const(amax, 6.0f, __uint_as_float(0x3E2AAAABu)) * qscale;
+        unsigned int s = kiln_e4m3x2(scaled, 0.0f) & 0xFFu;
+        float scale_value = kiln_e4m3_value(s);
+        const float inverse = qscale * kiln_rcp_approx(scale_value);
+        const bool normal =
+            in_range && inverse >= 1.0e-37f && inverse <= 1.0e37f && (s & 0x78u) != 0 && scaled <= 448.0f;
+        unsigned int c[16], differ = 0;
+#pragma unroll
+        for (int k = 0; k < 16; ++k) c[k] = kiln_e2m1_fast(y[k] * inverse, differ);
+        const float(&lo)[8] = *reinterpret_cast<const float(*)[8]>(&y[0]);
+        const float(&hi)[8] = *reinterpret_cast<const float(*)[8]>(&y[8]);
+        uint2 packed = make_uint2(
+            kiln_bytes4((c[1] << 4) + c[0], (c[3] << 4) + c[2], (c[5] << 4) + c[4], (c[7] << 4) + c[6]) |
+                kiln_e2m1_signs(lo),
+            kiln_bytes4((c[9] << 4) + c[8], (c[11] << 4) + c[10], (c[13] << 4) + c[12], (c[15] << 4) + c[14]) |
+                kiln_e2m1_signs(hi));
+        if (!(normal && differ == 0)) {
+            if (!in_range) {
+                const float m = amax != amax ? reference_amax() : amax;
+                scaled = (m / 6.0f) * qscale;
+                s = kiln_e4m3x2(scaled, 0.0f) & 0xFFu;
+                scale_value = kiln_e4m3_value(s);
+            }
+            const float divisor = scale_value / qscale;
+            unsigned int word[2] = {0u, 0u};
+#pragma unroll
+            for (int k = 0; k < 16; ++k) {
+                const unsigned int code = divisor > 0.0f ? kiln_f32_to_e2m1(y[k] / divisor) : 0u;
+                word[k >> 3] |= code << (4 * (k & 7));
+            }
+            packed = make_uint2(word[0], word[1]);
+        }
+        *reinterpret_cast<uint2*>(static_cast<unsigned char*>(out) + (first >> 1)) = packed;
+        static_cast<unsigned char*>(scales)[block] = (unsigned char)s;
+    }
+}
+#endif
+
 // Normalizes one segment from its loads and writes its outputs. `sums` holds the block's two
 // rows of unit sums for this group (alternate groups use alternate pairs, so that a warp ahead
 // by one group never writes sums another warp still reads).
@@ -568,7 +735,7 @@ __device__ __forceinline__ void kiln_norm_segment(
     }
 #pragma unroll
     for (int u = 0; u < UNITS_PER_WARP; ++u) {
-        const int col = (warp_in_row + u * WARPS_PER_ROW) * 256 + lane * 8;
+        const int col = kiln_norm_col(warp_in_row, u, lane);
         if (!(active && col < n)) continue;
         if (HAS_RESIDUAL) {
             float a[8], r[8];
@@ -621,7 +788,7 @@ __device__ __forceinline__ void kiln_norm_segment(
     }
 #pragma unroll
     for (int u = 0; u < UNITS_PER_WARP; ++u) {
-        const int col = (warp_in_row + u * WARPS_PER_ROW) * 256 + lane * 8;
+        const int col = kiln_norm_col(warp_in_row, u, lane);
         KILN_NORM_VALUES(u, a);
         float sq[8];
 #pragma unroll
@@ -635,14 +802,18 @@ __device__ __forceinline__ void kiln_norm_segment(
     const float r = 1.0f / sqrtf(total / (float)n + eps);
     KILN_NORM_RELOAD();
 
+    // BLOCK_LANE with a block-quantized output: the lane's 16 values of register units 2P, 2P + 1.
+#if BLOCK_LANE && KILN_NORM_BLOCKED
+    float p16[16];
+#endif
 #pragma unroll
     for (int u = 0; u < UNITS_PER_WARP; ++u) {
         const int unit = warp_in_row + u * WARPS_PER_ROW;
-        const int col = unit * 256 + lane * 8;
+        const int col = kiln_norm_col(warp_in_row, u, lane);
         // Uniform across the warp. Blocked outputs go on with zeros, so that the shuffle of the
         // block maximum runs in every lane outside any branch (n is a multiple of 16 for them, so
         // the two lanes of a block agree on `valid`).
-        if (!KILN_NORM_BLOCKED && (!active || unit >= units)) continue;
+        if (!KILN_NORM_BLOCKED && (BLOCK_LANE ? !(active && col < n) : (!active || unit >= units))) continue;
         const bool valid = KILN_NORM_BLOCKED ? active && col < n : col < n;
         if constexpr (KILN_NORM_PACKED_BF16) {
             if (valid) {
@@ -721,6 +892,14 @@ __device__ __forceinline__ void kiln_norm_segment(
                 *reinterpret_cast<uint2*>(static_cast<unsigned char*>(out) + base + col) =
                     make_uint2(e[0] | (e[1] << 16), e[2] | (e[3] << 16));
             }
+        } else if (BLOCK_LANE) {
+#if BLOCK_LANE && KILN_NORM_BLOCKED
+            // INT8 / NVFP4, one block a lane: its first half waits for the second.
+#pragma unroll
+            for (int k = 0; k < 8; ++k) p16[(u & 1) * 8 + k] = p[k];
+            if ((u & 1) == 0 || !valid) continue;
+            kiln_norm_block16(p16, out, scales, qscale, base + col - 8);
+#endif
         } else {
             // INT8 / NVFP4: lanes 2i and 2i + 1 hold one block of 16 values.
             // NaN when any of the block's values is (the reference's maximum skips NaN, so such a
@@ -851,7 +1030,7 @@ kiln_norm(const void* __restrict__ x, void* residual, const void* __restrict__ w
     kiln_wait_prior();
     // [group parity][mean, squares][segment of the block][unit]
     __shared__ __align__(16) float shared_sums[PERSISTENT || STAGES ? 2 : 1][2][ROWS_PER_BLOCK]
-                                              [WARPS_PER_ROW > 1 ? KILN_NORM_UNITS : 1];
+                                              [WARPS_PER_ROW > 1 || BLOCK_LANE ? KILN_NORM_UNITS : 1];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int warp_in_row = warp % WARPS_PER_ROW;

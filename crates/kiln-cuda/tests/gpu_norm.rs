@@ -440,6 +440,91 @@ fn staged_variants_match_the_reference() {
     assert!(checked >= 100, "only {checked} staged checks served");
 }
 
+/// The one-lane-a-block variants alone (`NormVariant::block_lane`, labels `+b`; a quick check:
+/// `cargo test ... --test gpu_norm block_lane`): every flavor (INT8 and NVFP4 outputs among them,
+/// and LayerNorm into INT8) in every x dtype over ragged shapes (one block, rows of a unit and a
+/// block, fewer units than a warp's pair, rows that leave lanes past the end), with and without
+/// the residual; the benchmark's INT8 and NVFP4 cases; rounding ties and NaN, infinite, tiny and
+/// huge blocks.
+#[test]
+fn block_lane_variants_match_the_reference() {
+    let gpu = gpu();
+    let mut rng = Rng::fresh();
+    let lanes: Vec<NormVariant> = NORM_VARIANTS.iter().copied().filter(|v| v.block_lane).collect();
+    assert!(lanes.len() >= 4, "{lanes:?}");
+    let mut checked = 0;
+    let types = [DType::BF16, DType::F16, DType::F32];
+    for spec in flavors() {
+        for (i, &x_type) in types.iter().enumerate() {
+            let weight_type = types[(i + 1) % 3];
+            let mut spec = spec;
+            if let NormOutput::Float(_) = spec.out {
+                spec.out = NormOutput::Float(types[(i + 2) % 3]);
+            }
+            for &(rows, hidden) in &[(3usize, 1040usize), (7, 16), (65, 4112), (2, 16_384), (301, 2080)] {
+                let call = NormCall { spec, rows, hidden, x_type, weight_type };
+                for &variant in lanes.iter().filter(|v| call.validate(**v).is_ok()) {
+                    let xt = FloatType::of(x_type, "test").unwrap();
+                    let x = rng.values(rows * hidden, -2.0, 2.0, xt);
+                    check_on(&gpu, &mut rng, call, variant, &x, checked % 2 == 1);
+                    checked += 1;
+                }
+            }
+        }
+    }
+    let flavor = flavors();
+    for (spec, rows, hidden) in [
+        (flavor[7], 2048usize, 4096usize),
+        (flavor[8], 2048, 4096),
+        (flavor[7], 8192, 8192),
+        (flavor[8], 8192, 8192),
+    ] {
+        let call = NormCall { spec, rows, hidden, x_type: DType::BF16, weight_type: DType::BF16 };
+        let x = rng.values(rows * hidden, -2.0, 2.0, FloatType::BF16);
+        for &variant in lanes.iter().filter(|v| call.validate(**v).is_ok()) {
+            check_on(&gpu, &mut rng, call, variant, &x, false);
+            checked += 1;
+        }
+    }
+    // Ties (y = x, see tie_rows) and blocks with NaN, infinite, zero, tiny and huge values.
+    for out in [Quantizer::Int8, Quantizer::Nvfp4 { global_scale: 2.0 }] {
+        let spec: NormSpec = RmsNorm {
+            weight: WeightMode::None,
+            out: NormOutput::Quantized(out),
+            ..RmsNorm::llama(1e-30, DType::BF16)
+        }
+        .into();
+        let (rows, hidden) = (300usize, 4096usize);
+        let call = NormCall { spec, rows, hidden, x_type: DType::BF16, weight_type: DType::BF16 };
+        let x = tie_rows(&mut rng, rows, hidden);
+        for &variant in lanes.iter().filter(|v| call.validate(**v).is_ok()) {
+            check_on(&gpu, &mut rng, call, variant, &x, false);
+            checked += 1;
+        }
+        let spec: NormSpec =
+            RmsNorm { out: NormOutput::Quantized(out), ..RmsNorm::llama(1e-5, DType::BF16) }.into();
+        let call = NormCall { spec, rows: 70, hidden, x_type: DType::BF16, weight_type: DType::BF16 };
+        let mut weight = rng.values(hidden, 0.25, 1.75, FloatType::BF16);
+        for (i, w) in weight.iter_mut().enumerate() {
+            match (i / 16) % 8 {
+                1 if i % 16 == 11 => *w = f32::NAN,
+                2 => *w *= 1e-35,
+                4 if i % 16 == 3 => *w = f32::NEG_INFINITY,
+                5 => *w *= 1e35,
+                6 => *w = 0.0,
+                _ => {}
+            }
+            *w = FloatType::BF16.round(*w);
+        }
+        let x = rng.values(70 * hidden, -2.0, 2.0, FloatType::BF16);
+        for &variant in lanes.iter().filter(|v| call.validate(**v).is_ok()) {
+            check_on_weight(&gpu, &mut rng, call, variant, &x, true, Some(&weight));
+            checked += 1;
+        }
+    }
+    assert!(checked >= 200, "only {checked} block-lane checks served");
+}
+
 /// The kernel's E2M1 encoder on its own, one code per input float.
 static E2M1_PROBE: KernelSource = KernelSource {
     name: "e2m1_probe",

@@ -214,7 +214,8 @@ fn every_configuration_name_parses_back() {
             rows_per_block: 2,
             early_weight: true,
             persistent: false,
-            stages: 0
+            stages: 0,
+            block_lane: false,
         }),
         "4w2r+e"
     );
@@ -278,8 +279,14 @@ fn lookups_answer_the_winner_the_default_or_a_named_error() {
     )
     .unwrap();
     record_certificate(&certs, c).unwrap();
-    let want =
-        NormVariant { warps_per_row: 2, rows_per_block: 2, early_weight: true, persistent: false, stages: 0 };
+    let want = NormVariant {
+        warps_per_row: 2,
+        rows_per_block: 2,
+        early_weight: true,
+        persistent: false,
+        stages: 0,
+        block_lane: false,
+    };
     assert_eq!(norm_variant(&open(TuningMode::Strict), &task, SM90).unwrap(), want);
 
     // A winner the family does not have is refused by name.

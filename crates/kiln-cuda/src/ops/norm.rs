@@ -36,18 +36,49 @@ pub struct NormVariant {
     /// the current group), so that reads and writes overlap over the whole launch (the kernel's
     /// `STAGES`). Excludes `persistent`.
     pub stages: u32,
+    /// One lane a block of 16 consecutive elements (the kernel's `BLOCK_LANE`; label `+b`): the
+    /// INT8 and NVFP4 outputs take each block's maximum, scale and checks once for 16 values, in
+    /// one lane, and store 16 INT8 codes at once; units go to the warps in pairs (at least 2 a
+    /// warp). Serves every flavor; not with `stages` nor the int8 planes.
+    pub block_lane: bool,
 }
 
 const fn variant(warps_per_row: u32, rows_per_block: u32, early_weight: bool) -> NormVariant {
-    NormVariant { warps_per_row, rows_per_block, early_weight, persistent: false, stages: 0 }
+    NormVariant {
+        warps_per_row,
+        rows_per_block,
+        early_weight,
+        persistent: false,
+        stages: 0,
+        block_lane: false,
+    }
+}
+
+/// A [`NormVariant::block_lane`] variant.
+const fn block_lane(warps_per_row: u32, rows_per_block: u32) -> NormVariant {
+    NormVariant {
+        warps_per_row,
+        rows_per_block,
+        early_weight: false,
+        persistent: false,
+        stages: 0,
+        block_lane: true,
+    }
 }
 
 const fn persistent(warps_per_row: u32, rows_per_block: u32, early_weight: bool) -> NormVariant {
-    NormVariant { warps_per_row, rows_per_block, early_weight, persistent: true, stages: 0 }
+    NormVariant {
+        warps_per_row,
+        rows_per_block,
+        early_weight,
+        persistent: true,
+        stages: 0,
+        block_lane: false,
+    }
 }
 
 const fn staged(warps_per_row: u32, rows_per_block: u32, early_weight: bool, stages: u32) -> NormVariant {
-    NormVariant { warps_per_row, rows_per_block, early_weight, persistent: false, stages }
+    NormVariant { warps_per_row, rows_per_block, early_weight, persistent: false, stages, block_lane: false }
 }
 
 /// Warps a multiprocessor a staged grid ([`NormVariant::stages`]) aims for: its blocks a
@@ -120,6 +151,11 @@ pub const NORM_VARIANTS: &[NormVariant] = &[
     staged(16, 1, false, 3),
     staged(4, 1, true, 2),
     staged(8, 1, true, 2),
+    block_lane(1, 4),
+    block_lane(2, 1),
+    block_lane(4, 1),
+    block_lane(8, 1),
+    block_lane(16, 1),
 ];
 
 /// Most units of 256 elements one warp holds in registers (16: 128 fp32 values per lane).
@@ -133,7 +169,11 @@ impl NormVariant {
     /// variant needs more than [`MAX_UNITS_PER_WARP`] ([`MAX_UNITS_PER_WARP_EARLY`] when it loads
     /// the weight early).
     pub fn units_per_warp(&self, n: usize) -> Option<usize> {
-        let per_warp = n.div_ceil(UNIT).div_ceil(self.warps_per_row as usize).max(1).next_power_of_two();
+        let per_warp = n
+            .div_ceil(UNIT)
+            .div_ceil(self.warps_per_row as usize)
+            .max(if self.block_lane { 2 } else { 1 })
+            .next_power_of_two();
         (per_warp <= self.max_units_per_warp()).then_some(per_warp)
     }
 
@@ -185,6 +225,7 @@ impl NormVariant {
                 early_weight: true,
                 persistent: false,
                 stages: 0,
+                block_lane: false,
             };
         }
         let two_byte_x = matches!(call.x_type, DType::BF16 | DType::F16);
@@ -199,6 +240,7 @@ impl NormVariant {
             early_weight: false,
             persistent: false,
             stages: 0,
+            block_lane: false,
         }
     }
 }
@@ -312,11 +354,11 @@ impl NormCall {
                 variant.warps_per_row as usize * variant.max_units_per_warp() * UNIT
             ),
         })?;
-        if variant.stages == 1 || (variant.stages > 0 && variant.persistent) {
+        if variant.stages == 1 || (variant.stages > 0 && (variant.persistent || variant.block_lane)) {
             return Err(Error::InvalidArgument {
                 name: "norm variant",
                 value: format!("{variant:?}"),
-                reason: "stages are 0 or at least 2, and exclude `persistent`".into(),
+                reason: "stages are 0 or at least 2, and exclude `persistent` and `block_lane`".into(),
             });
         }
         let shared = variant.staged_shared_bytes(self, true)?;
@@ -337,7 +379,7 @@ impl NormCall {
         let units = self.validate(variant)?;
         let s = &self.spec;
         let flag = |b: bool| if b { "1" } else { "0" }.to_owned();
-        Ok(vec![
+        let mut defines = vec![
             ("KIND", if s.kind == NormKind::Rms { "0" } else { "1" }.to_owned()),
             ("X_T", float_code(FloatType::of(self.x_type, "norm input")?).to_string()),
             ("W_T", float_code(FloatType::of(self.weight_type, "norm weight")?).to_string()),
@@ -368,7 +410,11 @@ impl NormCall {
             ("UNITS_PER_WARP", units.to_string()),
             ("EARLY_WEIGHT", flag(variant.early_weight)),
             ("PERSISTENT", flag(variant.persistent)),
-        ])
+        ];
+        if variant.block_lane {
+            defines.push(("BLOCK_LANE", "1".to_owned()));
+        }
+        Ok(defines)
     }
 }
 
@@ -438,6 +484,12 @@ fn norm_launch(
 ) -> Result<()> {
     let variant = variant.unwrap_or_else(|| NormVariant::default_for(call));
     let mut defines = call.defines(variant)?;
+    if planes.is_some() && variant.block_lane {
+        return Err(Error::NotServed {
+            op: "norm with int8 planes",
+            reason: format!("{variant:?}: the planes take the 8-element lane layout"),
+        });
+    }
     if let Some((_, second_int)) = planes {
         defines.push(("I8_PLANES", "1".to_owned()));
         defines.push(("I8_SECOND_INT", if second_int { "1" } else { "0" }.to_owned()));
