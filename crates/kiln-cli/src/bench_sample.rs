@@ -116,15 +116,15 @@ fn profile_lines(name: &str, batch: usize, path: SamplePath, runs: &[Vec<u64>]) 
     out.push_str(&phase("block (0,0) keys loaded", 8, 9));
     out.push_str(&phase("block (0,0) maxima + fence", 9, 10));
     out.push_str(&phase("block (0,0) ticket", 10, 11));
-    out.push_str(&phase("last block: maxima + 1st hist", 16, 17));
-    out.push_str(&phase("last block: bound", 17, 18));
-    out.push_str(&phase("last block: candidate groups", 18, 19));
+    out.push_str(&phase("last block: maxima + row max", 16, 17));
+    out.push_str(&phase("last block: histogram + bound", 17, 18));
+    out.push_str(&phase("last block: groups listed", 18, 19));
     out.push_str(&phase("last block: gather", 19, 20));
     out.push_str(&phase("last block: rank", 20, 21));
     out.push_str(&phase("last block: finish", 21, 22));
     let last = &runs[runs.len() - 1];
     out.push_str(&format!(
-        "  row 0: k {}, {} slices of {} groups, {} valid groups, {} radix passes, {} candidate groups, {} \
+        "  row 0: k {}, {} slices of {} groups, {} valid groups, {} radix passes (crowded bin), {} candidate groups, {} \
          candidates, fallback {}\n",
         last[35], last[37], last[38], last[32], last[39], last[33], last[34], last[36]
     ));

@@ -2796,15 +2796,18 @@ kiln_sample_topk_merge(const float* __restrict__ logits, long long vocab, long l
 //      slices are multiples of 32 logits, so no group crosses a slice). Then it takes the row's
 //      ticket; every block but the last of the row is done.
 //   2. The last block of the row holds the row's group maxima in registers (TKB_GROUP_PER a
-//      thread) and selects a bound among them by up to three 8-bit radix passes: B, the lowest key
-//      with the top 8, 16 or 24 bits of the k-th largest group maximum (the passes stop at a bin
-//      of at most TKB_SLACK groups). The k groups of the k largest maxima hold k distinct tokens
-//      at or above B, so every token of the row's top-k is at or above B.
-//      The groups whose maximum reaches B (k and a few more) are read again from L2, one warp a
-//      group, and their tokens at or above B (the candidates: k and a few more) are ranked
-//      (counting, or a bitonic sort past TKB_RANK_MAX). The block finishes on the top-k in the
-//      order as the top-k merge path does: weights from the first, top-p in rank order by one
-//      block scan, min-p, and the draw in index order.
+//      thread), takes their maximum M (the row's) and counts them in one 256-bin histogram of
+//      the distance below M (the bins of `fused_dbin`, monotone in the key). The bins up to cb,
+//      where the count reaches k, hold at least k groups, so k distinct tokens: every token of
+//      the row's top-k lies in a bin up to cb. When bin cb holds more than TKB_SLACK groups, 8-bit
+//      radix passes over the keys of its groups choose a prefix instead, and the bound B is the
+//      lowest key with it. Each warp lists its own candidate groups (maxima in a bin up to cb, or
+//      at or above B) without a barrier and reads them again from L2, a lane a logit and
+//      TKB_GATHER groups in flight; their tokens in a bin up to cb (at or above B) are the
+//      candidates: k and a few more. They are ranked (counting, or a bitonic sort past
+//      TKB_RANK_MAX) and the block finishes on the top-k in the order as the top-k merge path
+//      does: weights from the first, top-p in rank order by one block scan, min-p, and the draw
+//      in index order (the Philox uniform computed while the maxima load; each scan one barrier).
 // A row with more candidate groups or candidates than the buffers hold (ties) is sampled by its
 // last block on the single-block path; a row whose group maxima are fewer than k takes every
 // valid token as a candidate. Every quantity is an integer or the reference's fp32 operation on
@@ -2812,10 +2815,11 @@ kiln_sample_topk_merge(const float* __restrict__ logits, long long vocab, long l
 //
 // Profile slots (SAMPLE_PROFILE=1, see above): block (0, 0): clock64 at entry (8),
 // keys loaded (9), maxima stored (10), ticket taken (11); the last block of row 0: clock64 at its
-// start (16), maxima loaded (17), bound (18), candidate groups (19), candidates gathered (20),
-// ranked (21), token written (22), %globaltimer at its start (24) and end (25); row 0's counts:
-// valid groups (32), candidate groups (33), candidates (34), k (35), fallback (36), slices (37),
-// groups a slice (38), radix passes (39). `kiln bench sample --profile` prints them.
+// start (16), maxima loaded and M found (17), histogram and bound (18), warp 0's candidate
+// groups listed (19), candidates gathered (20), ranked (21), token written (22), %globaltimer at
+// its start (24) and end (25); row 0's counts: valid groups (32), candidate groups (33),
+// candidates (34), k (35), fallback (36), slices (37), groups a slice (38), radix passes over a
+// crowded bin (39). `kiln bench sample --profile` prints them.
 
 #define TKB_KMAX 256          // the largest top-k the path serves
 #define TKB_PER 32            // order keys a thread holds: a slice is at most TKB_PER * THREADS
@@ -2823,34 +2827,50 @@ kiln_sample_topk_merge(const float* __restrict__ logits, long long vocab, long l
 #define TKB_GROUP_CAP 1024    // candidate groups the last block gathers
 #define TKB_CAND_CAP 2048     // candidates the last block ranks (a power of two)
 #define TKB_RANK_MAX 512      // ranked by counting up to this many, by a bitonic sort above
-#define TKB_SLACK 48          // the radix passes stop at a bin of at most this many groups
+#define TKB_SLACK 48          // a bin of at most this many groups bounds without radix passes
+#define TKB_WARP_GROUPS (TKB_GROUP_CAP / SAMPLE_WARPS)  // candidate groups a warp lists
+#define TKB_GATHER 16         // candidate groups a warp reads at once
 #define TKB_FALLBACK 1
 #define TKB_MIN_BLOCKS 2
 
 #if THREADS <= 256
 struct TopKBoundShared {
     kiln_u64 cand[TKB_CAND_CAP];      // the candidates; then the kept weights and indices
-    kiln_u64 groups[TKB_GROUP_CAP];   // the candidate groups' numbers
     kiln_u64 top[TKB_KMAX];           // the top-k in the order
-    kiln_u32 bins[256];
-    kiln_u64 warp_u64[SAMPLE_WARPS];
-    kiln_u32 warp_u32[SAMPLE_WARPS];
-    kiln_u32 chosen, above, count, total, ngroups, ncand;
+    __align__(16) kiln_u32 bins[256];
+    kiln_u32 wgroups[SAMPLE_WARPS][TKB_WARP_GROUPS];  // each warp's candidate groups
+    kiln_u64 mass_sums[SAMPLE_WARPS];  // the warps' weight sums (top-p)
+    kiln_u64 kept_sums[SAMPLE_WARPS];  // the warps' kept weight sums (the draw)
+    kiln_u32 warp_max[SAMPLE_WARPS];
+    kiln_u32 chosen, above, count, total, ngroups, ncand, overflow;
     int last;
 };
 static_assert(THREADS >= TKB_KMAX, "one thread per top-k token");
 static_assert(2 * TKB_KMAX * 4 <= TKB_CAND_CAP * 8, "the kept weights and indices fit in `cand`");
 
-// One warp (warp 0) finds the first bin from 255 down at which the running count reaches
-// `target`: sh.chosen, the count above it in sh.above, its own in sh.count, the total of the
-// bins in sh.total (the bin is meaningless when the total is below the target). Followed by a
-// barrier.
-__device__ __forceinline__ void tkb_pick(TopKBoundShared& sh, kiln_u32 target) {
+// One warp (warp 0) finds the first bin, in the order (bin 0 first, or bin 255 first when
+// `descending`), at which the running count reaches `target`: sh.chosen, the count before it in
+// sh.above, its own in sh.count, the total of the bins in sh.total (the bin is meaningless when
+// the total is below the target). Each lane holds eight consecutive bins in registers (two
+// 16-byte loads). Followed by a barrier.
+__device__ __forceinline__ void tkb_pick(TopKBoundShared& sh, kiln_u32 target, bool descending) {
     if (threadIdx.x < 32) {
         const int lane = threadIdx.x;
+        const int chunk = descending ? 31 - lane : lane;
+        const uint4 a = reinterpret_cast<const uint4*>(sh.bins)[2 * chunk];
+        const uint4 b = reinterpret_cast<const uint4*>(sh.bins)[2 * chunk + 1];
+        kiln_u32 c[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        if (descending) {
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const kiln_u32 t = c[q];
+                c[q] = c[7 - q];
+                c[7 - q] = t;
+            }
+        }
         kiln_u32 sum = 0u;
 #pragma unroll
-        for (int q = 0; q < 8; ++q) sum += sh.bins[255 - (lane * 8 + q)];
+        for (int q = 0; q < 8; ++q) sum += c[q];
         kiln_u32 inclusive = sum;
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) {
@@ -2861,20 +2881,48 @@ __device__ __forceinline__ void tkb_pick(TopKBoundShared& sh, kiln_u32 target) {
         if (lane == 31) sh.total = inclusive;
         if (before < target && inclusive >= target) {
             kiln_u32 acc = before;
+            bool done = false;
+#pragma unroll
             for (int q = 0; q < 8; ++q) {
-                const int b = 255 - (lane * 8 + q);
-                const kiln_u32 c = sh.bins[b];
-                if (acc + c >= target) {
-                    sh.chosen = (kiln_u32)b;
+                if (!done && acc + c[q] >= target) {
+                    sh.chosen = (kiln_u32)(descending ? 8 * chunk + 7 - q : 8 * chunk + q);
                     sh.above = acc;
-                    sh.count = c;
-                    break;
+                    sh.count = c[q];
+                    done = true;
                 }
-                acc += c;
+                acc += c[q];
             }
         }
     }
     __syncthreads();
+}
+
+// The bin (`fused_dbin`) of a group maximum's order key g (not 0) below the row maximum M.
+__device__ __forceinline__ int tkb_bin(kiln_u32 g, float M) {
+    return fused_dbin(fused_value(g), M);
+}
+
+// Exclusive prefix of v over the block's threads (thread order) and the block's total, with one
+// barrier: `warp_sums` must not be written again by this block.
+__device__ __forceinline__ kiln_u64 tkb_scan(kiln_u64 v, kiln_u64* warp_sums, kiln_u64& total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    kiln_u64 x = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const kiln_u64 n = __shfl_up_sync(KILN_FULL_MASK, x, o);
+        if (lane >= o) x += n;
+    }
+    if (lane == 31) warp_sums[warp] = x;
+    __syncthreads();
+    kiln_u64 before = 0ull, all = 0ull;
+#pragma unroll
+    for (int w = 0; w < SAMPLE_WARPS; ++w) {
+        const kiln_u64 s = warp_sums[w];
+        before += w < warp ? s : 0ull;
+        all += s;
+    }
+    total = all;
+    return before + x - v;
 }
 
 // The last block of served row r: the top-k from the group maxima, then the token. Returns
@@ -2892,78 +2940,114 @@ __device__ __forceinline__ int sample_row_topk_bound(int r, kiln_u32 k, const fl
         const int i = q * THREADS + (int)threadIdx.x;
         g[q] = i < groups ? __ldcg(&row_maxima[i]) : 0u;
     }
-    // The bound: three radix passes over the top 24 bits of the group maxima (keys 0 are NaN
-    // groups: never counted).
-    kiln_u32 prefix = 0u, mask = 0u, target = k, bound = 1u;
-    bool found = true;
-    for (int shift = 24; shift >= 8; shift -= 8) {
-        for (int b = threadIdx.x; b < 256; b += THREADS) sh.bins[b] = 0u;
-        if (threadIdx.x == 0) {
-            sh.ngroups = 0u;
-            sh.ncand = 0u;
-        }
-        __syncthreads();
-#pragma unroll
-        for (int q = 0; q < TKB_GROUP_PER; ++q) {
-            if (q * THREADS >= groups) break;  // the same for the whole block
-            const bool in = g[q] != 0u && (g[q] & mask) == prefix;
-            if (__ballot_sync(KILN_FULL_MASK, in) == 0u) continue;
-            const int digit = in ? (int)((g[q] >> shift) & 0xFFu) : -1;
-            const kiln_u32 peers = __match_any_sync(KILN_FULL_MASK, digit);
-            if (in && lane == __ffs(peers) - 1) atomicAdd(&sh.bins[digit], (kiln_u32)__popc(peers));
-        }
-        __syncthreads();
-        if (shift == 24) TKB_CLOCK(17, row0);
-        tkb_pick(sh, target);
-        TKB_SET(32, row0 && shift == 24, sh.total);
-        if (sh.total < target) {  // fewer valid groups than k (the first pass): every valid token
-            found = false;
-            __syncthreads();
-            break;
-        }
-        prefix |= sh.chosen << shift;
-        mask |= 0xFFu << shift;
-        target -= sh.above;
-        // A bin of few groups bounds as well as the next pass would (every group of the bin is a
-        // candidate group: at most TKB_SLACK more than k).
-        const bool enough = sh.count <= TKB_SLACK;
-        __syncthreads();  // sh.chosen, sh.above, sh.count, sh.total are read before reuse
-        TKB_SET(39, row0, (32 - shift) / 8);
-        if (enough) break;
+    // The draw's uniform does not depend on the logits: computed while the maxima load.
+    const kiln_u64 u = sample_uniform(p.seed, step, p.stream);
+    for (int b = threadIdx.x; b < 256; b += THREADS) sh.bins[b] = 0u;
+    if (threadIdx.x == 0) {
+        sh.ngroups = 0u;
+        sh.ncand = 0u;
+        sh.overflow = 0u;
     }
-    if (found) bound = prefix > 1u ? prefix : 1u;
-    TKB_CLOCK(18, row0);
-
-    // The candidate groups: maxima at or above the bound (an empty row has none).
-    kiln_u64* const cgroups = sh.groups;
+    // The row's largest key (0: every logit is NaN).
+    kiln_u32 mine_max = 0u;
 #pragma unroll
-    for (int q = 0; q < TKB_GROUP_PER; ++q) {
-        if (q * THREADS >= groups) break;
-        const bool take = g[q] != 0u && g[q] >= bound;
-        fused_append(take, (kiln_u64)(q * THREADS + (int)threadIdx.x), cgroups, &sh.ngroups, TKB_GROUP_CAP);
-    }
+    for (int q = 0; q < TKB_GROUP_PER; ++q) mine_max = max(mine_max, g[q]);
+    mine_max = __reduce_max_sync(KILN_FULL_MASK, mine_max);
+    if (lane == 0) sh.warp_max[warp] = mine_max;
     __syncthreads();
-    const int ng = (int)sh.ngroups;
-    TKB_CLOCK(19, row0);
-    TKB_SET(33, row0, ng);
-    if (ng == 0) {  // every logit of the row is NaN
+    kiln_u32 mkey = 0u;
+#pragma unroll
+    for (int w = 0; w < SAMPLE_WARPS; ++w) mkey = max(mkey, sh.warp_max[w]);
+    TKB_CLOCK(17, row0);
+    if (mkey == 0u) {  // every logit of the row is NaN
+        TKB_SET(32, row0, 0);
+        TKB_SET(33, row0, 0);
         if (threadIdx.x == 0) tokens[r] = NO_TOKEN;
         return 0;
     }
-    if (ng > TKB_GROUP_CAP) return TKB_FALLBACK;
+    const float M = fused_value(mkey);
 
-    // The candidates: the groups' tokens at or above the bound, one warp a group, four groups a
-    // warp in flight.
-    for (int base = warp; base < ng; base += 4 * SAMPLE_WARPS) {
-        float x[4];
-        long long idx[4];
+    // The bound: one histogram of the group maxima by their distance below the row maximum (the
+    // bins of `fused_dbin`: a lower bin holds only larger keys). The candidate groups are those
+    // of the bins up to the bin cb at which the count reaches k (at least k groups: k distinct
+    // tokens); every token of the row's top-k lies in a bin up to cb (a bin is monotone in the
+    // key), and so in a candidate group. A crowded bin cb (more than TKB_SLACK groups) is split
+    // by 8-bit radix passes over the keys of its groups: the bound is then the lowest key with
+    // the chosen prefix, and the candidates those at or above it.
 #pragma unroll
-        for (int t = 0; t < 4; ++t) {
-            const int gi = base + t * SAMPLE_WARPS;
+    for (int q = 0; q < TKB_GROUP_PER; ++q) {
+        if (q * THREADS >= groups) break;  // the same for the whole block
+        fused_count(sh.bins, g[q] != 0u ? tkb_bin(g[q], M) : -1);
+    }
+    __syncthreads();
+    tkb_pick(sh, k, false);
+    const kiln_u32 valid = sh.total;
+    TKB_SET(32, row0, valid);
+    kiln_u32 bound = 1u;  // candidates: keys at or above it, in bins up to cb_limit
+    int cb_limit = FUSED_BINS - 1;
+    int passes = 0;
+    if (valid >= k) {  // else fewer valid groups than k: every valid token
+        const int cb = (int)sh.chosen;
+        kiln_u32 target = k - sh.above;
+        const bool crowded = sh.count > TKB_SLACK;
+        __syncthreads();  // sh.chosen, sh.above, sh.count are read before reuse
+        if (!crowded) {
+            cb_limit = cb;
+        } else {
+            kiln_u32 prefix = 0u, mask = 0u;
+            for (int shift = 24; shift >= 0; shift -= 8) {
+                for (int b = threadIdx.x; b < 256; b += THREADS) sh.bins[b] = 0u;
+                __syncthreads();
+#pragma unroll
+                for (int q = 0; q < TKB_GROUP_PER; ++q) {
+                    if (q * THREADS >= groups) break;
+                    const bool in = g[q] != 0u && (g[q] & mask) == prefix && tkb_bin(g[q], M) == cb;
+                    fused_count(sh.bins, in ? (int)((g[q] >> shift) & 0xFFu) : -1);
+                }
+                __syncthreads();
+                tkb_pick(sh, target, true);
+                prefix |= sh.chosen << shift;
+                mask |= 0xFFu << shift;
+                target -= sh.above;
+                const bool enough = sh.count <= TKB_SLACK;
+                __syncthreads();  // sh.chosen, sh.above, sh.count are read before reuse
+                ++passes;
+                if (enough) break;
+            }
+            bound = prefix > 1u ? prefix : 1u;
+        }
+    }
+    TKB_SET(39, row0, passes);
+    TKB_CLOCK(18, row0);
+
+    // Each warp lists its own candidate groups (no barrier) and gathers their tokens at or above
+    // the bound, a lane a logit, TKB_GATHER groups in flight.
+    int nw = 0;
+#pragma unroll
+    for (int q = 0; q < TKB_GROUP_PER; ++q) {
+        if (q * THREADS >= groups) break;
+        const bool take = g[q] != 0u && g[q] >= bound && tkb_bin(g[q], M) <= cb_limit;
+        const kiln_u32 mask = __ballot_sync(KILN_FULL_MASK, take);
+        const int at = nw + __popc(mask & ((1u << lane) - 1u));
+        if (take && at < TKB_WARP_GROUPS) sh.wgroups[warp][at] = (kiln_u32)(q * THREADS + (int)threadIdx.x);
+        nw += __popc(mask);
+    }
+    __syncwarp();
+    TKB_CLOCK(19, row0);
+    if (lane == 0 && nw > 0) {
+        atomicAdd(&sh.ngroups, (kiln_u32)nw);
+        if (nw > TKB_WARP_GROUPS) sh.overflow = 1u;
+    }
+    const int listed = min(nw, TKB_WARP_GROUPS);
+    for (int base = 0; base < listed; base += TKB_GATHER) {
+        float x[TKB_GATHER];
+        long long idx[TKB_GATHER];
+#pragma unroll
+        for (int t = 0; t < TKB_GATHER; ++t) {
             idx[t] = -1;
             x[t] = 0.0f;
-            if (gi < ng) {
-                const long long i = 32ll * (long long)cgroups[gi] + lane;  // group g: logits [32 g, 32 g + 32)
+            if (base + t < listed) {
+                const long long i = 32ll * (long long)sh.wgroups[warp][base + t] + lane;
                 if (i < vocab) {
                     idx[t] = i;
                     x[t] = __ldcg(&row[i]);
@@ -2971,17 +3055,19 @@ __device__ __forceinline__ int sample_row_topk_bound(int r, kiln_u32 k, const fl
             }
         }
 #pragma unroll
-        for (int t = 0; t < 4; ++t) {
+        for (int t = 0; t < TKB_GATHER; ++t) {
+            if (base + t >= listed) break;  // the same for the whole warp
             const kiln_u32 key = idx[t] >= 0 ? sample_order_key(x[t]) : 0u;
-            const bool take = key != 0u && key >= bound;
+            const bool take = key != 0u && key >= bound && fused_dbin(x[t], M) <= cb_limit;
             fused_append(take, take ? fast_pack(key, (kiln_u32)idx[t]) : 0ull, sh.cand, &sh.ncand, TKB_CAND_CAP);
         }
     }
     __syncthreads();
     const int m_n = (int)sh.ncand;
     TKB_CLOCK(20, row0);
+    TKB_SET(33, row0, sh.ngroups);
     TKB_SET(34, row0, m_n);
-    if (m_n > TKB_CAND_CAP) return TKB_FALLBACK;
+    if (sh.overflow != 0u || m_n > TKB_CAND_CAP) return TKB_FALLBACK;
 
     // The top-k in the order, into sh.top.
     const int kk = min((int)k, m_n);
@@ -3015,7 +3101,7 @@ __device__ __forceinline__ int sample_row_topk_bound(int r, kiln_u32 k, const fl
     m = fminf(fmaxf(m, -3.40282347e38f), 3.40282347e38f);
     const kiln_u32 w = mine ? sample_weight(xv, p.temperature, m) : 0u;
     kiln_u64 mass;
-    const kiln_u64 before = fast_scan((kiln_u64)w, sh.warp_u64, mass);
+    const kiln_u64 before = tkb_scan((kiln_u64)w, sh.mass_sums, mass);
     bool kept = mine;
     if (p.top_p_units < (1u << 24)) {
         // max(1, ceil(mass * p_units / 2^24)), exact in 128 bits; the cutoff is the first rank
@@ -3035,16 +3121,14 @@ __device__ __forceinline__ int sample_row_topk_bound(int r, kiln_u32 k, const fl
         kept_weight[j] = kw;
         kept_index[j] = index;
     }
+    if (threadIdx.x == 0) tokens[r] = NO_TOKEN;  // before the barrier: the winner writes after it
     kiln_u64 kept_mass;
-    fast_scan((kiln_u64)kw, sh.warp_u64, kept_mass);  // its barriers publish kept_*
-    const kiln_u64 u = sample_uniform(p.seed, step, p.stream);
+    tkb_scan((kiln_u64)kw, sh.kept_sums, kept_mass);  // its barrier publishes kept_*
     const kiln_u64 draw = __umul64hi(u, kept_mass);  // < kept_mass: the first token is kept
     // The draw in index order: the token whose inclusive kept mass over the tokens of lower or
     // equal index passes the target; gw threads sum a token's.
     int gw = 1;
     while (gw < 32 && 2 * gw * kk <= THREADS) gw <<= 1;
-    if (threadIdx.x == 0) tokens[r] = NO_TOKEN;
-    __syncthreads();
     for (int base = 0; base < kk; base += THREADS / gw) {
         const int jj = base + (int)threadIdx.x / gw, part = (int)threadIdx.x & (gw - 1);
         const kiln_u32 own_index = jj < kk ? kept_index[jj] : 0u;

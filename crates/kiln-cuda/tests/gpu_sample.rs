@@ -488,13 +488,24 @@ fn edge_row(rng: &mut Rng, vocab: usize, shape: usize) -> Vec<f32> {
             .collect(),
         // Few distinct values (many ties at the top) and a model-like peak.
         9 => (0..vocab).map(|_| rng.below(3) as f32).collect(),
+        // A crowded bin of distinct values below the maximum: 200 logits in (8.9, 9.0) under one
+        // 10.0 (the top-k bound path splits the bin by radix passes over its groups' keys).
+        10 => {
+            let mut row: Vec<f32> = (0..vocab).map(|_| rng.uniform(-5.0, 5.0)).collect();
+            for _ in 0..200 {
+                let at = rng.below(vocab);
+                row[at] = rng.uniform(8.9, 8.999);
+            }
+            row[rng.below(vocab)] = 10.0;
+            row
+        }
         _ => rng.row(vocab),
     }
 }
 
 /// The fused, greedy and top-k merge paths on rows shaped against their selection (all -inf, all NaN, all tied, +inf
 /// ties, the whole top in one slice, spreads of 1e30, near-ties, a maximum of -0.0 / +0.0, fewer
-/// candidates than k, few distinct values), each row with its own top-k (1, 2, 3, 50, 255, 256,
+/// candidates than k, few distinct values, a crowded bin below the maximum), each row with its own top-k (1, 2, 3, 50, 255, 256,
 /// 257 and random), some greedy, some with top-p, min-p and penalties that hit the top tokens;
 /// against the CPU reference, with the penalty counts left at zero.
 #[test]
@@ -512,7 +523,7 @@ fn fused_paths_equal_the_cpu_reference_on_edge_rows() {
             2 => (300 + rng.below(2000), 200),
             _ => (151_936, 1 + rng.below(2)),
         };
-        let logits: Vec<f32> = (0..rows).flat_map(|r| edge_row(&mut rng, vocab, (r + launch) % 11)).collect();
+        let logits: Vec<f32> = (0..rows).flat_map(|r| edge_row(&mut rng, vocab, (r + launch) % 12)).collect();
         let params: Vec<(SamplingParams, u64)> = (0..rows)
             .map(|r| {
                 let top_k = match (r + launch) % 9 {
@@ -615,7 +626,7 @@ fn fused_paths_equal_the_cpu_reference_on_edge_rows() {
                     if got[r] != want_here[r] {
                         failures.push(format!(
                             "{path:?} penalties {penalty}: vocab {vocab} rows {rows} row {r} shape {}: gpu {} cpu {} ({:?})",
-                            (r + launch) % 11,
+                            (r + launch) % 12,
                             got[r],
                             want_here[r],
                             params[r].0
