@@ -36,7 +36,11 @@
 //! shallow`, `bulk3-1x4x16.s64`), bulk copies at most 32 chunks a sequence (`bulk5-...s32`), and
 //! both copies at the chunks of
 //! [`persistent_splits_for`](kiln_cuda::ops::attention::persistent_splits_for) (`own chunks`:
-//! about four items a block; 9 at batch 8, 2 at batch 64).
+//! about four items a block; 9 at batch 8, 2 at batch 64); then the persistent kernel without
+//! the copying warp, each computing warp copying its own steps of 16 keys (`persistent warp
+//! copies`, `own5-1x4x16.s64`; three steps deep, `persistent warp copies shallow`,
+//! `own3-1x4x16.s64`; two steps deep at two blocks a multiprocessor, `persistent warp copies,
+//! pair`, `own2-1x4x16.s64`; own5 and own2 also at the `own chunks`).
 //!
 //! Both as a ratio to PyTorch's `scaled_dot_product_attention` (flash backend) on the same shapes
 //! (unpaged), read from the JSON of `bench/peers/attention.py` (`--peer`). Timing: CUDA events,
@@ -308,7 +312,9 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
         // The persistent kernel (one block a multiprocessor, a copying warp): 16-byte copies
         // (`persistent`), bulk copies on sm_90 five and three stages deep (`persistent bulk`,
         // `persistent bulk shallow`), a sequence cut into at most 64 chunks; the bulk one also
-        // at 32 (longer chunks past 8k positions, half the partials).
+        // at 32 (longer chunks past 8k positions, half the partials); then without the copying
+        // warp, each computing warp copying its own steps (`persistent warp copies`, five steps
+        // deep; `shallow`, three; `pair`, two steps and two blocks a multiprocessor).
         let own_chunks = persistent_splits_for(multiprocessors, batch_size, KV_HEADS);
         for (tag, variant, splits) in [
             ("persistent", AttentionVariant::DECODE_PERSISTENT, PERSISTENT_SPLITS),
@@ -317,6 +323,19 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
             ("persistent bulk, 32 chunks", AttentionVariant::DECODE_PERSISTENT_BULK, PERSISTENT_SPLITS / 2),
             ("persistent, own chunks", AttentionVariant::DECODE_PERSISTENT, own_chunks),
             ("persistent bulk, own chunks", AttentionVariant::DECODE_PERSISTENT_BULK, own_chunks),
+            ("persistent warp copies", AttentionVariant::DECODE_PERSISTENT_OWN, PERSISTENT_SPLITS),
+            (
+                "persistent warp copies shallow",
+                AttentionVariant::DECODE_PERSISTENT_OWN_SHALLOW,
+                PERSISTENT_SPLITS,
+            ),
+            ("persistent warp copies, pair", AttentionVariant::DECODE_PERSISTENT_OWN_PAIR, PERSISTENT_SPLITS),
+            ("persistent warp copies, own chunks", AttentionVariant::DECODE_PERSISTENT_OWN, own_chunks),
+            (
+                "persistent warp copies pair, own chunks",
+                AttentionVariant::DECODE_PERSISTENT_OWN_PAIR,
+                own_chunks,
+            ),
         ] {
             if splits == own_chunks && splits == PERSISTENT_SPLITS && tag.ends_with("own chunks") {
                 continue; // the same configuration as the 64-chunk rows

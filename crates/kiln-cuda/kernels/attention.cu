@@ -89,6 +89,11 @@
 #ifndef PERSIST_BULK
 #define PERSIST_BULK 0
 #endif
+// 1 (with PERSISTENT 1, PERSIST_BULK 0): no copying warp; each computing warp copies its own
+// 16-key steps through its own STAGES-deep cp.async pipeline (see the kernel).
+#ifndef PERSIST_OWN
+#define PERSIST_OWN 0
+#endif
 // Ticket counters of the combine, one per (sequence, row tile, kv head) of a split launch; the
 // launcher refuses a split grid with more groups.
 #define KILN_ATTENTION_TICKETS 65536
@@ -1071,11 +1076,32 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) kiln_attention_decode_h
 // chunk writes its partial (f32, normalized, and its log2-sum) at index `chunk` and takes a
 // ticket; the block taking the last ticket of the (sequence, virtual head) combines the chunks'
 // partials in chunk order, as the streaming kernel does. Nothing waits on another block.
+// With PERSIST_OWN there is no copying warp and no mbarrier: computing warp w takes the same
+// keys (keys [16 w, 16 w + 16) of every 16 * WARPS_N, so the same bits), but copies them itself,
+// each warp its own STAGES-deep pipeline of 16-key steps (16-byte cp.async, one commit group a
+// step, K and V rows unpadded with chunk c of row r at c ^ (r & 7), as the streaming kernel), and
+// its copy cursor runs STAGES steps ahead across item boundaries: no warp waits on another but
+// at the end of an item, and every warp issues its own copies (the single copying warp's issue
+// rate bounded the variants above).
 #define PERSIST_STAGE_KEYS (16 * WARPS_N)
 #define PERSIST_QUANTUM 256
+#if PERSIST_OWN
+#define PERSIST_THREADS (32 * WARPS_N)
+#define PERSIST_STAGE_ELEMENTS (2 * PERSIST_STAGE_KEYS * HEAD_DIM)
+// One warp's step: 16 K rows then 16 V rows.
+#define PERSIST_STEP_ELEMENTS (16 * HEAD_DIM)
+#else
 #define PERSIST_THREADS (32 * (WARPS_N + 1))
-#define PERSIST_COMPUTE_THREADS (32 * WARPS_N)
 #define PERSIST_STAGE_ELEMENTS (2 * PERSIST_STAGE_KEYS * ROW)
+#endif
+#define PERSIST_COMPUTE_THREADS (32 * WARPS_N)
+// Blocks a multiprocessor: two for own copies two steps deep (the launcher's grid is then two
+// blocks a multiprocessor: eight warps, each with its own pipeline), else one.
+#if PERSIST_OWN && STAGES == 2
+#define PERSIST_MIN_BLOCKS 2
+#else
+#define PERSIST_MIN_BLOCKS 1
+#endif
 #define PERSIST_MERGE_ROW (HEAD_DIM + 4)
 #define PERSIST_MAX_CHUNKS 64
 // Partials in flight a thread in the combine.
@@ -1092,7 +1118,19 @@ static_assert(STAGES >= 2 && STAGES <= 8, "two to eight stages");
 static_assert(PERSIST_QUANTUM % PERSIST_STAGE_KEYS == 0, "chunks are whole stages");
 static_assert(HEAD_DIM % 32 == 0 && (HEAD_DIM / 16) % 2 == 0, "pairs of 16-column blocks");
 static_assert(PERSIST_MAX_CHUNKS * 16 <= WARPS_N * 16 * PERSIST_MERGE_ROW, "the combine's log-sums fit the merge rows");
+static_assert(!PERSIST_OWN || (!PERSIST_BULK && HEAD_DIM % 64 == 0), "own copies: 16-byte copies, swizzled rows of 8+ chunks");
 
+// The element offset of chunk `c` (8 bf16) of K/V row `r` of a stage: swizzled unpadded rows
+// (PERSIST_OWN), else rows padded by 16 bytes.
+KILN_DEVICE int kiln_persist_offset(int r, int c) {
+#if PERSIST_OWN
+    return (r * CHUNKS_PER_ROW + (c ^ (r & 7))) * 8;
+#else
+    return r * ROW + c * 8;
+#endif
+}
+
+#if !PERSIST_OWN
 KILN_DEVICE void kiln_mbar_init(kiln_u32 barrier, kiln_u32 count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(barrier), "r"(count) : "memory");
 }
@@ -1118,6 +1156,7 @@ KILN_DEVICE void kiln_mbar_wait(kiln_u32 barrier, kiln_u32 parity) {
         : "memory");
 #endif
 }
+#endif
 KILN_DEVICE void kiln_persist_sync() {
     asm volatile("bar.sync 1, %0;" ::"n"(PERSIST_COMPUTE_THREADS) : "memory");
 }
@@ -1138,6 +1177,14 @@ KILN_DEVICE void kiln_bulk_copy(kiln_u32 shared_address, const void* global, kil
             shared_address),
         "l"(global), "r"(bytes), "r"(barrier), "l"(policy)
         : "memory");
+}
+#elif PERSIST_OWN
+// 16 bytes from global to shared memory under an L2 policy; zeros where !valid.
+KILN_DEVICE void kiln_cp_async_16_zfill(kiln_u32 shared_address, const void* global, bool valid, kiln_u64 policy) {
+    const int source_bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;" ::"r"(shared_address),
+                 "l"(global), "r"(source_bytes), "l"(policy)
+                 : "memory");
 }
 #else
 KILN_DEVICE void kiln_cp_async_16_hint(kiln_u32 shared_address, const void* global, kiln_u64 policy) {
@@ -1251,12 +1298,12 @@ struct kiln_persist_walk {
     }
 };
 
-// Dynamic shared memory: STAGES stages of K then V rows ([PERSIST_STAGE_KEYS][ROW] bf16 each),
-// then the merge rows ([WARPS_N][16][PERSIST_MERGE_ROW] f32). One block a multiprocessor.
-extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, 1)
+// Dynamic shared memory: STAGES stages of K then V rows ([PERSIST_STAGE_KEYS][ROW] bf16 each;
+// PERSIST_OWN: each warp's STAGES steps of 16 K then 16 V rows of HEAD_DIM), then the merge rows
+// ([WARPS_N][16][PERSIST_MERGE_ROW] f32). PERSIST_MIN_BLOCKS blocks a multiprocessor.
+extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, PERSIST_MIN_BLOCKS)
     kiln_attention_decode_persistent(KILN_ATTENTION_PARAMS, int batch) {
     extern __shared__ kiln_chunk16 shared_chunks[];
-    __shared__ kiln_u64 full_barriers[STAGES], empty_barriers[STAGES];
     __shared__ float warp_max[WARPS_N][16], warp_sum[WARPS_N][16];
     __shared__ int is_last_block;
     kiln_wait_prior();
@@ -1264,6 +1311,8 @@ extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, 1)
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     kiln_u16* stages = reinterpret_cast<kiln_u16*>(shared_chunks);
     float* merge = reinterpret_cast<float*>(stages + STAGES * PERSIST_STAGE_ELEMENTS);
+#if !PERSIST_OWN
+    __shared__ kiln_u64 full_barriers[STAGES], empty_barriers[STAGES];
     const kiln_u32 full0 = kiln_smem_address(full_barriers), empty0 = kiln_smem_address(empty_barriers);
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) {
@@ -1276,6 +1325,7 @@ extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, 1)
 #endif
     }
     __syncthreads();
+#endif
 
     const int heads_per_group = q_heads / kv_heads;
     const int row_tiles = (heads_per_group + 15) / 16;
@@ -1289,6 +1339,7 @@ extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, 1)
     walk.start(lane, blockIdx.x, gridDim.x);
     const kiln_u64 policy = kiln_persist_policy();
 
+#if !PERSIST_OWN
     if (warp == WARPS_N) {
         // ---- The copying warp.
         int n = 0;  // stages issued
@@ -1354,12 +1405,74 @@ extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, 1)
 #endif
         return;
     }
+#endif
 
     // ---- The computing warps.
     const int group = lane >> 2, thread_in_group = lane & 3;
     const int total_queries = query_offsets[batch];
     const kiln_u64 split_stride = (kiln_u64)total_queries * q_heads;
-    int n = 0;  // stages consumed
+    int n = 0;  // stages consumed (PERSIST_OWN: this warp's steps)
+#if PERSIST_OWN
+    // ---- This warp's copies: a cursor over the same run, at the start key of this warp's next
+    // step to copy (keys [16 warp, 16 warp + 16) of each 16 * WARPS_N of an item), the page of
+    // its row lane % 16 read one step before the copy.
+    kiln_u16* own_stages = stages + warp * STAGES * 2 * PERSIST_STEP_ELEMENTS;
+    kiln_persist_walk cursor = walk;
+    int cursor_key = 0, cursor_end = 0;
+    const kiln_u32* cursor_pages = page_ids;
+    // The cursor onto its first step at or after cursor_key that holds keys (or past the run).
+    auto settle = [&](bool entered) {
+        while (cursor.valid()) {
+            if (entered) {
+                const int first = cursor.chunk * cursor.chunk_keys;
+                cursor_key = first + warp * 16;
+                cursor_end = min(cursor.context, first + cursor.chunk_keys);
+                cursor_pages = page_ids + page_offsets[cursor.sequence];
+            }
+            if (cursor_key < cursor_end) return;
+            cursor.advance();
+            entered = true;
+        }
+    };
+    auto cursor_page = [&]() -> kiln_u32 {
+        const int position = cursor_key + (lane & 15);
+        return cursor.valid() && position < cursor_end ? cursor_pages[position >> page_shift] : 0u;
+    };
+    // The cursor's step into `slot` (nothing past the run), one commit group either way; then
+    // the cursor to its next step and that step's page requested.
+    auto copy_step = [&](int slot, kiln_u32& page) {
+        if (cursor.valid()) {
+            const int kv_head = cursor.vhead / row_tiles;
+            kiln_u16* k_stage = own_stages + slot * 2 * PERSIST_STEP_ELEMENTS;
+            kiln_u16* v_stage = k_stage + PERSIST_STEP_ELEMENTS;
+#pragma unroll
+            for (int i = 0; i < 16 * CHUNKS_PER_ROW / 32; ++i) {
+                const int index = lane + 32 * i;
+                const int r = index / CHUNKS_PER_ROW, c = index % CHUNKS_PER_ROW;
+                const kiln_u32 row_page = __shfl_sync(KILN_FULL_MASK, page, r);
+                const int position = cursor_key + r;
+                const bool valid = position < cursor_end;
+                const kiln_u64 offset = ((((kiln_u64)row_page * kv_heads + kv_head) << page_shift) |
+                                         (kiln_u64)(position & ((1 << page_shift) - 1))) *
+                                            HEAD_DIM +
+                                        c * 8;
+                const int at = kiln_persist_offset(r, c);
+                kiln_cp_async_16_zfill(kiln_smem_address(k_stage + at), valid ? k_cache + offset : k_cache, valid,
+                                       policy);
+                kiln_cp_async_16_zfill(kiln_smem_address(v_stage + at), valid ? v_cache + offset : v_cache, valid,
+                                       policy);
+            }
+            cursor_key += PERSIST_STAGE_KEYS;
+            settle(false);
+        }
+        kiln_cp_async_commit();
+        page = cursor_page();
+    };
+    settle(true);
+    kiln_u32 next_page = cursor_page();
+#pragma unroll 1
+    for (int k = 0; k < STAGES; ++k) copy_step(k, next_page);
+#endif
     for (; walk.valid(); walk.advance()) {
         const int kv_head = walk.vhead / row_tiles;
         const int row0 = (walk.vhead % row_tiles) * 16;
@@ -1403,6 +1516,15 @@ extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, 1)
         float row_max[2] = {KILN_NEG_INF, KILN_NEG_INF};  // in units of scale_log2 * q.k
         float row_sum[2] = {0.0f, 0.0f};                  // this thread's columns only, until the end
 
+#if PERSIST_OWN
+        for (int start = begin + warp * 16; start < end; start += PERSIST_STAGE_KEYS, ++n) {
+            const int slot = n % STAGES;
+            kiln_cp_async_wait<STAGES - 1>();
+            __syncwarp();
+            {
+                const kiln_u16* k_rows = own_stages + slot * 2 * PERSIST_STEP_ELEMENTS;
+                const kiln_u16* v_rows = k_rows + PERSIST_STEP_ELEMENTS;
+#else
         for (int key0 = begin; key0 < end; key0 += PERSIST_STAGE_KEYS, ++n) {
             const int slot = n % STAGES;
             const int start = key0 + warp * 16;  // this warp's 16 keys
@@ -1410,6 +1532,7 @@ extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, 1)
             if (start < end) {
                 const kiln_u16* k_rows = stages + slot * PERSIST_STAGE_ELEMENTS + warp * 16 * ROW;
                 const kiln_u16* v_rows = k_rows + PERSIST_STAGE_KEYS * ROW;
+#endif
                 // S = Q K^T over the 16 keys (two blocks of 8).
                 float s[2][4];
 #pragma unroll
@@ -1420,7 +1543,7 @@ extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, 1)
                     for (int j = 0; j < 2; ++j) {
                         const int key = j * 8 + (lane & 7);
                         kiln_u32 b[4];
-                        kiln_ldmatrix_x4(b, kiln_smem_address(k_rows + key * ROW + (kd * 2 + (lane >> 3)) * 8));
+                        kiln_ldmatrix_x4(b, kiln_smem_address(k_rows + kiln_persist_offset(key, kd * 2 + (lane >> 3))));
                         kiln_mma_bf16_16816(s[j], q_fragments[kd], b[0], b[1]);
                         kiln_mma_bf16_16816(s[j], q_fragments[kd + 1], b[2], b[3]);
                     }
@@ -1480,14 +1603,19 @@ extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, 1)
 #pragma unroll
                 for (int nd = 0; nd < HEAD_DIM / 16; ++nd) {
                     kiln_u32 b[4];
-                    kiln_ldmatrix_x4_trans(b, kiln_smem_address(v_rows + v_key * ROW + (nd * 2 + (lane >> 4)) * 8));
+                    kiln_ldmatrix_x4_trans(b,
+                                           kiln_smem_address(v_rows + kiln_persist_offset(v_key, nd * 2 + (lane >> 4))));
                     kiln_mma_bf16_16816(o[2 * nd], p, b[0] & v_mask[0], b[1] & v_mask[1]);
                     kiln_mma_bf16_16816(o[2 * nd + 1], p, b[2] & v_mask[0], b[3] & v_mask[1]);
                 }
             }
             // Every lane is done with the stage.
             __syncwarp();
+#if PERSIST_OWN
+            copy_step(slot, next_page);
+#else
             if (lane == 0) kiln_mbar_arrive(empty0 + 8 * slot);
+#endif
         }
 
         // ---- End of the item: row sums over the quad, in a fixed order; each warp's rows
@@ -1619,6 +1747,9 @@ extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, 1)
         // The merge rows, maxima and the ticket's flag are free for the next item.
         kiln_persist_sync();
     }
+#if PERSIST_OWN
+    kiln_cp_async_wait<0>();
+#endif
 }
 #endif  // PERSISTENT
 

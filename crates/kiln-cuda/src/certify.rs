@@ -662,6 +662,9 @@ impl AttentionConfig {
             AttentionKernel::PersistentBulk => {
                 return format!("bulk{}-1x{}x16.s{}", v.stages, v.warps_n, self.splits);
             }
+            AttentionKernel::PersistentOwn => {
+                return format!("own{}-1x{}x16.s{}", v.stages, v.warps_n, self.splits);
+            }
             AttentionKernel::Tiled | AttentionKernel::Streaming => "",
         };
         format!("{kernel}{}x{}x{}.s{}", v.warps_m, v.warps_n, v.warp_keys, self.splits)

@@ -844,7 +844,9 @@ fn persistent_decode_at_its_edges_matches_float64_and_repeats_bit_for_bit() {
                 let want = reference(&case, &inputs);
                 for splits in [PERSISTENT_SPLITS, 1, 2, 7, 33] {
                     let mut first: Option<Vec<u8>> = None;
-                    for variant in AttentionVariant::PERSISTENT {
+                    for variant in
+                        AttentionVariant::PERSISTENT.into_iter().chain(AttentionVariant::PERSISTENT_OWN)
+                    {
                         (case.splits, case.variant) = (Some(splits), variant);
                         let outputs = check_on(&gpu, &case, &inputs, &want, 3);
                         assert!(
@@ -872,7 +874,12 @@ fn persistent_decode_gives_each_sequence_the_same_bits_alone_as_in_a_batch() {
     let (gpu, mut rng) = (gpu(), Rng::fresh());
     let sequences: Vec<(usize, usize)> =
         vec![(1, 5000 + rng.below(3000)), (1, 1 + rng.below(300)), (1, 20_000 + rng.below(2000)), (1, 700)];
-    for variant in [AttentionVariant::DECODE_PERSISTENT, AttentionVariant::DECODE_PERSISTENT_BULK] {
+    for variant in [
+        AttentionVariant::DECODE_PERSISTENT,
+        AttentionVariant::DECODE_PERSISTENT_BULK,
+        AttentionVariant::DECODE_PERSISTENT_OWN,
+        AttentionVariant::DECODE_PERSISTENT_OWN_PAIR,
+    ] {
         for splits in [PERSISTENT_SPLITS, 5] {
             let case = Case {
                 q_heads: 32,
@@ -911,7 +918,7 @@ fn persistent_decode_gives_each_sequence_the_same_bits_alone_as_in_a_batch() {
 /// The persistent variants where they are meant to serve: a batch of 8 ragged long contexts at
 /// GQA 32/8, head dim 128, page 64, and one sequence of about 40k positions (chunks of 768 keys at
 /// 64 chunks, hundreds of stages a block), at 64, 32 and 16 chunks at most; against the float64
-/// reference, three runs bit for bit.
+/// reference, three runs bit for bit, every variant bit for bit with the first.
 #[test]
 fn persistent_decode_over_long_contexts_matches_float64() {
     let (gpu, mut rng) = (gpu(), Rng::fresh());
@@ -930,12 +937,19 @@ fn persistent_decode_over_long_contexts_matches_float64() {
         let inputs = inputs(&mut rng, &case);
         let want = reference(&case, &inputs);
         for splits in [PERSISTENT_SPLITS, 32, 16] {
-            for variant in AttentionVariant::PERSISTENT {
+            let mut first: Option<Vec<u8>> = None;
+            for variant in AttentionVariant::PERSISTENT.into_iter().chain(AttentionVariant::PERSISTENT_OWN) {
                 (case.splits, case.variant) = (Some(splits), variant);
                 let outputs = check_on(&gpu, &case, &inputs, &want, 3);
                 assert!(
                     outputs[0] == outputs[1] && outputs[1] == outputs[2],
                     "{variant:?} differs between runs: {sequences:?} {splits}"
+                );
+                let first = first.get_or_insert_with(|| outputs[0].clone());
+                assert!(
+                    *first == outputs[0],
+                    "{variant:?} differs from {:?}: {sequences:?} {splits}",
+                    AttentionVariant::DECODE_PERSISTENT
                 );
             }
         }
@@ -947,7 +961,7 @@ fn persistent_decode_over_long_contexts_matches_float64() {
 #[test]
 fn persistent_decode_refuses_what_it_does_not_serve() {
     let (gpu, mut rng) = (gpu(), Rng::fresh());
-    for variant in AttentionVariant::PERSISTENT {
+    for variant in AttentionVariant::PERSISTENT.into_iter().chain(AttentionVariant::PERSISTENT_OWN) {
         assert!(variant.is_persistent());
         let prefill = Case {
             q_heads: 8,

@@ -73,6 +73,11 @@ pub enum AttentionKernel {
     /// (Hopper's bulk copy engine, the bytes counted on the stage's mbarrier by expect_tx) on
     /// sm_90; below sm_90 the module compiles the 16-byte copies instead (the same bits).
     PersistentBulk,
+    /// [`AttentionKernel::Persistent`] without the copying warp (`PERSIST_OWN` = 1): each
+    /// computing warp copies its own 16-key steps (the same keys, so the same bits) by 16-byte
+    /// cp.async through its own `stages`-deep pipeline, its copies running `stages` steps ahead
+    /// across item boundaries; no mbarrier, no warp waiting on another but at an item's end.
+    PersistentOwn,
 }
 
 /// The work split of one thread block: `warps_m` warps of 16 rows each, and `warps_n` warps that
@@ -219,9 +224,27 @@ impl AttentionVariant {
     /// (Eight computing warps do not fit: nine warps a block leave 168 registers a thread.)
     pub const DECODE_PERSISTENT_BULK_SHALLOW: AttentionVariant =
         AttentionVariant { stages: 3, ..Self::DECODE_PERSISTENT_BULK };
-    /// The persistent decode variants.
+    /// [`AttentionVariant::DECODE_PERSISTENT`] with every computing warp copying its own steps
+    /// ([`AttentionKernel::PersistentOwn`]), five steps of 16 keys in flight a warp (the same
+    /// 160 KiB of K/V a block at head dim 128; named `own5-1x4x16.sN`).
+    pub const DECODE_PERSISTENT_OWN: AttentionVariant =
+        AttentionVariant { kernel: AttentionKernel::PersistentOwn, ..Self::DECODE_PERSISTENT };
+    /// [`AttentionVariant::DECODE_PERSISTENT_OWN`] three steps deep (96 KiB of K/V in flight a
+    /// block; named `own3-1x4x16.sN`).
+    pub const DECODE_PERSISTENT_OWN_SHALLOW: AttentionVariant =
+        AttentionVariant { stages: 3, ..Self::DECODE_PERSISTENT_OWN };
+    /// [`AttentionVariant::DECODE_PERSISTENT_OWN`] two steps deep and two blocks a
+    /// multiprocessor (eight warps, each with its own pipeline; 128 KiB of K/V a multiprocessor;
+    /// named `own2-1x4x16.sN`). The grid does not change the bits.
+    pub const DECODE_PERSISTENT_OWN_PAIR: AttentionVariant =
+        AttentionVariant { stages: 2, ..Self::DECODE_PERSISTENT_OWN };
+    /// The persistent decode variants with a copying warp (the certifier's candidates).
     pub const PERSISTENT: [AttentionVariant; 3] =
         [Self::DECODE_PERSISTENT, Self::DECODE_PERSISTENT_BULK, Self::DECODE_PERSISTENT_BULK_SHALLOW];
+    /// The persistent decode variants whose computing warps copy their own steps (not yet
+    /// certifier candidates). Every persistent variant gives the same bits.
+    pub const PERSISTENT_OWN: [AttentionVariant; 3] =
+        [Self::DECODE_PERSISTENT_OWN, Self::DECODE_PERSISTENT_OWN_SHALLOW, Self::DECODE_PERSISTENT_OWN_PAIR];
 
     /// Every named variant (distinct names); the tests run each, and
     /// [`AttentionVariant::DECODE_TILED`] beside them.
@@ -237,9 +260,22 @@ impl AttentionVariant {
         32 * (self.warps_m * self.warps_n + copying_warps)
     }
 
+    /// Blocks a multiprocessor of a persistent variant's grid (the kernel's `PERSIST_MIN_BLOCKS`):
+    /// two for own copies two steps deep, else one.
+    pub fn persistent_blocks_per_multiprocessor(&self) -> u32 {
+        if self.kernel == AttentionKernel::PersistentOwn && self.stages == 2 {
+            2
+        } else {
+            1
+        }
+    }
+
     /// Whether the variant runs the persistent decode kernel.
     pub fn is_persistent(&self) -> bool {
-        matches!(self.kernel, AttentionKernel::Persistent | AttentionKernel::PersistentBulk)
+        matches!(
+            self.kernel,
+            AttentionKernel::Persistent | AttentionKernel::PersistentBulk | AttentionKernel::PersistentOwn
+        )
     }
 
     /// Whether the variant runs a kernel of `kernels/attention_prefill.cu` (wgmma, sm_90).
@@ -280,6 +316,12 @@ impl AttentionVariant {
             // merge rows (16 f32 rows a computing warp, padded by 16 bytes).
             AttentionKernel::Persistent | AttentionKernel::PersistentBulk => {
                 let stage = 2 * 16 * self.warps_n as usize * (head_dim + 8) * 2;
+                self.stages() as usize * stage + self.warps_n as usize * 16 * (head_dim + 4) * 4
+            }
+            // Each computing warp's steps of 16 K then 16 V rows (unpadded, swizzled), then the
+            // merge rows.
+            AttentionKernel::PersistentOwn => {
+                let stage = 2 * 16 * self.warps_n as usize * head_dim * 2;
                 self.stages() as usize * stage + self.warps_n as usize * 16 * (head_dim + 4) * 4
             }
             // 1 KiB to align the swizzled arrays to their 1024-byte pattern, then Q rows and the
@@ -324,8 +366,12 @@ impl AttentionVariant {
                 .contains(self)
                     && head_dim.is_multiple_of(64)
             }
-            AttentionKernel::Persistent | AttentionKernel::PersistentBulk => {
-                AttentionVariant::PERSISTENT.contains(self) && HEAD_DIMS.contains(&head_dim)
+            AttentionKernel::Persistent
+            | AttentionKernel::PersistentBulk
+            | AttentionKernel::PersistentOwn => {
+                (AttentionVariant::PERSISTENT.contains(self)
+                    || AttentionVariant::PERSISTENT_OWN.contains(self))
+                    && HEAD_DIMS.contains(&head_dim)
             }
             AttentionKernel::Warpgroup => *self == AttentionVariant::PREFILL_WGMMA && head_dim == 128,
             AttentionKernel::WarpgroupPingpong => {
@@ -644,6 +690,9 @@ fn defines(head_dim: usize, variant: AttentionVariant) -> Vec<(&'static str, Str
         if variant.kernel == AttentionKernel::PersistentBulk {
             defines.push(("PERSIST_BULK", "1".to_owned()));
         }
+        if variant.kernel == AttentionKernel::PersistentOwn {
+            defines.push(("PERSIST_OWN", "1".to_owned()));
+        }
         return defines;
     }
     if variant.kernel == AttentionKernel::Tiled && variant.stages != STAGES {
@@ -787,7 +836,9 @@ pub fn attention(
         AttentionKernel::Streaming => "kiln_attention_decode",
         AttentionKernel::Warpgroup => "kiln_attention_prefill",
         AttentionKernel::WarpgroupPingpong => "kiln_attention_prefill_pingpong",
-        AttentionKernel::Persistent | AttentionKernel::PersistentBulk => "kiln_attention_decode_persistent",
+        AttentionKernel::Persistent | AttentionKernel::PersistentBulk | AttentionKernel::PersistentOwn => {
+            "kiln_attention_decode_persistent"
+        }
     };
     let kernel = function(gpu, shape.head_dim, variant, entry)?;
     let shared = variant.shared_bytes(shape.head_dim);
@@ -902,7 +953,7 @@ fn decode_persistent(
             reason: format!("{groups} (sequence, kv head, row tile) groups, over {TICKETS}"),
         });
     }
-    let blocks = gpu.facts().multiprocessors.max(1);
+    let blocks = gpu.facts().multiprocessors.max(1) * variant.persistent_blocks_per_multiprocessor();
     let config = LaunchConfig {
         grid_dim: (blocks, 1, 1),
         block_dim: (variant.threads(), 1, 1),
@@ -1161,7 +1212,12 @@ mod tests {
             AttentionVariant::DECODE_STREAM_WIDE,
             AttentionVariant::DECODE_STREAM_DEEP,
         ];
-        for variant in AttentionVariant::ALL.into_iter().chain(others).chain(AttentionVariant::PERSISTENT) {
+        for variant in AttentionVariant::ALL
+            .into_iter()
+            .chain(others)
+            .chain(AttentionVariant::PERSISTENT)
+            .chain(AttentionVariant::PERSISTENT_OWN)
+        {
             for head_dim in HEAD_DIMS {
                 let defines = defines(head_dim, variant);
                 let declared = ATTENTION.define_sets.iter().any(|set| {
@@ -1279,13 +1335,14 @@ mod tests {
 
     #[test]
     fn the_persistent_variants_fit_one_block_a_multiprocessor() {
-        for variant in AttentionVariant::PERSISTENT {
+        for variant in AttentionVariant::PERSISTENT.into_iter().chain(AttentionVariant::PERSISTENT_OWN) {
             assert!(variant.is_persistent() && !variant.is_wgmma() && !variant.hybrid);
             for head_dim in HEAD_DIMS {
                 variant.validate(head_dim).unwrap();
             }
-            // Four computing warps and the copying one.
-            assert_eq!(variant.threads(), 160);
+            // Four computing warps and the copying one (none where each warp copies its own steps).
+            let copying = u32::from(variant.kernel != AttentionKernel::PersistentOwn);
+            assert_eq!(variant.threads(), 32 * (4 + copying));
             let defines = defines(128, variant);
             assert!(defines.contains(&("PERSISTENT", "1".to_owned())), "{defines:?}");
             assert!(defines.contains(&("STAGES", variant.stages().to_string())), "{defines:?}");
@@ -1293,7 +1350,26 @@ mod tests {
                 defines.contains(&("PERSIST_BULK", "1".to_owned())),
                 variant.kernel == AttentionKernel::PersistentBulk
             );
+            assert_eq!(
+                defines.contains(&("PERSIST_OWN", "1".to_owned())),
+                variant.kernel == AttentionKernel::PersistentOwn
+            );
         }
+        // Own copies: 4 warps x 5 steps of 16 K and 16 V rows of 256 bytes, then the merge rows.
+        assert_eq!(
+            AttentionVariant::DECODE_PERSISTENT_OWN.shared_bytes(128),
+            5 * 4 * 32 * 256 + 64 * 132 * 4
+        );
+        assert!(AttentionVariant::DECODE_PERSISTENT_OWN.shared_bytes(128) + 1024 <= 227 * 1024);
+        assert_eq!(
+            AttentionVariant::DECODE_PERSISTENT_OWN_SHALLOW.shared_bytes(64),
+            3 * 4 * 32 * 128 + 64 * 68 * 4
+        );
+        // Two blocks of the pair variant fit a multiprocessor's 228 KiB (1 KiB reserved a block).
+        let pair = AttentionVariant::DECODE_PERSISTENT_OWN_PAIR;
+        assert_eq!(pair.persistent_blocks_per_multiprocessor(), 2);
+        assert_eq!(AttentionVariant::DECODE_PERSISTENT_OWN.persistent_blocks_per_multiprocessor(), 1);
+        assert!(2 * (pair.shared_bytes(128) + 1024 + 1024) <= 228 * 1024);
         // Five stages of 64 K and 64 V rows of 272 bytes, then 4 x 16 merge rows of 132 f32:
         // within sm_90's 227 KiB opt-in beside the barriers, maxima and sums (under 1 KiB).
         assert_eq!(AttentionVariant::DECODE_PERSISTENT.shared_bytes(128), 5 * 128 * 272 + 64 * 132 * 4);
