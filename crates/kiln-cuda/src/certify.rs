@@ -7,7 +7,7 @@
 //!   attention key names the batch class and the context class of the batch's longest sequence
 //!   ([`DecodeClass`]: `attention/decode.q32.kv8.d128.p64.b1/bf16/sm_90` up to
 //!   [`DECODE_SHORT_MAX`] positions, timed at [`DECODE_CONTEXT`]; `….b1.long/…` past them, timed
-//!   at [`DECODE_LONG_CONTEXT`]);
+//!   at [`DECODE_LONG_CONTEXT`], or [`DECODE_LONG_CONTEXT_LARGE_BATCH`] past 8 sequences);
 //! - the **candidates** ([`norm_candidates`], [`lm_head_candidates`], [`attention_candidates`]): the
 //!   family's variant list, the declared default first, pruned by the device's facts (threads,
 //!   shared memory, registers) before anything is compiled;
@@ -79,9 +79,13 @@ pub const DECODE_CONTEXT: usize = 4096;
 /// The longest context of decode attention's short class; longer ones are its long class
 /// ([`DecodeClass`]). The engine takes its boundary from `GpuOptions`, this one by default.
 pub const DECODE_SHORT_MAX: usize = 16_384;
-/// Context of the long decode class's timed instance ([`DecodeClass::Long`]): the geometric middle
-/// of 16k to 256k positions. At batch 64 its rotated set is one set of 17.2 GB (K and V).
+/// Context of the long decode class's timed instance ([`DecodeClass::Long`]) at batches up to 8:
+/// the geometric middle of 16k to 256k positions (Llama-3-8B's K and V: 0.27 GB at batch 1, 2.1 GB
+/// at batch 8).
 pub const DECODE_LONG_CONTEXT: usize = 65_536;
+/// Context of the long decode class's timed instance past 8 sequences: at batch 64, 8.6 GB of K and
+/// V (65536 positions would take 17.2 GB); at batch 64 the same variants lead from 16k to 128k.
+pub const DECODE_LONG_CONTEXT_LARGE_BATCH: usize = 32_768;
 
 /// Largest number of input sets a timing rotates over.
 const MAX_SETS: usize = 4096;
@@ -296,11 +300,13 @@ impl DecodeClass {
         }
     }
 
-    /// The context of the class's timed instance: [`DECODE_CONTEXT`], [`DECODE_LONG_CONTEXT`].
-    /// A task at this context has this class's key (both sides of [`DECODE_SHORT_MAX`]).
-    pub fn timed_context(self) -> usize {
+    /// The context of the class's timed instance at `batch` sequences: [`DECODE_CONTEXT`];
+    /// [`DECODE_LONG_CONTEXT`], or [`DECODE_LONG_CONTEXT_LARGE_BATCH`] past 8 sequences. A task at
+    /// this context has this class's key (both sides of [`DECODE_SHORT_MAX`]).
+    pub fn timed_context(self, batch: usize) -> usize {
         match self {
             DecodeClass::Short => DECODE_CONTEXT,
+            DecodeClass::Long if batch > 8 => DECODE_LONG_CONTEXT_LARGE_BATCH,
             DecodeClass::Long => DECODE_LONG_CONTEXT,
         }
     }
@@ -433,7 +439,7 @@ pub fn tasks(model: &ModelShapes, families: &[Family], arch: Arch) -> Result<Vec
             for class in DecodeClass::ALL {
                 all.push(Task::Attention(AttentionTask {
                     shape,
-                    phase: AttentionPhase::Decode { batch, context: class.timed_context() },
+                    phase: AttentionPhase::Decode { batch, context: class.timed_context(batch) },
                 }));
             }
         }
@@ -580,7 +586,7 @@ impl AttentionTask {
     /// The decode call of `batch` sequences in `class`, as the engine and the bench look it up
     /// (at the class's timed context, so its key is the class's whatever the boundary in use).
     pub fn decode(shape: AttentionShape, batch: usize, class: DecodeClass) -> AttentionTask {
-        AttentionTask { shape, phase: AttentionPhase::Decode { batch, context: class.timed_context() } }
+        AttentionTask { shape, phase: AttentionPhase::Decode { batch, context: class.timed_context(batch) } }
     }
 
     /// The declared default: the variant for the phase, and the splits of

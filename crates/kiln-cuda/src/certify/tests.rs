@@ -62,6 +62,24 @@ fn llama3_8b_asks_for_these_keys() {
     ];
     assert_eq!(keys, expected);
     assert_eq!(self::keys(&ModelShapes::llama3_8b(), &[Family::LmHead]), expected[8..10]);
+    // The timed decode instances: 4096 positions (short), 65536 (long), 32768 for the long class
+    // past 8 sequences (8.6 GB of K and V at batch 64).
+    let timed: Vec<String> = tasks(&ModelShapes::llama3_8b(), &[Family::Attention], SM90)
+        .unwrap()
+        .iter()
+        .map(Task::describe)
+        .collect();
+    assert_eq!(
+        timed[1..],
+        [
+            "decode of 1 sequences at 4096 positions",
+            "decode of 1 sequences at 65536 positions",
+            "decode of 8 sequences at 4096 positions",
+            "decode of 8 sequences at 65536 positions",
+            "decode of 64 sequences at 4096 positions",
+            "decode of 64 sequences at 32768 positions",
+        ]
+    );
 }
 
 #[test]
@@ -107,7 +125,9 @@ fn row_and_batch_classes_have_their_boundaries() {
     // Each class's timed context has the class's key, and the engine's lookup (at the timed
     // context) names the same key as a call at any context of the class.
     for class in DecodeClass::ALL {
-        assert_eq!(DecodeClass::of(class.timed_context(), DECODE_SHORT_MAX), class);
+        for batch in [1, 8, 9, 64] {
+            assert_eq!(DecodeClass::of(class.timed_context(batch), DECODE_SHORT_MAX), class);
+        }
         let context = if class == DecodeClass::Short { 700 } else { 200_000 };
         assert_eq!(
             AttentionTask::decode(task(1).shape, 8, class).key(SM90).unwrap(),
