@@ -42,11 +42,20 @@
 // rows is ~250 us of the H200's issue slots; the ring frees the registers of the next step's
 // weights and keeps addressing off the products' path.
 //
+// COOP = 1 (on the ring) copies each step cooperatively: LPR = 32 / VROWS lanes copy one row of
+// the step, lane l chunks l % LPR + j * LPR (j < VROWS) of row l / LPR, so each lane keeps a
+// single source address, moved VROWS rows on per step, and every copy of a step is that address
+// plus a constant; the step loop is unrolled by STAGES (tile / VROWS a multiple of STAGES, which
+// the launcher checks), so ring slots are constants too, and each lane reads its 16 bytes of step
+// row i (vocabulary row i ^ xi) at one of VROWS fixed offsets. A lane reads what other lanes
+// copied: __syncwarp() after cp.async.wait_group orders their copies before its reads, and its
+// reads of a slot before the next copies into it. The products and sums are those of the ring.
+//
 // Compile-time constants: ROWS (1..8), W_T (0 bf16, 1 fp16, 2 Q8_0, 3 Q4_0, 4 Q4_1), WARPS,
 // VROWS (a power of two <= 16; reduced VSUB = min(VROWS, 32 / next_pow2(ROWS)) rows at a time),
 // XSLOT, PIPE, STAGES (0, 2, 4, 8), MIN_BLOCKS (blocks a multiprocessor the registers must
 // allow: 1, 2 or 4; two 8-warp blocks keep 16 warps resident while one of them adds up a tile),
-// ROW_SCALE, SOFT_CAP, STATS (0 / 1).
+// COOP (0 / 1), ROW_SCALE, SOFT_CAP, STATS (0 / 1).
 // Compiled with --fmad=false; the fused operations (the chains, Q4_1's d * q + m) are explicit
 // __fmaf_rn.
 
@@ -74,6 +83,9 @@
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 1
 #endif
+#ifndef COOP
+#define COOP 0
+#endif
 #ifndef ROW_SCALE
 #define ROW_SCALE 0
 #endif
@@ -97,6 +109,11 @@ static_assert(STAGES == 0 || (STAGES >= 2 && (STAGES & (STAGES - 1)) == 0), "STA
 // the load, straight into registers.
 #define RING (STAGES > 0 && W_T <= 1)
 static_assert(STAGES == 0 || PIPE == 0, "STAGES replaces PIPE");
+static_assert(COOP == 0 || (STAGES > 0 && XSLOT == 1), "COOP runs on the ring with permuted slots");
+// The ring with cooperative copies (COOP, 2-byte weights): see the header.
+#define RING_COOP (RING && COOP)
+// Lanes that copy one row of a step (each copies VROWS of the row's 32 chunks of 16 bytes).
+#define LPR (32 / VROWS)
 
 // 16 bytes streamed past L1 (W is read once).
 __device__ __forceinline__ uint4 lm_load_stream16(const void* p) {
@@ -480,6 +497,63 @@ __device__ __forceinline__ void lm_produce(const kiln_u8* __restrict__ weights, 
 }
 #endif
 
+#if RING_COOP
+// The cooperative producer: the next step to copy (tile t, unit u, group g), this lane's source
+// (its first chunk of row l / LPR of the step) and whether the step lies wholly inside the
+// vocabulary and a full unit (`fast`: no checks).
+struct LmCoopProducer {
+    kiln_u32 t;
+    int u, g;
+    kiln_u64 src;
+    bool fast;
+};
+
+__device__ __forceinline__ void lm_coop_locate(const kiln_u8* weights, kiln_u32 row_bytes, kiln_u32 vocab, int hidden,
+                                               int tile, long long tiles, int lane, LmCoopProducer& p) {
+    const kiln_u32 row = p.t * (kiln_u32)tile + (kiln_u32)(p.g * VROWS) + (kiln_u32)(lane / LPR);
+    p.src = (kiln_u64)weights + (kiln_u64)row * row_bytes + (kiln_u64)(2 * (p.u * 256) + 16 * (lane % LPR));
+    p.fast = p.t < tiles && (kiln_u64)p.t * (kiln_u32)tile + (kiln_u32)tile <= vocab &&
+             p.u * 256 + 256 <= hidden;
+}
+
+// Copies the producer's step into ring slot `slot` (`dst`: this lane's first chunk in slot 0),
+// commits the group and moves on by one step. Past the vocabulary or `hidden` it copies zeros,
+// past the last tile nothing (a group is committed either way).
+__device__ __forceinline__ void lm_coop_produce(const kiln_u8* __restrict__ weights, kiln_u32 row_bytes,
+                                                kiln_u32 vocab, int hidden, int tile, long long tiles, int units,
+                                                int groups, int warp, int lane, kiln_u32 dst, int slot,
+                                                kiln_u32 step_bytes, LmCoopProducer& p) {
+    const kiln_u32 d = dst + slot * (VROWS * 512);
+    if (p.fast) {
+#pragma unroll
+        for (int j = 0; j < VROWS; ++j) lm_cp_async_16_full(d + j * (LPR * 16), p.src + j * (LPR * 16));
+    } else if (p.t < tiles) {
+        const kiln_u32 row = p.t * (kiln_u32)tile + (kiln_u32)(p.g * VROWS) + (kiln_u32)(lane / LPR);
+        const int e0 = p.u * 256 + 8 * (lane % LPR);
+        const bool in_vocab = row < vocab;
+        const kiln_u64 base = (kiln_u64)weights + (kiln_u64)row * row_bytes + (kiln_u64)(2 * e0);
+#pragma unroll
+        for (int j = 0; j < VROWS; ++j) {
+            const bool valid = in_vocab && e0 + j * (LPR * 8) < hidden;
+            const kiln_u64 source = valid ? base + (kiln_u64)(j * (LPR * 16)) : (kiln_u64)weights;
+            kiln_cp_async_16(d + j * (LPR * 16), reinterpret_cast<const void*>(source), valid);
+        }
+    }
+    kiln_cp_async_commit();
+    if (++p.g == groups) {
+        p.g = 0;
+        p.u += WARPS;
+        if (p.u >= units) {
+            p.u = warp;
+            p.t += gridDim.x;
+        }
+        lm_coop_locate(weights, row_bytes, vocab, hidden, tile, tiles, lane, p);
+    } else {
+        p.src += step_bytes;
+    }
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
 kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, const float* __restrict__ row_scale,
              float* __restrict__ logits, kiln_u64* __restrict__ stats, long long vocab, int hidden,
@@ -504,7 +578,55 @@ kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, c
     const int xs = XSLOT ? lane / GROUP : 0;
     const int xi = xs / ROWS_P2, xr = xs % ROWS_P2;
 
-#if STAGES
+#if RING_COOP
+    // As the ring below, with cooperative copies (COOP, see the header).
+    const int groups = tile / VROWS;
+    const int ring_offset = (units * ROWS * stride + 3) & ~3;
+    const uint4* ring_warp = reinterpret_cast<const uint4*>(partial + ring_offset) + warp * (STAGES * VROWS * 32);
+    const kiln_u32 copy_dst = kiln_smem_address(ring_warp + (lane / LPR) * 32 + lane % LPR);
+    // Where this lane reads step row i (vocabulary row i ^ xi) in slot 0, in 16-byte units.
+    int read_at[VROWS];
+#pragma unroll
+    for (int i = 0; i < VROWS; ++i) read_at[i] = (i ^ xi) * 32 + lane;
+    const kiln_u32 ring_row_bytes = (kiln_u32)row_bytes, ring_vocab = (kiln_u32)vocab;
+    const kiln_u32 step_bytes = VROWS * ring_row_bytes;
+    LmCoopProducer producer;
+    producer.t = warp < units ? blockIdx.x : (kiln_u32)tiles;  // a warp with no unit copies nothing
+    producer.u = warp;
+    producer.g = 0;
+    lm_coop_locate(weights, ring_row_bytes, ring_vocab, hidden, tile, tiles, lane, producer);
+#pragma unroll
+    for (int k = 0; k < STAGES - 1; ++k) {
+        lm_coop_produce(weights, ring_row_bytes, ring_vocab, hidden, tile, tiles, units, groups, warp, lane, copy_dst,
+                        k, step_bytes, producer);
+    }
+    float hv[ROWS_P2][8];
+    int hu = -1;
+    for (long long t = blockIdx.x; t < tiles; t += gridDim.x) {
+        for (int u = warp; u < units; u += WARPS) {
+            if (u != hu) {
+                lm_load_h(h, hidden, u, lane, xr, hv);
+                hu = u;
+            }
+            float* out = partial + (long long)u * ROWS * stride;
+            // Every (tile, unit) starts at slot 0: its `groups` steps are a multiple of STAGES.
+            for (int g = 0; g < groups; g += STAGES) {
+#pragma unroll
+                for (int s = 0; s < STAGES; ++s) {
+                    kiln_cp_async_wait<STAGES - 2>();
+                    __syncwarp();
+                    lm_coop_produce(weights, ring_row_bytes, ring_vocab, hidden, tile, tiles, units, groups, warp,
+                                    lane, copy_dst, (s + STAGES - 1) % STAGES, step_bytes, producer);
+                    LmW cur[VROWS];
+#pragma unroll
+                    for (int i = 0; i < VROWS; ++i) cur[i].q = ring_warp[s * (VROWS * 32) + read_at[i]];
+                    lm_step(cur, hv, lane, out + (g + s) * VROWS, stride);
+                }
+            }
+        }
+        lm_finish_tile(partial, row_scale, logits, stats, tile_max, vocab, units, tile, tiles, t, logit_scale, cap);
+    }
+#elif STAGES
     // Steps run over (tile, unit, group of VROWS tokens), tile-major then unit-major; the ring's
     // producer runs STAGES - 1 steps ahead of the products, across tile ends.
     const int groups = tile / VROWS;
