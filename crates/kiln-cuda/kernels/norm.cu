@@ -91,14 +91,28 @@
 #define BLOCK_LANE 0
 #endif
 
+// Register unit u's columns past the lane's first (a compile-time constant).
+__device__ __forceinline__ constexpr int kiln_norm_off(int u) {
+    return BLOCK_LANE ? (u >> 1) * WARPS_PER_ROW * 512 + (u & 1) * 8 : u * WARPS_PER_ROW * 256;
+}
+
 // The first of the 8 elements of register unit u that this lane holds, within the segment.
 __device__ __forceinline__ int kiln_norm_col(int warp_in_row, int u, int lane) {
 #if BLOCK_LANE
-    return (warp_in_row + (u >> 1) * WARPS_PER_ROW) * 512 + lane * 16 + (u & 1) * 8;
+    return warp_in_row * 512 + lane * 16 + kiln_norm_off(u);
 #else
     return (warp_in_row + u * WARPS_PER_ROW) * 256 + lane * 8;
 #endif
 }
+
+// base + kiln_norm_col(warp_in_row, u, lane) (warp_in_row and lane from the caller's scope); with
+// BLOCK_LANE written as (base + the lane's first column) + u's constant, so that the row's
+// address is computed once and each unit's is an immediate offset from it.
+#if BLOCK_LANE
+#define KILN_NORM_AT(base, u) ((base) + (long long)kiln_norm_col(warp_in_row, 0, lane) + (long long)kiln_norm_off(u))
+#else
+#define KILN_NORM_AT(base, u) ((base) + kiln_norm_col(warp_in_row, u, lane))
+#endif
 
 #ifndef I8_PLANES
 #define I8_PLANES 0
@@ -461,9 +475,9 @@ __device__ __forceinline__ void kiln_norm_load(KilnNormLoads& in, const void* x,
     for (int u = 0; u < UNITS_PER_WARP; ++u) {
         const int col = kiln_norm_col(warp_in_row, u, lane);
         if (active && col < n) {
-            in.x[u] = kiln_raw8_load<X_T, true>(x, base + col);
-            if (HAS_RESIDUAL) in.residual[HAS_RESIDUAL ? u : 0] = kiln_raw8_load<X_T, false>(residual, base + col);
-            if (GATE == 1) in.gate[GATE == 1 ? u : 0] = kiln_raw8_load<X_T, true>(gate, base + col);
+            in.x[u] = kiln_raw8_load<X_T, true>(x, KILN_NORM_AT(base, u));
+            if (HAS_RESIDUAL) in.residual[HAS_RESIDUAL ? u : 0] = kiln_raw8_load<X_T, false>(residual, KILN_NORM_AT(base, u));
+            if (GATE == 1) in.gate[GATE == 1 ? u : 0] = kiln_raw8_load<X_T, true>(gate, KILN_NORM_AT(base, u));
         } else {
             kiln_raw8_zero<X_T>(in.x[u]);
         }
@@ -533,8 +547,8 @@ __device__ __forceinline__ void kiln_norm_load_weight(KilnRaw8<W_T> (&wr)[EARLY_
     for (int u = 0; u < UNITS_PER_WARP; ++u) {
         const int col = kiln_norm_col(warp_in_row, u, lane);
         if (col < n) {
-            if (EARLY_WEIGHT && WEIGHT != 2) wr[EARLY_WEIGHT && WEIGHT != 2 ? u : 0] = kiln_raw8_load<W_T, false>(weight, wbase + col);
-            if (EARLY_WEIGHT && HAS_BIAS) br[EARLY_WEIGHT && HAS_BIAS ? u : 0] = kiln_raw8_load<W_T, false>(bias, wbase + col);
+            if (EARLY_WEIGHT && WEIGHT != 2) wr[EARLY_WEIGHT && WEIGHT != 2 ? u : 0] = kiln_raw8_load<W_T, false>(weight, KILN_NORM_AT(wbase, u));
+            if (EARLY_WEIGHT && HAS_BIAS) br[EARLY_WEIGHT && HAS_BIAS ? u : 0] = kiln_raw8_load<W_T, false>(bias, KILN_NORM_AT(wbase, u));
         }
     }
 }
@@ -626,11 +640,12 @@ __device__ __forceinline__ void kiln_norm_i8_planes(const float (&p)[8], void* p
 
 #if BLOCK_LANE && KILN_NORM_BLOCKED
 // The INT8 or NVFP4 codes and scale of one block of 16 values y (BLOCK_LANE: one lane's), starting
-// at element `first` of the output: the fast paths and checks of the two-lane blocks
+// at element `first` of the output (byte `first_half` of E2M1 codes, scale `block`): the fast paths and checks of the two-lane blocks
 // (kiln_norm_segment), with the block maximum, the scale and its store once for 16 values, and
 // the codes in one store (16 bytes of INT8, 8 of E2M1).
 __device__ __forceinline__ void kiln_norm_block16(const float (&y)[16], void* __restrict__ out,
-                                                  void* __restrict__ scales, float qscale, long long first) {
+                                                  void* __restrict__ scales, float qscale, long long first,
+                                                  long long first_half, long long block) {
     // NaN when any value is (the reference's maximum skips NaN: the slow path takes it again).
     float m8[8];
 #pragma unroll
@@ -638,7 +653,6 @@ __device__ __forceinline__ void kiln_norm_block16(const float (&y)[16], void* __
 #pragma unroll
     for (int k = 0; k < 4; ++k) m8[k] = kiln_max_nan(m8[k], m8[k + 4]);
     const float amax = kiln_max_nan(kiln_max_nan(m8[0], m8[2]), kiln_max_nan(m8[1], m8[3]));
-    const long long block = first >> 4;
     // The maximum without NaN values, as the reference takes it (slow paths only).
     auto reference_amax = [&]() {
         float m = 0.0f;
@@ -707,7 +721,7 @@ __device__ __forceinline__ void kiln_norm_block16(const float (&y)[16], void* __
             }
             packed = make_uint2(word[0], word[1]);
         }
-        *reinterpret_cast<uint2*>(static_cast<unsigned char*>(out) + (first >> 1)) = packed;
+        *reinterpret_cast<uint2*>(static_cast<unsigned char*>(out) + first_half) = packed;
         static_cast<unsigned char*>(scales)[block] = (unsigned char)s;
     }
 }
@@ -749,7 +763,7 @@ __device__ __forceinline__ void kiln_norm_segment(
             for (int k = 0; k < 8; ++k) a[k] = a[k] + r[k];
             KilnRaw8<X_T> packed;
             kiln_raw8_pack<X_T>(a, packed);
-            kiln_raw8_store<X_T>(residual, base + col, packed);
+            kiln_raw8_store<X_T>(residual, KILN_NORM_AT(base, u), packed);
             if (KILN_NORM_RAW) KILN_NORM_X(u) = packed;
             else kiln_raw8_unpack<X_T>(packed, KILN_NORM_XV(u));
         }
@@ -815,17 +829,19 @@ __device__ __forceinline__ void kiln_norm_segment(
         // the two lanes of a block agree on `valid`).
         if (!KILN_NORM_BLOCKED && (BLOCK_LANE ? !(active && col < n) : (!active || unit >= units))) continue;
         const bool valid = KILN_NORM_BLOCKED ? active && col < n : col < n;
+        // One block a lane: no shuffle below, so a lane past the segment leaves at once.
+        if (BLOCK_LANE && KILN_NORM_BLOCKED && !valid) continue;
         if constexpr (KILN_NORM_PACKED_BF16) {
             if (valid) {
                 const KilnRaw8<W_T> wraw = EARLY_WEIGHT ? wr[EARLY_WEIGHT && WEIGHT != 2 ? u : 0]
-                                                        : kiln_raw8_load<W_T, false>(weight, wbase + col);
+                                                        : kiln_raw8_load<W_T, false>(weight, KILN_NORM_AT(wbase, u));
                 KILN_NORM_VALUES(u, a);
                 KilnRaw8<W_T> y;
                 y.q[0].x = kiln_bf16x2_mul(kiln_pack_bf16x2(a[0] * r, a[1] * r), wraw.q[0].x);
                 y.q[0].y = kiln_bf16x2_mul(kiln_pack_bf16x2(a[2] * r, a[3] * r), wraw.q[0].y);
                 y.q[0].z = kiln_bf16x2_mul(kiln_pack_bf16x2(a[4] * r, a[5] * r), wraw.q[0].z);
                 y.q[0].w = kiln_bf16x2_mul(kiln_pack_bf16x2(a[6] * r, a[7] * r), wraw.q[0].w);
-                kiln_raw8_store<W_T>(out, base + col, y);
+                kiln_raw8_store<W_T>(out, KILN_NORM_AT(base, u), y);
             }
         } else {
         float p[8];
@@ -838,7 +854,7 @@ __device__ __forceinline__ void kiln_norm_segment(
                     for (int k = 0; k < 8; ++k) w[k] = wf[KILN_NORM_WF && WEIGHT != 2 ? u : 0][k];
                 } else {
                     if (EARLY_WEIGHT) kiln_raw8_unpack<W_T>(wr[EARLY_WEIGHT && WEIGHT != 2 ? u : 0], w);
-                    else kiln_raw8_unpack<W_T>(kiln_raw8_load<W_T, false>(weight, wbase + col), w);
+                    else kiln_raw8_unpack<W_T>(kiln_raw8_load<W_T, false>(weight, KILN_NORM_AT(wbase, u)), w);
                     if (WEIGHT == 1) {
 #pragma unroll
                         for (int k = 0; k < 8; ++k) w[k] = 1.0f + w[k];
@@ -852,10 +868,10 @@ __device__ __forceinline__ void kiln_norm_segment(
                 } else if (EARLY_WEIGHT) {
                     kiln_raw8_unpack<W_T>(br[EARLY_WEIGHT && HAS_BIAS ? u : 0], b);
                 } else {
-                    kiln_raw8_unpack<W_T>(kiln_raw8_load<W_T, false>(bias, wbase + col), b);
+                    kiln_raw8_unpack<W_T>(kiln_raw8_load<W_T, false>(bias, KILN_NORM_AT(wbase, u)), b);
                 }
             }
-            if (GATE == 2) kiln_raw8_unpack<X_T>(kiln_raw8_load<X_T, true>(gate, base + col), z);
+            if (GATE == 2) kiln_raw8_unpack<X_T>(kiln_raw8_load<X_T, true>(gate, KILN_NORM_AT(base, u)), z);
             KILN_NORM_VALUES(u, a);
 #pragma unroll
             for (int k = 0; k < 8; ++k) p[k] = (KIND == 1 ? a[k] - mean : a[k]) * r;
@@ -879,7 +895,7 @@ __device__ __forceinline__ void kiln_norm_segment(
             if (valid) {
                 KilnRaw8<(OUT_T <= KILN_BF16 ? OUT_T : KILN_F32)> packed;
                 kiln_raw8_pack<(OUT_T <= KILN_BF16 ? OUT_T : KILN_F32)>(p, packed);
-                kiln_raw8_store<(OUT_T <= KILN_BF16 ? OUT_T : KILN_F32)>(out, base + col, packed);
+                kiln_raw8_store<(OUT_T <= KILN_BF16 ? OUT_T : KILN_F32)>(out, KILN_NORM_AT(base, u), packed);
             }
 #if I8_PLANES
             kiln_norm_i8_planes(p, scales, base / n, i8_tokens, col, n, valid);
@@ -889,7 +905,7 @@ __device__ __forceinline__ void kiln_norm_segment(
                 unsigned int e[4];
 #pragma unroll
                 for (int k = 0; k < 4; ++k) e[k] = kiln_e4m3x2(p[2 * k] / qscale, p[2 * k + 1] / qscale);
-                *reinterpret_cast<uint2*>(static_cast<unsigned char*>(out) + base + col) =
+                *reinterpret_cast<uint2*>(static_cast<unsigned char*>(out) + KILN_NORM_AT(base, u)) =
                     make_uint2(e[0] | (e[1] << 16), e[2] | (e[3] << 16));
             }
         } else if (BLOCK_LANE) {
@@ -897,8 +913,9 @@ __device__ __forceinline__ void kiln_norm_segment(
             // INT8 / NVFP4, one block a lane: its first half waits for the second.
 #pragma unroll
             for (int k = 0; k < 8; ++k) p16[(u & 1) * 8 + k] = p[k];
-            if ((u & 1) == 0 || !valid) continue;
-            kiln_norm_block16(p16, out, scales, qscale, base + col - 8);
+            if ((u & 1) == 0) continue;
+            kiln_norm_block16(p16, out, scales, qscale, KILN_NORM_AT(base, u - 1),
+                              KILN_NORM_AT(base, u - 1) >> 1, KILN_NORM_AT(base, u - 1) >> 4);
 #endif
         } else {
             // INT8 / NVFP4: lanes 2i and 2i + 1 hold one block of 16 values.
@@ -909,7 +926,7 @@ __device__ __forceinline__ void kiln_norm_segment(
             for (int k = 0; k < 8; ++k) amax = kiln_max_nan(amax, fabsf(p[k]));
             amax = kiln_max_nan(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
             if (!valid) continue;
-            const long long block = (base + col) >> 4;
+            const long long block = KILN_NORM_AT(base, u) >> 4;
             // Fast paths from an approximate 1 / divisor, with a check that the code is the
             // reference's (INT8: the quotient bracketed; NVFP4: t = p * inverse is within 4.2e-7
             // |t| of the reference's p / divisor, and E2M1's map of t bracketed); otherwise, or for
@@ -953,7 +970,7 @@ __device__ __forceinline__ void kiln_norm_segment(
                     }
                     codes = make_uint2(kiln_bytes4(q[0], q[1], q[2], q[3]), kiln_bytes4(q[4], q[5], q[6], q[7]));
                 }
-                *reinterpret_cast<uint2*>(static_cast<signed char*>(out) + base + col) = codes;
+                *reinterpret_cast<uint2*>(static_cast<signed char*>(out) + KILN_NORM_AT(base, u)) = codes;
                 if ((lane & 1) == 0) static_cast<float*>(scales)[block] = scale;
             } else {
                 // amax / 6 (1 / 6 is 0x3E2AAAAB) as the reference's where amax is in
@@ -999,7 +1016,7 @@ __device__ __forceinline__ void kiln_norm_segment(
                         packed |= code << (4 * k);
                     }
                 }
-                *reinterpret_cast<unsigned int*>(static_cast<unsigned char*>(out) + ((base + col) >> 1)) = packed;
+                *reinterpret_cast<unsigned int*>(static_cast<unsigned char*>(out) + (KILN_NORM_AT(base, u) >> 1)) = packed;
                 if ((lane & 1) == 0) static_cast<unsigned char*>(scales)[block] = (unsigned char)s;
             }
         }
