@@ -51,7 +51,8 @@ pub struct BenchNormArgs {
     #[arg(long)]
     pub default_only: bool,
     /// Time only the certified and the declared default variant and these (labels such as
-    /// `8w1r+s3`, comma-separated; `staged` for every staged variant), each with a row of its
+    /// `8w1r+s3`, comma-separated; `staged` for every staged variant, `lanes` for every variant with
+    /// one lane a quantization block, `+b`), each with a row of its
     /// own in the table (tagged `listed`).
     #[arg(long, value_delimiter = ',')]
     pub variants: Vec<String>,
@@ -125,11 +126,11 @@ pub fn run(args: &BenchNormArgs) -> Result<()> {
         None => BTreeMap::new(),
     };
     for l in &args.variants {
-        if l != "staged" && !NORM_VARIANTS.iter().any(|v| label(*v) == *l) {
+        if l != "staged" && l != "lanes" && !NORM_VARIANTS.iter().any(|v| label(*v) == *l) {
             return Err(Error::InvalidArgument {
                 name: "--variants",
                 value: l.clone(),
-                reason: "not the label of a listed norm variant (nor `staged`)".into(),
+                reason: "not the label of a listed norm variant (nor `staged` or `lanes`)".into(),
             });
         }
     }
@@ -213,7 +214,11 @@ pub fn run(args: &BenchNormArgs) -> Result<()> {
         let listed: Vec<NormVariant> = NORM_VARIANTS
             .iter()
             .copied()
-            .filter(|v| args.variants.iter().any(|l| *l == label(*v) || (l == "staged" && v.stages > 0)))
+            .filter(|v| {
+                args.variants.iter().any(|l| {
+                    *l == label(*v) || (l == "staged" && v.stages > 0) || (l == "lanes" && v.block_lane)
+                })
+            })
             .collect();
         let others: Vec<NormVariant> = if args.default_only {
             vec![default]
