@@ -442,7 +442,7 @@ fn staged_variants_match_the_reference() {
 
 /// The one-lane-a-block variants alone (`NormVariant::block_lane`, labels `+b`; a quick check:
 /// `cargo test ... --test gpu_norm block_lane`): every flavor (INT8 and NVFP4 outputs among them,
-/// and LayerNorm into INT8) in every x dtype over ragged shapes (one block, rows of a unit and a
+/// and LayerNorm into INT8; those in every x dtype) over ragged shapes (one block, rows of a unit and a
 /// block, fewer units than a warp's pair, rows that leave lanes past the end), with and without
 /// the residual; the benchmark's INT8 and NVFP4 cases; rounding ties and NaN, infinite, tiny and
 /// huge blocks.
@@ -454,13 +454,17 @@ fn block_lane_variants_match_the_reference() {
     assert!(lanes.len() >= 4, "{lanes:?}");
     let mut checked = 0;
     let types = [DType::BF16, DType::F16, DType::F32];
-    for spec in flavors() {
-        for (i, &x_type) in types.iter().enumerate() {
-            let weight_type = types[(i + 1) % 3];
-            let mut spec = spec;
-            if let NormOutput::Float(_) = spec.out {
-                spec.out = NormOutput::Float(types[(i + 2) % 3]);
-            }
+    for (f, spec) in flavors().into_iter().enumerate() {
+        // Each flavor in one x type (all three over the flavors, and the quantized outputs in
+        // two more below), the weight in the next.
+        let (x_type, weight_type) = (types[f % 3], types[(f + 1) % 3]);
+        let mut spec = spec;
+        if let NormOutput::Float(_) = spec.out {
+            spec.out = NormOutput::Float(types[(f + 2) % 3]);
+        }
+        let blocked = matches!(spec.out, NormOutput::Quantized(Quantizer::Int8 | Quantizer::Nvfp4 { .. }));
+        let x_types: &[DType] = if blocked { &types } else { std::slice::from_ref(&x_type) };
+        for &x_type in x_types {
             for &(rows, hidden) in &[(3usize, 1040usize), (7, 16), (65, 4112), (2, 16_384), (301, 2080)] {
                 let call = NormCall { spec, rows, hidden, x_type, weight_type };
                 for &variant in lanes.iter().filter(|v| call.validate(**v).is_ok()) {
