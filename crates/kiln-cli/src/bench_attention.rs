@@ -65,8 +65,9 @@ use kiln_cuda::certify::{
     DECODE_SHORT_MAX,
 };
 use kiln_cuda::ops::attention::{
-    attention, decode_splits_resident, decode_stream_splits_for, persistent_splits_for, scratch_bytes,
-    AttentionVariant, KvBuffers, PagedBatch, DECODE_L2_HINT_ENV, PERSISTENT_SPLITS,
+    attention, attention_persistent_profiled, decode_splits_resident, decode_stream_splits_for,
+    persistent_splits_for, scratch_bytes, AttentionVariant, KvBuffers, PagedBatch, DECODE_L2_HINT_ENV,
+    PERSISTENT_PROFILE_SLOTS, PERSISTENT_SPLITS,
 };
 use kiln_cuda::{DeviceMemory, Gpu};
 
@@ -94,6 +95,40 @@ pub struct BenchAttentionArgs {
     /// persist,bulk` times the persistent variants beside the certified configuration.
     #[arg(long, value_delimiter = ',')]
     pub decode_only: Vec<String>,
+    /// After each persistent decode row, one launch compiled with the kernel's phase profile
+    /// (`attention_persistent_profiled`): a `profile` line per row with each warp's share of its
+    /// cycles waiting for K/V, computing, issuing its own copies, in item prologues and ends, and
+    /// its steps, summed over the blocks.
+    #[arg(long)]
+    pub persist_profile: bool,
+}
+
+/// The `profile` line of a persistent row: for each warp that ran (the copying warp last), the
+/// percent of its cycles (entry to exit, summed over the blocks) in each phase of
+/// [`PERSISTENT_PROFILE_SLOTS`]'s layout, its steps and items, and its mean cycles a step.
+fn persist_profile_line(row: &str, slots: &[u64]) -> String {
+    let mut line = format!("profile | {row} |");
+    for warp in 0..slots.len() / 16 {
+        let s = &slots[16 * warp..16 * warp + 16];
+        let total = s[10];
+        if total == 0 {
+            continue;
+        }
+        let pct = |i: usize| 100.0 * s[i] as f64 / total as f64;
+        let per_step = if s[8] > 0 { (s[0] + s[1] + s[2]) as f64 / s[8] as f64 } else { 0.0 };
+        line.push_str(&format!(
+            " w{warp}: wait {:.0}% compute {:.0}% copy {:.0}% prologue {:.0}% end {:.0}% start {:.0}%, {} steps, {} items, {per_step:.0} cycles a step |",
+            pct(0),
+            pct(1),
+            pct(2),
+            pct(3),
+            pct(4),
+            pct(5),
+            s[8],
+            s[9],
+        ));
+    }
+    line
 }
 
 /// The tag of the decode row whose streaming kernel reads K/V without the evict-first hint.
@@ -435,6 +470,32 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
                 );
                 println!("{line}");
                 let _ = writeln!(report, "{line}");
+                if args.persist_profile && config.variant.is_persistent() {
+                    let profile = gpu.alloc(PERSISTENT_PROFILE_SLOTS * 8)?;
+                    profile.fill_bytes(0)?;
+                    attention_persistent_profiled(
+                        &gpu,
+                        &shape,
+                        &batches[0],
+                        &q,
+                        cache,
+                        &out,
+                        Some(&scratch),
+                        splits,
+                        config.variant,
+                        &profile,
+                    )?;
+                    gpu.synchronize()?;
+                    let slots: Vec<u64> = profile
+                        .to_host_bytes()?
+                        .chunks_exact(8)
+                        .map(|b| u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]))
+                        .collect();
+                    let row = format!("{batch_size} | {context} | {}", config.label());
+                    let line = persist_profile_line(&row, &slots);
+                    println!("{line}");
+                    let _ = writeln!(report, "{line}");
+                }
             }
         }
     }

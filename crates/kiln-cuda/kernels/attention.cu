@@ -94,6 +94,11 @@
 #ifndef PERSIST_OWN
 #define PERSIST_OWN 0
 #endif
+// 1 (with PERSISTENT 1): the persistent kernel takes a last parameter `profile` (u64, zeroed by
+// the caller) and adds each warp's cycles per phase into it (see KILN_PERSIST_MARK).
+#ifndef PERSIST_PROFILE
+#define PERSIST_PROFILE 0
+#endif
 // Ticket counters of the combine, one per (sequence, row tile, kv head) of a split launch; the
 // launcher refuses a split grid with more groups.
 #define KILN_ATTENTION_TICKETS 65536
@@ -1298,17 +1303,67 @@ struct kiln_persist_walk {
     }
 };
 
+// Phase profile (PERSIST_PROFILE = 1): lane 0 of every warp of every block sums the cycles
+// (clock64) of each phase, added at the end into profile[16 * warp + slot] (warp WARPS_N the
+// copying warp): 0 waiting for K/V (the copying warp: for a free stage), 1 computing a step
+// (the copying warp: issuing a stage's copies), 2 issuing its own copies (PERSIST_OWN), 3 an
+// item's prologue (Q), 4 an item's end (merge, partial, ticket, combine), 5 the start (the
+// walk's scan, the first copies); 8 the steps, 9 the items, 10 the cycles from entry to exit.
+#if PERSIST_PROFILE
+#define PERSIST_PROFILE_PARAM , unsigned long long* __restrict__ profile
+// (32-bit clocks and sums, which wrap only past 2^32 cycles, so a launch's phases are exact.)
+KILN_DEVICE kiln_u32 kiln_clock32() {
+    kiln_u32 now;
+    asm volatile("mov.u32 %0, %%clock;" : "=r"(now));
+    return now;
+}
+#define KILN_PERSIST_MARK(slot)                      \
+    do {                                             \
+        const kiln_u32 now_ = kiln_clock32();        \
+        profile_cycles[slot] += now_ - profile_mark; \
+        profile_mark = now_;                         \
+    } while (0)
+#define KILN_PERSIST_COUNT(slot) (++profile_cycles[slot])
+#define KILN_PERSIST_FLUSH()                                                                         \
+    do {                                                                                             \
+        profile_cycles[10] = kiln_clock32() - profile_start;                                         \
+        if (lane == 0) {                                                                             \
+            _Pragma("unroll") for (int s_ = 0; s_ < 11; ++s_) {                                      \
+                atomicAdd(profile + 16 * warp + s_, (unsigned long long)profile_cycles[s_]);         \
+            }                                                                                        \
+        }                                                                                            \
+    } while (0)
+#else
+#define PERSIST_PROFILE_PARAM
+#define KILN_PERSIST_MARK(slot) \
+    do {                        \
+    } while (0)
+#define KILN_PERSIST_COUNT(slot) \
+    do {                         \
+    } while (0)
+#define KILN_PERSIST_FLUSH() \
+    do {                     \
+    } while (0)
+#endif
+
 // Dynamic shared memory: STAGES stages of K then V rows ([PERSIST_STAGE_KEYS][ROW] bf16 each;
 // PERSIST_OWN: each warp's STAGES steps of 16 K then 16 V rows of HEAD_DIM), then the merge rows
 // ([WARPS_N][16][PERSIST_MERGE_ROW] f32). PERSIST_MIN_BLOCKS blocks a multiprocessor.
 extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, PERSIST_MIN_BLOCKS)
-    kiln_attention_decode_persistent(KILN_ATTENTION_PARAMS, int batch) {
+    kiln_attention_decode_persistent(KILN_ATTENTION_PARAMS, int batch PERSIST_PROFILE_PARAM) {
     extern __shared__ kiln_chunk16 shared_chunks[];
     __shared__ float warp_max[WARPS_N][16], warp_sum[WARPS_N][16];
     __shared__ int is_last_block;
     kiln_wait_prior();
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+#if PERSIST_PROFILE
+    const kiln_u32 profile_start = kiln_clock32();
+    kiln_u32 profile_mark = profile_start;
+    kiln_u32 profile_cycles[11];
+#pragma unroll
+    for (int s = 0; s < 11; ++s) profile_cycles[s] = 0;
+#endif
     kiln_u16* stages = reinterpret_cast<kiln_u16*>(shared_chunks);
     float* merge = reinterpret_cast<float*>(stages + STAGES * PERSIST_STAGE_ELEMENTS);
 #if !PERSIST_OWN
@@ -1360,7 +1415,10 @@ extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, PERSIST_MIN_BLOCKS
                     const int r = lane + 32 * i;
                     row_pages[i] = r < valid ? pages[(key0 + r) >> page_shift] : 0u;
                 }
+                KILN_PERSIST_MARK(1);
                 if (n >= STAGES) kiln_mbar_wait(empty0 + 8 * slot, ((n / STAGES) - 1) & 1);
+                KILN_PERSIST_MARK(0);
+                KILN_PERSIST_COUNT(8);
 #if PERSIST_USE_BULK
                 if (lane == 0) kiln_mbar_expect_tx(full0 + 8 * slot, (kiln_u32)(valid * HEAD_DIM * 2 * 2));
                 __syncwarp();
@@ -1403,6 +1461,8 @@ extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, PERSIST_MIN_BLOCKS
 #if !PERSIST_USE_BULK
         kiln_cp_async_wait<0>();
 #endif
+        KILN_PERSIST_MARK(1);
+        KILN_PERSIST_FLUSH();
         return;
     }
 #endif
@@ -1473,7 +1533,9 @@ extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, PERSIST_MIN_BLOCKS
 #pragma unroll 1
     for (int k = 0; k < STAGES; ++k) copy_step(k, next_page);
 #endif
+    KILN_PERSIST_MARK(5);
     for (; walk.valid(); walk.advance()) {
+        KILN_PERSIST_COUNT(9);
         const int kv_head = walk.vhead / row_tiles;
         const int row0 = (walk.vhead % row_tiles) * 16;
         const int rows = min(heads_per_group - row0, 16);
@@ -1515,12 +1577,15 @@ extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, PERSIST_MIN_BLOCKS
         for (int d = 0; d < HEAD_DIM / 8; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
         float row_max[2] = {KILN_NEG_INF, KILN_NEG_INF};  // in units of scale_log2 * q.k
         float row_sum[2] = {0.0f, 0.0f};                  // this thread's columns only, until the end
+        KILN_PERSIST_MARK(3);
 
 #if PERSIST_OWN
         for (int start = begin + warp * 16; start < end; start += PERSIST_STAGE_KEYS, ++n) {
             const int slot = n % STAGES;
             kiln_cp_async_wait<STAGES - 1>();
             __syncwarp();
+            KILN_PERSIST_MARK(0);
+            KILN_PERSIST_COUNT(8);
             {
                 const kiln_u16* k_rows = own_stages + slot * 2 * PERSIST_STEP_ELEMENTS;
                 const kiln_u16* v_rows = k_rows + PERSIST_STEP_ELEMENTS;
@@ -1529,6 +1594,8 @@ extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, PERSIST_MIN_BLOCKS
             const int slot = n % STAGES;
             const int start = key0 + warp * 16;  // this warp's 16 keys
             kiln_mbar_wait(full0 + 8 * slot, (n / STAGES) & 1);
+            KILN_PERSIST_MARK(0);
+            KILN_PERSIST_COUNT(8);
             if (start < end) {
                 const kiln_u16* k_rows = stages + slot * PERSIST_STAGE_ELEMENTS + warp * 16 * ROW;
                 const kiln_u16* v_rows = k_rows + PERSIST_STAGE_KEYS * ROW;
@@ -1611,8 +1678,10 @@ extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, PERSIST_MIN_BLOCKS
             }
             // Every lane is done with the stage.
             __syncwarp();
+            KILN_PERSIST_MARK(1);
 #if PERSIST_OWN
             copy_step(slot, next_page);
+            KILN_PERSIST_MARK(2);
 #else
             if (lane == 0) kiln_mbar_arrive(empty0 + 8 * slot);
 #endif
@@ -1746,10 +1815,12 @@ extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, PERSIST_MIN_BLOCKS
         }
         // The merge rows, maxima and the ticket's flag are free for the next item.
         kiln_persist_sync();
+        KILN_PERSIST_MARK(4);
     }
 #if PERSIST_OWN
     kiln_cp_async_wait<0>();
 #endif
+    KILN_PERSIST_FLUSH();
 }
 #endif  // PERSISTENT
 

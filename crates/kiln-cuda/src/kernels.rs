@@ -895,8 +895,9 @@ pub const LM_HEAD: KernelSource = KernelSource {
 /// kernel (`kiln_attention_decode`) in place of `kiln_attention`, and `HYBRID` = 1 for the hybrid
 /// decode kernel (`kiln_attention_decode_hybrid`: the streaming path for short splits, the tiled
 /// one past them) in its place, and `PERSISTENT` = 1 (with `STAGES`, and `PERSIST_BULK` = 1 for
-/// the bulk copies on sm_90, `PERSIST_OWN` = 1 for copies by the computing warps) for the persistent
-/// decode kernel (`kiln_attention_decode_persistent`).
+/// the bulk copies on sm_90, `PERSIST_OWN` = 1 for copies by the computing warps,
+/// `PERSIST_PROFILE` = 1 for its phase profile) for the persistent decode kernel
+/// (`kiln_attention_decode_persistent`).
 pub const ATTENTION: KernelSource = KernelSource {
     name: "attention",
     source: include_str!("../kernels/attention.cu"),
@@ -1050,6 +1051,36 @@ pub const ATTENTION: KernelSource = KernelSource {
             ("STAGES", "2"),
             ("PERSISTENT", "1"),
             ("PERSIST_OWN", "1"),
+        ],
+        // The persistent variants' phase profiles (ops::attention::attention_persistent_profiled).
+        &[
+            ("HEAD_DIM", "128"),
+            ("WARPS_M", "1"),
+            ("WARPS_N", "4"),
+            ("WARP_KEYS", "16"),
+            ("STAGES", "5"),
+            ("PERSISTENT", "1"),
+            ("PERSIST_PROFILE", "1"),
+        ],
+        &[
+            ("HEAD_DIM", "128"),
+            ("WARPS_M", "1"),
+            ("WARPS_N", "4"),
+            ("WARP_KEYS", "16"),
+            ("STAGES", "5"),
+            ("PERSISTENT", "1"),
+            ("PERSIST_BULK", "1"),
+            ("PERSIST_PROFILE", "1"),
+        ],
+        &[
+            ("HEAD_DIM", "128"),
+            ("WARPS_M", "1"),
+            ("WARPS_N", "4"),
+            ("WARP_KEYS", "16"),
+            ("STAGES", "5"),
+            ("PERSISTENT", "1"),
+            ("PERSIST_OWN", "1"),
+            ("PERSIST_PROFILE", "1"),
         ],
     ],
     fmad: true,

@@ -747,6 +747,56 @@ pub fn attention(
     splits: u32,
     variant: Option<AttentionVariant>,
 ) -> Result<()> {
+    attention_with_profile(gpu, shape, batch, q, cache, out, scratch, splits, variant, None)
+}
+
+/// u64 slots of the phase profile of [`attention_persistent_profiled`]: slot `16 w + s` of warp
+/// `w` (the copying warp is warp 4) sums over the blocks lane 0's cycles of phase `s`: 0 waiting
+/// for K/V (the copying warp: for a free stage), 1 computing steps (the copying warp: issuing
+/// copies), 2 issuing its own copies (own-copy variants), 3 the items' prologues, 4 the items'
+/// ends (merge, partial, ticket, combine), 5 the start; 8 the steps, 9 the items, 10 the cycles
+/// from entry to exit.
+pub const PERSISTENT_PROFILE_SLOTS: usize = 96;
+
+/// [`attention`] on a persistent variant compiled with `PERSIST_PROFILE` = 1, its warps' cycles
+/// per phase added into `profile` ([`PERSISTENT_PROFILE_SLOTS`] u64, zeroed by the caller). The
+/// same output bits; slower by the clock reads (for measurement only).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_persistent_profiled(
+    gpu: &Gpu,
+    shape: &AttentionShape,
+    batch: &PagedBatch,
+    q: &DeviceMemory,
+    cache: KvBuffers<'_>,
+    out: &DeviceMemory,
+    scratch: Option<&DeviceMemory>,
+    splits: u32,
+    variant: AttentionVariant,
+    profile: &DeviceMemory,
+) -> Result<()> {
+    if !variant.is_persistent() {
+        return Err(Error::NotServed {
+            op: "attention profile",
+            reason: format!("{variant:?} is not a persistent variant"),
+        });
+    }
+    check_len("attention profile", profile.len_bytes(), PERSISTENT_PROFILE_SLOTS * 8)?;
+    attention_with_profile(gpu, shape, batch, q, cache, out, scratch, splits, Some(variant), Some(profile))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attention_with_profile(
+    gpu: &Gpu,
+    shape: &AttentionShape,
+    batch: &PagedBatch,
+    q: &DeviceMemory,
+    cache: KvBuffers<'_>,
+    out: &DeviceMemory,
+    scratch: Option<&DeviceMemory>,
+    splits: u32,
+    variant: Option<AttentionVariant>,
+    profile: Option<&DeviceMemory>,
+) -> Result<()> {
     let page_shift = check_shape(shape)?;
     let variant = variant.unwrap_or_else(|| AttentionVariant::default_for(batch.max_query_tokens));
     variant.validate(shape.head_dim)?;
@@ -827,6 +877,7 @@ pub fn attention(
             splits,
             variant,
             page_shift,
+            profile.map(|p| p.device_ptr()),
         );
     }
 
@@ -929,8 +980,18 @@ fn decode_persistent(
     splits: u32,
     variant: AttentionVariant,
     page_shift: u32,
+    profile: Option<u64>,
 ) -> Result<()> {
-    let kernel = function(gpu, shape.head_dim, variant, "kiln_attention_decode_persistent")?;
+    let entry = "kiln_attention_decode_persistent";
+    let kernel = match profile {
+        None => function(gpu, shape.head_dim, variant, entry)?,
+        Some(_) => {
+            let mut defines = defines(shape.head_dim, variant);
+            defines.push(("PERSIST_PROFILE", "1".to_owned()));
+            let refs: Vec<(&str, &str)> = defines.iter().map(|(k, v)| (*k, v.as_str())).collect();
+            gpu.function(&ATTENTION, entry, &refs)?
+        }
+    };
     let shared = variant.shared_bytes(shape.head_dim);
     let optin = gpu.facts().shared_memory_per_block_optin_bytes as usize;
     if shared > optin {
@@ -981,8 +1042,12 @@ fn decode_persistent(
         launch.arg(pointer);
     }
     launch.arg(&q_heads).arg(&kv_heads).arg(&page_shift).arg(&scale_log2).arg(&splits_arg).arg(&batch_arg);
+    if let Some(profile) = profile.as_ref() {
+        launch.arg(profile);
+    }
     // SAFETY: the arguments match `kiln_attention_decode_persistent` (10 pointers, 3 i32, f32, 2
-    // i32); [`attention`] checked one query token a sequence, 1 to MAX_STREAMING_SPLITS splits
+    // i32, and with PERSIST_PROFILE the profile pointer, whose PERSISTENT_PROFILE_SLOTS u64
+    // [`attention_persistent_profiled`] checked); [`attention`] checked one query token a sequence, 1 to MAX_STREAMING_SPLITS splits
     // (the chunks' partial slots, which the scratch holds when splits > 1; a sequence of one
     // chunk writes no partial) and the lengths of q, out and the caches; `batch` was validated
     // against the shape and the cache's page count when uploaded, so every page id and offset
