@@ -2800,10 +2800,10 @@ kiln_sample_topk_merge(const float* __restrict__ logits, long long vocab, long l
 //      the distance below M (the bins of `fused_dbin`, monotone in the key). The bins up to cb,
 //      where the count reaches k, hold at least k groups, so k distinct tokens: every token of
 //      the row's top-k lies in a bin up to cb. When bin cb holds more than TKB_SLACK groups, 8-bit
-//      radix passes over the keys of its groups choose a prefix instead, and the bound B is the
-//      lowest key with it. Each warp lists its own candidate groups (maxima in a bin up to cb, or
+//      radix passes over the keys of its groups choose a prefix too, and the bound B is the
+//      lowest key with it. Each warp lists its own candidate groups (maxima in a bin up to cb and
 //      at or above B) without a barrier and reads them again from L2, a lane a logit and
-//      TKB_GATHER groups in flight; their tokens in a bin up to cb (at or above B) are the
+//      TKB_GATHER groups in flight; their tokens in a bin up to cb and at or above B are the
 //      candidates: k and a few more. They are ranked (counting, or a bitonic sort past
 //      TKB_RANK_MAX) and the block finishes on the top-k in the order as the top-k merge path
 //      does: weights from the first, top-p in rank order by one block scan, min-p, and the draw
@@ -2973,7 +2973,7 @@ __device__ __forceinline__ int sample_row_topk_bound(int r, kiln_u32 k, const fl
     // tokens); every token of the row's top-k lies in a bin up to cb (a bin is monotone in the
     // key), and so in a candidate group. A crowded bin cb (more than TKB_SLACK groups) is split
     // by 8-bit radix passes over the keys of its groups: the bound is then the lowest key with
-    // the chosen prefix, and the candidates those at or above it.
+    // the chosen prefix, and the candidates those in a bin up to cb and at or above it.
 #pragma unroll
     for (int q = 0; q < TKB_GROUP_PER; ++q) {
         if (q * THREADS >= groups) break;  // the same for the whole block
@@ -2991,9 +2991,10 @@ __device__ __forceinline__ int sample_row_topk_bound(int r, kiln_u32 k, const fl
         kiln_u32 target = k - sh.above;
         const bool crowded = sh.count > TKB_SLACK;
         __syncthreads();  // sh.chosen, sh.above, sh.count are read before reuse
-        if (!crowded) {
-            cb_limit = cb;
-        } else {
+        cb_limit = cb;
+        if (crowded) {
+            // Within bin cb (the bins below it hold larger keys than any of cb): at least k
+            // groups lie in a bin below cb or in cb at or above the prefix.
             kiln_u32 prefix = 0u, mask = 0u;
             for (int shift = 24; shift >= 0; shift -= 8) {
                 for (int b = threadIdx.x; b < 256; b += THREADS) sh.bins[b] = 0u;
