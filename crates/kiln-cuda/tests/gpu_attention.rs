@@ -10,8 +10,9 @@ use kiln_core::ops::attention::{paged_attention, AttentionSequence, AttentionSha
 use kiln_core::ops::primitives::{bf16_bits_to_f32, f32_to_bf16_bits};
 use kiln_core::Error;
 use kiln_cuda::ops::attention::{
-    attention, decode_splits, decode_stream_splits_for, kv_append, scratch_bytes, AttentionKernel,
-    AttentionVariant, KvBuffers, PagedBatch, DECODE_L2_HINT_ENV, HYBRID_STREAM_CHUNK, PERSISTENT_SPLITS,
+    attention, attention_persistent_profiled, decode_splits, decode_stream_splits_for, kv_append,
+    scratch_bytes, AttentionKernel, AttentionVariant, KvBuffers, PagedBatch, DECODE_L2_HINT_ENV,
+    HYBRID_STREAM_CHUNK, PERSISTENT_PROFILE_SLOTS, PERSISTENT_SPLITS,
 };
 use kiln_cuda::{DeviceMemory, Gpu};
 
@@ -997,5 +998,88 @@ fn persistent_decode_refuses_what_it_does_not_serve() {
             );
             assert!(matches!(result, Err(Error::NotServed { .. })), "{variant:?} {splits}: {result:?}");
         }
+    }
+}
+
+/// The phase profile of the persistent variants (`attention_persistent_profiled`, for `kiln bench
+/// attention --persist-profile`): the same bits as the plain launch; every computing warp of the
+/// profile ran steps and items, its phases within its cycles, and the copying warp (warp 4) ran
+/// only in the variants that have one.
+#[test]
+fn persistent_decode_profile_gives_the_same_bits_and_counts_each_warps_steps() {
+    let (gpu, mut rng) = (gpu(), Rng::fresh());
+    let sequences: Vec<(usize, usize)> = (0..3).map(|_| (1, 2000 + rng.below(6000))).collect();
+    for variant in [
+        AttentionVariant::DECODE_PERSISTENT,
+        AttentionVariant::DECODE_PERSISTENT_OWN,
+        AttentionVariant::DECODE_PERSISTENT_OWN_PAIR,
+    ] {
+        let case = Case {
+            q_heads: 32,
+            kv_heads: 8,
+            head_dim: 128,
+            page_tokens: 64,
+            sequences: sequences.clone(),
+            splits: Some(PERSISTENT_SPLITS),
+            variant,
+        };
+        let inputs = inputs(&mut rng, &case);
+        let want = reference(&case, &inputs);
+        let plain = check_on(&gpu, &case, &inputs, &want, 1).remove(0);
+
+        let table: Vec<AttentionSequence<'_>> = case
+            .sequences
+            .iter()
+            .zip(&inputs.tables)
+            .map(|(&(query_tokens, context_tokens), pages)| AttentionSequence {
+                query_tokens,
+                context_tokens,
+                pages,
+            })
+            .collect();
+        let batch = PagedBatch::upload(&gpu, &inputs.shape, &table, inputs.pages).expect("batch upload");
+        let q = upload(&gpu, &bytes(&inputs.q));
+        let (k, v) = (upload(&gpu, &bytes(&inputs.k)), upload(&gpu, &bytes(&inputs.v)));
+        let cache = KvBuffers { k: &k, v: &v, pages: inputs.pages };
+        let scratch = poisoned(&gpu, scratch_bytes(&inputs.shape, batch.total_queries, PERSISTENT_SPLITS));
+        let out = poisoned(&gpu, inputs.q.len() * 2);
+        let profile = poisoned(&gpu, PERSISTENT_PROFILE_SLOTS * 8);
+        profile.fill_bytes(0).expect("zero the profile");
+        attention_persistent_profiled(
+            &gpu,
+            &inputs.shape,
+            &batch,
+            &q,
+            cache,
+            &out,
+            Some(&scratch),
+            PERSISTENT_SPLITS,
+            variant,
+            &profile,
+        )
+        .expect("profiled launch");
+        gpu.synchronize().expect("profiled run");
+        let mut got = out.to_host_bytes().expect("device to host copy");
+        got.truncate(inputs.q.len() * 2);
+        assert!(got == plain, "{variant:?}: the profiled launch gives other bits");
+        let slots: Vec<u64> = profile
+            .to_host_bytes()
+            .expect("profile to host")
+            .chunks_exact(8)
+            .map(|b| u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]))
+            .collect();
+        for warp in 0..4 {
+            let s = &slots[16 * warp..16 * warp + 16];
+            assert!(s[8] > 0 && s[9] > 0 && s[10] > 0, "{variant:?} warp {warp}: {s:?}");
+            let phases: u64 = s[..6].iter().sum();
+            assert!(phases <= s[10], "{variant:?} warp {warp}: phases {phases} past its cycles {s:?}");
+        }
+        let copying = slots[16 * 4 + 10] > 0;
+        assert_eq!(
+            copying,
+            variant.kernel != AttentionKernel::PersistentOwn,
+            "{variant:?}: {:?}",
+            &slots[64..80]
+        );
     }
 }
