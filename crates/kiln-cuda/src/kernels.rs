@@ -831,7 +831,8 @@ pub const LM_HEAD: KernelSource = KernelSource {
             ("STATS", "0"),
         ],
         // Cooperative ring copies (COOP): the 8-row bench shape, fp16 with every epilogue, two
-        // blocks a multiprocessor, and a quantized weight (no ring: COOP has no effect).
+        // blocks a multiprocessor, a quantized weight (no ring: COOP has no effect), and two
+        // reductions a step (8 rows of 8 rows).
         &[
             ("ROWS", "8"),
             ("W_T", "0"),
@@ -884,6 +885,19 @@ pub const LM_HEAD: KernelSource = KernelSource {
             ("ROW_SCALE", "0"),
             ("SOFT_CAP", "0"),
             ("STATS", "0"),
+        ],
+        &[
+            ("ROWS", "8"),
+            ("W_T", "0"),
+            ("WARPS", "8"),
+            ("VROWS", "8"),
+            ("XSLOT", "1"),
+            ("PIPE", "0"),
+            ("STAGES", "2"),
+            ("COOP", "1"),
+            ("ROW_SCALE", "1"),
+            ("SOFT_CAP", "1"),
+            ("STATS", "1"),
         ],
     ],
     fmad: false,
