@@ -135,6 +135,17 @@ __device__ __forceinline__ int kiln_norm_col(int warp_in_row, int u, int lane) {
 #endif
 #define KILN_NORM_WF (STAGES && EARLY_WEIGHT && !KILN_NORM_PACKED_BF16 && UNITS_PER_WARP <= 4)
 
+// x rounded to bf16 and widened back, in one conversion where kiln_round2 takes one for two
+// values and two to widen them: cvt.rn.bf16x2.f32 puts bf16(x) in the upper half and bf16(0) = 0
+// in the lower, which is bf16(x) as an fp32 value (kiln_round2's bits; a NaN x gives the same
+// canonical NaN 0x7FFF0000 both ways). Used with BLOCK_LANE where it adds no spill on sm_80 - 90:
+// up to 8 units a warp, 4 with the NVFP4 output (at 8 it spilled on sm_80, at 16 on sm_90).
+__device__ __forceinline__ float kiln_round_bf16(float x) {
+    unsigned int d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(x), "f"(0.0f));
+    return __uint_as_float(d);
+}
+
 // round(a * b) for two packed pairs of bf16: the exact products rounded once (a -0 addend keeps
 // the sign of a zero product).
 __device__ __forceinline__ unsigned int kiln_bf16x2_mul(unsigned int a, unsigned int b) {
@@ -875,7 +886,11 @@ __device__ __forceinline__ void kiln_norm_segment(
             KILN_NORM_VALUES(u, a);
 #pragma unroll
             for (int k = 0; k < 8; ++k) p[k] = (KIND == 1 ? a[k] - mean : a[k]) * r;
-            if (HF_ROUNDING) {
+            if (HF_ROUNDING && BLOCK_LANE && X_T == KILN_BF16 &&
+                UNITS_PER_WARP <= (OUT_T == KILN_OUT_NVFP4 ? 4 : 8)) {
+#pragma unroll
+                for (int k = 0; k < 8; ++k) p[k] = kiln_round_bf16(p[k]);
+            } else if (HF_ROUNDING) {
 #pragma unroll
                 for (int k = 0; k < 8; k += 2) kiln_round2<X_T>(p[k], p[k + 1]);
             }
