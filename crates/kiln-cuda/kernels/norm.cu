@@ -57,6 +57,9 @@
 //                 few blocks a multiprocessor, so that each block walks many groups and the reads
 //                 of later groups overlap the stores of earlier ones over the whole launch.
 //                 Dynamic shared memory: STAGES * KILN_NORM_SLOTS * KILN_NORM_THREADS * 16 bytes.
+//   BLOCK_LANE    (optional, 0 by default) 1: a lane holds 16 consecutive elements, one block of
+//                 the INT8 / NVFP4 outputs (see its definition below): unit sums by the same
+//                 tree, each block's maximum, scale, checks and stores one lane's.
 //
 // Registers hold x as loaded (its raw bits, half the registers of fp32 values for 16-bit types)
 // unless a gate multiplies it before the norm; with more than 4 units per warp every use converts
