@@ -138,8 +138,10 @@ pub fn run(args: &BenchLmHeadArgs) -> Result<()> {
     // Every case's configuration is looked up before anything runs, so that a strict-mode miss
     // fails at once, naming the key.
     let store = open_store()?;
-    let certified =
-        cases.iter().map(|t| lm_head_variant(&store, t, arch)).collect::<Result<Vec<LmHeadVariant>>>()?;
+    let certified = cases
+        .iter()
+        .map(|t| lm_head_variant(&store, t, arch, gpu.facts().shared_memory_per_block_optin_bytes))
+        .collect::<Result<Vec<LmHeadVariant>>>()?;
     let ceiling_gbs = copy_ceiling_gbs(&gpu, args.batches)?;
     let mut table = format!(
         "LM head on {} ({}); copy ceiling {ceiling_gbs:.0} GB/s\n\n\
@@ -181,7 +183,8 @@ pub fn run(args: &BenchLmHeadArgs) -> Result<()> {
             .collect::<Result<Vec<_>>>()?;
         let outs = (0..sets).map(|_| gpu.alloc(rows * vocab * 4)).collect::<Result<Vec<_>>>()?;
         let bytes = (vocab * row_bytes(head.weight, hidden)? + rows * hidden * 4 + rows * vocab * 4) as f64;
-        let default = LmHeadVariant::default_for(rows);
+        let default =
+            LmHeadVariant::default_for_call(&head, rows, gpu.facts().shared_memory_per_block_optin_bytes);
         let mut results: Vec<(LmHeadVariant, f64)> = Vec::new();
         for &variant in [certified, default].iter().chain(LM_HEAD_VARIANTS) {
             if plan(&head, rows, variant).is_err() || results.iter().any(|(v, _)| *v == variant) {

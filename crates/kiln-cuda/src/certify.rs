@@ -349,7 +349,10 @@ impl Task {
     pub fn default_config(&self, facts: &DeviceFacts) -> String {
         match self {
             Task::Norm(t) => norm_label(NormVariant::default_for(&t.call)),
-            Task::LmHead(t) => LmHeadVariant::default_for(t.rows).label(),
+            Task::LmHead(t) => {
+                LmHeadVariant::default_for_call(&t.head, t.rows, facts.shared_memory_per_block_optin_bytes)
+                    .label()
+            }
             Task::Attention(t) => t.default_config(facts.multiprocessors).label(),
         }
     }
@@ -714,10 +717,16 @@ pub fn norm_variant(store: &TuningStore, task: &NormTask, arch: Arch) -> Result<
     Ok(variant)
 }
 
-/// The LM head variant to run for `task` on `arch` (see [`norm_variant`]).
-pub fn lm_head_variant(store: &TuningStore, task: &LmHeadTask, arch: Arch) -> Result<LmHeadVariant> {
+/// The LM head variant to run for `task` on `arch` (see [`norm_variant`]), on a device whose
+/// blocks may opt in to `shared_limit` bytes of shared memory (for the declared default).
+pub fn lm_head_variant(
+    store: &TuningStore,
+    task: &LmHeadTask,
+    arch: Arch,
+    shared_limit: u64,
+) -> Result<LmHeadVariant> {
     let key = task.key(arch)?;
-    let default = LmHeadVariant::default_for(task.rows).label();
+    let default = LmHeadVariant::default_for_call(&task.head, task.rows, shared_limit).label();
     let chosen = store.config_for(&key, &default)?;
     let variant = parse_lm_head_variant(chosen).ok_or_else(|| unknown_config(&key, chosen))?;
     plan(&task.head, task.rows, variant).map_err(|e| e.context(format!("certified `{chosen}` for {key}")))?;
@@ -848,7 +857,10 @@ pub fn norm_candidates(task: &NormTask, facts: &DeviceFacts) -> Candidates<NormV
 /// The LM head variants for `task`: those the kernel serves for the row count whose block fits
 /// the device's threads and opt-in shared memory.
 pub fn lm_head_candidates(task: &LmHeadTask, facts: &DeviceFacts) -> Candidates<LmHeadVariant> {
-    let list = default_first(LmHeadVariant::default_for(task.rows), LM_HEAD_VARIANTS.iter().copied());
+    let list = default_first(
+        LmHeadVariant::default_for_call(&task.head, task.rows, facts.shared_memory_per_block_optin_bytes),
+        LM_HEAD_VARIANTS.iter().copied(),
+    );
     Candidates::sort(
         list.into_iter()
             .map(|v| {
@@ -925,9 +937,13 @@ pub fn attention_candidates(task: &AttentionTask, facts: &DeviceFacts) -> Candid
         .into_iter()
         .map(|variant| AttentionConfig { variant, splits: 1 })
         .collect(),
-        AttentionPhase::Decode { .. } => {
+        AttentionPhase::Decode { batch, .. } => {
             let s = default.splits;
-            let mut splits = vec![1, s.div_ceil(2), s, (2 * s).min(64)];
+            // With the streaming kernels' splits too (one block a multiprocessor for 8 warps: 16
+            // at batch 1 with 8 kv heads), where the wide kernel reads fastest at long contexts.
+            let stream = decode_stream_splits_for(facts.multiprocessors, batch, task.shape.kv_heads);
+            let mut splits = vec![1, s.div_ceil(2), s, (2 * s).min(64), stream];
+            splits.sort_unstable();
             splits.dedup();
             [
                 AttentionVariant::DECODE,

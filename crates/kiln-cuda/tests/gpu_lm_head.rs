@@ -233,7 +233,8 @@ fn the_default_and_ring_variants_serve_the_benchmark_shape() {
             logits: &logits_dev,
             stats: Some(&stats_dev),
         };
-        let variant = LmHeadVariant::default_for(rows);
+        let variant =
+            LmHeadVariant::default_for_call(&head, rows, gpu.facts().shared_memory_per_block_optin_bytes);
         lm_head(&gpu, &head, rows, buffers, Some(variant)).expect("launch");
         let got = f32s(&logits_dev.to_host_bytes().expect("copy back"));
         let bad = (0..rows * vocab).filter(|&i| !same_bits(got[i], want.logits[i])).count();

@@ -325,7 +325,7 @@ fn lookups_answer_the_winner_the_default_or_a_named_error() {
     )
     .unwrap();
     record_certificate(&certs, c).unwrap();
-    match lm_head_variant(&open(TuningMode::Default), &lm, SM90) {
+    match lm_head_variant(&open(TuningMode::Default), &lm, SM90, 232_448) {
         Err(Error::UnknownTuningConfig { kernel, key, config }) => {
             assert_eq!((kernel.as_str(), config.as_str()), ("lm_head", "64w/4v/32t"));
             assert_eq!(key, lm_key.to_string());
@@ -401,14 +401,15 @@ fn the_attention_default_is_the_launchers_default() {
         AttentionConfig { variant: AttentionVariant::PREFILL, splits: 1 }
     );
     // The decode candidates: five variants (streaming, wide, the two deep ones, the hybrid) at 1,
-    // half, once and twice the default splits, and the wide and deep streaming ones at once and
+    // half, once and twice the default splits and at the streaming kernels' splits, and the wide and deep streaming ones at once and
     // twice their own (16 at batch 1: one wave of 128 one-block multiprocessors), and the three
     // persistent ones cutting a sequence into at most 64 chunks, each named apart and parsed back.
     let kept = attention_candidates(&decode, &h200()).kept;
     let labels: Vec<String> = kept.iter().map(|c| c.label()).collect();
     assert_eq!(labels[0], "1x4x16.s33");
-    assert_eq!(labels.len(), 27, "{labels:?}");
+    assert_eq!(labels.len(), 32, "{labels:?}");
     for label in [
+        "1x4x32.s16",
         "1x4x32.s64",
         "1x4x16.s1",
         "deep-1x4x16.s17",

@@ -202,15 +202,41 @@ pub const LM_HEAD_VARIANTS: &[LmHeadVariant] = &[
 ];
 
 impl LmHeadVariant {
-    /// The default variant for `rows`: the fastest measured on the H200 at 151936 x 4096 bf16
-    /// for 1 and 2 rows (16 warps, 4 rows per step, tiles of 32), and for more rows the permuted,
-    /// pipelined kernel with as many rows per step as the 32 sums allow (at most 4).
+    /// The default variant for `rows`, the fastest measured on the H200 at 151936 x 4096 bf16
+    /// (`bench/results/2026-11-30-h200-kernels/step3`): 16 warps of 4 rows a step, tiles of 32,
+    /// for 1 row (273.5 us); the cooperative ring of 16 warps, 4 rows a step, tiles of 64, 4
+    /// stages for 2 to 4 rows (272.1 and 277.0 us) and 2 stages for 5 to 8 rows (324.5 us). A
+    /// call the ring does not serve (a statistics block that is not a multiple of its steps)
+    /// runs [`LmHeadVariant::fallback_for`]: see [`LmHeadVariant::default_for_call`].
     pub fn default_for(rows: usize) -> LmHeadVariant {
+        match rows {
+            0 | 1 => LmHeadVariant::plain(16, 4, 32),
+            2..=4 => LmHeadVariant::coop(16, 4, 64, 4, 1),
+            _ => LmHeadVariant::coop(16, 4, 64, 2, 1),
+        }
+    }
+
+    /// The default before the cooperative ring, which serves every call the kernel serves: the
+    /// permuted, pipelined kernel with as many rows a step as the 32 sums allow (at most 4), and
+    /// for 1 or 2 rows 16 warps of 4 rows a step, tiles of 32.
+    pub fn fallback_for(rows: usize) -> LmHeadVariant {
         if rows <= 2 {
             return LmHeadVariant::plain(16, 4, 32);
         }
         let per_step = (32 / rows.next_power_of_two()).min(4) as u32;
         LmHeadVariant::fast(8, per_step, 64)
+    }
+
+    /// The default for a call on a device whose blocks may opt in to `shared_limit` bytes of
+    /// shared memory: [`LmHeadVariant::default_for`] where [`plan`] serves it within that limit
+    /// (the ring's stages take up to ~130 KiB at 4 rows), otherwise
+    /// [`LmHeadVariant::fallback_for`].
+    pub fn default_for_call(head: &LmHead, rows: usize, shared_limit: u64) -> LmHeadVariant {
+        let preferred = LmHeadVariant::default_for(rows);
+        match plan(head, rows, preferred) {
+            Ok(p) if p.shared_bytes as u64 + 64 <= shared_limit => preferred,
+            _ => LmHeadVariant::fallback_for(rows),
+        }
     }
 }
 
@@ -329,7 +355,9 @@ pub fn lm_head(
     buffers: LmHeadBuffers<'_>,
     variant: Option<LmHeadVariant>,
 ) -> Result<()> {
-    let variant = variant.unwrap_or_else(|| LmHeadVariant::default_for(rows));
+    let variant = variant.unwrap_or_else(|| {
+        LmHeadVariant::default_for_call(head, rows, gpu.facts().shared_memory_per_block_optin_bytes)
+    });
     let mut plan = plan(head, rows, variant)?;
     let row = row_bytes(head.weight, head.hidden)?;
     super::check_buffer("lm_head", "h", buffers.h.len_bytes(), rows * head.hidden * 4)?;
@@ -427,11 +455,31 @@ mod tests {
     fn every_default_variant_is_served() {
         for rows in 1..=MAX_ROWS {
             for dtype in [DType::BF16, DType::F16, DType::Q8_0, DType::Q4_0, DType::Q4_1] {
-                let plan = plan(&head(4096, dtype), rows, LmHeadVariant::default_for(rows)).unwrap();
-                assert!(plan.shared_bytes <= 48 * 1024 * 3, "{rows} rows: {plan:?}");
+                let planned = plan(&head(4096, dtype), rows, LmHeadVariant::default_for(rows)).unwrap();
+                assert!(planned.shared_bytes as u64 + 64 <= H200_OPTIN, "{rows} rows: {planned:?}");
+                // The fallback serves what the ring refuses (a statistics block of 8 tokens) and
+                // what does not fit the device's shared memory (99 KiB on sm_86 / sm_89).
+                let stats = LmHead { stats_block: Some(8), ..head(4096, dtype) };
+                for limit in [H200_OPTIN, 99 * 1024] {
+                    for call in [stats, head(4096, dtype)] {
+                        let chosen = LmHeadVariant::default_for_call(&call, rows, limit);
+                        let planned = plan(&call, rows, chosen).unwrap();
+                        assert!(planned.shared_bytes as u64 + 64 <= limit, "{rows} rows: {}", chosen.label());
+                    }
+                }
             }
         }
+        // Where the ring serves the call, the call's default is the measured one.
+        let bf16 = head(4096, DType::BF16);
+        assert_eq!(LmHeadVariant::default_for_call(&bf16, 8, H200_OPTIN).label(), "16w/4v/64txs2c");
+        assert_eq!(LmHeadVariant::default_for_call(&bf16, 4, H200_OPTIN).label(), "16w/4v/64txs4c");
+        assert_eq!(LmHeadVariant::default_for_call(&bf16, 4, 99 * 1024), LmHeadVariant::fallback_for(4));
+        let stats8 = LmHead { stats_block: Some(8), ..bf16 };
+        assert_eq!(LmHeadVariant::default_for_call(&stats8, 4, H200_OPTIN), LmHeadVariant::fallback_for(4));
     }
+
+    /// The H200's opt-in shared memory per block.
+    const H200_OPTIN: u64 = 232_448;
 
     #[test]
     fn ring_variants_plan_their_ring_and_a_persistent_grid() {

@@ -265,6 +265,10 @@ impl SamplePath {
     /// figures (`bench/results/`, `kiln bench sample`):
     /// - every row greedy without penalties: [`SamplePath::Greedy`] (one launch that reads the
     ///   logits once);
+    /// - every row at temperature > 0 with `1 <= top_k <=` [`TOPK_BOUND_KMAX`] and no penalties:
+    ///   [`SamplePath::TopKBound`] (one launch; at vocabulary 151936 top-k + top-p 15.7 us at
+    ///   batch 1 and 90.8 us at 64 against the fused path's 18.3 and 123.8,
+    ///   `bench/results/2026-11-30-h200-kernels/step3`);
     /// - no row needs the mass path (every row is greedy or has `1 <= top_k <=` [`FUSED_KMAX`]):
     ///   [`SamplePath::Fused`] (one launch);
     /// - a single row at temperature > 0 without top-k (temperature, top-p, min-p, penalties):
@@ -278,8 +282,13 @@ impl SamplePath {
         let rows: Vec<&SamplingParams> = rows.into_iter().collect();
         let fused = |p: &SamplingParams| p.is_greedy() || (1..=FUSED_KMAX).contains(&p.top_k);
         let mass = |p: &SamplingParams| !p.is_greedy() && p.top_k == 0;
+        let top_k = |p: &SamplingParams| {
+            !p.is_greedy() && !p.has_penalties() && (1..=TOPK_BOUND_KMAX).contains(&p.top_k)
+        };
         if rows.iter().all(|p| p.is_greedy() && !p.has_penalties()) {
             SamplePath::Greedy
+        } else if !rows.is_empty() && rows.iter().all(|p| top_k(p)) {
+            SamplePath::TopKBound
         } else if rows.iter().all(|p| fused(p)) {
             SamplePath::Fused
         } else if rows.len() == 1 && mass(rows[0]) {
