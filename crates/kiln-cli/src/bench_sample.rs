@@ -117,7 +117,7 @@ fn profile_lines(name: &str, batch: usize, path: SamplePath, runs: &[Vec<u64>]) 
     out.push_str(&phase("block (0,0) maxima + fence", 9, 10));
     out.push_str(&phase("block (0,0) ticket", 10, 11));
     out.push_str(&phase("last block: maxima + row max", 16, 17));
-    out.push_str(&phase("last block: histogram + bound", 17, 18));
+    out.push_str(&phase("last block: bins + bound search", 17, 18));
     out.push_str(&phase("last block: groups listed", 18, 19));
     out.push_str(&phase("last block: gather", 19, 20));
     out.push_str(&phase("last block: rank", 20, 21));

@@ -2791,20 +2791,23 @@ kiln_sample_topk_merge(const float* __restrict__ logits, long long vocab, long l
 // without penalties or the LM head's statistics; every other row on block 0 of its row on the
 // single-block path) in one launch of `kiln_sample_topk_bound` on a (slices, rows) grid, with no
 // selection in the blocks that read the logits:
-//   1. Block (s, r) loads its slice (TKB_PER order keys a thread, every load in flight) and writes
+//   1. Block (s, r) loads its slice (TKB_PER order keys a thread, every load issued before any
+//      is converted) and writes
 //      the maximum order key of each group of 32 consecutive logits (one warp-wide max a group;
 //      slices are multiples of 32 logits, so no group crosses a slice). Then it takes the row's
 //      ticket; every block but the last of the row is done.
 //   2. The last block of the row holds the row's group maxima in registers (TKB_GROUP_PER a
-//      thread), takes their maximum M (the row's) and counts them in one 256-bin histogram of
-//      the distance below M (the bins of `fused_dbin`, monotone in the key). The bins up to cb,
-//      where the count reaches k, hold at least k groups, so k distinct tokens: every token of
-//      the row's top-k lies in a bin up to cb. When bin cb holds more than TKB_SLACK groups, 8-bit
+//      thread), takes their maximum M (the row's) and bins them by the distance below M (the
+//      bins of `fused_dbin`, monotone in the key; four bins packed in a word). A binary
+//      search over the 256 bins (eight block-wide counts, one barrier each, no atomics) finds cb,
+//      the first bin at which the count reaches k. The bins up to cb hold at least k groups, so k
+//      distinct tokens: every token of the row's top-k lies in a bin up to cb. When bin cb holds
+//      more than TKB_SLACK groups, 8-bit
 //      radix passes over the keys of its groups choose a prefix too, and the bound B is the
 //      lowest key with it. Each warp lists its own candidate groups (maxima in a bin up to cb and
 //      at or above B) without a barrier and reads them again from L2, a lane a logit and
-//      TKB_GATHER groups in flight; their tokens in a bin up to cb and at or above B are the
-//      candidates: k and a few more. They are ranked (counting, or a bitonic sort past
+//      TKB_GATHER groups in flight (one shared atomic a warp and round for their slots); their
+//      tokens in a bin up to cb and at or above B are the candidates: k and a few more. They are ranked (counting, or a bitonic sort past
 //      TKB_RANK_MAX) and the block finishes on the top-k in the order as the top-k merge path
 //      does: weights from the first, top-p in rank order by one block scan, min-p, and the draw
 //      in index order (the Philox uniform computed while the maxima load; each scan one barrier).
@@ -2815,7 +2818,7 @@ kiln_sample_topk_merge(const float* __restrict__ logits, long long vocab, long l
 //
 // Profile slots (SAMPLE_PROFILE=1, see above): block (0, 0): clock64 at entry (8),
 // keys loaded (9), maxima stored (10), ticket taken (11); the last block of row 0: clock64 at its
-// start (16), maxima loaded and M found (17), histogram and bound (18), warp 0's candidate
+// start (16), maxima loaded and M found (17), bins and bound searched (18), warp 0's candidate
 // groups listed (19), candidates gathered (20), ranked (21), token written (22), %globaltimer at
 // its start (24) and end (25); row 0's counts: valid groups (32), candidate groups (33),
 // candidates (34), k (35), fallback (36), slices (37), groups a slice (38), radix passes over a
@@ -2842,6 +2845,9 @@ struct TopKBoundShared {
     kiln_u64 mass_sums[SAMPLE_WARPS];  // the warps' weight sums (top-p)
     kiln_u64 kept_sums[SAMPLE_WARPS];  // the warps' kept weight sums (the draw)
     kiln_u32 warp_max[SAMPLE_WARPS];
+    kiln_u32 warp_counts[2][SAMPLE_WARPS];  // the bound search's per-warp counts (by step parity)
+    // The bins of each thread's group maxima, four to a word (its own column: no barrier).
+    kiln_u32 packed[TKB_GROUP_PER / 4][THREADS];
     kiln_u32 chosen, above, count, total, ngroups, ncand, overflow;
     int last;
 };
@@ -2942,7 +2948,6 @@ __device__ __forceinline__ int sample_row_topk_bound(int r, kiln_u32 k, const fl
     }
     // The draw's uniform does not depend on the logits: computed while the maxima load.
     const kiln_u64 u = sample_uniform(p.seed, step, p.stream);
-    for (int b = threadIdx.x; b < 256; b += THREADS) sh.bins[b] = 0u;
     if (threadIdx.x == 0) {
         sh.ngroups = 0u;
         sh.ncand = 0u;
@@ -2967,30 +2972,83 @@ __device__ __forceinline__ int sample_row_topk_bound(int r, kiln_u32 k, const fl
     }
     const float M = fused_value(mkey);
 
-    // The bound: one histogram of the group maxima by their distance below the row maximum (the
-    // bins of `fused_dbin`: a lower bin holds only larger keys). The candidate groups are those
-    // of the bins up to the bin cb at which the count reaches k (at least k groups: k distinct
-    // tokens); every token of the row's top-k lies in a bin up to cb (a bin is monotone in the
-    // key), and so in a candidate group. A crowded bin cb (more than TKB_SLACK groups) is split
-    // by 8-bit radix passes over the keys of its groups: the bound is then the lowest key with
-    // the chosen prefix, and the candidates those in a bin up to cb and at or above it.
+    // The bound: the group maxima by their distance below the row maximum (the bins of
+    // `fused_dbin`: a lower bin holds only larger keys). The candidate groups are those of the
+    // bins up to the bin cb at which the count reaches k (at least k groups: k distinct tokens);
+    // every token of the row's top-k lies in a bin up to cb (a bin is monotone in the key), and
+    // so in a candidate group. Each thread packs its groups' bins four to a word of shared memory
+    // (byte q % 4 of word q / 4; 255 for no group, and for a group in the last bin, which no
+    // count below it includes) and
+    // cb is found by a binary search over the bins, each step one count of the groups in a bin up
+    // to the middle (a warp-wide sum, one barrier), instead of a histogram (contended atomics).
+    // A crowded bin cb (more than TKB_SLACK groups) is split by 8-bit radix passes over the keys
+    // of its groups: the bound is then the lowest key with the chosen prefix, and the candidates
+    // those in a bin up to cb and at or above it.
+    kiln_u32(*packed)[THREADS] = sh.packed;  // packed[q / 4][thread]: byte q % 4 is group q's bin
+    kiln_u32 nvalid = 0u;
 #pragma unroll
-    for (int q = 0; q < TKB_GROUP_PER; ++q) {
-        if (q * THREADS >= groups) break;  // the same for the whole block
-        fused_count(sh.bins, g[q] != 0u ? tkb_bin(g[q], M) : -1);
+    for (int w4 = 0; w4 < TKB_GROUP_PER / 4; ++w4) {
+        kiln_u32 word = 0xFFFFFFFFu;
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            const int q = 4 * w4 + t;
+            if (q * THREADS < groups && g[q] != 0u) {
+                word = (word & ~(0xFFu << (8 * t))) | ((kiln_u32)tkb_bin(g[q], M) << (8 * t));
+                ++nvalid;
+            }
+        }
+        packed[w4][threadIdx.x] = word;
     }
-    __syncthreads();
-    tkb_pick(sh, k, false);
-    const kiln_u32 valid = sh.total;
+    // The number of this thread's groups in a bin up to b (b < 255).
+    auto count_upto = [&](int b) {
+        kiln_u32 c = 0u;
+#pragma unroll
+        for (int w4 = 0; w4 < TKB_GROUP_PER / 4; ++w4) {
+            if (4 * w4 * THREADS >= groups) break;  // the same for the whole block
+            const kiln_u32 word = packed[w4][threadIdx.x];  // 255 past the row's groups
+#pragma unroll
+            for (int t = 0; t < 4; ++t) c += ((word >> (8 * t)) & 0xFFu) <= (kiln_u32)b ? 1u : 0u;
+        }
+        return c;
+    };
+    // Binary search for cb, the first bin whose inclusive count reaches k: the count up to bin
+    // lo - 1 is below k (below_lo) and that up to hi reaches it (upto_hi); the first step also
+    // sums the valid groups (the high half of the packed sums: at most 8192 groups a row).
+    kiln_u32 valid = 0u;
+    int lo = 0, hi = FUSED_BINS - 1;
+    kiln_u32 below_lo = 0u, upto_hi = 0u;
+    for (int step_i = 0;; ++step_i) {
+        const int mid = (lo + hi) >> 1;  // < hi <= 255
+        kiln_u32 mine = count_upto(mid) | (step_i == 0 ? nvalid << 16 : 0u);
+        mine = __reduce_add_sync(KILN_FULL_MASK, mine);
+        if (lane == 0) sh.warp_counts[step_i & 1][warp] = mine;
+        __syncthreads();  // the other parity's counts are read before the next barrier
+        kiln_u32 total = 0u;
+#pragma unroll
+        for (int w = 0; w < SAMPLE_WARPS; ++w) total += sh.warp_counts[step_i & 1][w];
+        if (step_i == 0) {
+            valid = total >> 16;
+            upto_hi = valid;
+            if (valid < k) break;  // every valid token
+        }
+        const kiln_u32 c = total & 0xFFFFu;
+        if (c >= k) {
+            hi = mid;
+            upto_hi = c;
+        } else {
+            lo = mid + 1;
+            below_lo = c;
+        }
+        if (lo >= hi) break;  // the same for the whole block
+    }
     TKB_SET(32, row0, valid);
     kiln_u32 bound = 1u;  // candidates: keys at or above it, in bins up to cb_limit
     int cb_limit = FUSED_BINS - 1;
     int passes = 0;
     if (valid >= k) {  // else fewer valid groups than k: every valid token
-        const int cb = (int)sh.chosen;
-        kiln_u32 target = k - sh.above;
-        const bool crowded = sh.count > TKB_SLACK;
-        __syncthreads();  // sh.chosen, sh.above, sh.count are read before reuse
+        const int cb = lo;
+        kiln_u32 target = k - below_lo;
+        const bool crowded = upto_hi - below_lo > TKB_SLACK;
         cb_limit = cb;
         if (crowded) {
             // Within bin cb (the bins below it hold larger keys than any of cb): at least k
@@ -3002,7 +3060,8 @@ __device__ __forceinline__ int sample_row_topk_bound(int r, kiln_u32 k, const fl
 #pragma unroll
                 for (int q = 0; q < TKB_GROUP_PER; ++q) {
                     if (q * THREADS >= groups) break;
-                    const bool in = g[q] != 0u && (g[q] & mask) == prefix && tkb_bin(g[q], M) == cb;
+                    const int bq = (int)((packed[q >> 2][threadIdx.x] >> (8 * (q & 3))) & 0xFFu);
+                    const bool in = g[q] != 0u && (g[q] & mask) == prefix && bq == cb;
                     fused_count(sh.bins, in ? (int)((g[q] >> shift) & 0xFFu) : -1);
                 }
                 __syncthreads();
@@ -3027,7 +3086,8 @@ __device__ __forceinline__ int sample_row_topk_bound(int r, kiln_u32 k, const fl
 #pragma unroll
     for (int q = 0; q < TKB_GROUP_PER; ++q) {
         if (q * THREADS >= groups) break;
-        const bool take = g[q] != 0u && g[q] >= bound && tkb_bin(g[q], M) <= cb_limit;
+        const int bq = (int)((packed[q >> 2][threadIdx.x] >> (8 * (q & 3))) & 0xFFu);
+        const bool take = g[q] != 0u && g[q] >= bound && bq <= cb_limit;
         const kiln_u32 mask = __ballot_sync(KILN_FULL_MASK, take);
         const int at = nw + __popc(mask & ((1u << lane) - 1u));
         if (take && at < TKB_WARP_GROUPS) sh.wgroups[warp][at] = (kiln_u32)(q * THREADS + (int)threadIdx.x);
@@ -3042,25 +3102,38 @@ __device__ __forceinline__ int sample_row_topk_bound(int r, kiln_u32 k, const fl
     const int listed = min(nw, TKB_WARP_GROUPS);
     for (int base = 0; base < listed; base += TKB_GATHER) {
         float x[TKB_GATHER];
-        long long idx[TKB_GATHER];
+        int idx[TKB_GATHER];  // the row's groups are at most TKB_GROUP_PER * THREADS (launcher)
+        // Every load of the round is issued before any is used.
 #pragma unroll
         for (int t = 0; t < TKB_GATHER; ++t) {
-            idx[t] = -1;
-            x[t] = 0.0f;
-            if (base + t < listed) {
-                const long long i = 32ll * (long long)sh.wgroups[warp][base + t] + lane;
-                if (i < vocab) {
-                    idx[t] = i;
-                    x[t] = __ldcg(&row[i]);
-                }
-            }
+            const bool has = base + t < listed;
+            const long long i =
+                has ? 32ll * (long long)sh.wgroups[warp][min(base + t, TKB_WARP_GROUPS - 1)] + lane : vocab;
+            idx[t] = i < vocab ? (int)i : -1;
+            x[t] = i < vocab ? __ldcg(&row[i]) : 0.0f;
         }
+        // The round's candidates take their slots with one atomic a warp: the lane's takes as
+        // bits, the warp's count of each group's before it.
+        kiln_u32 takes = 0u;
+        kiln_u32 warp_total = 0u;
 #pragma unroll
         for (int t = 0; t < TKB_GATHER; ++t) {
-            if (base + t >= listed) break;  // the same for the whole warp
             const kiln_u32 key = idx[t] >= 0 ? sample_order_key(x[t]) : 0u;
             const bool take = key != 0u && key >= bound && fused_dbin(x[t], M) <= cb_limit;
-            fused_append(take, take ? fast_pack(key, (kiln_u32)idx[t]) : 0ull, sh.cand, &sh.ncand, TKB_CAND_CAP);
+            takes |= take ? 1u << t : 0u;
+            warp_total += (kiln_u32)__popc(__ballot_sync(KILN_FULL_MASK, take));
+        }
+        if (warp_total == 0u) continue;  // the same for the whole warp
+        kiln_u32 at = 0u;
+        if (lane == 0) at = atomicAdd(&sh.ncand, warp_total);
+        at = __shfl_sync(KILN_FULL_MASK, at, 0);
+#pragma unroll
+        for (int t = 0; t < TKB_GATHER; ++t) {
+            const bool take = ((takes >> t) & 1u) != 0u;
+            const kiln_u32 mask = __ballot_sync(KILN_FULL_MASK, take);
+            const kiln_u32 slot = at + (kiln_u32)__popc(mask & ((1u << lane) - 1u));
+            if (take && slot < TKB_CAND_CAP) sh.cand[slot] = fast_pack(sample_order_key(x[t]), (kiln_u32)idx[t]);
+            at += (kiln_u32)__popc(mask);
         }
     }
     __syncthreads();
@@ -3175,12 +3248,19 @@ kiln_sample_topk_bound(const float* __restrict__ logits, long long vocab, long l
     const float* x = logits + (long long)r * row_stride + lo;
     // The slice's order keys (every load in flight), the parameters beside them; a row this
     // path does not serve wasted only its read.
+    // Every load is issued before any is converted (a conversion beside its load in a branch
+    // waits for that load before the next one is issued).
+    float xs[TKB_PER];
+#pragma unroll
+    for (int u = 0; u < TKB_PER; ++u) {
+        const int i = u * THREADS + (int)threadIdx.x;
+        xs[u] = i < n ? __ldg(&x[i]) : 0.0f;
+    }
     kiln_u32 key[TKB_PER];
 #pragma unroll
     for (int u = 0; u < TKB_PER; ++u) {
         const int i = u * THREADS + (int)threadIdx.x;
-        key[u] = 0u;
-        if (u * THREADS < slice_len && i < n) key[u] = sample_order_key(__ldg(&x[i]));
+        key[u] = i < n ? sample_order_key(xs[u]) : 0u;
     }
     const KilnSampleParams p = params[r];
     const kiln_u32 h0 = history_offsets[r], h1 = history_offsets[r + 1];
