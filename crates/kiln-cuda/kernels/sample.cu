@@ -1655,6 +1655,7 @@ template <class F> __device__ __forceinline__ void fused_rank(const kiln_u64* a,
         const int j = base + (int)threadIdx.x / g, part = (int)threadIdx.x & (g - 1);
         const kiln_u64 e = j < n ? a[j] : 0ull;
         kiln_u32 rank = 0u;
+#pragma unroll 4
         for (int i = part; i < n; i += g) rank += a[i] > e ? 1u : 0u;
         for (int o = g >> 1; o > 0; o >>= 1) rank += __shfl_xor_sync(KILN_FULL_MASK, rank, o);
         if (j < n && part == 0 && e != 0ull) f(e, rank);
@@ -3209,6 +3210,7 @@ __device__ __forceinline__ int sample_row_topk_bound(int r, kiln_u32 k, const fl
         const kiln_u32 own_weight = jj < kk ? kept_weight[jj] : 0u;
         kiln_u64 inclusive = 0ull;
         if (own_weight != 0u) {
+#pragma unroll 4
             for (int i = part; i < kk; i += gw) inclusive += kept_index[i] <= own_index ? (kiln_u64)kept_weight[i] : 0ull;
         }
         for (int o = gw >> 1; o > 0; o >>= 1) inclusive += __shfl_xor_sync(KILN_FULL_MASK, inclusive, o);

@@ -52,9 +52,10 @@
 //! [`topk_bound_slices`]) with no selection in the blocks that read the logits: each block
 //! writes the maximum of every group of 32 logits, and the last block of the row bounds the
 //! row's k-th token from below by the k-th largest group maximum (k groups hold k distinct
-//! tokens at or above it: one histogram of the maxima's distance below the row maximum finds it),
-//! reads again only the groups that reach the bound and finishes on the few candidates. Compiled with `SAMPLE_PROFILE=1` ([`sample_with_path_profiled`]) it and the
-//! top-k merge kernel write time stamps of their phases.
+//! tokens at or above it: a binary search over bins of the maxima's distance below the row
+//! maximum finds it), reads again only the groups that reach the bound and finishes on the few
+//! candidates. Compiled with `SAMPLE_PROFILE=1` ([`sample_with_path_profiled`]) it and the top-k
+//! merge kernel write time stamps of their phases.
 //!
 //! Every path gives the reference's token; [`SamplePath`] chooses among them. The default,
 //! [`SamplePath::Auto`], runs the fused path and the mass path's three launches after it (which
