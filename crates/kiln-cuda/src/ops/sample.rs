@@ -267,9 +267,9 @@ impl SamplePath {
     /// - every row greedy without penalties: [`SamplePath::Greedy`] (one launch that reads the
     ///   logits once);
     /// - every row at temperature > 0 with `1 <= top_k <=` [`TOPK_BOUND_KMAX`] and no penalties:
-    ///   [`SamplePath::TopKBound`] (one launch; at vocabulary 151936 top-k + top-p 15.7 us at
-    ///   batch 1 and 90.8 us at 64 against the fused path's 18.3 and 123.8,
-    ///   `bench/results/2026-11-30-h200-kernels/step3`);
+    ///   [`SamplePath::TopKBound`] (one launch; at vocabulary 151936 top-k + top-p 15.6 us at
+    ///   batch 1 and 44.8 us at 64 against the fused path's 18.4 and 123.6,
+    ///   `bench/results/2026-11-30-h200-kernels/step5`);
     /// - no row needs the mass path (every row is greedy or has `1 <= top_k <=` [`FUSED_KMAX`]):
     ///   [`SamplePath::Fused`] (one launch);
     /// - a single row at temperature > 0 without top-k (temperature, top-p, min-p, penalties):
