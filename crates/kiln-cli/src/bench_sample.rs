@@ -97,15 +97,19 @@ fn profile_lines(name: &str, batch: usize, path: SamplePath, runs: &[Vec<u64>]) 
         format!("  {label:<28} {c:>8.0} cycles {:>7.2} us\n", c / ghz / 1e3)
     };
     if path == SamplePath::TopKMerge {
-        out.push_str(&phase("block (0,0) slice loaded", 8, 9));
-        out.push_str(&phase("block (0,0) histogram + pick", 9, 10));
-        out.push_str(&phase("block (0,0) list written", 10, 11));
-        out.push_str(&phase("block (0,0) fence + ticket", 11, 12));
-        out.push_str(&phase("last block: heads staged", 16, 17));
-        out.push_str(&phase("last block: bound", 17, 18));
-        out.push_str(&phase("last block: survivors", 18, 19));
-        out.push_str(&phase("last block: rank", 19, 20));
-        out.push_str(&phase("last block: finish", 20, 22));
+        for (label, a, b) in [
+            ("block (0,0) slice loaded", 8, 9),
+            ("block (0,0) histogram + pick", 9, 10),
+            ("block (0,0) list written", 10, 11),
+            ("block (0,0) fence + ticket", 11, 12),
+            ("last block: heads staged", 16, 17),
+            ("last block: bound", 17, 18),
+            ("last block: survivors", 18, 19),
+            ("last block: rank", 19, 20),
+            ("last block: finish", 20, 22),
+        ] {
+            out.push_str(&phase(label, a, b));
+        }
         let last = &runs[runs.len() - 1];
         out.push_str(&format!(
             "  row 0: k {}, {} slices, staged depth {}, {} survivors, fallback {}\n",
@@ -113,15 +117,19 @@ fn profile_lines(name: &str, batch: usize, path: SamplePath, runs: &[Vec<u64>]) 
         ));
         return out;
     }
-    out.push_str(&phase("block (0,0) keys loaded", 8, 9));
-    out.push_str(&phase("block (0,0) maxima + fence", 9, 10));
-    out.push_str(&phase("block (0,0) ticket", 10, 11));
-    out.push_str(&phase("last block: maxima + row max", 16, 17));
-    out.push_str(&phase("last block: bins + bound search", 17, 18));
-    out.push_str(&phase("last block: groups listed", 18, 19));
-    out.push_str(&phase("last block: gather", 19, 20));
-    out.push_str(&phase("last block: rank", 20, 21));
-    out.push_str(&phase("last block: finish", 21, 22));
+    for (label, a, b) in [
+        ("block (0,0) keys loaded", 8, 9),
+        ("block (0,0) maxima + fence", 9, 10),
+        ("block (0,0) ticket", 10, 11),
+        ("last block: maxima + row max", 16, 17),
+        ("last block: bins + bound search", 17, 18),
+        ("last block: groups listed", 18, 19),
+        ("last block: gather", 19, 20),
+        ("last block: rank", 20, 21),
+        ("last block: finish", 21, 22),
+    ] {
+        out.push_str(&phase(label, a, b));
+    }
     let last = &runs[runs.len() - 1];
     out.push_str(&format!(
         "  row 0: k {}, {} slices of {} groups, {} valid groups, {} radix passes (crowded bin), {} candidate groups, {} \

@@ -725,6 +725,32 @@ fn function(
     gpu.function(source, entry, &refs)
 }
 
+/// Raises `kernel`'s dynamic shared memory to what `variant` takes at `head_dim` (a named error
+/// when the device gives less); `call` names the driver call in its error. Returns the bytes.
+fn raise_shared_memory(
+    gpu: &Gpu,
+    kernel: &cudarc::driver::CudaFunction,
+    head_dim: usize,
+    variant: AttentionVariant,
+    call: &'static str,
+) -> Result<usize> {
+    let shared = variant.shared_bytes(head_dim);
+    let optin = gpu.facts().shared_memory_per_block_optin_bytes as usize;
+    if shared > optin {
+        return Err(Error::NotServed {
+            op: "attention kernel",
+            reason: format!("{variant:?} needs {shared} bytes of shared memory, the device gives {optin}"),
+        });
+    }
+    kernel
+        .set_attribute(
+            CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            shared as i32,
+        )
+        .map_err(|e| driver_error(call, e))?;
+    Ok(shared)
+}
+
 fn as_i32(what: &'static str, value: usize) -> Result<i32> {
     i32::try_from(value).map_err(|_| Error::NotServed {
         op: "attention kernel",
@@ -892,20 +918,7 @@ fn attention_with_profile(
         }
     };
     let kernel = function(gpu, shape.head_dim, variant, entry)?;
-    let shared = variant.shared_bytes(shape.head_dim);
-    let optin = gpu.facts().shared_memory_per_block_optin_bytes as usize;
-    if shared > optin {
-        return Err(Error::NotServed {
-            op: "attention kernel",
-            reason: format!("{variant:?} needs {shared} bytes of shared memory, the device gives {optin}"),
-        });
-    }
-    kernel
-        .set_attribute(
-            CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            shared as i32,
-        )
-        .map_err(|e| driver_error("cuFuncSetAttribute(attention)", e))?;
+    let shared = raise_shared_memory(gpu, &kernel, shape.head_dim, variant, "cuFuncSetAttribute(attention)")?;
     let group = shape.group();
     let row_tiles = (batch.max_query_tokens * group).div_ceil(variant.rows() as usize);
     let grid_y = shape.kv_heads * splits as usize;
@@ -992,20 +1005,13 @@ fn decode_persistent(
             gpu.function(&ATTENTION, entry, &refs)?
         }
     };
-    let shared = variant.shared_bytes(shape.head_dim);
-    let optin = gpu.facts().shared_memory_per_block_optin_bytes as usize;
-    if shared > optin {
-        return Err(Error::NotServed {
-            op: "attention kernel",
-            reason: format!("{variant:?} needs {shared} bytes of shared memory, the device gives {optin}"),
-        });
-    }
-    kernel
-        .set_attribute(
-            CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            shared as i32,
-        )
-        .map_err(|e| driver_error("cuFuncSetAttribute(attention_decode_persistent)", e))?;
+    let shared = raise_shared_memory(
+        gpu,
+        &kernel,
+        shape.head_dim,
+        variant,
+        "cuFuncSetAttribute(attention_decode_persistent)",
+    )?;
     // One (sequence, kv head, row tile) ticket counter each, whenever a sequence has several chunks.
     let groups = batch.batch * shape.kv_heads * shape.group().div_ceil(16);
     if groups > TICKETS {
@@ -1080,20 +1086,8 @@ fn prefill_wgmma(
         "kiln_attention_prefill"
     };
     let kernel = function(gpu, shape.head_dim, variant, entry)?;
-    let shared = variant.shared_bytes(shape.head_dim);
-    let optin = gpu.facts().shared_memory_per_block_optin_bytes as usize;
-    if shared > optin {
-        return Err(Error::NotServed {
-            op: "attention kernel",
-            reason: format!("{variant:?} needs {shared} bytes of shared memory, the device gives {optin}"),
-        });
-    }
-    kernel
-        .set_attribute(
-            CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            shared as i32,
-        )
-        .map_err(|e| driver_error("cuFuncSetAttribute(attention_prefill)", e))?;
+    let shared =
+        raise_shared_memory(gpu, &kernel, shape.head_dim, variant, "cuFuncSetAttribute(attention_prefill)")?;
     let row_tiles = (batch.max_query_tokens * shape.group()).div_ceil(variant.rows() as usize);
     if row_tiles > i32::MAX as usize || shape.kv_heads > 65_535 || batch.batch > 65_535 {
         return Err(Error::NotServed {

@@ -96,16 +96,7 @@ impl LmHeadVariant {
     /// A ring variant whose lanes copy each step cooperatively (`COOP`), for `blocks` resident
     /// blocks a multiprocessor.
     const fn coop(warps: u32, vocab_rows: u32, tile: u32, stages: u32, blocks: u32) -> LmHeadVariant {
-        LmHeadVariant {
-            warps,
-            vocab_rows,
-            tile,
-            permuted: true,
-            pipelined: false,
-            stages,
-            blocks,
-            coop: true,
-        }
+        LmHeadVariant { coop: true, ..LmHeadVariant::ring_blocks(warps, vocab_rows, tile, stages, blocks) }
     }
 
     /// A short label: `8w/4v/64t`, with `x` for permuted slots, `p` for pipelined loads, `s4`
