@@ -51,11 +51,22 @@
 // copied: __syncwarp() after cp.async.wait_group orders their copies before its reads, and its
 // reads of a slot before the next copies into it. The products and sums are those of the ring.
 //
+// PAIR = 1 (on the cooperative ring, 2-byte weights) gives each lane two chains of a unit: its own
+// position p = lane % 16 and its distance-16 partner p + 16 (bytes 16 p and 16 p + 256 of the
+// unit's row), for every h row (128 h registers at 8 rows: the variant runs 8 or fewer warps a
+// multiprocessor). The butterfly's first level (distance 16) is then one local FADD per sum,
+// chain(p) + chain(p + 16), the value both lanes of the distance-16 pair would compute, so the
+// shuffles run over the half-warp (distances 8, 4, 2, 1) and a step's sums halve. Half-warp hf
+// takes step rows hf * VROWS / 2 ..; its VROWS / 2 x ROWS_P2 sums (at most 32) are reduced
+// transposed as above, with the slots permuted by p (see `LmPairStep`). Per 256 FFMA of 8 rows:
+// 16 local FADD + 15 SHFL + 15 FADD instead of 31 SHFL + 31 FADD; the weights' decode stays one
+// instruction per weight shared by every row. Same additions in the same tree: the same bits.
+//
 // Compile-time constants: ROWS (1..8), W_T (0 bf16, 1 fp16, 2 Q8_0, 3 Q4_0, 4 Q4_1), WARPS,
 // VROWS (a power of two <= 16; reduced VSUB = min(VROWS, 32 / next_pow2(ROWS)) rows at a time),
 // XSLOT, PIPE, STAGES (0, 2, 4, 8), MIN_BLOCKS (blocks a multiprocessor the registers must
 // allow: 1, 2 or 4; two 8-warp blocks keep 16 warps resident while one of them adds up a tile),
-// COOP (0 / 1), ROW_SCALE, SOFT_CAP, STATS (0 / 1).
+// COOP (0 / 1), PAIR (0 / 1), ROW_SCALE, SOFT_CAP, STATS (0 / 1).
 // Compiled with --fmad=false; the fused operations (the chains, Q4_1's d * q + m) are explicit
 // __fmaf_rn.
 
@@ -86,6 +97,9 @@
 #ifndef COOP
 #define COOP 0
 #endif
+#ifndef PAIR
+#define PAIR 0
+#endif
 #ifndef ROW_SCALE
 #define ROW_SCALE 0
 #endif
@@ -114,6 +128,15 @@ static_assert(COOP == 0 || (STAGES > 0 && XSLOT == 1), "COOP runs on the ring wi
 #define RING_COOP (RING && COOP)
 // Lanes that copy one row of a step (each copies VROWS of the row's 32 chunks of 16 bytes).
 #define LPR (32 / VROWS)
+static_assert(PAIR == 0 || (COOP == 1 && VROWS >= 2 && VROWS <= 8), "PAIR runs on the cooperative ring, 2 to 8 rows a step");
+// PAIR (see the header): step rows a half-warp takes, the sums it reduces per step (at most 32),
+// the sums a lane ends with, and the lanes that end with the same sum.
+#define PAIR_ROWS (VROWS / 2 > 0 ? VROWS / 2 : 1)
+#define PAIR_SLOTS (PAIR_ROWS * ROWS_P2)
+#define PAIR_KEEP (PAIR_SLOTS >= 16 ? PAIR_SLOTS / 16 : 1)
+#define PAIR_GROUP (PAIR_SLOTS >= 16 ? 1 : 16 / PAIR_SLOTS)
+// Quantized weights take no ring (decoded at the load): PAIR changes nothing for them.
+#define RING_PAIR (RING_COOP && PAIR)
 
 // 16 bytes streamed past L1 (W is read once).
 __device__ __forceinline__ uint4 lm_load_stream16(const void* p) {
@@ -368,6 +391,76 @@ __device__ __forceinline__ void lm_step(const LmW (&cur)[VROWS], const float (&h
     }
 }
 
+#if RING_PAIR
+// One transposed step of the half-warp reduction: C sums per lane become C / 2, exchanged with
+// the lane at distance O (8, 4, 2, 1). Register k of lane L holds slot k ^ m, with m =
+// pair_mask(L % 16): lane bit O of step j maps to slot bit C / 2, so a lane keeps its lower
+// half, sends its upper half, and its partner's upper register k + C / 2 holds the slot of its
+// own register k. Stops with one sum a lane (the plain butterfly continues) or when the
+// distances are used up (PAIR_KEEP sums a lane).
+template <int C, int O>
+struct LmPairStep {
+    static __device__ __forceinline__ void run(float* s) {
+#pragma unroll
+        for (int k = 0; k < C / 2; ++k) s[k] = s[k] + __shfl_xor_sync(KILN_FULL_MASK, s[k + C / 2], O);
+        LmPairStep<C / 2, O / 2>::run(s);
+    }
+};
+template <int O>
+struct LmPairStep<1, O> {
+    static __device__ __forceinline__ void run(float*) {}
+};
+template <int C>
+struct LmPairStep<C, 0> {
+    static __device__ __forceinline__ void run(float*) {}
+};
+template <>
+struct LmPairStep<1, 0> {
+    static __device__ __forceinline__ void run(float*) {}
+};
+
+// The slot permutation of half-warp lane p (0..15): lane bits 8, 4, 2, 1 map to slot bits
+// PAIR_SLOTS / 2, / 4, ... (as many as the sums halve).
+__device__ __forceinline__ int lm_pair_mask(int p) {
+    return PAIR_SLOTS >= 16 ? p * (PAIR_SLOTS / 16) : p / (16 / PAIR_SLOTS);
+}
+
+// One PAIR step: this lane's chains at positions p and p + 16 of its half-warp's step rows
+// (register row ii reads step row at[ii], register row rr holds h row rr ^ xr), the local first
+// level of the butterfly, the half-warp's transposed reduction, and the unit sums written to
+// out[r * stride + i] for step row i and h row r.
+__device__ __forceinline__ void lm_pair_step(const uint4* slot, const int (&at)[PAIR_ROWS],
+                                             const float (&ha)[ROWS_P2][8], const float (&hb)[ROWS_P2][8],
+                                             int half, int p, int mask, float* out, int stride) {
+    float s[PAIR_SLOTS];
+#pragma unroll
+    for (int ii = 0; ii < PAIR_ROWS; ++ii) {
+        LmW a, b;
+        a.q = slot[at[ii]];
+        b.q = slot[at[ii] + 16];
+        float wa[8], wb[8];
+        lm_decode(a, wa);
+        lm_decode(b, wb);
+#pragma unroll
+        for (int rr = 0; rr < ROWS_P2; ++rr) {
+            // The butterfly's distance-16 level: chain(p) + chain(p + 16), as both lanes would add.
+            s[ii * ROWS_P2 + rr] = lm_chain8(ha[rr], wa) + lm_chain8(hb[rr], wb);
+        }
+    }
+    LmPairStep<PAIR_SLOTS, 8>::run(s);
+#pragma unroll
+    for (int o = 8 / PAIR_SLOTS; o > 0; o >>= 1) s[0] += __shfl_xor_sync(KILN_FULL_MASK, s[0], o);
+    if (p % PAIR_GROUP == 0) {
+#pragma unroll
+        for (int k = 0; k < PAIR_KEEP; ++k) {
+            const int sl = mask ^ k;
+            const int i = half * PAIR_ROWS + sl / ROWS_P2, r = sl % ROWS_P2;
+            if (r < ROWS) out[r * stride + i] = s[k];
+        }
+    }
+}
+#endif
+
 // The end of a tile: after every warp's unit sums are in `partial`, one thread per (row, token)
 // adds them left to right, applies the epilogue and writes the logit (and, with STATS, the
 // tile's largest logit per row). Every thread of the block calls it.
@@ -585,9 +678,23 @@ kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, c
     const uint4* ring_warp = reinterpret_cast<const uint4*>(partial + ring_offset) + warp * (STAGES * VROWS * 32);
     const kiln_u32 copy_dst = kiln_smem_address(ring_warp + (lane / LPR) * 32 + lane % LPR);
     // Where this lane reads step row i (vocabulary row i ^ xi) in slot 0, in 16-byte units.
+#if RING_PAIR
+    // This lane's half-warp, position p, slot permutation, and where it reads its register row
+    // ii (step row half * PAIR_ROWS + (ii ^ pxi)) in slot 0; h registers permuted by pxr.
+    const int half = lane >> 4, pp = lane & 15;
+    const int pmask = lm_pair_mask(pp);
+    const int pxi = pmask / ROWS_P2, pxr = pmask % ROWS_P2;
+    (void)xi;  // the whole-warp permutation is not used
+    (void)xr;
+    int read_at[PAIR_ROWS];
+#pragma unroll
+    for (int ii = 0; ii < PAIR_ROWS; ++ii) read_at[ii] = (half * PAIR_ROWS + (ii ^ pxi)) * 32 + pp;
+    float hb[ROWS_P2][8];
+#else
     int read_at[VROWS];
 #pragma unroll
     for (int i = 0; i < VROWS; ++i) read_at[i] = (i ^ xi) * 32 + lane;
+#endif
     const kiln_u32 ring_row_bytes = (kiln_u32)row_bytes, ring_vocab = (kiln_u32)vocab;
     const kiln_u32 step_bytes = VROWS * ring_row_bytes;
     LmCoopProducer producer;
@@ -605,7 +712,12 @@ kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, c
     for (long long t = blockIdx.x; t < tiles; t += gridDim.x) {
         for (int u = warp; u < units; u += WARPS) {
             if (u != hu) {
+#if RING_PAIR
+                lm_load_h(h, hidden, u, pp, pxr, hv);
+                lm_load_h(h, hidden, u, pp + 16, pxr, hb);
+#else
                 lm_load_h(h, hidden, u, lane, xr, hv);
+#endif
                 hu = u;
             }
             float* out = partial + (long long)u * ROWS * stride;
@@ -617,10 +729,15 @@ kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, c
                     __syncwarp();
                     lm_coop_produce(weights, ring_row_bytes, ring_vocab, hidden, tile, tiles, units, groups, warp,
                                     lane, copy_dst, (s + STAGES - 1) % STAGES, step_bytes, producer);
+#if RING_PAIR
+                    lm_pair_step(ring_warp + s * (VROWS * 32), read_at, hv, hb, half, pp, pmask,
+                                 out + (g + s) * VROWS, stride);
+#else
                     LmW cur[VROWS];
 #pragma unroll
                     for (int i = 0; i < VROWS; ++i) cur[i].q = ring_warp[s * (VROWS * 32) + read_at[i]];
                     lm_step(cur, hv, lane, out + (g + s) * VROWS, stride);
+#endif
                 }
             }
         }

@@ -24,7 +24,10 @@ use crate::runtime::{driver_error, Gpu};
 /// 0 for none), the blocks a multiprocessor the compile keeps registers for (`MIN_BLOCKS`:
 /// 1, 2 or 4), and whether the lanes copy each ring step cooperatively (`COOP`: one source
 /// address a lane and constant ring slots, the step loop unrolled by `stages`, so `tile /
-/// vocab_rows` must be a multiple of `stages`). Every variant computes the same bits.
+/// vocab_rows` must be a multiple of `stages`), and whether each lane runs two chains of a unit on
+/// the cooperative ring, its own and its distance-16 partner's (`PAIR`: the butterfly's first
+/// level is a local add, half the shuffles; 128 h registers a lane at 8 rows, so at most 8 warps
+/// a multiprocessor; 2, 4 or 8 rows a step). Every variant computes the same bits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct LmHeadVariant {
     pub warps: u32,
@@ -35,6 +38,7 @@ pub struct LmHeadVariant {
     pub stages: u32,
     pub blocks: u32,
     pub coop: bool,
+    pub paired: bool,
 }
 
 impl LmHeadVariant {
@@ -48,6 +52,7 @@ impl LmHeadVariant {
             stages: 0,
             blocks: 1,
             coop: false,
+            paired: false,
         }
     }
 
@@ -61,6 +66,7 @@ impl LmHeadVariant {
             stages: 0,
             blocks: 1,
             coop: false,
+            paired: false,
         }
     }
 
@@ -74,6 +80,7 @@ impl LmHeadVariant {
             stages,
             blocks: 1,
             coop: false,
+            paired: false,
         }
     }
 
@@ -90,6 +97,7 @@ impl LmHeadVariant {
             stages,
             blocks,
             coop: false,
+            paired: false,
         }
     }
 
@@ -99,12 +107,18 @@ impl LmHeadVariant {
         LmHeadVariant { coop: true, ..LmHeadVariant::ring_blocks(warps, vocab_rows, tile, stages, blocks) }
     }
 
+    /// A cooperative ring variant whose lanes run two chains of a unit each (`PAIR`), for
+    /// `blocks` resident blocks a multiprocessor.
+    const fn pair(warps: u32, vocab_rows: u32, tile: u32, stages: u32, blocks: u32) -> LmHeadVariant {
+        LmHeadVariant { paired: true, ..LmHeadVariant::coop(warps, vocab_rows, tile, stages, blocks) }
+    }
+
     /// A short label: `8w/4v/64t`, with `x` for permuted slots, `p` for pipelined loads, `s4`
-    /// for a ring of 4 stages, `c` for cooperative ring copies and `b2` for two blocks a
-    /// multiprocessor.
+    /// for a ring of 4 stages, `c` for cooperative ring copies, `d` for two chains a lane and
+    /// `b2` for two blocks a multiprocessor.
     pub fn label(&self) -> String {
         format!(
-            "{}w/{}v/{}t{}{}{}{}{}",
+            "{}w/{}v/{}t{}{}{}{}{}{}",
             self.warps,
             self.vocab_rows,
             self.tile,
@@ -112,6 +126,7 @@ impl LmHeadVariant {
             if self.pipelined { "p" } else { "" },
             if self.stages > 0 { format!("s{}", self.stages) } else { String::new() },
             if self.coop { "c" } else { "" },
+            if self.paired { "d" } else { "" },
             if self.blocks > 1 { format!("b{}", self.blocks) } else { String::new() }
         )
     }
@@ -150,6 +165,7 @@ pub const LM_HEAD_VARIANTS: &[LmHeadVariant] = &[
         stages: 0,
         blocks: 1,
         coop: false,
+        paired: false,
     },
     // The ring (cp.async ahead of the products, persistent grid), for 4 and 8 rows first. With
     // 16 warps each warp keeps one unit of 4096 for the whole launch (h loaded once).
@@ -190,6 +206,16 @@ pub const LM_HEAD_VARIANTS: &[LmHeadVariant] = &[
     LmHeadVariant::coop(8, 4, 64, 2, 2),
     LmHeadVariant::coop(8, 4, 64, 4, 2),
     LmHeadVariant::coop(8, 8, 64, 2, 1),
+    // Two chains a lane (PAIR) for 8 rows: a lane's chain at position p + 16 is added to its own
+    // before the shuffles, so a step of 8 rows takes 354 instead of 385.5 SASS instructions per
+    // 256 FFMA (15 SHFL + 31 FADD instead of 31 + 31; sm_90), at 221 registers: 8 warps a
+    // multiprocessor, one block of 8 or two of 4, with deeper rings to keep the bytes in flight.
+    LmHeadVariant::pair(8, 8, 128, 4, 1),
+    LmHeadVariant::pair(8, 8, 64, 4, 1),
+    LmHeadVariant::pair(8, 8, 128, 2, 1),
+    LmHeadVariant::pair(8, 4, 128, 8, 1),
+    LmHeadVariant::pair(8, 4, 64, 4, 1),
+    LmHeadVariant::pair(4, 8, 64, 4, 2),
 ];
 
 impl LmHeadVariant {
@@ -284,6 +310,8 @@ pub fn plan(head: &LmHead, rows: usize, variant: LmHeadVariant) -> Result<LmHead
         || ![1, 2, 4].contains(&variant.blocks)
         || (variant.stages > 0 && variant.pipelined)
         || (variant.coop && (variant.stages == 0 || !variant.permuted))
+        || (variant.paired && (!variant.coop || ![2, 4, 8].contains(&variant.vocab_rows)))
+        || (variant.paired && variant.warps * variant.blocks > 8)
     {
         return Err(not_served(format!("variant {variant:?} for {rows} rows")));
     }
@@ -324,6 +352,7 @@ pub fn plan(head: &LmHead, rows: usize, variant: LmHeadVariant) -> Result<LmHead
         ("STAGES", variant.stages.to_string()),
         ("MIN_BLOCKS", variant.blocks.to_string()),
         ("COOP", flag(variant.coop)),
+        ("PAIR", flag(variant.paired)),
         ("ROW_SCALE", flag(false)),
         ("SOFT_CAP", flag(head.soft_cap.is_some())),
         ("STATS", flag(head.stats_block.is_some())),
@@ -506,6 +535,27 @@ mod tests {
         assert!(plan(&LmHead { weight: DType::Q8_0, ..uneven }, 8, coop4).is_ok());
         let no_ring = LmHeadVariant { stages: 0, ..coop4 };
         assert!(matches!(plan(&head(4096, DType::BF16), 8, no_ring), Err(Error::NotServed { .. })));
+        // Two chains a lane: on the cooperative ring, 2 to 8 rows a step, at most 8 warps a
+        // multiprocessor (its 128 h registers at 8 rows).
+        let pair = LmHeadVariant::pair(8, 8, 128, 4, 1);
+        assert_eq!(pair.label(), "8w/8v/128txs4cd");
+        assert_eq!(LmHeadVariant::pair(4, 8, 64, 4, 2).label(), "4w/8v/64txs4cdb2");
+        let planned = plan(&head(4096, DType::BF16), 8, pair).unwrap();
+        assert!(planned.defines.contains(&("PAIR", "1".to_owned())));
+        assert!(planned.defines.contains(&("COOP", "1".to_owned())));
+        assert!(!coop.defines.contains(&("PAIR", "1".to_owned())));
+        for refused in [
+            LmHeadVariant { coop: false, ..pair },
+            LmHeadVariant { vocab_rows: 16, tile: 256, ..pair },
+            LmHeadVariant { vocab_rows: 1, tile: 16, ..pair },
+            LmHeadVariant { warps: 16, ..pair },
+            LmHeadVariant { blocks: 2, ..pair },
+        ] {
+            assert!(
+                matches!(plan(&head(4096, DType::BF16), 8, refused), Err(Error::NotServed { .. })),
+                "{refused:?}"
+            );
+        }
         let three = LmHeadVariant::ring_blocks(8, 4, 64, 2, 3);
         assert!(matches!(plan(&head(4096, DType::BF16), 8, three), Err(Error::NotServed { .. })));
         let labels: std::collections::HashSet<String> = LM_HEAD_VARIANTS.iter().map(|v| v.label()).collect();
