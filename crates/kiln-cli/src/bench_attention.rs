@@ -101,6 +101,17 @@ pub struct BenchAttentionArgs {
     /// its steps, summed over the blocks.
     #[arg(long)]
     pub persist_profile: bool,
+    /// More decode configurations to time, by label (comma-separated, as the tuning reports
+    /// name them: `hybrid-1x4x16.s16,1x4x32.s8`), each a row tagged `extra` at every batch and
+    /// context: splits beyond the defaults' one wave, for measurement.
+    #[arg(long, value_delimiter = ',')]
+    pub decode_configs: Vec<String>,
+    /// Only these decode batches (comma-separated; default all of 1, 8, 64).
+    #[arg(long, value_delimiter = ',')]
+    pub decode_batches: Vec<usize>,
+    /// Only these decode contexts (comma-separated; default all of 1024 to 131072).
+    #[arg(long, value_delimiter = ',')]
+    pub decode_contexts: Vec<usize>,
 }
 
 /// The `profile` line of a persistent row: for each warp that ran (the copying warp last), the
@@ -377,6 +388,17 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
             }
             configs.push((tag, AttentionConfig { variant, splits }));
         }
+        for label in &args.decode_configs {
+            let config = AttentionConfig::parse(label).ok_or_else(|| Error::InvalidArgument {
+                name: "--decode-configs",
+                value: label.clone(),
+                reason: "names no attention configuration (e.g. hybrid-1x4x16.s16)".to_owned(),
+            })?;
+            configs.push(("extra", config));
+        }
+        if !args.decode_batches.is_empty() && !args.decode_batches.contains(&batch_size) {
+            continue;
+        }
         if !args.decode_only.is_empty() {
             configs.retain(|(tag, config)| {
                 let label = config.label();
@@ -385,6 +407,9 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
             });
         }
         for &context in &DECODE_CONTEXTS {
+            if !args.decode_contexts.is_empty() && !args.decode_contexts.contains(&context) {
+                continue;
+            }
             let case_bytes = batch_size * context * token_bytes;
             let rotations = (2 * l2).div_ceil(case_bytes).clamp(1, 64);
             if case_bytes * rotations > args.max_cache_gib << 30 {
