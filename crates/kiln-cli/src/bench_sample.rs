@@ -14,11 +14,12 @@
 //! without top-k run on one block each, so only greedy and top-k rows are fast there), the
 //! lists with the mass path (`SamplePath::Lists`) and, for greedy rows, the greedy kernel
 //! (`SamplePath::Greedy`), and, for greedy and top-k rows without penalties, the top-k merge
-//! kernel (`SamplePath::TopKMerge`, a candidate not yet chosen by `for_rows`) and the top-k
-//! bound kernel (`SamplePath::TopKBound`, likewise).
+//! kernel (`SamplePath::TopKMerge`, a candidate not yet chosen by `for_rows`), the top-k
+//! bound kernel (`SamplePath::TopKBound`, likewise) and the same kernel with the bound by ballot
+//! histograms (`SamplePath::TopKBallot`, likewise).
 //!
-//! `--profile` prints, instead of the table, the phases of the top-k bound and top-k merge
-//! kernels compiled with `SAMPLE_PROFILE=1` (one launch a sample, the median of several) for
+//! `--profile` prints, instead of the table, the phases of the top-k bound (both last blocks)
+//! and top-k merge kernels compiled with `SAMPLE_PROFILE=1` (one launch a sample, the median of several) for
 //! their modes at batch 1 and 64: where the microseconds go, in a few seconds.
 
 use std::collections::BTreeMap;
@@ -53,7 +54,7 @@ pub struct BenchSampleArgs {
     /// Also write the table (markdown) here.
     #[arg(long)]
     pub out: Option<PathBuf>,
-    /// Print the phases of the top-k bound and top-k merge kernels (compiled with
+    /// Print the phases of the top-k bound (both last blocks) and top-k merge kernels (compiled with
     /// SAMPLE_PROFILE=1) instead of the table.
     #[arg(long)]
     pub profile: bool,
@@ -184,9 +185,10 @@ pub fn run(args: &BenchSampleArgs) -> Result<()> {
     let mut table = format!(
         "Sampler, vocabulary {vocab}, on {} ({})\n\n\
          | mode | batch | path | time_us | graph_us | auto_us | auto_graph_us | fused_graph_us | lists_graph_us \
-         | greedy_graph_us | topk_merge_graph_us | topk_bound_graph_us | torch_us | torch / kiln \
-         | torch / kiln graph |\n\
-         | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n",
+         | greedy_graph_us | topk_merge_graph_us | topk_bound_graph_us | topk_ballot_graph_us | torch_us \
+         | torch / kiln | torch / kiln graph |\n\
+         | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: \
+         | ---: |\n",
         gpu.facts().name,
         gpu.arch()
     );
@@ -242,7 +244,7 @@ pub fn run(args: &BenchSampleArgs) -> Result<()> {
                 !penalties && (params.is_greedy() || (1..=TOPK_BOUND_KMAX).contains(&params.top_k));
             if args.profile {
                 // The top-k merge kernel serves the same rows.
-                for profiled in [SamplePath::TopKBound, SamplePath::TopKMerge] {
+                for profiled in [SamplePath::TopKBound, SamplePath::TopKBallot, SamplePath::TopKMerge] {
                     if !bound_serves {
                         break;
                     }
@@ -306,12 +308,17 @@ pub fn run(args: &BenchSampleArgs) -> Result<()> {
             } else {
                 "-".to_owned()
             };
+            let topk_ballot_graph_us = if bound_serves {
+                format!("{:.1}", graph_time(SamplePath::TopKBallot)?)
+            } else {
+                "-".to_owned()
+            };
             let torch = peer.get(name).and_then(|m| m.get(&batch.to_string())).copied();
             let ratio = |kiln: f64| torch.map_or("-".to_owned(), |t| format!("{:.2}x", t / kiln));
             table.push_str(&format!(
                 "| {name} | {batch} | {path:?} | {us:.1} | {graph_us:.1} | {auto_us:.1} | {auto_graph_us:.1} \
                  | {fused_graph_us:.1} | {lists_graph_us:.1} | {greedy_graph_us} | {topk_merge_graph_us} \
-                 | {topk_bound_graph_us} | {} | {} | {} |\n",
+                 | {topk_bound_graph_us} | {topk_ballot_graph_us} | {} | {} | {} |\n",
                 torch.map_or("-".to_owned(), |t| format!("{t:.1}")),
                 ratio(us),
                 ratio(graph_us),

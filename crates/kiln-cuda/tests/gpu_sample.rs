@@ -294,8 +294,8 @@ fn a_scratch_is_reused_across_launches() {
         let logits_dev = upload(&gpu, &words(&logits, |v: f32| v.to_le_bytes().to_vec()));
         let empty: Vec<&[u32]> = vec![&[]; rows];
         let mut failures = 0;
-        // 42 launches: every mode on every path (7 modes, 6 paths).
-        for launch in 0..42 {
+        // 49 launches: every mode on every path (7 modes, 7 paths).
+        for launch in 0..49 {
             let params: Vec<(SamplingParams, u64)> = (0..rows)
                 .map(|_| {
                     let mode = [
@@ -318,7 +318,8 @@ fn a_scratch_is_reused_across_launches() {
                 SamplePath::Greedy,
                 SamplePath::TopKMerge,
                 SamplePath::TopKBound,
-            ][launch % 6];
+                SamplePath::TopKBallot,
+            ][launch % 7];
             let (got, _) = run_gpu(
                 &gpu,
                 &[],
@@ -349,7 +350,7 @@ fn a_scratch_is_reused_across_launches() {
     }
 }
 
-/// The top-k bound and top-k merge kernels compiled with SAMPLE_PROFILE=1 sample the reference's
+/// The top-k bound (both last blocks) and top-k merge kernels compiled with SAMPLE_PROFILE=1 sample the reference's
 /// tokens and write their phases' counts: row 0's k and slices, the bound kernel's candidate
 /// groups and candidates (at least k), the merge kernel's survivors (at least k), no fallback on
 /// a uniform row, and a span that starts before it ends.
@@ -384,7 +385,7 @@ fn the_profiled_top_k_kernels_sample_and_count() {
         out.fill_bytes(0xAB).expect("poison");
         let scratch = SampleScratch::new(&gpu, rows, vocab).expect("scratch");
         let sms = gpu.facts().multiprocessors as usize;
-        for path in [SamplePath::TopKBound, SamplePath::TopKMerge] {
+        for path in [SamplePath::TopKBound, SamplePath::TopKBallot, SamplePath::TopKMerge] {
             out.fill_bytes(0xAB).expect("poison");
             let profile = gpu.alloc(PROFILE_SLOTS * 8).expect("profile");
             profile.fill_bytes(0).expect("zero");
@@ -421,7 +422,7 @@ fn the_profiled_top_k_kernels_sample_and_count() {
             assert_eq!(slots[36], 0, "{path:?} rows {rows}: fell back");
             let first_entry = !slots[0];
             assert!(slots[2] > first_entry && slots[25] > slots[24], "{path:?} rows {rows}: {slots:?}");
-            if path == SamplePath::TopKBound {
+            if path != SamplePath::TopKMerge {
                 let (count, len) = topk_bound_slices(rows, vocab, sms).expect("grid");
                 assert_eq!(slots[37], count as u64, "rows {rows}: slices");
                 assert_eq!(slots[38], (len / 32) as u64, "rows {rows}: groups a slice");
@@ -439,6 +440,106 @@ fn the_profiled_top_k_kernels_sample_and_count() {
             );
         }
     }
+}
+
+/// The top-k bound kernel's two last blocks (the binary search, `TopKBound`, and the ballot
+/// histograms, `TopKBallot`) at batch 1 and vocab 151936, on fresh rows of every edge shape and
+/// rows like the benchmark's, each with its own top-k (1, 2, 50, 255, 256 and random), greedy or
+/// with a temperature, top-p and min-p: the token is the CPU reference's, and the two find the
+/// same bound (row 0's counts of valid groups, candidate groups, candidates, radix passes and
+/// fallbacks are equal: the same bin and the same prefix).
+#[test]
+fn the_ballot_bound_equals_the_binary_search_and_the_reference() {
+    let gpu = Gpu::open(0).expect("the GPU tests need CUDA device 0");
+    let mut rng = Rng::fresh();
+    let vocab = 151_936;
+    let scratch = SampleScratch::new(&gpu, 1, vocab).expect("scratch");
+    let mut failures = Vec::new();
+    let mut checked = 0usize;
+    for case in 0..96 {
+        let logits: Vec<f32> = match case % 16 {
+            shape @ 0..=11 => edge_row(&mut rng, vocab, shape),
+            12 | 13 => (0..vocab).map(|_| rng.uniform(-8.0, 8.0)).collect(),
+            // Sums of uniforms (close to normal) times 12, as `kiln bench sample` draws them.
+            _ => (0..vocab)
+                .map(|_| (rng.uniform(-1.0, 1.0) + rng.uniform(-1.0, 1.0) + rng.uniform(-1.0, 1.0)) * 12.0)
+                .collect(),
+        };
+        let top_k = match case % 6 {
+            0 => 1,
+            1 => 2,
+            2 => 50,
+            3 => 255,
+            4 => 256,
+            _ => 1 + rng.below(256) as u32,
+        };
+        let mut p = SamplingParams {
+            temperature: if rng.below(8) == 0 { 0.0 } else { rng.uniform(0.05, 3.0) },
+            top_k,
+            seed: rng.next(),
+            ..SamplingParams::default()
+        };
+        if rng.below(2) == 0 {
+            p.top_p = rng.uniform(0.05, 1.0);
+        }
+        if rng.below(3) == 0 {
+            p.min_p = rng.uniform(0.0, 0.5);
+        }
+        let params = vec![(p, rng.next())];
+        let steps = vec![rng.next()];
+        let want = sample(&logits, &p, &[], steps[0], params[0].1).unwrap_or(NO_TOKEN);
+        let logits_dev = upload(&gpu, &words(&logits, |v: f32| v.to_le_bytes().to_vec()));
+        let params_dev = upload(&gpu, &encode_params(&params).expect("params"));
+        let steps_dev = upload(&gpu, &words(&steps, |v: u64| v.to_le_bytes().to_vec()));
+        let (offsets, _) = encode_histories(&[&[][..]], vocab).expect("histories");
+        let offsets_dev = upload(&gpu, &words(&offsets, |v: u32| v.to_le_bytes().to_vec()));
+        let history_dev = upload(&gpu, &[0u8; 4]);
+        let out = gpu.alloc(4).expect("tokens");
+        let mut counts = Vec::new();
+        for path in [SamplePath::TopKBound, SamplePath::TopKBallot] {
+            out.fill_bytes(0xAB).expect("poison");
+            let profile = gpu.alloc(PROFILE_SLOTS * 8).expect("profile");
+            profile.fill_bytes(0).expect("zero");
+            let buffers = SampleBuffers {
+                logits: &logits_dev,
+                row_stride: vocab,
+                params: &params_dev,
+                steps: &steps_dev,
+                history_offsets: &offsets_dev,
+                history: &history_dev,
+                penalty: None,
+                stats: None,
+                tokens: &out,
+                scratch: Some(&scratch),
+            };
+            sample_with_path_profiled(&gpu, 1, vocab, buffers, path, Some(&profile))
+                .expect("profiled launch");
+            let bytes = out.to_host_bytes().expect("copy back");
+            let got = u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
+            if got != want {
+                failures.push(format!("{path:?} case {case}: gpu {got} cpu {want} ({p:?})"));
+            }
+            checked += 1;
+            let slots: Vec<u64> = profile
+                .to_host_bytes()
+                .expect("copy back")
+                .chunks_exact(8)
+                .map(|c| u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
+                .collect();
+            counts.push(slots[32..40].to_vec());
+        }
+        if counts[0] != counts[1] {
+            failures.push(format!(
+                "case {case} (shape {}, k {top_k}): bound counts {:?}, ballot counts {:?}",
+                case % 16,
+                counts[0],
+                counts[1]
+            ));
+        }
+    }
+    println!("{checked} cases checked");
+    let shown: Vec<&String> = failures.iter().take(20).collect();
+    assert!(failures.is_empty(), "{} failures:\n{shown:#?}", failures.len());
 }
 
 /// A row shaped to stress the fused path's selection: `shape` picks it.
@@ -587,6 +688,7 @@ fn fused_paths_equal_the_cpu_reference_on_edge_rows() {
             SamplePath::Greedy,
             SamplePath::TopKMerge,
             SamplePath::TopKBound,
+            SamplePath::TopKBallot,
         ] {
             for penalty in [true, false] {
                 let want_here: Vec<u32> = if penalty {
@@ -776,7 +878,8 @@ fn gpu_frequencies_match_the_exact_distribution() {
                 SamplePath::Fused,
                 SamplePath::TopKMerge,
                 SamplePath::TopKBound,
-            ][launch % 5];
+                SamplePath::TopKBallot,
+            ][launch % 6];
             let (got, _) = run_gpu(
                 &gpu,
                 &[],

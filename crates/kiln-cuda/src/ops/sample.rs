@@ -55,7 +55,9 @@
 //! tokens at or above it: a binary search over bins of the maxima's distance below the row
 //! maximum finds it), reads again only the groups that reach the bound and finishes on the few
 //! candidates. Compiled with `SAMPLE_PROFILE=1` ([`sample_with_path_profiled`]) it and the top-k
-//! merge kernel write time stamps of their phases.
+//! merge kernel write time stamps of their phases. [`SamplePath::TopKBallot`] launches the same
+//! kernel compiled with `TKB_BALLOT=1`, whose last block finds the same bound with two levels of
+//! warp ballot histograms (two barriers) instead of a binary search over the bins (eight).
 //!
 //! Every path gives the reference's token; [`SamplePath`] chooses among them. The default,
 //! [`SamplePath::Auto`], runs the fused path and the mass path's three launches after it (which
@@ -246,11 +248,20 @@ pub enum SamplePath {
     /// or above it and finishes on the top-k. Every other row on one block. Not chosen by
     /// [`SamplePath::for_rows`]: a candidate to measure against [`SamplePath::Fused`].
     TopKBound,
+    /// [`SamplePath::TopKBound`] with another last block (`kiln_sample_topk_bound` compiled
+    /// with `TKB_BALLOT=1`), for the latency of a batch of one: the bin of the k-th group
+    /// maximum found by two levels of warp ballot histograms (coarse bin, then fine bin; two
+    /// barriers in all, the bins in registers) instead of a binary search of eight block-wide
+    /// counts, the candidate groups' lines prefetched into L1 between the two levels, and the
+    /// gather issuing only the loads of the groups listed. The same candidates, hence the same
+    /// token. Not chosen by [`SamplePath::for_rows`]: a candidate to measure against
+    /// [`SamplePath::TopKBound`] at batch 1.
+    TopKBallot,
 }
 
 impl SamplePath {
     /// Every path, for tests that compare each with the reference.
-    pub const ALL: [SamplePath; 9] = [
+    pub const ALL: [SamplePath; 10] = [
         SamplePath::Auto,
         SamplePath::SingleBlock,
         SamplePath::TopKBlocks,
@@ -260,6 +271,7 @@ impl SamplePath {
         SamplePath::Greedy,
         SamplePath::TopKMerge,
         SamplePath::TopKBound,
+        SamplePath::TopKBallot,
     ];
 
     /// The path for a batch of rows with these parameters, known on the host, by the H200's
@@ -309,6 +321,11 @@ impl SamplePath {
 
     fn fused(self) -> bool {
         matches!(self, SamplePath::Fused | SamplePath::Auto)
+    }
+
+    /// The paths that launch `kiln_sample_topk_bound`.
+    fn top_k_bound(self) -> bool {
+        matches!(self, SamplePath::TopKBound | SamplePath::TopKBallot)
     }
 }
 
@@ -639,7 +656,7 @@ pub fn sample_with_path(
 }
 
 /// [`sample_with_path`]; with `profile` (at least [`PROFILE_SLOTS`] u64, zeroed by the caller)
-/// and [`SamplePath::TopKBound`] or [`SamplePath::TopKMerge`], the kernel is compiled with
+/// and [`SamplePath::TopKBound`], [`SamplePath::TopKBallot`] or [`SamplePath::TopKMerge`], the kernel is compiled with
 /// `SAMPLE_PROFILE=1` and writes the time stamps and counts of its phases there (the slots are
 /// listed in `sample.cu`; other paths leave it untouched).
 pub fn sample_with_path_profiled(
@@ -698,7 +715,8 @@ pub fn sample_with_path_profiled(
         | SamplePath::Fused
         | SamplePath::Greedy
         | SamplePath::TopKMerge
-        | SamplePath::TopKBound => None,
+        | SamplePath::TopKBound
+        | SamplePath::TopKBallot => None,
         _ => slices(rows, vocab, multiprocessors),
     };
     // The fused launch also runs the mass path's first step on the mass path's slices: its grid
@@ -709,8 +727,7 @@ pub fn sample_with_path_profiled(
         if path == SamplePath::Greedy { greedy_slices(rows, vocab, multiprocessors) } else { None };
     let merge_grid =
         if path == SamplePath::TopKMerge { topk_merge_slices(rows, vocab, multiprocessors) } else { None };
-    let bound_grid =
-        if path == SamplePath::TopKBound { topk_bound_slices(rows, vocab, multiprocessors) } else { None };
+    let bound_grid = if path.top_k_bound() { topk_bound_slices(rows, vocab, multiprocessors) } else { None };
     let group_stride = topk_bound_group_stride(vocab) as i32;
     let owned;
     let scratch = match (grid.or(fused_grid).or(greedy_grid).or(merge_grid).or(bound_grid), buffers.scratch) {
@@ -850,8 +867,11 @@ pub fn sample_with_path_profiled(
     if let (Some((bound_count, bound_len)), true) = (bound_grid, base != 0) {
         let bound_threads = TOPK_BOUND_THREADS.to_string();
         let profiled = if profile.is_some() { "1" } else { "0" };
-        let bound_defines =
-            [("THREADS", bound_threads.as_str()), ("PENALTIES", penalties), ("SAMPLE_PROFILE", profiled)];
+        let mut bound_defines =
+            vec![("THREADS", bound_threads.as_str()), ("PENALTIES", penalties), ("SAMPLE_PROFILE", profiled)];
+        if path == SamplePath::TopKBallot {
+            bound_defines.push(("TKB_BALLOT", "1"));
+        }
         let function = gpu.function(&SAMPLE, "kiln_sample_topk_bound", &bound_defines)?;
         let bound_config = LaunchConfig {
             grid_dim: (bound_count as u32, rows as u32, 1),
