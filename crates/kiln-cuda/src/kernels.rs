@@ -973,6 +973,21 @@ pub const LM_HEAD: KernelSource = KernelSource {
             ("SOFT_CAP", "1"),
             ("STATS", "1"),
         ],
+        // 16 warps of PAIR = 1 at 4 rows (64 h registers a lane).
+        &[
+            ("ROWS", "4"),
+            ("W_T", "0"),
+            ("WARPS", "16"),
+            ("VROWS", "8"),
+            ("XSLOT", "1"),
+            ("PIPE", "0"),
+            ("STAGES", "2"),
+            ("COOP", "1"),
+            ("PAIR", "1"),
+            ("ROW_SCALE", "1"),
+            ("SOFT_CAP", "0"),
+            ("STATS", "1"),
+        ],
         // Half-warps on two units (PAIR = 2): the 8-row bench shape, fp16 with every epilogue and
         // 2 rows a step, and fewer sums than half-warp lanes.
         &[
