@@ -1253,6 +1253,10 @@ pub const SAMPLE: KernelSource = KernelSource {
         &[("THREADS", "256"), ("PENALTIES", "1")],
         // The top-k bound kernel's phase time stamps (`kiln bench sample --profile`).
         &[("THREADS", "256"), ("PENALTIES", "0"), ("SAMPLE_PROFILE", "1")],
+        // The top-k bound kernel with the bound by ballot histograms (`SamplePath::TopKBallot`).
+        &[("THREADS", "256"), ("PENALTIES", "0"), ("TKB_BALLOT", "1")],
+        &[("THREADS", "256"), ("PENALTIES", "1"), ("TKB_BALLOT", "1")],
+        &[("THREADS", "256"), ("PENALTIES", "0"), ("SAMPLE_PROFILE", "1"), ("TKB_BALLOT", "1")],
     ],
     fmad: false,
 };
@@ -1356,10 +1360,6 @@ pub const LINEAR: KernelSource = KernelSource {
             ("UNROLL", "2"),
         ],
         &[
-        // The top-k bound kernel with the bound by ballot histograms (`SamplePath::TopKBallot`).
-        &[("THREADS", "256"), ("PENALTIES", "0"), ("TKB_BALLOT", "1")],
-        &[("THREADS", "256"), ("PENALTIES", "1"), ("TKB_BALLOT", "1")],
-        &[("THREADS", "256"), ("PENALTIES", "0"), ("SAMPLE_PROFILE", "1"), ("TKB_BALLOT", "1")],
             ("W_T", "7"),
             ("X_T", "1"),
             ("TOKENS", "1"),
