@@ -53,12 +53,13 @@
 //
 // PAIR = 1 (on the cooperative ring, 2-byte weights) gives each lane two chains of a unit: its own
 // position p = lane % 16 and its distance-16 partner p + 16 (bytes 16 p and 16 p + 256 of the
-// unit's row), for every h row (128 h registers at 8 rows: the variant runs 8 or fewer warps a
-// multiprocessor). The butterfly's first level (distance 16) is then one local FADD per sum,
-// chain(p) + chain(p + 16), the value both lanes of the distance-16 pair would compute, so the
-// shuffles run over the half-warp (distances 8, 4, 2, 1) and a step's sums halve. Half-warp hf
-// takes step rows hf * VROWS / 2 ..; its VROWS / 2 x ROWS_P2 sums (at most 32) are reduced
-// transposed as above, with the slots permuted by p (see `LmPairStep`). Per 256 FFMA of 8 rows:
+// unit's row), for every h row (128 h registers at 5 to 8 rows: 8 or fewer warps a
+// multiprocessor there; 64 or fewer at 1 to 4 rows). The butterfly's first level (distance 16)
+// is then one local FADD per sum, chain(p) + chain(p + 16), the value both lanes of the
+// distance-16 pair would compute, so the shuffles run over the half-warp (distances 8, 4, 2, 1)
+// and a step's sums halve. Half-warp hf takes step rows hf * VROWS / 2 ..; its VROWS / 2 x
+// ROWS_P2 sums (at most 32) are reduced transposed as above, with the slots permuted by p (see
+// `LmPairStep`). Per 256 FFMA of 8 rows:
 // 16 local FADD + 15 SHFL + 15 FADD instead of 31 SHFL + 31 FADD; the weights' decode stays one
 // instruction per weight shared by every row. Same additions in the same tree: the same bits.
 // PAIR = 2 instead gives the half-warps two units (2 u' and 2 u' + 1 of the warp's unit pair u'),
@@ -70,7 +71,7 @@
 // VROWS (a power of two <= 16; reduced VSUB = min(VROWS, 32 / next_pow2(ROWS)) rows at a time),
 // XSLOT, PIPE, STAGES (0, 2, 4, 8), MIN_BLOCKS (blocks a multiprocessor the registers must
 // allow: 1, 2 or 4; two 8-warp blocks keep 16 warps resident while one of them adds up a tile),
-// COOP (0 / 1), PAIR (0 / 1), ROW_SCALE, SOFT_CAP, STATS (0 / 1).
+// COOP (0 / 1), PAIR (0, 1, 2), ROW_SCALE, SOFT_CAP, STATS (0 / 1).
 // Compiled with --fmad=false; the fused operations (the chains, Q4_1's d * q + m) are explicit
 // __fmaf_rn.
 
