@@ -14,17 +14,21 @@
 // reference; the NaN it makes is the canonical one the GPU's arithmetic makes anyway), the E4M3
 // scale of NVFP4 and the FP8 output use the hardware's `cvt.rn.satfinite.e4m3x2.f32` on sm_89
 // and later, INT8 and E2M1 codes come from fp32 arithmetic alone (a rounding "magic" addition
-// whose low bits are the code, no conversion instruction: `kiln_int8_bracket`, two fused
-// multiply-adds a value that bracket the quotient; `kiln_e2m1_fast`, after one multiplication,
-// two that bracket E2M1's continuous map of it) by an approximate reciprocal of the block's divisor, with the reference's division only for
-// the rare block whose quotient comes near a rounding tie; the block scales divide by 127 and 6
-// with a reciprocal and one correction (`kiln_div_const`), the block maximum's shuffle runs
-// outside any branch, quantized bytes and E2M1 signs are packed with `prmt`, a warp's unit sums
-// are reduced together (`kiln_norm_units_reduce`: 6 shuffles for 4 units, not 20), and the unit
-// sums of several warps are combined from shared memory four at a time. With an NVFP4 output the
-// budget is about 20 instructions a value at the copy ceiling (2.56 bytes a bf16 value) and the
-// kernel needs about 22 (the norm 9, E2M1 9, block maximum and scale 3): it is bound by issue,
-// not by DRAM; INT8 (3.25 bytes, about 26) needs about 15. Hugging Face's rounding with bf16 x,
+// whose low bits are the code, no conversion instruction): an INT8 code is one fused multiply-add
+// by the block's rounded 1 / scale (`kiln_int8_fast`: the reference defines the code as rint of
+// that exact product, and 1 / scale is __frcp_rn's sequence, `kiln_rcp_rn`), an E2M1 code from
+// `kiln_e2m1_fast`: after one multiplication by an approximate reciprocal of the block's divisor,
+// two fused multiply-adds that bracket E2M1's continuous map of it, with the reference's division
+// only for the rare block whose quotient comes near a rounding tie; the block scales divide by
+// 127 and 6 with a reciprocal and one correction (`kiln_div_const`), the block maximum's shuffle
+// runs outside any branch, quantized bytes and E2M1 signs are packed with `prmt`, a warp's unit
+// sums are reduced together (`kiln_norm_units_reduce`: 6 shuffles for 4 units, not 20), and the
+// unit sums of several warps are combined from shared memory four at a time. With an NVFP4
+// output the budget is about 20 instructions a value at the copy ceiling (2.56 bytes a bf16
+// value) and the kernel needs about 28 as compiled for sm_90 (one lane a block: the norm and its
+// sums 11, the block maximum, scale and E2M1 codes 15, packing 2): it is bound by issue, not by
+// DRAM; INT8 (3.25 bytes, about 26) needs about 17 (of which the codes 1 and their packing
+// 0.75). Hugging Face's rounding with bf16 x,
 // weight and output takes the weight's product packed (`kiln_bf16x2_mul`, see
 // KILN_NORM_PACKED_BF16): about 6 a value for the whole norm.
 //
@@ -172,6 +176,15 @@ __device__ __forceinline__ float kiln_rcp_approx(float x) {
     return r;
 }
 
+// 1 / x rounded to nearest even for x in [2^-126, 2^126): __frcp_rn's own sequence in that range
+// (rcp.rn.f32 becomes the MUFU reciprocal and this one fused Newton step; outside it, a call to a
+// slow path), without the range test and call. Bit for bit __frcp_rn, as the reference's 1 / x.
+__device__ __forceinline__ float kiln_rcp_rn(float x) {
+    const float r = kiln_rcp_approx(x);
+    const float e = __fmaf_rn(x, r, -1.0f);
+    return __fmaf_rn(r, -e, r);
+}
+
 // a / b, rounded as the division, from b's rounded reciprocal and one fused correction: three
 // instructions where the division takes about ten. Exact for every a in [2^-100, 2^100] with b =
 // 127 or 6 (ops::norm's tests replay it on every mantissa of both ends' binades and of 1; every
@@ -187,17 +200,30 @@ __device__ __forceinline__ float kiln_div_const(float a, float b, float inverse_
 // even) plus the magic, exactly, and its low bits are that integer in two's complement.
 #define KILN_ROUND_MAGIC 12582912.0f
 
-// INT8 fast path: t = p / scale bracketed by two fused multiply-adds, p * below + magic and
-// p * above + magic with below < 1 / scale < above (each rounded once: rint of the exact product,
-// ties to even, plus the magic). The low byte of the first is its code; where the two sums have
-// the same bits, rint is the same at both ends of an interval that holds the reference's rounded
-// quotient inside it, and rint is monotonic, so the reference's code is that byte too; `differ`
-// collects the bits where the two sums differ (0: every value of the block is clear of a tie).
-__device__ __forceinline__ unsigned int kiln_int8_bracket(float p, float below, float above, unsigned int& differ) {
-    const unsigned int lo = __float_as_uint(__fmaf_rn(p, below, KILN_ROUND_MAGIC));
-    const unsigned int hi = __float_as_uint(__fmaf_rn(p, above, KILN_ROUND_MAGIC));
-    differ |= lo ^ hi;
-    return lo;
+// INT8 code of p with a finite inverse = 1 / scale (rounded) and |p * inverse| < 2^22: rint of the
+// exact product, ties to even, plus the magic, in one fused multiply-add (exactly the reference's
+// `p.mul_add(inverse, MAGIC)`); the low byte of its bits is the code in two's complement.
+__device__ __forceinline__ unsigned int kiln_int8_fast(float p, float inverse) {
+    return __float_as_uint(__fmaf_rn(p, inverse, KILN_ROUND_MAGIC));
+}
+
+// The reference's INT8 codes (`ops::quantize::int8_code`) of N values p for any scale: with
+// (factor, inverse) = (1, 1 / scale), or (2^64, 1 / (scale 2^64)) where 1 / scale overflows (a
+// scale under 2^-128; both scalings exact), each code is rint(p factor inverse) (the exact
+// product, one fused multiply-add with the magic) clamped to +-127, a NaN to -127 (fmaxf, as
+// Rust's `max`); 0 for a scale that is not positive.
+template <int N>
+__device__ __forceinline__ void kiln_int8_codes(const float* p, float scale, unsigned int* q) {
+    float factor = 1.0f, inverse = __frcp_rn(scale);
+    if (inverse == __int_as_float(0x7F800000)) {
+        factor = 18446744073709551616.0f;  // 2^64
+        inverse = __frcp_rn(scale * factor);
+    }
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+        const float t = __fmaf_rn(p[k] * factor, inverse, KILN_ROUND_MAGIC) - KILN_ROUND_MAGIC;
+        q[k] = scale > 0.0f ? (unsigned int)(int)fminf(fmaxf(t, -127.0f), 127.0f) : 0u;
+    }
 }
 
 // NVFP4 fast path: the E2M1 code of |v| in the low 3 bits of the result, for finite |v| <= 6.4;
@@ -675,27 +701,24 @@ __device__ __forceinline__ void kiln_norm_block16(const float (&y)[16], void* __
         return m;
     };
     if (OUT_T == KILN_OUT_INT8) {
-        float scale = kiln_div_const(amax, 127.0f, __uint_as_float(0x3C010204u));
+        // amax / 127 exactly where amax is in kiln_div_const's range; then 1 / scale is a
+        // normal float, |y / scale| <= 127 (1 + 2^-23) and each code one fused multiply-add. An
+        // amax out of range (0, NaN, infinite, tiny or huge) goes the reference's way.
         const bool normal = amax >= KILN_DIV_RANGE_LO && amax <= KILN_DIV_RANGE_HI;
-        const float inverse = kiln_rcp_approx(scale);
-        const float below = inverse * (1.0f - 1.0f / 1048576.0f);
-        const float above = inverse * (1.0f + 1.0f / 1048576.0f);
-        unsigned int differ = 0;
         unsigned int w[4];
+        float scale;
+        if (normal) {
+            scale = kiln_div_const(amax, 127.0f, __uint_as_float(0x3C010204u));
+            const float inverse = kiln_rcp_rn(scale);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            w[j] = kiln_bytes4(kiln_int8_bracket(y[4 * j], below, above, differ),
-                               kiln_int8_bracket(y[4 * j + 1], below, above, differ),
-                               kiln_int8_bracket(y[4 * j + 2], below, above, differ),
-                               kiln_int8_bracket(y[4 * j + 3], below, above, differ));
-        }
-        if (!(normal && differ == 0)) {
+            for (int j = 0; j < 4; ++j) {
+                w[j] = kiln_bytes4(kiln_int8_fast(y[4 * j], inverse), kiln_int8_fast(y[4 * j + 1], inverse),
+                                   kiln_int8_fast(y[4 * j + 2], inverse), kiln_int8_fast(y[4 * j + 3], inverse));
+            }
+        } else {
             scale = (amax != amax ? reference_amax() : amax) / 127.0f;
             unsigned int q[16];
-#pragma unroll
-            for (int k = 0; k < 16; ++k) {
-                q[k] = scale > 0.0f ? (unsigned int)(int)fminf(fmaxf(rintf(y[k] / scale), -127.0f), 127.0f) : 0u;
-            }
+            kiln_int8_codes<16>(y, scale, q);
 #pragma unroll
             for (int j = 0; j < 4; ++j) w[j] = kiln_bytes4(q[4 * j], q[4 * j + 1], q[4 * j + 2], q[4 * j + 3]);
         }
@@ -950,26 +973,21 @@ __device__ __forceinline__ void kiln_norm_segment(
             // |t| of the reference's p / divisor, and E2M1's map of t bracketed); otherwise, or for
             // a divisor out of range, the reference's division.
             if (OUT_T == KILN_OUT_INT8) {
-                // amax / 127 (1 / 127 is 0x3C010204), the reference's scale where amax is in
-                // kiln_div_const's range; the slow path divides again.
-                float scale = kiln_div_const(amax, 127.0f, __uint_as_float(0x3C010204u));
-                // below and above bracket 1 / scale: the approximate reciprocal is within one ulp
-                // (2^-23) of it, the factors 1 -+ 2^-20 and their rounding move each end away
-                // from it by more than 2^-21 of it, far more than the reference's rounding of its
-                // quotient (2^-24), so that quotient lies strictly inside the bracket. |p| <= amax
-                // keeps both ends within 127.5: no clamp. An amax out of range (0, NaN, infinite,
-                // tiny or huge: a scale outside [2^-107, 2^93]) goes the reference's way.
+                // amax / 127 exactly where amax is in kiln_div_const's range (1 / 127 is
+                // 0x3C010204); then 1 / scale is a normal float, |p / scale| <= 127 (1 + 2^-23)
+                // and each code one fused multiply-add. An amax out of range (0, NaN, infinite,
+                // tiny or huge) goes the reference's way.
                 const bool normal = amax >= KILN_DIV_RANGE_LO && amax <= KILN_DIV_RANGE_HI;
-                const float inverse = kiln_rcp_approx(scale);
-                const float below = inverse * (1.0f - 1.0f / 1048576.0f);
-                const float above = inverse * (1.0f + 1.0f / 1048576.0f);
-                unsigned int differ = 0;
                 uint2 codes;
-                codes.x = kiln_bytes4(kiln_int8_bracket(p[0], below, above, differ), kiln_int8_bracket(p[1], below, above, differ),
-                                      kiln_int8_bracket(p[2], below, above, differ), kiln_int8_bracket(p[3], below, above, differ));
-                codes.y = kiln_bytes4(kiln_int8_bracket(p[4], below, above, differ), kiln_int8_bracket(p[5], below, above, differ),
-                                      kiln_int8_bracket(p[6], below, above, differ), kiln_int8_bracket(p[7], below, above, differ));
-                if (!(normal && differ == 0)) {
+                float scale;
+                if (normal) {
+                    scale = kiln_div_const(amax, 127.0f, __uint_as_float(0x3C010204u));
+                    const float inverse = kiln_rcp_rn(scale);
+                    codes.x = kiln_bytes4(kiln_int8_fast(p[0], inverse), kiln_int8_fast(p[1], inverse),
+                                          kiln_int8_fast(p[2], inverse), kiln_int8_fast(p[3], inverse));
+                    codes.y = kiln_bytes4(kiln_int8_fast(p[4], inverse), kiln_int8_fast(p[5], inverse),
+                                          kiln_int8_fast(p[6], inverse), kiln_int8_fast(p[7], inverse));
+                } else {
                     if (amax != amax) {
                         // Both lanes of the block are here (they share amax): the maximum
                         // without the NaN values, as the reference takes it.
@@ -982,10 +1000,7 @@ __device__ __forceinline__ void kiln_norm_segment(
                         scale = amax / 127.0f;
                     }
                     unsigned int q[8];
-#pragma unroll
-                    for (int k = 0; k < 8; ++k) {
-                        q[k] = scale > 0.0f ? (unsigned int)(int)fminf(fmaxf(rintf(p[k] / scale), -127.0f), 127.0f) : 0u;
-                    }
+                    kiln_int8_codes<8>(p, scale, q);
                     codes = make_uint2(kiln_bytes4(q[0], q[1], q[2], q[3]), kiln_bytes4(q[4], q[5], q[6], q[7]));
                 }
                 *reinterpret_cast<uint2*>(static_cast<signed char*>(out) + KILN_NORM_AT(base, u)) = codes;

@@ -1,8 +1,10 @@
 //! Output quantizers and the FP8 E4M3 / FP4 E2M1 conversions.
 //!
 //! A norm kernel can write its output `y` (fp32, before any rounding to an output dtype) as:
-//! - INT8: one fp32 scale per [`QUANT_BLOCK`] values, `scale = amax / 127`,
-//!   `q = clamp(rint(y / scale), -127, 127)`, or 0 where the block's `amax` is 0;
+//! - INT8: one fp32 scale per [`QUANT_BLOCK`] values, `scale = amax / 127`, and with
+//!   `inverse = 1 / scale` (rounded) `q = clamp(rint(y * inverse), -127, 127)`, the exact product
+//!   rounded once to the nearest integer (ties to even; y and the scale both times 2^64 where
+//!   `1 / scale` overflows), or 0 where the block's `amax` is 0 (see [`int8_code`]);
 //! - NVFP4: E2M1 codes (two per byte, the even element in the low nibble), one E4M3 scale per
 //!   [`QUANT_BLOCK`] values, `s = e4m3((amax / 6) * global_scale)`, and
 //!   `q = e2m1(y / (f32(s) / global_scale))`, or 0 where that divisor is 0;
@@ -108,15 +110,51 @@ pub fn block_amax(block: &[f32]) -> f32 {
 }
 
 /// INT8 codes and their per-block scale.
+pub fn int8_block(block: &[f32], codes: &mut [i8]) -> f32 {
+    let scale = block_amax(block) / 127.0;
+    let (factor, inverse) = int8_inverse(scale);
+    for (q, &y) in codes.iter_mut().zip(block) {
+        *q = int8_code(y, scale, factor, inverse);
+    }
+    scale
+}
+
+/// 1.5 * 2^23: for |t| < 2^22, `t + ROUND_MAGIC` rounds t to an integer (ties to even) and adds
+/// the magic, exactly.
+const ROUND_MAGIC: f32 = 12_582_912.0;
+
+/// 2^64: the factor of an INT8 block whose `1 / scale` overflows.
+pub const INT8_TINY_FACTOR: f32 = 18_446_744_073_709_551_616.0;
+
+/// The factor and reciprocal of an INT8 block's codes ([`int8_code`]): `(1, 1 / scale)`, or
+/// where `1 / scale` overflows (a scale under 2^-128) `(2^64, 1 / (scale * 2^64))`; the scalings
+/// are exact.
+pub fn int8_inverse(scale: f32) -> (f32, f32) {
+    let inverse = 1.0 / scale;
+    if inverse.is_finite() {
+        (1.0, inverse)
+    } else {
+        (INT8_TINY_FACTOR, 1.0 / (scale * INT8_TINY_FACTOR))
+    }
+}
+
+/// The INT8 code of `y` in a block of `scale`, with [`int8_inverse`]'s `(factor, inverse)`: 0 for
+/// a scale that is not positive; else `rint(y * factor * inverse)`, the exact product rounded
+/// once to the nearest integer, ties to even (one fused multiply-add with the rounding magic),
+/// clamped to +-127. A product by the block's rounded reciprocal is one instruction a value on a
+/// GPU where the quotient `y / scale` needs a division, and as exact: the nearest integer to a
+/// well-defined real number. With `|y| <= amax` the product is at most 127 (1 + 2^-20) for a
+/// normal scale (a subnormal one can push it to 254: the clamp), so the magic's range is never
+/// left but for `y` infinite (`inf * 0` is NaN for an infinite scale) or NaN, which give -127.
 // `max` then `min` rather than `clamp`: a NaN becomes -127 here as with CUDA's fmaxf / fminf,
 // where `clamp` would keep the NaN.
 #[allow(clippy::manual_clamp)]
-pub fn int8_block(block: &[f32], codes: &mut [i8]) -> f32 {
-    let scale = block_amax(block) / 127.0;
-    for (q, &y) in codes.iter_mut().zip(block) {
-        *q = if scale > 0.0 { (y / scale).round_ties_even().max(-127.0).min(127.0) as i8 } else { 0 };
+pub fn int8_code(y: f32, scale: f32, factor: f32, inverse: f32) -> i8 {
+    if scale.is_nan() || scale <= 0.0 {
+        return 0;
     }
-    scale
+    let t = (y * factor).mul_add(inverse, ROUND_MAGIC) - ROUND_MAGIC;
+    t.max(-127.0).min(127.0) as i8
 }
 
 /// NVFP4 codes (one per byte, low nibble) and the block's E4M3 scale.
@@ -319,6 +357,71 @@ mod tests {
         }
         let zeros = Quantizer::Int8.quantize(&[0.0; 16], 16).unwrap();
         assert_eq!(zeros, Quantized::Int8 { codes: vec![0; 16], scales: vec![0.0] });
+    }
+
+    /// INT8 codes against their plain definition: the nearest integer (ties to even) to the exact
+    /// product `y * (1 / scale)`, computed in f64 (48 significant bits: exact), clamped to +-127;
+    /// for block maxima over every binade, values near every tie and spread over the block, and
+    /// blocks whose products land exactly on ties (power-of-two scales).
+    #[test]
+    fn int8_codes_are_the_nearest_integer_to_the_product_by_the_rounded_inverse() {
+        let mut seed = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let (mut checked, mut exact_ties) = (0usize, 0usize);
+        let powers = (-120..=120).map(|e| 127.0 * 2.0f32.powi(e));
+        let random: Vec<f32> =
+            (0..600).map(|_| f32::from_bits(0x0480_0000 + (next() % 0x7A80_0000) as u32)).collect();
+        for amax in powers.chain(random) {
+            let scale = amax / 127.0;
+            let (factor, inverse) = int8_inverse(scale);
+            assert_eq!(factor, 1.0, "{amax}");
+            let mut block: Vec<f32> = vec![amax, -amax, 0.0, -0.0];
+            for k in -128..=127 {
+                let tie = (k as f32 + 0.5) * scale;
+                let b = tie.to_bits() as i64;
+                block.extend((-6..=6).map(|d| f32::from_bits((b + d) as u32)));
+            }
+            block.extend((0..200).map(|_| amax * ((next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0)));
+            for &y in block.iter().filter(|y| y.abs() <= amax) {
+                let product = f64::from(y) * f64::from(inverse);
+                let want = product.round_ties_even().clamp(-127.0, 127.0) as i8;
+                exact_ties += usize::from(product.fract().abs() == 0.5);
+                assert_eq!(
+                    int8_code(y, scale, 1.0, inverse),
+                    want,
+                    "{y} ({:#010x}) in a block of {amax}",
+                    y.to_bits()
+                );
+                checked += 1;
+            }
+        }
+        assert!(checked > 1_000_000 && exact_ties > 10_000, "{checked} values, {exact_ties} exact ties");
+        // The whole-block path: the block's maximum sets the scale, codes as above.
+        let y: Vec<f32> = (0..16).map(|i| (i as f32 - 7.5) * 0.3).collect();
+        let mut codes = [0i8; 16];
+        let scale = int8_block(&y, &mut codes);
+        assert_eq!(scale, 2.25 / 127.0);
+        for (i, &q) in codes.iter().enumerate() {
+            assert_eq!(q, int8_code(y[i], scale, 1.0, 1.0 / scale));
+        }
+        // A scale whose inverse overflows scales both sides by 2^64; an infinite scale gives 0
+        // (and -127 for the infinite value itself, inf * 0 being NaN), a NaN value -127.
+        let tiny = f32::from_bits(0x1000);
+        let tiny_scale = tiny / 127.0;
+        let (factor, inverse) = int8_inverse(tiny_scale);
+        assert!((1.0 / tiny_scale).is_infinite() && factor == 2.0f32.powi(64) && inverse.is_finite());
+        let product = f64::from(-tiny / 3.0) * 2.0f64.powi(64) * f64::from(inverse);
+        assert_eq!(int8_code(-tiny / 3.0, tiny_scale, factor, inverse), product.round_ties_even() as i8);
+        assert_eq!(int8_code(tiny, tiny_scale, factor, inverse), 127);
+        assert_eq!(int8_code(3.0, f32::INFINITY, 1.0, 0.0), 0);
+        assert_eq!(int8_code(f32::INFINITY, f32::INFINITY, 1.0, 0.0), -127);
+        assert_eq!(int8_code(f32::NAN, 1.0, 1.0, 1.0), -127);
+        assert_eq!(int8_code(1.0, 0.0, 1.0, f32::INFINITY), 0);
     }
 
     #[test]
