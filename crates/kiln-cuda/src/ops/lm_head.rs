@@ -220,9 +220,10 @@ pub const LM_HEAD_VARIANTS: &[LmHeadVariant] = &[
     LmHeadVariant::coop(8, 4, 64, 4, 2),
     LmHeadVariant::coop(8, 8, 64, 2, 1),
     // Two chains a lane (PAIR) for 8 rows: a lane's chain at position p + 16 is added to its own
-    // before the shuffles, so a step of 8 rows takes 354 instead of 385.5 SASS instructions per
-    // 256 FFMA (15 SHFL + 31 FADD instead of 31 + 31; sm_90), at 221-227 registers: 8 warps a
-    // multiprocessor, one block of 8 or two of 4, with deeper rings to keep the bytes in flight.
+    // before the shuffles, so 8 rows take 354 (8 rows a step, or 4 of two units) instead of
+    // 385.5 SASS instructions per 256 FFMA (15 SHFL + 31 FADD instead of 31 + 31; sm_90), at
+    // 221-227 registers: 8 warps a multiprocessor, one block of 8 or two of 4, with deeper rings
+    // to keep the bytes in flight. The 4-stage loops are ~52 KB of code (2 stages: ~26 KB).
     // Half-warps on the same unit (h held twice, reloaded per unit: 2 units a warp at 4096):
     LmHeadVariant::paired(1, 8, 8, 128, 4, 1),
     LmHeadVariant::paired(1, 8, 8, 64, 4, 1),
@@ -233,8 +234,8 @@ pub const LM_HEAD_VARIANTS: &[LmHeadVariant] = &[
     LmHeadVariant::paired(2, 8, 4, 64, 2, 1),
     LmHeadVariant::paired(2, 8, 4, 128, 2, 1),
     LmHeadVariant::paired(2, 8, 2, 64, 8, 1),
-    // At 1 to 4 rows (64 or fewer h registers) with 16 warps, each on one unit: 398 instead of
-    // 437.5 instructions per 256 FFMA at 4 rows, 492 instead of 563 at 2 (sm_90).
+    // At 1 to 4 rows (64 or fewer h registers) with 16 warps, each on one unit: 408 instead of
+    // 445.5 instructions per 256 FFMA at 4 rows (16w/4v/64txs4c; sm_90).
     LmHeadVariant::paired(1, 16, 8, 64, 2, 1),
 ];
 
