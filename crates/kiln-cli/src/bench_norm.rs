@@ -52,7 +52,8 @@ pub struct BenchNormArgs {
     pub default_only: bool,
     /// Time only the certified and the declared default variant and these (labels such as
     /// `8w1r+s3`, comma-separated; `staged` for every staged variant, `lanes` for every variant with
-    /// one lane a quantization block, `+b`), each with a row of its
+    /// one lane a quantization block, `+b`, `ahead` for every variant that loads the weight a unit
+    /// ahead, `+w`), each with a row of its
     /// own in the table (tagged `listed`).
     #[arg(long, value_delimiter = ',')]
     pub variants: Vec<String>,
@@ -126,11 +127,13 @@ pub fn run(args: &BenchNormArgs) -> Result<()> {
         None => BTreeMap::new(),
     };
     for l in &args.variants {
-        if l != "staged" && l != "lanes" && !NORM_VARIANTS.iter().any(|v| label(*v) == *l) {
+        if !["staged", "lanes", "ahead"].contains(&l.as_str())
+            && !NORM_VARIANTS.iter().any(|v| label(*v) == *l)
+        {
             return Err(Error::InvalidArgument {
                 name: "--variants",
                 value: l.clone(),
-                reason: "not the label of a listed norm variant (nor `staged` or `lanes`)".into(),
+                reason: "not the label of a listed norm variant (nor `staged`, `lanes` or `ahead`)".into(),
             });
         }
     }
@@ -216,7 +219,10 @@ pub fn run(args: &BenchNormArgs) -> Result<()> {
             .copied()
             .filter(|v| {
                 args.variants.iter().any(|l| {
-                    *l == label(*v) || (l == "staged" && v.stages > 0) || (l == "lanes" && v.block_lane)
+                    *l == label(*v)
+                        || (l == "staged" && v.stages > 0)
+                        || (l == "lanes" && v.block_lane)
+                        || (l == "ahead" && v.weight_ahead)
                 })
             })
             .collect();

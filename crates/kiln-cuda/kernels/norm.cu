@@ -593,6 +593,29 @@ __device__ __forceinline__ void kiln_norm_load_weight(KilnRaw8<W_T> (&wr)[EARLY_
     }
 }
 
+// WEIGHT_AHEAD (optional, 0 by default) 1, without EARLY_WEIGHT: the output loop loads the weight
+// (and bias) of register unit u + 1 before it computes unit u, so that each unit's weight is in
+// registers when the unit needs it: otherwise each unit's load sits inside the unit's branch, after
+// the previous unit's stores, and the loads of a warp's units wait one after the other (8 round
+// trips to L1 or L2 at 8 units a warp). Costs the registers of one unit of weight and bias.
+#ifndef WEIGHT_AHEAD
+#define WEIGHT_AHEAD 0
+#endif
+#if WEIGHT_AHEAD && EARLY_WEIGHT
+#error "WEIGHT_AHEAD loads the weight one unit ahead; EARLY_WEIGHT holds it all already"
+#endif
+
+// The weight and bias of register unit u (past the segment's end: nothing read, the registers
+// keep what they held, unused).
+__device__ __forceinline__ void kiln_norm_weight_ahead(KilnRaw8<W_T>& w, KilnRaw8<W_T>& b, const void* weight,
+                                                       const void* bias, long long wbase, int n, int warp_in_row,
+                                                       int lane, int u) {
+    if (kiln_norm_col(warp_in_row, u, lane) < n) {
+        if (WEIGHT != 2) w = kiln_raw8_load<W_T, false>(weight, KILN_NORM_AT(wbase, u));
+        if (HAS_BIAS) b = kiln_raw8_load<W_T, false>(bias, KILN_NORM_AT(wbase, u));
+    }
+}
+
 // The early weight and bias units as fp32 values (1 + w for WEIGHT 1), for KILN_NORM_WF.
 __device__ __forceinline__ void kiln_norm_weight_values(
     const KilnRaw8<W_T> (&wr)[EARLY_WEIGHT && WEIGHT != 2 ? UNITS_PER_WARP : 1],
@@ -857,10 +880,26 @@ __device__ __forceinline__ void kiln_norm_segment(
 #if BLOCK_LANE && KILN_NORM_BLOCKED
     float p16[16];
 #endif
+#if WEIGHT_AHEAD
+    // The weight and bias of the next register unit, loaded one unit ahead (unit 0's here).
+    KilnRaw8<W_T> w_ahead = {}, b_ahead = {};
+    kiln_norm_weight_ahead(w_ahead, b_ahead, weight, bias, wbase, n, warp_in_row, lane, 0);
+#endif
 #pragma unroll
     for (int u = 0; u < UNITS_PER_WARP; ++u) {
         const int unit = warp_in_row + u * WARPS_PER_ROW;
         const int col = kiln_norm_col(warp_in_row, u, lane);
+#if WEIGHT_AHEAD
+        const KilnRaw8<W_T> w_unit = w_ahead, b_unit = b_ahead;
+        if (u + 1 < UNITS_PER_WARP) {
+            kiln_norm_weight_ahead(w_ahead, b_ahead, weight, bias, wbase, n, warp_in_row, lane, u + 1);
+        }
+#define KILN_NORM_W_UNIT(u) w_unit
+#define KILN_NORM_B_UNIT(u) b_unit
+#else
+#define KILN_NORM_W_UNIT(u) kiln_raw8_load<W_T, false>(weight, KILN_NORM_AT(wbase, u))
+#define KILN_NORM_B_UNIT(u) kiln_raw8_load<W_T, false>(bias, KILN_NORM_AT(wbase, u))
+#endif
         // Uniform across the warp. Blocked outputs go on with zeros, so that the shuffle of the
         // block maximum runs in every lane outside any branch (n is a multiple of 16 for them, so
         // the two lanes of a block agree on `valid`).
@@ -871,7 +910,7 @@ __device__ __forceinline__ void kiln_norm_segment(
         if constexpr (KILN_NORM_PACKED_BF16) {
             if (valid) {
                 const KilnRaw8<W_T> wraw = EARLY_WEIGHT ? wr[EARLY_WEIGHT && WEIGHT != 2 ? u : 0]
-                                                        : kiln_raw8_load<W_T, false>(weight, KILN_NORM_AT(wbase, u));
+                                                        : KILN_NORM_W_UNIT(u);
                 KILN_NORM_VALUES(u, a);
                 KilnRaw8<W_T> y;
                 y.q[0].x = kiln_bf16x2_mul(kiln_pack_bf16x2(a[0] * r, a[1] * r), wraw.q[0].x);
@@ -891,7 +930,7 @@ __device__ __forceinline__ void kiln_norm_segment(
                     for (int k = 0; k < 8; ++k) w[k] = wf[KILN_NORM_WF && WEIGHT != 2 ? u : 0][k];
                 } else {
                     if (EARLY_WEIGHT) kiln_raw8_unpack<W_T>(wr[EARLY_WEIGHT && WEIGHT != 2 ? u : 0], w);
-                    else kiln_raw8_unpack<W_T>(kiln_raw8_load<W_T, false>(weight, KILN_NORM_AT(wbase, u)), w);
+                    else kiln_raw8_unpack<W_T>(KILN_NORM_W_UNIT(u), w);
                     if (WEIGHT == 1) {
 #pragma unroll
                         for (int k = 0; k < 8; ++k) w[k] = 1.0f + w[k];
@@ -905,7 +944,7 @@ __device__ __forceinline__ void kiln_norm_segment(
                 } else if (EARLY_WEIGHT) {
                     kiln_raw8_unpack<W_T>(br[EARLY_WEIGHT && HAS_BIAS ? u : 0], b);
                 } else {
-                    kiln_raw8_unpack<W_T>(kiln_raw8_load<W_T, false>(bias, KILN_NORM_AT(wbase, u)), b);
+                    kiln_raw8_unpack<W_T>(KILN_NORM_B_UNIT(u), b);
                 }
             }
             if (GATE == 2) kiln_raw8_unpack<X_T>(kiln_raw8_load<X_T, true>(gate, KILN_NORM_AT(base, u)), z);
@@ -1055,6 +1094,8 @@ __device__ __forceinline__ void kiln_norm_segment(
         }
         }  // KILN_NORM_PACKED_BF16
     }
+#undef KILN_NORM_W_UNIT
+#undef KILN_NORM_B_UNIT
 #undef KILN_NORM_X
 #undef KILN_NORM_XV
 #undef KILN_NORM_VALUES

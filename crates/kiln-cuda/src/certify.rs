@@ -613,13 +613,14 @@ impl AttentionTask {
 /// early, `+p` when its grid is persistent, `+s3` for a staged grid of 3 cp.async stages.
 pub fn norm_label(v: NormVariant) -> String {
     format!(
-        "{}w{}r{}{}{}{}",
+        "{}w{}r{}{}{}{}{}",
         v.warps_per_row,
         v.rows_per_block,
         if v.early_weight { "+e" } else { "" },
         if v.persistent { "+p" } else { "" },
         if v.stages > 0 { format!("+s{}", v.stages) } else { String::new() },
-        if v.block_lane { "+b" } else { "" }
+        if v.block_lane { "+b" } else { "" },
+        if v.weight_ahead { "+w" } else { "" }
     )
 }
 

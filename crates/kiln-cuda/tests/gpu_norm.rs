@@ -441,17 +441,39 @@ fn staged_variants_match_the_reference() {
 }
 
 /// The one-lane-a-block variants alone (`NormVariant::block_lane`, labels `+b`; a quick check:
-/// `cargo test ... --test gpu_norm block_lane`): every flavor (INT8 and NVFP4 outputs among them,
-/// and LayerNorm into INT8; those in every x dtype) over ragged shapes (one block, rows of a unit and a
-/// block, fewer units than a warp's pair, rows that leave lanes past the end), with and without
-/// the residual; the benchmark's INT8 and NVFP4 cases; rounding ties and NaN, infinite, tiny and
-/// huge blocks.
+/// `cargo test ... --test gpu_norm block_lane`), over the cases of
+/// [`check_variants_over_flavors_and_edges`].
 #[test]
 fn block_lane_variants_match_the_reference() {
-    let gpu = gpu();
-    let mut rng = Rng::fresh();
     let lanes: Vec<NormVariant> = NORM_VARIANTS.iter().copied().filter(|v| v.block_lane).collect();
     assert!(lanes.len() >= 4, "{lanes:?}");
+    let checked = check_variants_over_flavors_and_edges(&lanes);
+    assert!(checked >= 200, "only {checked} block-lane checks served");
+}
+
+/// The variants that load the weight a unit ahead (`NormVariant::weight_ahead`, labels `+w`) and
+/// the block-lane ones that load it with x (`+e+b`) alone (a quick check: `cargo test ...
+/// --test gpu_norm weight_ahead`): the cases of [`block_lane_variants_match_the_reference`].
+#[test]
+fn weight_ahead_and_early_block_lane_variants_match_the_reference() {
+    let listed: Vec<NormVariant> = NORM_VARIANTS
+        .iter()
+        .copied()
+        .filter(|v| v.weight_ahead || (v.block_lane && v.early_weight))
+        .collect();
+    assert!(listed.len() >= 8, "{listed:?}");
+    let checked = check_variants_over_flavors_and_edges(&listed);
+    assert!(checked >= 200, "only {checked} checks served");
+}
+
+/// Every flavor (INT8 and NVFP4 outputs among them, and LayerNorm into INT8; those in every x
+/// dtype) over ragged shapes (one block, rows of a unit and a block, fewer units than a warp's
+/// pair, rows that leave lanes past the end), with and without the residual; the benchmark's INT8
+/// and NVFP4 cases; rounding ties and NaN, infinite, tiny and huge blocks: on each of `variants`
+/// that serves the call. Returns the checks run.
+fn check_variants_over_flavors_and_edges(lanes: &[NormVariant]) -> usize {
+    let gpu = gpu();
+    let mut rng = Rng::fresh();
     let mut checked = 0;
     let types = [DType::BF16, DType::F16, DType::F32];
     for (f, spec) in flavors().into_iter().enumerate() {
@@ -526,7 +548,7 @@ fn block_lane_variants_match_the_reference() {
             checked += 1;
         }
     }
-    assert!(checked >= 200, "only {checked} block-lane checks served");
+    checked
 }
 
 /// The kernel's E2M1 encoder on its own, one code per input float.

@@ -236,6 +236,7 @@ fn every_configuration_name_parses_back() {
             persistent: false,
             stages: 0,
             block_lane: false,
+            weight_ahead: false,
         }),
         "4w2r+e"
     );
@@ -306,6 +307,7 @@ fn lookups_answer_the_winner_the_default_or_a_named_error() {
         persistent: false,
         stages: 0,
         block_lane: false,
+        weight_ahead: false,
     };
     assert_eq!(norm_variant(&open(TuningMode::Strict), &task, SM90).unwrap(), want);
 

@@ -41,6 +41,11 @@ pub struct NormVariant {
     /// one lane, and store 16 INT8 codes at once; units go to the warps in pairs (at least 2 a
     /// warp). Serves every flavor; not with `stages` nor the int8 planes.
     pub block_lane: bool,
+    /// Without `early_weight`: the output loop loads the weight and bias of a warp's next unit
+    /// before it computes the current one (the kernel's `WEIGHT_AHEAD`; label `+w`), so that the
+    /// units' weight loads overlap the work instead of waiting one after the other. One unit of
+    /// weight and bias in registers.
+    pub weight_ahead: bool,
 }
 
 const fn variant(warps_per_row: u32, rows_per_block: u32, early_weight: bool) -> NormVariant {
@@ -51,6 +56,7 @@ const fn variant(warps_per_row: u32, rows_per_block: u32, early_weight: bool) ->
         persistent: false,
         stages: 0,
         block_lane: false,
+        weight_ahead: false,
     }
 }
 
@@ -63,6 +69,7 @@ const fn block_lane(warps_per_row: u32, rows_per_block: u32) -> NormVariant {
         persistent: false,
         stages: 0,
         block_lane: true,
+        weight_ahead: false,
     }
 }
 
@@ -73,6 +80,16 @@ const fn block_lane_early(warps_per_row: u32, rows_per_block: u32) -> NormVarian
     NormVariant { early_weight: true, ..block_lane(warps_per_row, rows_per_block) }
 }
 
+/// A variant that loads the weight one unit ahead ([`NormVariant::weight_ahead`], label `+w`).
+const fn ahead(warps_per_row: u32, rows_per_block: u32) -> NormVariant {
+    NormVariant { weight_ahead: true, ..variant(warps_per_row, rows_per_block, false) }
+}
+
+/// A [`NormVariant::block_lane`] variant that loads the weight one unit ahead (label `+b+w`).
+const fn block_lane_ahead(warps_per_row: u32, rows_per_block: u32) -> NormVariant {
+    NormVariant { weight_ahead: true, ..block_lane(warps_per_row, rows_per_block) }
+}
+
 const fn persistent(warps_per_row: u32, rows_per_block: u32, early_weight: bool) -> NormVariant {
     NormVariant {
         warps_per_row,
@@ -81,11 +98,20 @@ const fn persistent(warps_per_row: u32, rows_per_block: u32, early_weight: bool)
         persistent: true,
         stages: 0,
         block_lane: false,
+        weight_ahead: false,
     }
 }
 
 const fn staged(warps_per_row: u32, rows_per_block: u32, early_weight: bool, stages: u32) -> NormVariant {
-    NormVariant { warps_per_row, rows_per_block, early_weight, persistent: false, stages, block_lane: false }
+    NormVariant {
+        warps_per_row,
+        rows_per_block,
+        early_weight,
+        persistent: false,
+        stages,
+        block_lane: false,
+        weight_ahead: false,
+    }
 }
 
 /// Warps a multiprocessor a staged grid ([`NormVariant::stages`]) aims for: its blocks a
@@ -167,6 +193,12 @@ pub const NORM_VARIANTS: &[NormVariant] = &[
     block_lane_early(4, 1),
     block_lane_early(8, 1),
     block_lane_early(16, 1),
+    ahead(2, 1),
+    ahead(4, 1),
+    ahead(8, 1),
+    block_lane_ahead(2, 1),
+    block_lane_ahead(4, 1),
+    block_lane_ahead(8, 1),
 ];
 
 /// Most units of 256 elements one warp holds in registers (16: 128 fp32 values per lane).
@@ -237,6 +269,7 @@ impl NormVariant {
                 persistent: false,
                 stages: 0,
                 block_lane: false,
+                weight_ahead: false,
             };
         }
         let two_byte_x = matches!(call.x_type, DType::BF16 | DType::F16);
@@ -252,6 +285,7 @@ impl NormVariant {
             persistent: false,
             stages: 0,
             block_lane: false,
+            weight_ahead: false,
         }
     }
 }
@@ -372,6 +406,14 @@ impl NormCall {
                 reason: "stages are 0 or at least 2, and exclude `persistent` and `block_lane`".into(),
             });
         }
+        if variant.weight_ahead && variant.early_weight {
+            return Err(Error::InvalidArgument {
+                name: "norm variant",
+                value: format!("{variant:?}"),
+                reason: "`weight_ahead` loads the weight a unit ahead, `early_weight` all of it at once: one or the other"
+                    .into(),
+            });
+        }
         let shared = variant.staged_shared_bytes(self, true)?;
         if shared > STAGED_SHARED_LIMIT {
             return Err(Error::NotServed {
@@ -424,6 +466,9 @@ impl NormCall {
         ];
         if variant.block_lane {
             defines.push(("BLOCK_LANE", "1".to_owned()));
+        }
+        if variant.weight_ahead {
+            defines.push(("WEIGHT_AHEAD", "1".to_owned()));
         }
         Ok(defines)
     }
