@@ -2852,16 +2852,20 @@ struct TopKBoundShared {
         kiln_u32 packed[TKB_GROUP_PER / 4][THREADS];
         // TKB_BALLOT=1: each warp's counts of the group maxima by coarse bin (bin >> 3) and, in
         // the chosen coarse bin, by fine bin (bin & 7).
+        // The weights of the first THREADS candidates (`weights`, by slot) after them.
         struct {
             kiln_u32 coarse[SAMPLE_WARPS][32];
             kiln_u32 fine[SAMPLE_WARPS][8];
+            kiln_u32 weights[THREADS];
         } hist;
     };
+    kiln_u64 mass;  // TKB_BALLOT=1: the top-k's mass
     kiln_u32 chosen, above, count, total, ngroups, ncand, overflow;
     int last;
 };
 static_assert(THREADS >= TKB_KMAX, "one thread per top-k token");
 static_assert(2 * TKB_KMAX * 4 <= TKB_CAND_CAP * 8, "the kept weights and indices fit in `cand`");
+static_assert(2 * THREADS * 4 <= TKB_KMAX * 8, "tkb_finish_few's kept weights and indices fit in `top`");
 
 // One warp (warp 0) finds the first bin, in the order (bin 0 first, or bin 255 first when
 // `descending`), at which the running count reaches `target`: sh.chosen, the count before it in
@@ -3255,8 +3259,12 @@ __device__ __forceinline__ int sample_row_topk_bound(int r, kiln_u32 k, const fl
 //      same ballot count over the fine bins (bin & 7) of the groups in C and one barrier give
 //      every warp cb = 8 C + f, the bin of the binary search.
 //   3. A crowded bin cb is split by radix passes, and the candidate groups listed, as above; the
-//      gather issues only the loads of the groups the warp listed and keeps each round's ballots
-//      for the slots. The rank and finish are those above (tkb_rank_finish).
+//      gather issues only the loads of the groups the warp listed, keeps each round's ballots for
+//      the slots and writes each candidate's weight beside it.
+//   4. Up to THREADS candidates, one pass ranks them and sums, for each, the weights of those
+//      before it in the order (tkb_finish_few): the top-k's mass, top-p and min-p follow with no
+//      top-k array and two barriers (tkb_rank_finish takes three). More candidates take
+//      tkb_rank_finish.
 // The candidates are those of the binary-search path (the same bin cb and bound), so the token is
 // the reference's for the same reasons.
 #ifndef TKB_BALLOT
@@ -3288,6 +3296,78 @@ __device__ __forceinline__ kiln_u32 tkb_warp_inclusive(kiln_u32 v) {
 
 __device__ __forceinline__ void tkb_prefetch_l1(const float* at) {
     asm volatile("prefetch.global.L1 [%0];" ::"l"(at));
+}
+
+// The finish of tkb_rank_finish for at most THREADS candidates whose weights are in
+// sh.hist.weights, with two barriers instead of three and no top-k array: g threads a candidate
+// count the candidates before it in the order (its rank) and sum their weights (its mass before
+// it: they all lie in the top-k when it does), so the top-k's mass is that of rank kk - 1 plus its
+// weight; then top-p, min-p and the draw in index order as there.
+__device__ __forceinline__ void tkb_finish_few(int r, kiln_u32 k, int m_n, const KilnSampleParams& p, kiln_u64 u,
+                                               kiln_u32* __restrict__ tokens, TopKBoundShared& sh,
+                                               kiln_u64* profile) {
+    const bool row0 = r == 0;
+    const int kk = min((int)k, m_n);
+    int g = 1;
+    while (g < 32 && 2 * g * m_n <= THREADS) g <<= 1;
+    const int j = (int)threadIdx.x / g, part = (int)threadIdx.x & (g - 1);
+    const bool has = j < m_n;
+    const kiln_u64 e = has ? sh.cand[j] : ~0ull;  // ~0: above every candidate, counts nothing
+    const bool weigh = k > 1u;
+    kiln_u32 rank = 0u;
+    kiln_u64 before = 0ull;
+#pragma unroll 4
+    for (int i = part; i < m_n; i += g) {
+        const bool above = sh.cand[i] > e;
+        rank += above ? 1u : 0u;
+        if (weigh) before += above ? (kiln_u64)sh.hist.weights[i] : 0ull;
+    }
+    for (int o = g >> 1; o > 0; o >>= 1) {
+        rank += __shfl_xor_sync(KILN_FULL_MASK, rank, o);
+        before += __shfl_xor_sync(KILN_FULL_MASK, before, o);
+    }
+    TKB_CLOCK(21, row0);
+    const bool lead = has && part == 0;
+    const kiln_u32 index = 0xFFFFFFFFu - (kiln_u32)e;
+    if (k == 1u) {  // greedy, or top-k 1: the first of the order
+        if (lead && rank == 0u) tokens[r] = index;
+        return;
+    }
+    const kiln_u32 w = lead ? sh.hist.weights[j] : 0u;
+    if (lead && (int)rank == kk - 1) sh.mass = before + w;  // exactly one candidate
+    if (threadIdx.x == 0) tokens[r] = NO_TOKEN;  // before the barriers: the winner writes after them
+    __syncthreads();
+    const kiln_u64 mass = sh.mass;
+    bool kept = lead && (int)rank < kk;
+    if (p.top_p_units < (1u << 24)) {
+        // max(1, ceil(mass * p_units / 2^24)), exact in 128 bits, as tkb_rank_finish.
+        const kiln_u64 lo_p = mass * (kiln_u64)p.top_p_units, hi_p = __umul64hi(mass, (kiln_u64)p.top_p_units);
+        const kiln_u64 add = lo_p + 0xFFFFFFull;
+        const kiln_u64 carry = add < lo_p ? 1ull : 0ull;
+        kiln_u64 target_p = (add >> 24) | ((hi_p + carry) << 40);
+        if (target_p == 0ull) target_p = 1ull;
+        kept = kept && before < target_p;
+    }
+    const kiln_u32 kw = kept && w >= p.min_weight ? w : 0u;
+    kiln_u32* kept_weight = reinterpret_cast<kiln_u32*>(sh.top);  // THREADS u32 each
+    kiln_u32* kept_index = kept_weight + THREADS;
+    if (lead) {
+        kept_weight[j] = kw;
+        kept_index[j] = index;
+    }
+    kiln_u64 kept_mass;
+    tkb_scan((kiln_u64)kw, sh.kept_sums, kept_mass);  // its barrier publishes kept_*
+    const kiln_u64 draw = __umul64hi(u, kept_mass);  // < kept_mass: the first token is kept
+    // The draw in index order: the candidate whose inclusive kept mass over the candidates of
+    // lower or equal index passes the target (the others' kept weights are 0).
+    const kiln_u32 own_weight = has ? kept_weight[j] : 0u;
+    kiln_u64 inclusive = 0ull;
+    if (own_weight != 0u) {
+#pragma unroll 4
+        for (int i = part; i < m_n; i += g) inclusive += kept_index[i] <= index ? (kiln_u64)kept_weight[i] : 0ull;
+    }
+    for (int o = g >> 1; o > 0; o >>= 1) inclusive += __shfl_xor_sync(KILN_FULL_MASK, inclusive, o);
+    if (lead && own_weight != 0u && inclusive - own_weight <= draw && draw < inclusive) tokens[r] = index;
 }
 
 // The last block of served row r with the bound by ballot histograms (see above). Returns
@@ -3446,6 +3526,9 @@ __device__ __forceinline__ int sample_row_topk_ballot(int r, kiln_u32 k, const f
         if (nw > TKB_WARP_GROUPS) sh.overflow = 1u;
     }
     const int listed = min(nw, TKB_WARP_GROUPS);
+    // The largest scaled logit, for the candidates' weights (k > 1 only: greedy rows need none).
+    const bool weigh = k > 1u;
+    const float m = weigh ? fminf(fmaxf(M / p.temperature, -3.40282347e38f), 3.40282347e38f) : 0.0f;
     for (int base = 0; base < listed; base += TKB_GATHER) {
         const int here = min(listed - base, TKB_GATHER);  // the same for the whole warp
         float x[TKB_GATHER];
@@ -3482,7 +3565,11 @@ __device__ __forceinline__ int sample_row_topk_ballot(int r, kiln_u32 k, const f
             if (t >= here) break;
             const kiln_u32 slot = at + (kiln_u32)__popc(takes[t] & lanes_before);
             if (((takes[t] >> lane) & 1u) != 0u && slot < TKB_CAND_CAP) {
-                sh.cand[slot] = fast_pack(sample_order_key(x[t]), (kiln_u32)idx[t]);
+                const kiln_u32 key = sample_order_key(x[t]);
+                sh.cand[slot] = fast_pack(key, (kiln_u32)idx[t]);
+                // The weight (of the value the key gives back, as tkb_rank_finish) for
+                // tkb_finish_few.
+                if (weigh && slot < THREADS) sh.hist.weights[slot] = sample_weight(fused_value(key), p.temperature, m);
             }
             at += (kiln_u32)__popc(takes[t]);
         }
@@ -3493,7 +3580,11 @@ __device__ __forceinline__ int sample_row_topk_ballot(int r, kiln_u32 k, const f
     TKB_SET(33, row0, sh.ngroups);
     TKB_SET(34, row0, m_n);
     if (sh.overflow != 0u || m_n > TKB_CAND_CAP) return TKB_FALLBACK;
-    tkb_rank_finish(r, k, m_n, p, u, tokens, sh, profile);
+    if (m_n <= THREADS) {
+        tkb_finish_few(r, k, m_n, p, u, tokens, sh, profile);
+    } else {
+        tkb_rank_finish(r, k, m_n, p, u, tokens, sh, profile);
+    }
     return 0;
 }
 

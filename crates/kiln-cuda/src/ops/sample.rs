@@ -252,9 +252,10 @@ pub enum SamplePath {
     /// with `TKB_BALLOT=1`), for the latency of a batch of one: the bin of the k-th group
     /// maximum found by two levels of warp ballot histograms (coarse bin, then fine bin; two
     /// barriers in all, the bins in registers) instead of a binary search of eight block-wide
-    /// counts, the candidate groups' lines prefetched into L1 between the two levels, and the
-    /// gather issuing only the loads of the groups listed. The same candidates, hence the same
-    /// token. Not chosen by [`SamplePath::for_rows`]: a candidate to measure against
+    /// counts, the candidate groups' lines prefetched into L1 between the two levels, the
+    /// gather issuing only the loads of the groups listed, and (up to 256 candidates) one pass
+    /// that ranks the candidates and sums the weights before each, so the finish takes two
+    /// barriers. The same candidates, hence the same token. Not chosen by [`SamplePath::for_rows`]: a candidate to measure against
     /// [`SamplePath::TopKBound`] at batch 1.
     TopKBallot,
 }
