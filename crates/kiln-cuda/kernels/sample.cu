@@ -3588,6 +3588,18 @@ __device__ __forceinline__ int sample_row_topk_ballot(int r, kiln_u32 k, const f
     return 0;
 }
 
+// The fences around the row's ticket: a block's maxima are published (release) before its
+// ticket and read (acquire) after the last one. TKB_BALLOT=1 takes fence.acq_rel.gpu, which is
+// all the two patterns need (with the relaxed atomic beside it); __threadfence() is fence.sc.gpu,
+// a total order over every such fence on the device.
+__device__ __forceinline__ void tkb_fence() {
+#if TKB_BALLOT
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+#else
+    __threadfence();
+#endif
+}
+
 // One launch: grid (slices, rows), `slice_len` logits a block (a multiple of 32, at most
 // TKB_PER * THREADS; the launcher keeps ceil(vocab / 32) <= TKB_GROUP_PER * THREADS and
 // slices * slice_len / 32 <= `group_stride`). `maxima` holds `group_stride` u32 a row,
@@ -3656,7 +3668,7 @@ kiln_sample_topk_bound(const float* __restrict__ logits, long long vocab, long l
         if (lane == 0 && j < slice_groups) out[j] = m;
     }
     TKB_CLOCK(9, first);
-    __threadfence();
+    tkb_fence();
     __syncthreads();
     TKB_CLOCK(10, first);
     if (threadIdx.x == 0) {
@@ -3670,7 +3682,7 @@ kiln_sample_topk_bound(const float* __restrict__ logits, long long vocab, long l
     TKB_CLOCK(11, first);
     __syncthreads();
     if (!sh.last) return;
-    __threadfence();  // the other blocks' maxima, published before their tickets, are read after ours
+    tkb_fence();  // the other blocks' maxima, published before their tickets, are read after ours
     const bool row0 = r == 0;
     TKB_CLOCK(16, row0);
     TKB_SET(24, row0, tkb_globaltimer());
