@@ -16,6 +16,11 @@
 //! declared default; with `KILN_TUNING=strict` an uncertified key fails by name before anything is
 //! timed), the declared default and the best.
 //!
+//! `%size`: the case's GB/s against a device-to-device copy of the same bytes (half the bytes
+//! moved read, half written), timed the same way (graph replays of copies over rotated buffers):
+//! at 2048 x 4096 the fixed cost of a launch (its first reads' latency, its last writes' drain) is
+//! a large part of the time, and the copy pays it too.
+//!
 //! The cases are the table below, or with `--model` / `--shapes` the norm calls that model makes
 //! (the keys `kiln tune certify` certifies for it).
 
@@ -151,9 +156,11 @@ pub fn run(args: &BenchNormArgs) -> Result<()> {
         }
     );
     println!(
-        "{:<20} {:>12} {:<32} {:>10} {:>9} {:>9} {:>10} {:>9}",
-        "case", "shape", "variant", "time_us", "GB/s", "%copy", "torch_us", "speedup"
+        "{:<20} {:>12} {:<32} {:>10} {:>9} {:>9} {:>9} {:>10} {:>9}",
+        "case", "shape", "variant", "time_us", "GB/s", "%copy", "%size", "torch_us", "speedup"
     );
+    // Same-size copies, by bytes moved (graph replays, buffers rotated past the L2 cache).
+    let mut same_size: BTreeMap<usize, f64> = BTreeMap::new();
 
     let mut seed = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -212,6 +219,30 @@ pub fn run(args: &BenchNormArgs) -> Result<()> {
             + scale_bytes
             + if residual { 2 * x_bytes } else { 0 };
         let shape = format!("{rows}x{hidden}");
+        let half = (moved / 2).next_multiple_of(16);
+        let size_gbs = match same_size.get(&half) {
+            Some(&gbs) => gbs,
+            None => {
+                let copies = (2 * l2).div_ceil(2 * half).clamp(2, 64);
+                let pairs = (0..copies)
+                    .map(|_| Ok((gpu.alloc(half)?, gpu.alloc(half)?)))
+                    .collect::<Result<Vec<(DeviceMemory, DeviceMemory)>>>()?;
+                let timer = if args.plain_launches { median_launch_us } else { median_graph_launch_us };
+                let us = timer(&gpu, args.batches, args.launches, &mut |i: usize| {
+                    let (src, dst) = &pairs[i % copies];
+                    dst.copy_from_device(src)
+                })?;
+                let gbs = 2.0 * half as f64 / us / 1e3;
+                println!(
+                    "same-size copy {shape} ({} + {} bytes): {us:.2} us, {gbs:.0} GB/s, {:.1}% of the ceiling",
+                    half,
+                    half,
+                    100.0 * gbs / ceiling_gbs
+                );
+                same_size.insert(half, gbs);
+                gbs
+            }
+        };
         let default = NormVariant::default_for(&call);
         let mut candidates: Vec<NormVariant> = vec![certified];
         let listed: Vec<NormVariant> = NORM_VARIANTS
@@ -272,13 +303,14 @@ pub fn run(args: &BenchNormArgs) -> Result<()> {
         for (which, (variant, us)) in rows_to_print {
             let gbs = moved as f64 / us / 1e3;
             println!(
-                "{:<20} {:>12} {:<32} {:>10.2} {:>9.0} {:>8.1}% {:>10} {:>9}",
+                "{:<20} {:>12} {:<32} {:>10.2} {:>9.0} {:>8.1}% {:>8.1}% {:>10} {:>9}",
                 name,
                 shape,
                 format!("{which} {}", label(variant)),
                 us,
                 gbs,
                 100.0 * gbs / ceiling_gbs,
+                100.0 * gbs / size_gbs,
                 torch.map_or("-".to_owned(), |t| format!("{t:.2}")),
                 torch.map_or("-".to_owned(), |t| format!("{:.2}x", t / us)),
             );
