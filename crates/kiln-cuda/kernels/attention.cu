@@ -28,8 +28,7 @@
 // decode, whose rows are the G heads of one token, uses WARPS_M = 1 and splits each tile among
 // WARPS_N warps, merged at the end in warp order through shared memory.
 //
-// Grid: x = row tile (reversed, so the longest causal tiles start first; for the decode kernels
-// compiled with HEAD_PARTS > 1, the part of the group's query heads), y = kv_head * splits +
+// Grid: x = row tile (reversed, so the longest causal tiles start first), y = kv_head * splits +
 // split, z = sequence. A split s takes the keys [s * chunk, (s + 1) * chunk) with chunk = the
 // context divided by `splits`, rounded up to BLOCK_N: the grid does not depend on the context
 // length, so a captured decode step replays as the cache grows.
@@ -101,15 +100,6 @@
 #ifndef PERSIST_PROFILE
 #define PERSIST_PROFILE 0
 #endif
-// Head parts (decode kernels only: STREAMING 1 or HYBRID 1): the G query heads of a KV group are
-// split across HEAD_PARTS blocks, each taking ceil(G / HEAD_PARTS) of them (at most 16) as its
-// rows and reading the whole K/V range of its split; grid x = ceil(G / those rows) (the row tiles
-// of a group). The blocks of a group read the same bytes close in time (adjacent in launch
-// order), sharing them through L2. Each row's softmax, merge and combine do not depend on the
-// other rows of its block, so the output is the same bits as with HEAD_PARTS 1 at the same splits.
-#ifndef HEAD_PARTS
-#define HEAD_PARTS 1
-#endif
 // Ticket counters of the combine, one per (sequence, row tile, kv head) of a split launch; the
 // launcher refuses a split grid with more groups.
 #define KILN_ATTENTION_TICKETS 65536
@@ -128,21 +118,6 @@
 
 static_assert(HEAD_DIM % 32 == 0, "HEAD_DIM is a multiple of 32");
 static_assert(WARP_KEYS % 16 == 0, "WARP_KEYS is a multiple of 16");
-static_assert(HEAD_PARTS >= 1 && (HEAD_PARTS == 1 || (WARPS_M == 1 && (STREAMING || HYBRID))),
-              "head parts only for the decode kernels (one row tile)");
-
-#if !PERSISTENT
-// The rows a block takes: a row tile of BLOCK_M, or with HEAD_PARTS > 1 a part of the group of
-// `heads_per_group` query heads (see HEAD_PARTS).
-KILN_DEVICE int kiln_block_rows(int heads_per_group) {
-#if HEAD_PARTS > 1
-    return min(BLOCK_M, (heads_per_group + HEAD_PARTS - 1) / HEAD_PARTS);
-#else
-    (void)heads_per_group;
-    return BLOCK_M;
-#endif
-}
-#endif
 
 struct alignas(16) kiln_chunk16 { kiln_u32 x, y, z, w; };
 
@@ -206,16 +181,14 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
     const int context = context_lens[sequence];
     const int heads_per_group = q_heads / kv_heads;
     const int rows = q_len * heads_per_group;
-    const int tile_rows = kiln_block_rows(heads_per_group);
-    const int row0 = (gridDim.x - 1 - blockIdx.x) * tile_rows;
+    const int row0 = (gridDim.x - 1 - blockIdx.x) * BLOCK_M;
     if (row0 >= rows) return;
-    const int row_end = min(rows, row0 + tile_rows);  // this block's rows are [row0, row_end)
     const int first_position = context - q_len;
     const int total_queries = query_offsets[gridDim.z];
     const kiln_u32* pages = page_ids + page_offsets[sequence];
 
     // This block's keys: the split's chunk, cut at the context and at the causal limit of its last row.
-    const int last_row = row_end - 1;
+    const int last_row = min(rows, row0 + BLOCK_M) - 1;
     const int chunk = (((context + splits - 1) / splits) + BLOCK_N - 1) / BLOCK_N * BLOCK_N;
     const int kv_begin = split * chunk;
     const int kv_end = min(min(context, kv_begin + chunk), first_position + last_row / heads_per_group + 1);
@@ -228,7 +201,7 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
         const int index = tid + i * THREADS;
         const int r = index / CHUNKS_PER_ROW, c = index % CHUNKS_PER_ROW;
         const int row = row0 + r;
-        const bool valid = row < row_end;
+        const bool valid = row < rows;
         const int token = valid ? row / heads_per_group : 0;
         const int head = kv_head * heads_per_group + (valid ? row % heads_per_group : 0);
         const kiln_u16* source = q + ((kiln_u64)(q_begin + token) * q_heads + head) * HEAD_DIM + c * 8;
@@ -295,12 +268,12 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
         }
     }
 
-    // The positions of this thread's two rows (g and g + 8); rows past the block's take the
+    // The positions of this thread's two rows (g and g + 8); rows past the sequence take the
     // last position, so they see keys and stay finite (their output is not stored).
     int row_position[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const int row = min(row0 + warp_m * 16 + group + h * 8, row_end - 1);
+        const int row = min(row0 + warp_m * 16 + group + h * 8, rows - 1);
         row_position[h] = first_position + row / heads_per_group;
     }
     const int min_position = first_position + row0 / heads_per_group;
@@ -414,7 +387,7 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
 
     // Stores two adjacent elements of a row: bf16 to out, or f32 with the lse to the partials.
     auto store = [&](int row, int d, float v0, float v1, float sum, float max) {
-        if (row >= row_end) return;
+        if (row >= rows) return;
         const int token = q_begin + row / heads_per_group;
         const int head = kv_head * heads_per_group + row % heads_per_group;
         const float inverse = sum > 0.0f ? 1.0f / sum : 0.0f;
@@ -519,7 +492,7 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
     // out = sum_s w_s O_s / sum_s w_s, w_s = 2^(lse_s - M), in split order (a split that saw no
     // key of a row has lse -inf and no weight).
     {
-        const int block_rows = row_end - row0;
+        const int block_rows = min(rows - row0, BLOCK_M);
         const kiln_u64 split_stride = (kiln_u64)total_queries * q_heads;
         const kiln_u64 split_floats = split_stride * HEAD_DIM;
         float* lse = reinterpret_cast<float*>(k_smem);  // [splits][block_rows]
@@ -582,7 +555,7 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
     // out = sum_s w_s O_s / sum_s w_s, w_s = 2^(lse_s - M), M = max_s lse_s, in one pass in split
     // order (the running maximum rescales the running sums, an online softmax over the splits).
     // The partials are read through L2 (other blocks wrote them), eight splits in flight.
-    const int block_rows = row_end - row0;
+    const int block_rows = min(rows - row0, BLOCK_M);
     for (int item = tid; item < block_rows * (HEAD_DIM / 4); item += THREADS) {
         const int row = row0 + item / (HEAD_DIM / 4), d = (item % (HEAD_DIM / 4)) * 4;
         const kiln_u64 query_row = (kiln_u64)(q_begin + row / heads_per_group) * q_heads +
@@ -721,9 +694,8 @@ KILN_DEVICE void kiln_attention_streaming(KILN_ATTENTION_PARAMS) {
     const int total_queries = query_offsets[gridDim.z];
     const kiln_u32* pages = page_ids + page_offsets[sequence];
     const int heads_per_group = q_heads / kv_heads;
-    const int block_rows = kiln_block_rows(heads_per_group);  // 16, or a head part
-    const int row0 = blockIdx.x * block_rows;
-    const int rows = min(heads_per_group - row0, block_rows);
+    const int row0 = blockIdx.x * 16;
+    const int rows = min(heads_per_group - row0, 16);
     if (q_len != 1 || context <= 0 || rows <= 0) return;
 
     // This split's keys [kv_begin, kv_end), in steps of 16; `used` splits hold keys.

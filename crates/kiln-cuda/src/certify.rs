@@ -53,7 +53,7 @@ use crate::kernels::{ATTENTION, LM_HEAD, NORM};
 use crate::memory::DeviceMemory;
 use crate::ops::attention::{
     attention, decode_splits_for, decode_stream_splits_for, persistent_splits_for, scratch_bytes,
-    AttentionKernel, AttentionVariant, KvBuffers, PagedBatch, HEAD_PARTS, PERSISTENT_SPLITS,
+    AttentionKernel, AttentionVariant, KvBuffers, PagedBatch, PERSISTENT_SPLITS,
 };
 use crate::ops::lm_head::{lm_head, plan, LmHeadBuffers, LmHeadVariant, LM_HEAD_VARIANTS};
 use crate::ops::norm::{norm, NormBuffers, NormCall, NormVariant, NORM_VARIANTS};
@@ -652,15 +652,9 @@ impl AttentionConfig {
     /// decode variants but the default `stream<stages>-...` (`stream3-1x8x16.s2`,
     /// `stream6-1x4x16.s2`), the persistent decode variants `persist<stages>-...` (16-byte copies)
     /// and `bulk<stages>-...` (bulk copies on sm_90), their splits the most chunks a sequence is cut
-    /// into (`persist5-1x4x16.s64`, `bulk5-1x4x16.s64`, `bulk3-1x4x16.s64`); a variant with head
-    /// parts ([`AttentionVariant::with_head_parts`]) is `hp<parts>-` before its name
-    /// (`hp2-1x4x16.s2`, `hp4-hybrid-1x4x16.s1`).
+    /// into (`persist5-1x4x16.s64`, `bulk5-1x4x16.s64`, `bulk3-1x4x16.s64`).
     pub fn label(&self) -> String {
         let v = &self.variant;
-        if v.head_parts != 1 {
-            let whole = AttentionConfig { variant: v.with_head_parts(1), ..*self };
-            return format!("hp{}-{}", v.head_parts, whole.label());
-        }
         let kernel = match v.kernel {
             AttentionKernel::Warpgroup => "wgmma-",
             AttentionKernel::WarpgroupPingpong => "wgmma-pingpong-",
@@ -689,16 +683,6 @@ impl AttentionConfig {
     /// The configuration named `label`: a variant of [`AttentionVariant::ALL`] or a wgmma prefill
     /// variant, splits 1 to 64.
     pub fn parse(label: &str) -> Option<AttentionConfig> {
-        if let Some(rest) = label.strip_prefix("hp") {
-            let (parts, whole) = rest.split_once('-')?;
-            let parts: u32 = parts.parse().ok().filter(|p| HEAD_PARTS.contains(p))?;
-            let config = AttentionConfig::parse(whole)?;
-            let variant = config.variant.with_head_parts(parts);
-            let served =
-                [AttentionVariant::DECODE, AttentionVariant::DECODE_HYBRID].contains(&config.variant);
-            let config = AttentionConfig { variant, ..config };
-            return (served && config.label() == label).then_some(config);
-        }
         let (_, splits) = label.rsplit_once(".s")?;
         let splits: u32 = splits.parse().ok().filter(|s| (1..=64).contains(s))?;
         let others = [

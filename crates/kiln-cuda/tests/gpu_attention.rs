@@ -11,7 +11,7 @@ use kiln_core::ops::primitives::{bf16_bits_to_f32, f32_to_bf16_bits};
 use kiln_core::Error;
 use kiln_cuda::ops::attention::{
     attention, attention_persistent_profiled, decode_splits, decode_stream_splits_for, kv_append,
-    scratch_bytes, AttentionKernel, AttentionVariant, KvBuffers, PagedBatch, DECODE_L2_HINT_ENV, HEAD_PARTS,
+    scratch_bytes, AttentionKernel, AttentionVariant, KvBuffers, PagedBatch, DECODE_L2_HINT_ENV,
     HYBRID_STREAM_CHUNK, PERSISTENT_PROFILE_SLOTS, PERSISTENT_SPLITS,
 };
 use kiln_cuda::{DeviceMemory, Gpu};
@@ -624,114 +624,6 @@ fn wide_and_deep_streaming_decode_over_long_contexts_match_float64() {
                     "{variant:?} differs between runs: {sequences:?} {splits}"
                 );
             }
-        }
-    }
-}
-
-/// Head parts (a KV group's query heads over 2 or 4 blocks, `with_head_parts`) on the streaming
-/// decode and the hybrid one: groups of 4, 3, 1, 8 and 32 query heads (parts that leave a block
-/// short of rows, parts of more than 8 rows, groups over two row tiles), head dims 64 and 128,
-/// page sizes 1 to 64, ragged batches of contexts on both sides of the hybrid's threshold, with a
-/// sequence without a query beside them; at 1, 2, 5 and 33 splits (splits past a short context
-/// take no ticket). Against the float64 reference, two runs bit for bit, and the bits of the same
-/// variant without parts at the same splits (each query head's softmax and combine are its own).
-#[test]
-fn head_parts_decode_gives_the_whole_groups_bits_and_matches_float64() {
-    let (gpu, mut rng) = (gpu(), Rng::fresh());
-    for (i, &(q_heads, kv_heads, head_dim, page_tokens)) in
-        [(32, 8, 128, 64), (12, 4, 64, 16), (8, 8, 128, 1), (16, 2, 64, 32), (32, 1, 128, 8)]
-            .iter()
-            .enumerate()
-    {
-        let t = HYBRID_STREAM_CHUNK;
-        let mut contexts =
-            [1, 17, 1 + rng.below(t + 100), 2 * t + 1 + rng.below(4000), 3000 + rng.below(9000)];
-        for j in (1..contexts.len()).rev() {
-            contexts.swap(j, rng.below(j + 1));
-        }
-        let mut sequences: Vec<(usize, usize)> = contexts.iter().map(|&c| (1, c)).collect();
-        if i % 2 == 0 {
-            sequences.insert(rng.below(sequences.len() + 1), (0, 1 + rng.below(300)));
-        }
-        let mut case = Case {
-            q_heads,
-            kv_heads,
-            head_dim,
-            page_tokens,
-            sequences: sequences.clone(),
-            splits: None,
-            variant: AttentionVariant::DECODE,
-        };
-        let inputs = inputs(&mut rng, &case);
-        let want = reference(&case, &inputs);
-        for splits in [1u32, 2, 5, 33] {
-            case.splits = Some(splits);
-            for whole in [AttentionVariant::DECODE, AttentionVariant::DECODE_HYBRID] {
-                case.variant = whole;
-                let whole_bits = check_on(&gpu, &case, &inputs, &want, 1);
-                for parts in HEAD_PARTS {
-                    case.variant = whole.with_head_parts(parts);
-                    let outputs = check_on(&gpu, &case, &inputs, &want, 2);
-                    assert!(
-                        outputs[0] == outputs[1],
-                        "{parts} head parts of {whole:?} differ between runs: {sequences:?} {splits}"
-                    );
-                    assert!(
-                        outputs[0] == whole_bits[0],
-                        "{parts} head parts of {whole:?} are not its bits: {q_heads}/{kv_heads} {sequences:?} {splits}"
-                    );
-                }
-            }
-        }
-    }
-}
-
-/// Head parts where they are meant to serve: a batch of 8 ragged long contexts at GQA 32/8, head
-/// dim 128, page 64 (the hybrid's tiled path), at 1, 2 and 4 splits; against the float64
-/// reference, two runs bit for bit, and the whole groups' bits. A prefill batch is refused.
-#[test]
-fn head_parts_decode_over_long_contexts_at_batch_8_matches_float64() {
-    let (gpu, mut rng) = (gpu(), Rng::fresh());
-    let sequences: Vec<(usize, usize)> = (0..8).map(|_| (1, 4000 + rng.below(30_000))).collect();
-    let mut case = Case {
-        q_heads: 32,
-        kv_heads: 8,
-        head_dim: 128,
-        page_tokens: 64,
-        sequences: sequences.clone(),
-        splits: None,
-        variant: AttentionVariant::DECODE,
-    };
-    let inputs = inputs(&mut rng, &case);
-    let want = reference(&case, &inputs);
-    for splits in [1u32, 2, 4] {
-        case.splits = Some(splits);
-        for whole in [AttentionVariant::DECODE, AttentionVariant::DECODE_HYBRID] {
-            case.variant = whole;
-            let whole_bits = check_on(&gpu, &case, &inputs, &want, 1);
-            for parts in HEAD_PARTS {
-                case.variant = whole.with_head_parts(parts);
-                let outputs = check_on(&gpu, &case, &inputs, &want, 2);
-                assert!(outputs[0] == outputs[1], "{parts} parts of {whole:?} differ between runs: {splits}");
-                assert!(outputs[0] == whole_bits[0], "{parts} parts of {whole:?} are not its bits: {splits}");
-            }
-        }
-    }
-    // Two query tokens a sequence: refused, as the decode kernels refuse them.
-    let shape = AttentionShape { q_heads: 8, kv_heads: 2, head_dim: 128, page_tokens: 16, scale: 0.125 };
-    let pages: Vec<u32> = (0..4).collect();
-    let q = gpu.alloc(2 * 8 * 128 * 2).expect("device allocation");
-    let out = gpu.alloc(2 * 8 * 128 * 2).expect("device allocation");
-    let cache_bytes = 4 * 2 * 16 * 128 * 2;
-    let (k, v) = (gpu.alloc(cache_bytes).expect("k"), gpu.alloc(cache_bytes).expect("v"));
-    let cache = KvBuffers { k: &k, v: &v, pages: 4 };
-    let prefill = [AttentionSequence { query_tokens: 2, context_tokens: 40, pages: &pages }];
-    let prefill = PagedBatch::upload(&gpu, &shape, &prefill, 4).expect("batch upload");
-    for parts in HEAD_PARTS {
-        for whole in [AttentionVariant::DECODE, AttentionVariant::DECODE_HYBRID] {
-            let variant = whole.with_head_parts(parts);
-            let refused = attention(&gpu, &shape, &prefill, &q, cache, &out, None, 1, Some(variant));
-            assert!(matches!(refused, Err(Error::NotServed { .. })), "{variant:?}: {refused:?}");
         }
     }
 }

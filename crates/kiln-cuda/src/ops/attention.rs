@@ -96,10 +96,6 @@ pub struct AttentionVariant {
     /// where a split holds at most [`HYBRID_STREAM_CHUNK`] keys, the tiled kernel's (this shape,
     /// these stages) past that. Only with `kernel` = [`AttentionKernel::Tiled`].
     pub hybrid: bool,
-    /// Blocks a KV group's query heads are split across (the kernel's `HEAD_PARTS`): 1 (every
-    /// head of a group in one block's rows), or 2 or 4 for [`AttentionVariant::DECODE`] and
-    /// [`AttentionVariant::DECODE_HYBRID`] ([`AttentionVariant::with_head_parts`]).
-    pub head_parts: u32,
 }
 
 impl AttentionVariant {
@@ -111,7 +107,6 @@ impl AttentionVariant {
         kernel: AttentionKernel::Tiled,
         stages: STAGES,
         hybrid: false,
-        head_parts: 1,
     };
     /// Prefill: 128 rows by 8 warps, 64 keys a tile.
     pub const PREFILL_WIDE: AttentionVariant = AttentionVariant {
@@ -121,7 +116,6 @@ impl AttentionVariant {
         kernel: AttentionKernel::Tiled,
         stages: STAGES,
         hybrid: false,
-        head_parts: 1,
     };
     /// Decode (the default): the streaming kernel, 16 rows (the query heads of a group), 4 warps
     /// each streaming its own steps of 16 keys, three in flight.
@@ -132,7 +126,6 @@ impl AttentionVariant {
         kernel: AttentionKernel::Streaming,
         stages: STREAM_STAGES,
         hybrid: false,
-        head_parts: 1,
     };
     /// Decode on the tiled kernel: 16 rows, 4 warps sharing 64 keys a tile (the decode default
     /// before the streaming kernel). Not in [`AttentionVariant::ALL`]: its name
@@ -144,7 +137,6 @@ impl AttentionVariant {
         kernel: AttentionKernel::Tiled,
         stages: STAGES,
         hybrid: false,
-        head_parts: 1,
     };
     /// Decode on the tiled kernel: 16 rows, 4 warps sharing 128 keys a tile.
     pub const DECODE_WIDE: AttentionVariant = AttentionVariant {
@@ -154,7 +146,6 @@ impl AttentionVariant {
         kernel: AttentionKernel::Tiled,
         stages: STAGES,
         hybrid: false,
-        head_parts: 1,
     };
     /// [`AttentionVariant::DECODE_TILED`] three tiles deep: two 64-key tiles in flight while one
     /// is computed (106 KiB of shared memory at head dim 128: two blocks a multiprocessor on
@@ -202,7 +193,6 @@ impl AttentionVariant {
         kernel: AttentionKernel::Warpgroup,
         stages: STAGES,
         hybrid: false,
-        head_parts: 1,
     };
     /// [`AttentionVariant::PREFILL_WGMMA`]'s work on the ping-pong kernel (a third warpgroup
     /// copies).
@@ -224,7 +214,6 @@ impl AttentionVariant {
         kernel: AttentionKernel::Persistent,
         stages: PERSISTENT_STAGES,
         hybrid: false,
-        head_parts: 1,
     };
     /// [`AttentionVariant::DECODE_PERSISTENT`] copying each K/V row by `cp.async.bulk` on sm_90
     /// ([`AttentionKernel::PersistentBulk`]; named `bulk5-1x4x16.sN`).
@@ -256,17 +245,6 @@ impl AttentionVariant {
     /// certifier candidates). Every persistent variant gives the same bits.
     pub const PERSISTENT_OWN: [AttentionVariant; 3] =
         [Self::DECODE_PERSISTENT_OWN, Self::DECODE_PERSISTENT_OWN_SHALLOW, Self::DECODE_PERSISTENT_OWN_PAIR];
-
-    /// `self` with its KV group's query heads split across `parts` blocks ("head parts", the
-    /// kernel's `HEAD_PARTS`): grid x = the group over `ceil(group / parts)` rows (at most 16 a
-    /// block), each block reading the whole K/V range of its split, the blocks of a group sharing
-    /// those bytes through L2 (they run at the same time, adjacent in launch order). The same bits
-    /// as `self` at the same splits (each row's softmax, merge and combine are its own). Served
-    /// for [`AttentionVariant::DECODE`] and [`AttentionVariant::DECODE_HYBRID`] at
-    /// [`HEAD_PARTS`]; named `hp<parts>-<name>` (`hp2-1x4x16.s2`, `hp4-hybrid-1x4x16.s1`).
-    pub const fn with_head_parts(self, parts: u32) -> AttentionVariant {
-        AttentionVariant { head_parts: parts, ..self }
-    }
 
     /// Every named variant (distinct names); the tests run each, and
     /// [`AttentionVariant::DECODE_TILED`] beside them.
@@ -307,17 +285,6 @@ impl AttentionVariant {
 
     fn rows(&self) -> u32 {
         16 * self.warps_m
-    }
-
-    /// Rows a block takes over a group of `group` query heads (the kernel's `kiln_block_rows`):
-    /// a row tile, or with head parts `ceil(group / head_parts)`, at most a row tile.
-    fn block_rows(&self, group: usize) -> usize {
-        let tile = self.rows() as usize;
-        if self.head_parts > 1 {
-            group.div_ceil(self.head_parts as usize).clamp(1, tile)
-        } else {
-            tile
-        }
     }
 
     fn keys(&self) -> u32 {
@@ -378,15 +345,6 @@ impl AttentionVariant {
     }
 
     fn validate(&self, head_dim: usize) -> Result<()> {
-        if self.head_parts != 1 {
-            let whole = self.with_head_parts(1);
-            let served = HEAD_PARTS.contains(&self.head_parts)
-                && [AttentionVariant::DECODE, AttentionVariant::DECODE_HYBRID].contains(&whole);
-            if !served {
-                return Err(Error::NotServed { op: "attention kernel", reason: format!("variant {self:?}") });
-            }
-            return whole.validate(head_dim);
-        }
         let served = match self.kernel {
             AttentionKernel::Tiled if self.hybrid => *self == AttentionVariant::DECODE_HYBRID,
             AttentionKernel::Tiled => {
@@ -455,9 +413,6 @@ fn prefill_requested() -> Option<AttentionVariant> {
 
 /// K/V stages of the tiled variants but the deep ones (the kernel's default `STAGES`).
 const STAGES: u32 = 2;
-
-/// The head parts served beside 1 ([`AttentionVariant::with_head_parts`]).
-pub const HEAD_PARTS: [u32; 2] = [2, 4];
 
 /// Most keys a split of [`AttentionVariant::DECODE_HYBRID`] holds on its streaming path (the
 /// kernel's `HYBRID_STREAM_CHUNK`): `ceil(context / splits) <= HYBRID_STREAM_CHUNK`. Where the
@@ -755,9 +710,6 @@ fn defines(head_dim: usize, variant: AttentionVariant) -> Vec<(&'static str, Str
             defines.push(("STREAM_L2_EVICT_FIRST", "0".to_owned()));
         }
     }
-    if variant.head_parts > 1 {
-        defines.push(("HEAD_PARTS", variant.head_parts.to_string()));
-    }
     defines
 }
 
@@ -881,11 +833,7 @@ fn attention_with_profile(
             reason: "between 1 and 1024".into(),
         });
     }
-    if variant.kernel == AttentionKernel::Streaming
-        || variant.hybrid
-        || variant.is_persistent()
-        || variant.head_parts > 1
-    {
+    if variant.kernel == AttentionKernel::Streaming || variant.hybrid || variant.is_persistent() {
         if batch.max_query_tokens > 1 {
             return Err(Error::NotServed {
                 op: "attention kernel",
@@ -972,8 +920,7 @@ fn attention_with_profile(
     let kernel = function(gpu, shape.head_dim, variant, entry)?;
     let shared = raise_shared_memory(gpu, &kernel, shape.head_dim, variant, "cuFuncSetAttribute(attention)")?;
     let group = shape.group();
-    // Row tiles, or with head parts the parts of a group (one query token a sequence, above).
-    let row_tiles = (batch.max_query_tokens * group).div_ceil(variant.block_rows(group));
+    let row_tiles = (batch.max_query_tokens * group).div_ceil(variant.rows() as usize);
     let grid_y = shape.kv_heads * splits as usize;
     if row_tiles > i32::MAX as usize || grid_y > 65_535 || batch.batch > 65_535 {
         return Err(Error::NotServed {
@@ -1324,15 +1271,11 @@ mod tests {
             AttentionVariant::DECODE_STREAM_WIDE,
             AttentionVariant::DECODE_STREAM_DEEP,
         ];
-        let head_parts = HEAD_PARTS.into_iter().flat_map(|parts| {
-            [AttentionVariant::DECODE, AttentionVariant::DECODE_HYBRID].map(|v| v.with_head_parts(parts))
-        });
         for variant in AttentionVariant::ALL
             .into_iter()
             .chain(others)
             .chain(AttentionVariant::PERSISTENT)
             .chain(AttentionVariant::PERSISTENT_OWN)
-            .chain(head_parts)
         {
             for head_dim in HEAD_DIMS {
                 let defines = defines(head_dim, variant);
@@ -1347,7 +1290,7 @@ mod tests {
                     AttentionVariant::DECODE_WIDE_DEEP,
                     AttentionVariant::DECODE_HYBRID,
                 ]
-                .contains(&variant.with_head_parts(1));
+                .contains(&variant);
                 if compiled_for_all_heads || head_dim == 128 {
                     assert!(declared, "{variant:?} at head dim {head_dim}: {defines:?}");
                 }
@@ -1531,81 +1474,6 @@ mod tests {
                 assert!(chunk == 256 || context.div_ceil(chunk - 256) > splits as usize);
             }
         }
-    }
-
-    #[test]
-    fn head_parts_split_a_group_of_the_streaming_and_hybrid_decode() {
-        use crate::certify::AttentionConfig;
-        for parts in HEAD_PARTS {
-            for whole in [AttentionVariant::DECODE, AttentionVariant::DECODE_HYBRID] {
-                let variant = whole.with_head_parts(parts);
-                assert_ne!(variant, whole);
-                for head_dim in HEAD_DIMS {
-                    variant.validate(head_dim).unwrap();
-                    assert_eq!(variant.shared_bytes(head_dim), whole.shared_bytes(head_dim));
-                }
-                assert_eq!(variant.threads(), whole.threads());
-                // The whole variant's defines, then HEAD_PARTS.
-                let mut want = defines(128, whole);
-                want.push(("HEAD_PARTS", parts.to_string()));
-                assert_eq!(defines(128, variant), want);
-                // Named hp<parts>-<whole's name>, read back; the whole keeps its name.
-                for splits in [1, 2, 33, 64] {
-                    let config = AttentionConfig { variant, splits };
-                    let whole_label = AttentionConfig { variant: whole, splits }.label();
-                    assert_eq!(config.label(), format!("hp{parts}-{whole_label}"));
-                    assert_eq!(AttentionConfig::parse(&config.label()), Some(config));
-                    assert!(!whole_label.starts_with("hp"));
-                }
-            }
-        }
-        let hp2 = AttentionConfig::parse("hp2-1x4x16.s2").unwrap();
-        assert_eq!((hp2.variant, hp2.splits), (AttentionVariant::DECODE.with_head_parts(2), 2));
-        let hp4 = AttentionConfig::parse("hp4-hybrid-1x4x16.s1").unwrap();
-        assert_eq!((hp4.variant, hp4.splits), (AttentionVariant::DECODE_HYBRID.with_head_parts(4), 1));
-        for bad in [
-            "hp1-1x4x16.s2",
-            "hp3-1x4x16.s2",
-            "hp8-1x4x16.s2",
-            "hp-1x4x16.s2",
-            "hp2-deep-1x4x16.s2",
-            "hp2-4x1x64.s1",
-            "hp2-stream3-1x8x16.s2",
-            "hp2-hp2-1x4x16.s2",
-            "hp2-1x4x16.s65",
-            "hp21x4x16.s2",
-        ] {
-            assert_eq!(AttentionConfig::parse(bad), None, "{bad:?}");
-        }
-        // Other variants, and other part counts, are refused.
-        for bad in [
-            AttentionVariant::DECODE.with_head_parts(3),
-            AttentionVariant::DECODE.with_head_parts(8),
-            AttentionVariant::DECODE.with_head_parts(0),
-            AttentionVariant::DECODE_DEEP.with_head_parts(2),
-            AttentionVariant::DECODE_TILED.with_head_parts(2),
-            AttentionVariant::PREFILL.with_head_parts(2),
-            AttentionVariant::DECODE_STREAM_WIDE.with_head_parts(2),
-            AttentionVariant::DECODE_PERSISTENT.with_head_parts(2),
-            AttentionVariant::PREFILL_WGMMA.with_head_parts(4),
-        ] {
-            assert!(matches!(bad.validate(128), Err(Error::NotServed { .. })), "{bad:?}");
-        }
-        // Rows a block: the group over the parts, rounded up, at most a row tile of 16; without
-        // parts a row tile. GQA 32/8 (groups of 4): 2 rows at 2 parts, 1 at 4.
-        let hp2 = AttentionVariant::DECODE.with_head_parts(2);
-        let hp4 = AttentionVariant::DECODE_HYBRID.with_head_parts(4);
-        assert_eq!((hp2.block_rows(4), hp4.block_rows(4)), (2, 1));
-        assert_eq!((hp2.block_rows(3), hp4.block_rows(3)), (2, 1));
-        assert_eq!((hp2.block_rows(1), hp4.block_rows(1)), (1, 1));
-        assert_eq!((hp2.block_rows(32), hp4.block_rows(32)), (16, 8));
-        assert_eq!((hp2.block_rows(64), hp4.block_rows(64)), (16, 16));
-        assert_eq!(AttentionVariant::DECODE.block_rows(4), 16);
-        assert_eq!(AttentionVariant::PREFILL.block_rows(4), 64);
-        // The kernel's rows are the launcher's.
-        assert!(ATTENTION
-            .source
-            .contains("return min(BLOCK_M, (heads_per_group + HEAD_PARTS - 1) / HEAD_PARTS);"));
     }
 
     #[test]
