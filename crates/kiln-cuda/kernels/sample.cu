@@ -2825,22 +2825,37 @@ kiln_sample_topk_merge(const float* __restrict__ logits, long long vocab, long l
 // candidates (34), k (35), fallback (36), slices (37), groups a slice (38), radix passes over a
 // crowded bin (39). `kiln bench sample --profile` prints them.
 
+// Compiled where a block holds a slice's keys and the last block the row's group maxima in
+// registers: TKB_PER * THREADS and TKB_GROUP_PER * THREADS at most 8192 (THREADS = 256 with the
+// defaults; `SamplePath::TopKWide` compiles it with THREADS = 512, TKB_PER = TKB_GROUP_PER = 16
+// and TKB_MIN_BLOCKS = 1: half the serial work a thread of the last block, 16 warps).
 #define TKB_KMAX 256          // the largest top-k the path serves
+#ifndef TKB_PER
 #define TKB_PER 32            // order keys a thread holds: a slice is at most TKB_PER * THREADS
-#define TKB_GROUP_PER 32      // group maxima a thread of the last block holds
+#endif
+#ifndef TKB_GROUP_PER
+#define TKB_GROUP_PER 32      // group maxima a thread of the last block holds (a multiple of 4)
+#endif
 #define TKB_GROUP_CAP 1024    // candidate groups the last block gathers
 #define TKB_CAND_CAP 2048     // candidates the last block ranks (a power of two)
 #define TKB_RANK_MAX 512      // ranked by counting up to this many, by a bitonic sort above
 #define TKB_SLACK 48          // a bin of at most this many groups bounds without radix passes
 #define TKB_WARP_GROUPS (TKB_GROUP_CAP / SAMPLE_WARPS)  // candidate groups a warp lists
+#ifndef TKB_GATHER
 #define TKB_GATHER 16         // candidate groups a warp reads at once
+#endif
 #define TKB_FALLBACK 1
+#ifndef TKB_MIN_BLOCKS
 #define TKB_MIN_BLOCKS 2
+#endif
+// The top-k in the order (TKB_KMAX u64); tkb_finish_few's kept weights and indices (THREADS u32
+// each) in the same memory.
+#define TKB_TOP (THREADS > TKB_KMAX ? THREADS : TKB_KMAX)
 
-#if THREADS <= 256
+#if TKB_PER * THREADS <= 8192 && TKB_GROUP_PER * THREADS <= 8192
 struct TopKBoundShared {
     kiln_u64 cand[TKB_CAND_CAP];      // the candidates; then the kept weights and indices
-    kiln_u64 top[TKB_KMAX];           // the top-k in the order
+    kiln_u64 top[TKB_TOP];            // the top-k in the order
     __align__(16) kiln_u32 bins[256];
     kiln_u32 wgroups[SAMPLE_WARPS][TKB_WARP_GROUPS];  // each warp's candidate groups
     kiln_u64 mass_sums[SAMPLE_WARPS];  // the warps' weight sums (top-p)
@@ -2865,7 +2880,9 @@ struct TopKBoundShared {
 };
 static_assert(THREADS >= TKB_KMAX, "one thread per top-k token");
 static_assert(2 * TKB_KMAX * 4 <= TKB_CAND_CAP * 8, "the kept weights and indices fit in `cand`");
-static_assert(2 * THREADS * 4 <= TKB_KMAX * 8, "tkb_finish_few's kept weights and indices fit in `top`");
+static_assert(2 * THREADS * 4 <= TKB_TOP * 8, "tkb_finish_few's kept weights and indices fit in `top`");
+static_assert(TKB_GROUP_PER % 4 == 0 && TKB_GROUP_CAP % SAMPLE_WARPS == 0, "whole words of bins, whole warp lists");
+static_assert(sizeof(TopKBoundShared) <= 48 * 1024, "static shared memory");
 
 // One warp (warp 0) finds the first bin, in the order (bin 0 first, or bin 255 first when
 // `descending`), at which the running count reaches `target`: sh.chosen, the count before it in
@@ -2921,6 +2938,33 @@ __device__ __forceinline__ int tkb_bin(kiln_u32 g, float M) {
     return fused_dbin(fused_value(g), M);
 }
 
+// The largest (tkb_warps_max) and the sum (tkb_warps_sum) of the u32 the block's warps wrote, one
+// a warp, for every thread: a loop over them up to 8 warps; above, each lane reads one warp's and
+// the warp reduces them (at 16 or 32 warps a loop would cost each thread as many loads).
+__device__ __forceinline__ kiln_u32 tkb_warps_max(const kiln_u32* v) {
+#if SAMPLE_WARPS > 8
+    const int lane = threadIdx.x & 31;
+    return __reduce_max_sync(KILN_FULL_MASK, lane < SAMPLE_WARPS ? v[lane] : 0u);
+#else
+    kiln_u32 m = 0u;
+#pragma unroll
+    for (int w = 0; w < SAMPLE_WARPS; ++w) m = max(m, v[w]);
+    return m;
+#endif
+}
+
+__device__ __forceinline__ kiln_u32 tkb_warps_sum(const kiln_u32* v) {
+#if SAMPLE_WARPS > 8
+    const int lane = threadIdx.x & 31;
+    return __reduce_add_sync(KILN_FULL_MASK, lane < SAMPLE_WARPS ? v[lane] : 0u);
+#else
+    kiln_u32 t = 0u;
+#pragma unroll
+    for (int w = 0; w < SAMPLE_WARPS; ++w) t += v[w];
+    return t;
+#endif
+}
+
 // Exclusive prefix of v over the block's threads (thread order) and the block's total, with one
 // barrier: `warp_sums` must not be written again by this block.
 __device__ __forceinline__ kiln_u64 tkb_scan(kiln_u64 v, kiln_u64* warp_sums, kiln_u64& total) {
@@ -2933,6 +2977,19 @@ __device__ __forceinline__ kiln_u64 tkb_scan(kiln_u64 v, kiln_u64* warp_sums, ki
     }
     if (lane == 31) warp_sums[warp] = x;
     __syncthreads();
+#if SAMPLE_WARPS > 8
+    // Lane w holds warp w's sum, scanned over the lanes: the warps before this one and the total
+    // by two shuffles (the warp index is the same for the whole warp).
+    kiln_u64 s = lane < SAMPLE_WARPS ? warp_sums[lane] : 0ull;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const kiln_u64 n = __shfl_up_sync(KILN_FULL_MASK, s, o);
+        if (lane >= o) s += n;
+    }
+    const kiln_u64 prior = __shfl_sync(KILN_FULL_MASK, s, warp > 0 ? warp - 1 : 0);
+    total = __shfl_sync(KILN_FULL_MASK, s, 31);
+    return (warp > 0 ? prior : 0ull) + x - v;
+#else
     kiln_u64 before = 0ull, all = 0ull;
 #pragma unroll
     for (int w = 0; w < SAMPLE_WARPS; ++w) {
@@ -2942,6 +2999,7 @@ __device__ __forceinline__ kiln_u64 tkb_scan(kiln_u64 v, kiln_u64* warp_sums, ki
     }
     total = all;
     return before + x - v;
+#endif
 }
 
 // The m_n candidates of served row r (sh.cand, packed (key, ~index), distinct; they hold the
@@ -3057,9 +3115,7 @@ __device__ __forceinline__ int sample_row_topk_bound(int r, kiln_u32 k, const fl
     mine_max = __reduce_max_sync(KILN_FULL_MASK, mine_max);
     if (lane == 0) sh.warp_max[warp] = mine_max;
     __syncthreads();
-    kiln_u32 mkey = 0u;
-#pragma unroll
-    for (int w = 0; w < SAMPLE_WARPS; ++w) mkey = max(mkey, sh.warp_max[w]);
+    const kiln_u32 mkey = tkb_warps_max(sh.warp_max);
     TKB_CLOCK(17, row0);
     if (mkey == 0u) {  // every logit of the row is NaN
         TKB_SET(32, row0, 0);
@@ -3120,9 +3176,7 @@ __device__ __forceinline__ int sample_row_topk_bound(int r, kiln_u32 k, const fl
         mine = __reduce_add_sync(KILN_FULL_MASK, mine);
         if (lane == 0) sh.warp_counts[step_i & 1][warp] = mine;
         __syncthreads();  // the other parity's counts are read before the next barrier
-        kiln_u32 total = 0u;
-#pragma unroll
-        for (int w = 0; w < SAMPLE_WARPS; ++w) total += sh.warp_counts[step_i & 1][w];
+        const kiln_u32 total = tkb_warps_sum(sh.warp_counts[step_i & 1]);
         if (step_i == 0) {
             valid = total >> 16;
             upto_hi = valid;
@@ -3397,9 +3451,7 @@ __device__ __forceinline__ int sample_row_topk_ballot(int r, kiln_u32 k, const f
     mine_max = __reduce_max_sync(KILN_FULL_MASK, mine_max);
     if (lane == 0) sh.warp_max[warp] = mine_max;
     __syncthreads();
-    kiln_u32 mkey = 0u;
-#pragma unroll
-    for (int w = 0; w < SAMPLE_WARPS; ++w) mkey = max(mkey, sh.warp_max[w]);
+    const kiln_u32 mkey = tkb_warps_max(sh.warp_max);
     TKB_CLOCK(17, row0);
     if (mkey == 0u) {  // every logit of the row is NaN
         TKB_SET(32, row0, 0);
@@ -3709,4 +3761,4 @@ kiln_sample_topk_bound(const float* __restrict__ logits, long long vocab, long l
     }
     TKB_END(row0);
 }
-#endif  // THREADS <= 256
+#endif  // TKB_PER * THREADS <= 8192 && TKB_GROUP_PER * THREADS <= 8192

@@ -1399,6 +1399,29 @@ pub const SAMPLE: KernelSource = KernelSource {
         &[("THREADS", "256"), ("PENALTIES", "0"), ("TKB_BALLOT", "1")],
         &[("THREADS", "256"), ("PENALTIES", "1"), ("TKB_BALLOT", "1")],
         &[("THREADS", "256"), ("PENALTIES", "0"), ("SAMPLE_PROFILE", "1"), ("TKB_BALLOT", "1")],
+        // The top-k bound kernel on 512-thread blocks (`SamplePath::TopKWide`).
+        &[
+            ("THREADS", "512"),
+            ("PENALTIES", "0"),
+            ("TKB_PER", "16"),
+            ("TKB_GROUP_PER", "16"),
+            ("TKB_MIN_BLOCKS", "1"),
+        ],
+        &[
+            ("THREADS", "512"),
+            ("PENALTIES", "1"),
+            ("TKB_PER", "16"),
+            ("TKB_GROUP_PER", "16"),
+            ("TKB_MIN_BLOCKS", "1"),
+        ],
+        &[
+            ("THREADS", "512"),
+            ("PENALTIES", "0"),
+            ("SAMPLE_PROFILE", "1"),
+            ("TKB_PER", "16"),
+            ("TKB_GROUP_PER", "16"),
+            ("TKB_MIN_BLOCKS", "1"),
+        ],
     ],
     fmad: false,
 };

@@ -12,8 +12,8 @@ use kiln_core::DType;
 use kiln_cuda::ops::lm_head::{lm_head, LmHeadBuffers};
 use kiln_cuda::ops::sample::{
     encode_histories, encode_params, sample_with_path, sample_with_path_profiled, topk_bound_slices,
-    topk_merge_slices, PenaltyScratch, SampleBuffers, SamplePath, SampleScratch, FAST_KMAX, FUSED_KMAX,
-    MAX_SAMPLE_ROWS, PROFILE_SLOTS,
+    topk_merge_slices, topk_wide_slices, PenaltyScratch, SampleBuffers, SamplePath, SampleScratch, FAST_KMAX,
+    FUSED_KMAX, MAX_SAMPLE_ROWS, PROFILE_SLOTS,
 };
 use kiln_cuda::{DeviceMemory, Gpu};
 
@@ -319,7 +319,8 @@ fn a_scratch_is_reused_across_launches() {
                 SamplePath::TopKMerge,
                 SamplePath::TopKBound,
                 SamplePath::TopKBallot,
-            ][launch % 7];
+                SamplePath::TopKWide,
+            ][launch % 8];
             let (got, _) = run_gpu(
                 &gpu,
                 &[],
@@ -385,7 +386,9 @@ fn the_profiled_top_k_kernels_sample_and_count() {
         out.fill_bytes(0xAB).expect("poison");
         let scratch = SampleScratch::new(&gpu, rows, vocab).expect("scratch");
         let sms = gpu.facts().multiprocessors as usize;
-        for path in [SamplePath::TopKBound, SamplePath::TopKBallot, SamplePath::TopKMerge] {
+        for path in
+            [SamplePath::TopKBound, SamplePath::TopKBallot, SamplePath::TopKWide, SamplePath::TopKMerge]
+        {
             out.fill_bytes(0xAB).expect("poison");
             let profile = gpu.alloc(PROFILE_SLOTS * 8).expect("profile");
             profile.fill_bytes(0).expect("zero");
@@ -423,7 +426,8 @@ fn the_profiled_top_k_kernels_sample_and_count() {
             let first_entry = !slots[0];
             assert!(slots[2] > first_entry && slots[25] > slots[24], "{path:?} rows {rows}: {slots:?}");
             if path != SamplePath::TopKMerge {
-                let (count, len) = topk_bound_slices(rows, vocab, sms).expect("grid");
+                let grid = if path == SamplePath::TopKWide { topk_wide_slices } else { topk_bound_slices };
+                let (count, len) = grid(rows, vocab, sms).expect("grid");
                 assert_eq!(slots[37], count as u64, "rows {rows}: slices");
                 assert_eq!(slots[38], (len / 32) as u64, "rows {rows}: groups a slice");
                 assert_eq!(slots[32], vocab.div_ceil(32) as u64, "rows {rows}: valid groups");
@@ -442,12 +446,13 @@ fn the_profiled_top_k_kernels_sample_and_count() {
     }
 }
 
-/// The top-k bound kernel's two last blocks (the binary search, `TopKBound`, and the ballot
-/// histograms, `TopKBallot`) at batch 1 and vocab 151936, on fresh rows of every edge shape and
-/// rows like the benchmark's, each with its own top-k (1, 2, 50, 255, 256 and random), greedy or
-/// with a temperature, top-p and min-p: the token is the CPU reference's, and the two find the
-/// same bound (row 0's counts of valid groups, candidate groups, candidates, radix passes and
-/// fallbacks are equal: the same bin and the same prefix).
+/// The top-k bound kernel's three last blocks (the binary search, `TopKBound`, the ballot
+/// histograms, `TopKBallot`, and the binary search on 1024-thread blocks, `TopKWide`) at batch 1
+/// and vocab 151936, on fresh rows of every edge shape and rows like the benchmark's, each with
+/// its own top-k (1, 2, 50, 255, 256 and random), greedy or with a temperature, top-p and min-p:
+/// the token is the CPU reference's, and the three find the same bound (row 0's counts of valid
+/// groups, candidate groups, candidates, k, fallbacks and radix passes are equal: the same bin
+/// and the same prefix, whatever the slices).
 #[test]
 fn the_ballot_bound_equals_the_binary_search_and_the_reference() {
     let gpu = Gpu::open(0).expect("the GPU tests need CUDA device 0");
@@ -496,7 +501,7 @@ fn the_ballot_bound_equals_the_binary_search_and_the_reference() {
         let history_dev = upload(&gpu, &[0u8; 4]);
         let out = gpu.alloc(4).expect("tokens");
         let mut counts = Vec::new();
-        for path in [SamplePath::TopKBound, SamplePath::TopKBallot] {
+        for path in [SamplePath::TopKBound, SamplePath::TopKBallot, SamplePath::TopKWide] {
             out.fill_bytes(0xAB).expect("poison");
             let profile = gpu.alloc(PROFILE_SLOTS * 8).expect("profile");
             profile.fill_bytes(0).expect("zero");
@@ -526,14 +531,16 @@ fn the_ballot_bound_equals_the_binary_search_and_the_reference() {
                 .chunks_exact(8)
                 .map(|c| u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
                 .collect();
-            counts.push(slots[32..40].to_vec());
+            // Slots 37 and 38 (slices, groups a slice) are the grid's: the wide path's differs.
+            counts.push([slots[32], slots[33], slots[34], slots[35], slots[36], slots[39]]);
         }
-        if counts[0] != counts[1] {
+        if counts[0] != counts[1] || counts[0] != counts[2] {
             failures.push(format!(
-                "case {case} (shape {}, k {top_k}): bound counts {:?}, ballot counts {:?}",
+                "case {case} (shape {}, k {top_k}): bound counts {:?}, ballot counts {:?}, wide counts {:?}",
                 case % 16,
                 counts[0],
-                counts[1]
+                counts[1],
+                counts[2]
             ));
         }
     }
@@ -689,6 +696,7 @@ fn fused_paths_equal_the_cpu_reference_on_edge_rows() {
             SamplePath::TopKMerge,
             SamplePath::TopKBound,
             SamplePath::TopKBallot,
+            SamplePath::TopKWide,
         ] {
             for penalty in [true, false] {
                 let want_here: Vec<u32> = if penalty {
@@ -879,7 +887,8 @@ fn gpu_frequencies_match_the_exact_distribution() {
                 SamplePath::TopKMerge,
                 SamplePath::TopKBound,
                 SamplePath::TopKBallot,
-            ][launch % 6];
+                SamplePath::TopKWide,
+            ][launch % 7];
             let (got, _) = run_gpu(
                 &gpu,
                 &[],

@@ -58,6 +58,9 @@
 //! merge kernel write time stamps of their phases. [`SamplePath::TopKBallot`] launches the same
 //! kernel compiled with `TKB_BALLOT=1`, whose last block finds the same bound with two levels of
 //! warp ballot histograms (two barriers) instead of a binary search over the bins (eight).
+//! [`SamplePath::TopKWide`] launches it compiled for blocks of [`TOPK_WIDE_THREADS`] (a grid of
+//! [`topk_wide_slices`], one block a multiprocessor), so that each thread of the row's last block
+//! holds half the group maxima and 16 warps hide each other's latency.
 //!
 //! Every path gives the reference's token; [`SamplePath`] chooses among them. The default,
 //! [`SamplePath::Auto`], runs the fused path and the mass path's three launches after it (which
@@ -258,11 +261,19 @@ pub enum SamplePath {
     /// barriers. The same candidates, hence the same token. Not chosen by [`SamplePath::for_rows`]: a candidate to measure against
     /// [`SamplePath::TopKBound`] at batch 1.
     TopKBallot,
+    /// [`SamplePath::TopKBound`] on blocks of [`TOPK_WIDE_THREADS`] (`kiln_sample_topk_bound`
+    /// compiled with `THREADS=512`, `TKB_PER=16`, `TKB_GROUP_PER=16`, `TKB_MIN_BLOCKS=1`) on a
+    /// grid of [`topk_wide_slices`], one block a multiprocessor, for the latency of a batch of
+    /// one: the row's last block has 16 warps and each of its threads half the group maxima, so
+    /// its serial phases (maxima, bound search, candidate lists, ranking) take about half the
+    /// steps. The same candidates, hence the same token. Not chosen by [`SamplePath::for_rows`]: a
+    /// candidate to measure against [`SamplePath::TopKBound`] at batch 1.
+    TopKWide,
 }
 
 impl SamplePath {
     /// Every path, for tests that compare each with the reference.
-    pub const ALL: [SamplePath; 10] = [
+    pub const ALL: [SamplePath; 11] = [
         SamplePath::Auto,
         SamplePath::SingleBlock,
         SamplePath::TopKBlocks,
@@ -273,6 +284,7 @@ impl SamplePath {
         SamplePath::TopKMerge,
         SamplePath::TopKBound,
         SamplePath::TopKBallot,
+        SamplePath::TopKWide,
     ];
 
     /// The path for a batch of rows with these parameters, known on the host, by the H200's
@@ -326,7 +338,7 @@ impl SamplePath {
 
     /// The paths that launch `kiln_sample_topk_bound`.
     fn top_k_bound(self) -> bool {
-        matches!(self, SamplePath::TopKBound | SamplePath::TopKBallot)
+        matches!(self, SamplePath::TopKBound | SamplePath::TopKBallot | SamplePath::TopKWide)
     }
 }
 
@@ -454,20 +466,77 @@ pub const PROFILE_SLOTS: usize = 64;
 /// 149 slices of 1024 at batch 1 and vocab 151936 on 132 multiprocessors, 19 of 8000 at batch
 /// 64. `None` beyond 262144 logits.
 pub fn topk_bound_slices(rows: usize, vocab: usize, multiprocessors: usize) -> Option<(usize, usize)> {
+    bound_slices(rows, vocab, multiprocessors, TOPK_BOUND_SHAPE)
+}
+
+/// Threads per block of the wide top-k bound kernel ([`SamplePath::TopKWide`]; `THREADS` of its
+/// compile). 512, not 1024: at 1024 threads a thread has 64 registers, and the kernel (its last
+/// block and the single-block path inlined for the rows it does not serve) spills a few bytes
+/// there whatever the unrolling; at 512 it has 128.
+pub const TOPK_WIDE_THREADS: u32 = 512;
+const _: () = assert!(TOPK_WIDE_THREADS >= TOPK_BOUND_KMAX);
+
+/// The shape of a compile of the top-k bound kernel: threads a block, order keys a thread
+/// (`TKB_PER`), group maxima a thread of the last block (`TKB_GROUP_PER`), blocks a
+/// multiprocessor keeps resident (`TKB_MIN_BLOCKS`).
+#[derive(Clone, Copy)]
+struct BoundShape {
+    threads: usize,
+    per_thread: usize,
+    groups_per_thread: usize,
+    blocks_per_sm: usize,
+}
+
+const TOPK_BOUND_SHAPE: BoundShape = BoundShape {
+    threads: TOPK_BOUND_THREADS as usize,
+    per_thread: TOPK_BOUND_PER_THREAD,
+    groups_per_thread: TOPK_BOUND_GROUPS_PER_THREAD,
+    blocks_per_sm: TOPK_BOUND_BLOCKS_PER_SM,
+};
+
+/// [`SamplePath::TopKWide`]'s compile: 512 threads, 16 keys and 16 group maxima a thread (at
+/// most 8192 logits a slice and 8192 groups a row, as the 256-thread compile), one block a
+/// multiprocessor (128 registers a thread).
+const TOPK_WIDE_SHAPE: BoundShape = BoundShape {
+    threads: TOPK_WIDE_THREADS as usize,
+    per_thread: 16,
+    groups_per_thread: 16,
+    blocks_per_sm: 1,
+};
+
+/// The defines of [`TOPK_WIDE_SHAPE`] besides `THREADS`.
+const TOPK_WIDE_DEFINES: [(&str, &str); 3] =
+    [("TKB_PER", "16"), ("TKB_GROUP_PER", "16"), ("TKB_MIN_BLOCKS", "1")];
+
+/// The wide top-k bound path's grid ([`SamplePath::TopKWide`]), as [`topk_bound_slices`] for
+/// blocks of [`TOPK_WIDE_THREADS`], one a multiprocessor: each slice at most `TKB_PER * THREADS`
+/// = 8192 logits, the row's groups at most `TKB_GROUP_PER * THREADS` = 8192.
+/// 132 slices of 1152 at batch 1 and vocab 151936 on 132 multiprocessors, 19 of 8000 at batch
+/// 64. `None` beyond 262144 logits.
+pub fn topk_wide_slices(rows: usize, vocab: usize, multiprocessors: usize) -> Option<(usize, usize)> {
+    bound_slices(rows, vocab, multiprocessors, TOPK_WIDE_SHAPE)
+}
+
+fn bound_slices(
+    rows: usize,
+    vocab: usize,
+    multiprocessors: usize,
+    shape: BoundShape,
+) -> Option<(usize, usize)> {
     if rows == 0 || vocab == 0 {
         return None;
     }
-    let slice_max = TOPK_BOUND_PER_THREAD * TOPK_BOUND_THREADS as usize;
+    let slice_max = shape.per_thread * shape.threads;
     let fewest = vocab.div_ceil(slice_max);
     let most = vocab.div_ceil(TOPK_BOUND_MIN_SLICE).max(fewest);
-    let resident = TOPK_BOUND_BLOCKS_PER_SM * multiprocessors.max(1);
+    let resident = shape.blocks_per_sm * multiprocessors.max(1);
     let count = (resident / rows).clamp(fewest, most);
     let slice_len = vocab.div_ceil(count).next_multiple_of(TOPK_BOUND_GROUP);
     let count = vocab.div_ceil(slice_len);
     // The last block holds the groups that hold logits (those of the last slice past the row's
     // end are not read).
     let groups = vocab.div_ceil(TOPK_BOUND_GROUP);
-    (slice_len <= slice_max && groups <= TOPK_BOUND_GROUPS_PER_THREAD * TOPK_BOUND_THREADS as usize)
+    (slice_len <= slice_max && groups <= shape.groups_per_thread * shape.threads)
         .then_some((count, slice_len))
 }
 
@@ -657,7 +726,8 @@ pub fn sample_with_path(
 }
 
 /// [`sample_with_path`]; with `profile` (at least [`PROFILE_SLOTS`] u64, zeroed by the caller)
-/// and [`SamplePath::TopKBound`], [`SamplePath::TopKBallot`] or [`SamplePath::TopKMerge`], the kernel is compiled with
+/// and [`SamplePath::TopKBound`], [`SamplePath::TopKBallot`], [`SamplePath::TopKWide`] or
+/// [`SamplePath::TopKMerge`], the kernel is compiled with
 /// `SAMPLE_PROFILE=1` and writes the time stamps and counts of its phases there (the slots are
 /// listed in `sample.cu`; other paths leave it untouched).
 pub fn sample_with_path_profiled(
@@ -717,7 +787,8 @@ pub fn sample_with_path_profiled(
         | SamplePath::Greedy
         | SamplePath::TopKMerge
         | SamplePath::TopKBound
-        | SamplePath::TopKBallot => None,
+        | SamplePath::TopKBallot
+        | SamplePath::TopKWide => None,
         _ => slices(rows, vocab, multiprocessors),
     };
     // The fused launch also runs the mass path's first step on the mass path's slices: its grid
@@ -728,7 +799,11 @@ pub fn sample_with_path_profiled(
         if path == SamplePath::Greedy { greedy_slices(rows, vocab, multiprocessors) } else { None };
     let merge_grid =
         if path == SamplePath::TopKMerge { topk_merge_slices(rows, vocab, multiprocessors) } else { None };
-    let bound_grid = if path.top_k_bound() { topk_bound_slices(rows, vocab, multiprocessors) } else { None };
+    let bound_grid = match path {
+        SamplePath::TopKWide => topk_wide_slices(rows, vocab, multiprocessors),
+        _ if path.top_k_bound() => topk_bound_slices(rows, vocab, multiprocessors),
+        _ => None,
+    };
     let group_stride = topk_bound_group_stride(vocab) as i32;
     let owned;
     let scratch = match (grid.or(fused_grid).or(greedy_grid).or(merge_grid).or(bound_grid), buffers.scratch) {
@@ -866,17 +941,21 @@ pub fn sample_with_path_profiled(
         return Ok(());
     }
     if let (Some((bound_count, bound_len)), true) = (bound_grid, base != 0) {
-        let bound_threads = TOPK_BOUND_THREADS.to_string();
+        let block_threads = if path == SamplePath::TopKWide { TOPK_WIDE_THREADS } else { TOPK_BOUND_THREADS };
+        let bound_threads = block_threads.to_string();
         let profiled = if profile.is_some() { "1" } else { "0" };
         let mut bound_defines =
             vec![("THREADS", bound_threads.as_str()), ("PENALTIES", penalties), ("SAMPLE_PROFILE", profiled)];
         if path == SamplePath::TopKBallot {
             bound_defines.push(("TKB_BALLOT", "1"));
         }
+        if path == SamplePath::TopKWide {
+            bound_defines.extend(TOPK_WIDE_DEFINES);
+        }
         let function = gpu.function(&SAMPLE, "kiln_sample_topk_bound", &bound_defines)?;
         let bound_config = LaunchConfig {
             grid_dim: (bound_count as u32, rows as u32, 1),
-            block_dim: (TOPK_BOUND_THREADS, 1, 1),
+            block_dim: (block_threads, 1, 1),
             shared_mem_bytes: 0,
         };
         let maxima_region = at(layout.fused_lists);
@@ -890,7 +969,8 @@ pub fn sample_with_path_profiled(
         // what `rows` rows touch, `counts` and `scratch` are null only with PENALTIES=0, `stats`
         // only with zero statistics per row, `profile` null or PROFILE_SLOTS u64 (checked above).
         // The scratch is laid out by `ScratchLayout` for at least `rows` rows of this vocabulary
-        // (checked above): the group maxima of a row (`topk_bound_slices` keeps them within
+        // (checked above): the group maxima of a row (`topk_bound_slices` and `topk_wide_slices`,
+        // each for the THREADS, TKB_PER and TKB_GROUP_PER of its compile, keep them within
         // TKB_GROUP_PER * THREADS and within the stride, tested) lie in the fused lists' region
         // (`fused_slots` * FUSED_KMAX u64 a row: the stride's bytes); each slice is a multiple of
         // 32 logits and at most TKB_PER * THREADS; the tickets are zero (zeroed at allocation,
@@ -1157,6 +1237,22 @@ mod tests {
         assert_eq!(topk_bound_slices(1, 151_936, 132), Some((149, 1024)));
         assert_eq!(topk_bound_slices(64, 151_936, 132), Some((19, 8000)));
         assert_eq!(topk_bound_slices(1, 262_145, 132), None);
+        for vocab in [1usize, 3, 7, 31, 33, 1000, 1025, 2048, 8193, 32_000, 151_937, 262_144] {
+            for rows in [1usize, 2, 8, 64, 256] {
+                for sms in [1usize, 108, 132] {
+                    let (count, len) = topk_wide_slices(rows, vocab, sms).unwrap();
+                    assert!(len.is_multiple_of(32), "{vocab} {rows}: slice of {len}");
+                    assert!(len <= 16 * TOPK_WIDE_THREADS as usize, "{vocab} {rows}");
+                    assert!(vocab.div_ceil(32) <= 16 * TOPK_WIDE_THREADS as usize);
+                    let written = count * len / 32;
+                    assert!(written <= topk_bound_group_stride(vocab), "{vocab} {rows}: {written} groups");
+                    assert!((count - 1) * len < vocab && count * len >= vocab, "{vocab} {rows}");
+                }
+            }
+        }
+        assert_eq!(topk_wide_slices(1, 151_936, 132), Some((132, 1152)));
+        assert_eq!(topk_wide_slices(64, 151_936, 132), Some((19, 8000)));
+        assert_eq!(topk_wide_slices(1, 262_145, 132), None);
         let layout = ScratchLayout::new(3, 151_936);
         let lists = 3 * 75 * FAST_BLOCK_CAP * 4;
         assert!(layout.counts >= 3 * 4 && layout.cuts >= layout.counts + 3 * 75 * 4);
