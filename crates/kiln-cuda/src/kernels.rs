@@ -1133,8 +1133,7 @@ pub const LM_HEAD: KernelSource = KernelSource {
 /// one past them) in its place, and `PERSISTENT` = 1 (with `STAGES`, and `PERSIST_BULK` = 1 for
 /// the bulk copies on sm_90, `PERSIST_OWN` = 1 for copies by the computing warps,
 /// `PERSIST_PROFILE` = 1 for its phase profile) for the persistent decode kernel
-/// (`kiln_attention_decode_persistent`); `HEAD_PARTS` = 2 or 4 (streaming and hybrid decode) splits
-/// a KV group's query heads across that many blocks.
+/// (`kiln_attention_decode_persistent`).
 pub const ATTENTION: KernelSource = KernelSource {
     name: "attention",
     source: include_str!("../kernels/attention.cu"),
@@ -1182,58 +1181,6 @@ pub const ATTENTION: KernelSource = KernelSource {
             ("WARP_KEYS", "16"),
             ("STREAMING", "1"),
             ("STREAM_STAGES", "6"),
-        ],
-        // Head parts (ops::attention::AttentionVariant::with_head_parts): the streaming decode
-        // and the hybrid one with a group's query heads over 2 or 4 blocks.
-        &[
-            ("HEAD_DIM", "128"),
-            ("WARPS_M", "1"),
-            ("WARPS_N", "4"),
-            ("WARP_KEYS", "16"),
-            ("STREAMING", "1"),
-            ("HEAD_PARTS", "2"),
-        ],
-        &[
-            ("HEAD_DIM", "128"),
-            ("WARPS_M", "1"),
-            ("WARPS_N", "4"),
-            ("WARP_KEYS", "16"),
-            ("STREAMING", "1"),
-            ("HEAD_PARTS", "4"),
-        ],
-        &[
-            ("HEAD_DIM", "64"),
-            ("WARPS_M", "1"),
-            ("WARPS_N", "4"),
-            ("WARP_KEYS", "16"),
-            ("STREAMING", "1"),
-            ("HEAD_PARTS", "2"),
-        ],
-        &[
-            ("HEAD_DIM", "64"),
-            ("WARPS_M", "1"),
-            ("WARPS_N", "4"),
-            ("WARP_KEYS", "16"),
-            ("STREAMING", "1"),
-            ("HEAD_PARTS", "4"),
-        ],
-        &[
-            ("HEAD_DIM", "128"),
-            ("WARPS_M", "1"),
-            ("WARPS_N", "4"),
-            ("WARP_KEYS", "16"),
-            ("STAGES", "3"),
-            ("HYBRID", "1"),
-            ("HEAD_PARTS", "2"),
-        ],
-        &[
-            ("HEAD_DIM", "128"),
-            ("WARPS_M", "1"),
-            ("WARPS_N", "4"),
-            ("WARP_KEYS", "16"),
-            ("STAGES", "3"),
-            ("HYBRID", "1"),
-            ("HEAD_PARTS", "4"),
         ],
         &[
             ("HEAD_DIM", "128"),
