@@ -291,9 +291,10 @@ impl SamplePath {
     /// figures (`bench/results/`, `kiln bench sample`):
     /// - every row greedy without penalties: [`SamplePath::Greedy`] (one launch that reads the
     ///   logits once);
-    /// - every row at temperature > 0 with `1 <= top_k <=` [`TOPK_BOUND_KMAX`] and no penalties:
-    ///   [`SamplePath::TopKBound`] (one launch; at vocabulary 151936 top-k + top-p 15.6 us at
-    ///   batch 1 and 44.8 us at 64 against the fused path's 18.4 and 123.6,
+    /// - one row at temperature > 0 with `1 <= top_k <=` [`TOPK_BOUND_KMAX`] and no penalties:
+    ///   [`SamplePath::TopKWide`] (one launch, the row's last block 16 warps wide);
+    /// - several such rows: [`SamplePath::TopKBound`] (one launch; at vocabulary 151936 top-k +
+    ///   top-p 44.8 us at batch 64 against the fused path's 123.6,
     ///   `bench/results/2026-11-30-h200-kernels/step5`);
     /// - no row needs the mass path (every row is greedy or has `1 <= top_k <=` [`FUSED_KMAX`]):
     ///   [`SamplePath::Fused`] (one launch);
@@ -313,6 +314,8 @@ impl SamplePath {
         };
         if rows.iter().all(|p| p.is_greedy() && !p.has_penalties()) {
             SamplePath::Greedy
+        } else if rows.len() == 1 && top_k(rows[0]) {
+            SamplePath::TopKWide
         } else if !rows.is_empty() && rows.iter().all(|p| top_k(p)) {
             SamplePath::TopKBound
         } else if rows.iter().all(|p| fused(p)) {
@@ -1274,6 +1277,8 @@ mod tests {
         let greedy = SamplingParams::greedy();
         let top_k = SamplingParams { top_k: 50, top_p: 0.9, ..d };
         let widest = SamplingParams { top_k: FUSED_KMAX, ..d };
+        assert_eq!(SamplePath::for_rows([&top_k]), SamplePath::TopKWide);
+        assert_eq!(SamplePath::for_rows([&top_k; 64]), SamplePath::TopKBound);
         assert_eq!(SamplePath::for_rows([&greedy, &top_k, &widest]), SamplePath::Fused);
         assert_eq!(SamplePath::for_rows([&top_k, &d]), SamplePath::Auto);
         assert_eq!(SamplePath::for_rows([&SamplingParams { top_k: FUSED_KMAX + 1, ..d }]), SamplePath::Auto);
