@@ -258,16 +258,18 @@ pub enum SamplePath {
     /// counts, the candidate groups' lines prefetched into L1 between the two levels, the
     /// gather issuing only the loads of the groups listed, and (up to 256 candidates) one pass
     /// that ranks the candidates and sums the weights before each, so the finish takes two
-    /// barriers. The same candidates, hence the same token. Not chosen by [`SamplePath::for_rows`]: a candidate to measure against
-    /// [`SamplePath::TopKBound`] at batch 1.
+    /// barriers. The same candidates, hence the same token. Not chosen by [`SamplePath::for_rows`]:
+    /// measured slower than [`SamplePath::TopKBound`] on the H200 (top-k + top-p at batch 1,
+    /// vocabulary 151936: 17.2 us against 15.7, `bench/results/2026-11-30-h200-afternoon/r19`).
     TopKBallot,
     /// [`SamplePath::TopKBound`] on blocks of [`TOPK_WIDE_THREADS`] (`kiln_sample_topk_bound`
     /// compiled with `THREADS=512`, `TKB_PER=16`, `TKB_GROUP_PER=16`, `TKB_MIN_BLOCKS=1`) on a
     /// grid of [`topk_wide_slices`], one block a multiprocessor, for the latency of a batch of
     /// one: the row's last block has 16 warps and each of its threads half the group maxima, so
     /// its serial phases (maxima, bound search, candidate lists, ranking) take about half the
-    /// steps. The same candidates, hence the same token. Not chosen by [`SamplePath::for_rows`]: a
-    /// candidate to measure against [`SamplePath::TopKBound`] at batch 1.
+    /// steps. The same candidates, hence the same token. [`SamplePath::for_rows`] takes it for a
+    /// single top-k row: top-k + top-p at vocabulary 151936 in 14.2 us on the H200 against
+    /// [`SamplePath::TopKBound`]'s 15.7 (`bench/results/2026-11-30-h200-afternoon/r19`).
     TopKWide,
 }
 
@@ -292,7 +294,9 @@ impl SamplePath {
     /// - every row greedy without penalties: [`SamplePath::Greedy`] (one launch that reads the
     ///   logits once);
     /// - one row at temperature > 0 with `1 <= top_k <=` [`TOPK_BOUND_KMAX`] and no penalties:
-    ///   [`SamplePath::TopKWide`] (one launch, the row's last block 16 warps wide);
+    ///   [`SamplePath::TopKWide`] (one launch, the row's last block 16 warps wide; top-k + top-p
+    ///   at vocabulary 151936 in 14.2 us against [`SamplePath::TopKBound`]'s 15.7,
+    ///   `bench/results/2026-11-30-h200-afternoon/r19`);
     /// - several such rows: [`SamplePath::TopKBound`] (one launch; at vocabulary 151936 top-k +
     ///   top-p 44.8 us at batch 64 against the fused path's 123.6,
     ///   `bench/results/2026-11-30-h200-kernels/step5`);
