@@ -224,6 +224,8 @@ pub const LM_HEAD_VARIANTS: &[LmHeadVariant] = &[
     // 385.5 SASS instructions per 256 FFMA (15 SHFL + 31 FADD instead of 31 + 31; sm_90), at
     // 221-227 registers: 8 warps a multiprocessor, one block of 8 or two of 4, with deeper rings
     // to keep the bytes in flight. The 4-stage loops are ~52 KB of code (2 stages: ~26 KB).
+    // Measured on the H200 at 151936 x 4096 bf16: 318.1-412.6 us against the 16-warp default's
+    // 309.7 (`bench/results/2026-11-30-h200-afternoon/r18`): 8 warps do not keep the bytes moving.
     // Half-warps on the same unit (h held twice, reloaded per unit: 2 units a warp at 4096):
     LmHeadVariant::paired(1, 8, 8, 128, 4, 1),
     LmHeadVariant::paired(1, 8, 8, 64, 4, 1),
