@@ -98,8 +98,9 @@ fn profile_lines(name: &str, batch: usize, path: SamplePath, runs: &[Vec<u64>]) 
         let c = median_of(&reached, cycles(a, b));
         format!("  {label:<28} {c:>8.0} cycles {:>7.2} us\n", c / ghz / 1e3)
     };
-    if path == SamplePath::TopKMerge {
-        for (label, a, b) in [
+    // (label, first slot, last slot) of each phase of the path's kernel.
+    let phases: &[(&str, usize, usize)] = if path == SamplePath::TopKMerge {
+        &[
             ("block (0,0) slice loaded", 8, 9),
             ("block (0,0) histogram + pick", 9, 10),
             ("block (0,0) list written", 10, 11),
@@ -109,28 +110,30 @@ fn profile_lines(name: &str, batch: usize, path: SamplePath, runs: &[Vec<u64>]) 
             ("last block: survivors", 18, 19),
             ("last block: rank", 19, 20),
             ("last block: finish", 20, 22),
-        ] {
-            out.push_str(&phase(label, a, b));
-        }
+        ]
+    } else {
+        &[
+            ("block (0,0) keys loaded", 8, 9),
+            ("block (0,0) maxima + fence", 9, 10),
+            ("block (0,0) ticket", 10, 11),
+            ("last block: maxima + row max", 16, 17),
+            ("last block: bins + bound search", 17, 18),
+            ("last block: groups listed", 18, 19),
+            ("last block: gather", 19, 20),
+            ("last block: rank", 20, 21),
+            ("last block: finish", 21, 22),
+        ]
+    };
+    for &(label, a, b) in phases {
+        out.push_str(&phase(label, a, b));
+    }
+    if path == SamplePath::TopKMerge {
         let last = &runs[runs.len() - 1];
         out.push_str(&format!(
             "  row 0: k {}, {} slices, staged depth {}, {} survivors, fallback {}\n",
             last[35], last[37], last[38], last[33], last[36]
         ));
         return out;
-    }
-    for (label, a, b) in [
-        ("block (0,0) keys loaded", 8, 9),
-        ("block (0,0) maxima + fence", 9, 10),
-        ("block (0,0) ticket", 10, 11),
-        ("last block: maxima + row max", 16, 17),
-        ("last block: bins + bound search", 17, 18),
-        ("last block: groups listed", 18, 19),
-        ("last block: gather", 19, 20),
-        ("last block: rank", 20, 21),
-        ("last block: finish", 21, 22),
-    ] {
-        out.push_str(&phase(label, a, b));
     }
     let last = &runs[runs.len() - 1];
     out.push_str(&format!(

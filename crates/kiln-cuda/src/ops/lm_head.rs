@@ -74,17 +74,7 @@ impl LmHeadVariant {
     }
 
     const fn ring(warps: u32, vocab_rows: u32, tile: u32, stages: u32) -> LmHeadVariant {
-        LmHeadVariant {
-            warps,
-            vocab_rows,
-            tile,
-            permuted: true,
-            pipelined: false,
-            stages,
-            blocks: 1,
-            coop: false,
-            pair: 0,
-        }
+        LmHeadVariant::ring_blocks(warps, vocab_rows, tile, stages, 1)
     }
 
     /// A ring variant compiled for `blocks` resident blocks a multiprocessor (at most 65536 /

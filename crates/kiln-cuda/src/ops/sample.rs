@@ -511,10 +511,6 @@ const TOPK_WIDE_SHAPE: BoundShape = BoundShape {
     blocks_per_sm: 1,
 };
 
-/// The defines of [`TOPK_WIDE_SHAPE`] besides `THREADS`.
-const TOPK_WIDE_DEFINES: [(&str, &str); 3] =
-    [("TKB_PER", "16"), ("TKB_GROUP_PER", "16"), ("TKB_MIN_BLOCKS", "1")];
-
 /// The wide top-k bound path's grid ([`SamplePath::TopKWide`]), as [`topk_bound_slices`] for
 /// blocks of [`TOPK_WIDE_THREADS`], one a multiprocessor: each slice at most `TKB_PER * THREADS`
 /// = 8192 logits, the row's groups at most `TKB_GROUP_PER * THREADS` = 8192.
@@ -948,7 +944,8 @@ pub fn sample_with_path_profiled(
         return Ok(());
     }
     if let (Some((bound_count, bound_len)), true) = (bound_grid, base != 0) {
-        let block_threads = if path == SamplePath::TopKWide { TOPK_WIDE_THREADS } else { TOPK_BOUND_THREADS };
+        let shape = if path == SamplePath::TopKWide { TOPK_WIDE_SHAPE } else { TOPK_BOUND_SHAPE };
+        let block_threads = shape.threads as u32;
         let bound_threads = block_threads.to_string();
         let profiled = if profile.is_some() { "1" } else { "0" };
         let mut bound_defines =
@@ -956,8 +953,14 @@ pub fn sample_with_path_profiled(
         if path == SamplePath::TopKBallot {
             bound_defines.push(("TKB_BALLOT", "1"));
         }
+        // The wide compile's shape (the 256-thread one takes the kernel's own constants).
+        let wide = [shape.per_thread, shape.groups_per_thread, shape.blocks_per_sm].map(|v| v.to_string());
         if path == SamplePath::TopKWide {
-            bound_defines.extend(TOPK_WIDE_DEFINES);
+            bound_defines.extend([
+                ("TKB_PER", wide[0].as_str()),
+                ("TKB_GROUP_PER", wide[1].as_str()),
+                ("TKB_MIN_BLOCKS", wide[2].as_str()),
+            ]);
         }
         let function = gpu.function(&SAMPLE, "kiln_sample_topk_bound", &bound_defines)?;
         let bound_config = LaunchConfig {
@@ -1228,35 +1231,33 @@ mod tests {
         assert_eq!(topk_merge_slices(1, 151_936, 132), Some((149, 1020)));
         assert_eq!(topk_merge_slices(64, 151_936, 132), Some((19, 7997)));
         assert_eq!(topk_merge_slices(1, 256 * 8192 + 1, 132), None);
-        for vocab in [1usize, 3, 7, 31, 33, 1000, 1025, 2048, 8193, 32_000, 151_937, 262_144] {
-            for rows in [1usize, 2, 8, 64, 256] {
-                for sms in [1usize, 108, 132] {
-                    let (count, len) = topk_bound_slices(rows, vocab, sms).unwrap();
-                    assert!(len.is_multiple_of(32), "{vocab} {rows}: slice of {len}");
-                    assert!(len <= TOPK_BOUND_PER_THREAD * TOPK_BOUND_THREADS as usize, "{vocab} {rows}");
-                    assert!(vocab.div_ceil(32) <= TOPK_BOUND_GROUPS_PER_THREAD * TOPK_BOUND_THREADS as usize);
-                    let written = count * len / 32;
-                    assert!(written <= topk_bound_group_stride(vocab), "{vocab} {rows}: {written} groups");
-                    assert!((count - 1) * len < vocab && count * len >= vocab, "{vocab} {rows}");
+        type Slices = fn(usize, usize, usize) -> Option<(usize, usize)>;
+        let grids: [(Slices, u32, usize, usize); 2] = [
+            (topk_bound_slices, TOPK_BOUND_THREADS, TOPK_BOUND_PER_THREAD, TOPK_BOUND_GROUPS_PER_THREAD),
+            (topk_wide_slices, TOPK_WIDE_THREADS, 16, 16),
+        ];
+        for (slices, threads, per_thread, groups_per_thread) in grids {
+            let threads = threads as usize;
+            for vocab in [1usize, 3, 7, 31, 33, 1000, 1025, 2048, 8193, 32_000, 151_937, 262_144] {
+                for rows in [1usize, 2, 8, 64, 256] {
+                    for sms in [1usize, 108, 132] {
+                        let (count, len) = slices(rows, vocab, sms).unwrap();
+                        assert!(len.is_multiple_of(32), "{vocab} {rows}: slice of {len}");
+                        assert!(len <= per_thread * threads, "{vocab} {rows}");
+                        assert!(vocab.div_ceil(32) <= groups_per_thread * threads);
+                        let written = count * len / 32;
+                        assert!(
+                            written <= topk_bound_group_stride(vocab),
+                            "{vocab} {rows}: {written} groups"
+                        );
+                        assert!((count - 1) * len < vocab && count * len >= vocab, "{vocab} {rows}");
+                    }
                 }
             }
         }
         assert_eq!(topk_bound_slices(1, 151_936, 132), Some((149, 1024)));
         assert_eq!(topk_bound_slices(64, 151_936, 132), Some((19, 8000)));
         assert_eq!(topk_bound_slices(1, 262_145, 132), None);
-        for vocab in [1usize, 3, 7, 31, 33, 1000, 1025, 2048, 8193, 32_000, 151_937, 262_144] {
-            for rows in [1usize, 2, 8, 64, 256] {
-                for sms in [1usize, 108, 132] {
-                    let (count, len) = topk_wide_slices(rows, vocab, sms).unwrap();
-                    assert!(len.is_multiple_of(32), "{vocab} {rows}: slice of {len}");
-                    assert!(len <= 16 * TOPK_WIDE_THREADS as usize, "{vocab} {rows}");
-                    assert!(vocab.div_ceil(32) <= 16 * TOPK_WIDE_THREADS as usize);
-                    let written = count * len / 32;
-                    assert!(written <= topk_bound_group_stride(vocab), "{vocab} {rows}: {written} groups");
-                    assert!((count - 1) * len < vocab && count * len >= vocab, "{vocab} {rows}");
-                }
-            }
-        }
         assert_eq!(topk_wide_slices(1, 151_936, 132), Some((132, 1152)));
         assert_eq!(topk_wide_slices(64, 151_936, 132), Some((19, 8000)));
         assert_eq!(topk_wide_slices(1, 262_145, 132), None);
