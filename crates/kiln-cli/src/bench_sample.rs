@@ -15,11 +15,10 @@
 //! lists with the mass path (`SamplePath::Lists`) and, for greedy rows, the greedy kernel
 //! (`SamplePath::Greedy`), and, for greedy and top-k rows without penalties, the top-k merge
 //! kernel (`SamplePath::TopKMerge`, a candidate not yet chosen by `for_rows`), the top-k
-//! bound kernel (`SamplePath::TopKBound`, likewise) and the same kernel with the bound by ballot
-//! histograms (`SamplePath::TopKBallot`, likewise) or on 1024-thread blocks
+//! bound kernel (`SamplePath::TopKBound`, likewise) and the same kernel on 512-thread blocks
 //! (`SamplePath::TopKWide`, likewise).
 //!
-//! `--profile` prints, instead of the table, the phases of the top-k bound (its three compiles)
+//! `--profile` prints, instead of the table, the phases of the top-k bound (its two compiles)
 //! and top-k merge kernels compiled with `SAMPLE_PROFILE=1` (one launch a sample, the median of several) for
 //! their modes at batch 1 and 64: where the microseconds go, in a few seconds.
 
@@ -189,10 +188,10 @@ pub fn run(args: &BenchSampleArgs) -> Result<()> {
     let mut table = format!(
         "Sampler, vocabulary {vocab}, on {} ({})\n\n\
          | mode | batch | path | time_us | graph_us | auto_us | auto_graph_us | fused_graph_us | lists_graph_us \
-         | greedy_graph_us | topk_merge_graph_us | topk_bound_graph_us | topk_ballot_graph_us | topk_wide_graph_us \
+         | greedy_graph_us | topk_merge_graph_us | topk_bound_graph_us | topk_wide_graph_us \
          | torch_us | torch / kiln | torch / kiln graph |\n\
          | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: \
-         | ---: | ---: |\n",
+         | ---: |\n",
         gpu.facts().name,
         gpu.arch()
     );
@@ -248,12 +247,7 @@ pub fn run(args: &BenchSampleArgs) -> Result<()> {
                 !penalties && (params.is_greedy() || (1..=TOPK_BOUND_KMAX).contains(&params.top_k));
             if args.profile {
                 // The top-k merge kernel serves the same rows.
-                for profiled in [
-                    SamplePath::TopKBound,
-                    SamplePath::TopKBallot,
-                    SamplePath::TopKWide,
-                    SamplePath::TopKMerge,
-                ] {
+                for profiled in [SamplePath::TopKBound, SamplePath::TopKWide, SamplePath::TopKMerge] {
                     if !bound_serves {
                         break;
                     }
@@ -317,11 +311,6 @@ pub fn run(args: &BenchSampleArgs) -> Result<()> {
             } else {
                 "-".to_owned()
             };
-            let topk_ballot_graph_us = if bound_serves {
-                format!("{:.1}", graph_time(SamplePath::TopKBallot)?)
-            } else {
-                "-".to_owned()
-            };
             let topk_wide_graph_us = if bound_serves {
                 format!("{:.1}", graph_time(SamplePath::TopKWide)?)
             } else {
@@ -332,7 +321,7 @@ pub fn run(args: &BenchSampleArgs) -> Result<()> {
             table.push_str(&format!(
                 "| {name} | {batch} | {path:?} | {us:.1} | {graph_us:.1} | {auto_us:.1} | {auto_graph_us:.1} \
                  | {fused_graph_us:.1} | {lists_graph_us:.1} | {greedy_graph_us} | {topk_merge_graph_us} \
-                 | {topk_bound_graph_us} | {topk_ballot_graph_us} | {topk_wide_graph_us} | {} | {} | {} |\n",
+                 | {topk_bound_graph_us} | {topk_wide_graph_us} | {} | {} | {} |\n",
                 torch.map_or("-".to_owned(), |t| format!("{t:.1}")),
                 ratio(us),
                 ratio(graph_us),

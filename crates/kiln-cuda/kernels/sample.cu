@@ -2865,16 +2865,12 @@ struct TopKBoundShared {
     union {
         // The bins of each thread's group maxima, four to a word (its own column: no barrier).
         kiln_u32 packed[TKB_GROUP_PER / 4][THREADS];
-        // TKB_BALLOT=1: each warp's counts of the group maxima by coarse bin (bin >> 3) and, in
-        // the chosen coarse bin, by fine bin (bin & 7).
-        // The weights of the first THREADS candidates (`weights`, by slot) after them.
+        // The weights of the first THREADS candidates (tkb_finish_few), by slot.
         struct {
-            kiln_u32 coarse[SAMPLE_WARPS][32];
-            kiln_u32 fine[SAMPLE_WARPS][8];
             kiln_u32 weights[THREADS];
         } hist;
     };
-    kiln_u64 mass;  // TKB_BALLOT=1: the top-k's mass
+    kiln_u64 mass;  // tkb_finish_few: the top-k's mass
     kiln_u32 chosen, above, count, total, ngroups, ncand, overflow;
     int last;
 };
@@ -3297,61 +3293,6 @@ __device__ __forceinline__ int sample_row_topk_bound(int r, kiln_u32 k, const fl
     return 0;
 }
 
-// ---- TKB_BALLOT=1: the bound by ballot histograms ---------------------------------------------
-//
-// The same path with another last block (`SamplePath::TopKBallot`). On the H200 the last block
-// of a batch-1 row above spent 4.4 of its 12.2 us in the binary search over the bins (eight
-// block-wide counts, each a barrier, the bins read again from shared memory at every step) and
-// 3.1 us in the gather (rounds of TKB_GATHER loads and ballots whatever the warp listed). Here:
-//   1. The bins of a thread's group maxima stay in registers (four to a word). Every warp counts
-//      its groups by coarse bin (bin >> 3, 32 coarse bins, lane c the count of bin c) with one
-//      ballot a bit of the coarse bin and a popcount: no shared memory, no atomics. One barrier
-//      publishes the warps' counts; every warp sums them, scans them over its lanes and finds the
-//      coarse bin C at which the count reaches k (each warp alike: no second barrier).
-//   2. The lines of the groups in coarse bins up to C (a superset of the candidate groups) are
-//      prefetched into L1 when they are few, so the gather reads them from there; meanwhile the
-//      same ballot count over the fine bins (bin & 7) of the groups in C and one barrier give
-//      every warp cb = 8 C + f, the bin of the binary search.
-//   3. A crowded bin cb is split by radix passes, and the candidate groups listed, as above; the
-//      gather issues only the loads of the groups the warp listed, keeps each round's ballots for
-//      the slots and writes each candidate's weight beside it.
-//   4. Up to THREADS candidates, one pass ranks them and sums, for each, the weights of those
-//      before it in the order (tkb_finish_few): the top-k's mass, top-p and min-p follow with no
-//      top-k array and two barriers (tkb_rank_finish takes three). More candidates take
-//      tkb_rank_finish.
-// The candidates are those of the binary-search path (the same bin cb and bound), so the token is
-// the reference's for the same reasons.
-#ifndef TKB_BALLOT
-#define TKB_BALLOT 0
-#endif
-#define TKB_PREFETCH_GROUPS 512  // the most groups (lines) the last block prefetches into L1
-
-// Lane c (< 2^BITS) of the warp gets the count of the warp's lanes with `take` whose `value`
-// (BITS bits) equals c: one ballot a bit. flip[b] is ~0 in the lanes whose bit b is 0, else 0.
-template <int BITS>
-__device__ __forceinline__ kiln_u32 tkb_ballot_count(kiln_u32 value, bool take, const kiln_u32 (&flip)[5]) {
-    kiln_u32 m = __ballot_sync(KILN_FULL_MASK, take);
-    if (m == 0u) return 0u;  // the same for the whole warp
-#pragma unroll
-    for (int b = 0; b < BITS; ++b) m &= __ballot_sync(KILN_FULL_MASK, ((value >> b) & 1u) != 0u) ^ flip[b];
-    return (kiln_u32)__popc(m);
-}
-
-// Inclusive prefix sum of v over the warp's lanes.
-__device__ __forceinline__ kiln_u32 tkb_warp_inclusive(kiln_u32 v) {
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const kiln_u32 n = __shfl_up_sync(KILN_FULL_MASK, v, o);
-        if (lane >= o) v += n;
-    }
-    return v;
-}
-
-__device__ __forceinline__ void tkb_prefetch_l1(const float* at) {
-    asm volatile("prefetch.global.L1 [%0];" ::"l"(at));
-}
-
 // The finish of tkb_rank_finish for at most THREADS candidates whose weights are in
 // sh.hist.weights, with two barriers instead of three and no top-k array: g threads a candidate
 // count the candidates before it in the order (its rank) and sum their weights (its mass before
@@ -3424,232 +3365,10 @@ __device__ __forceinline__ void tkb_finish_few(int r, kiln_u32 k, int m_n, const
     if (lead && own_weight != 0u && inclusive - own_weight <= draw && draw < inclusive) tokens[r] = index;
 }
 
-// The last block of served row r with the bound by ballot histograms (see above). Returns
-// TKB_FALLBACK when the candidates overflow the buffers, else 0.
-__device__ __forceinline__ int sample_row_topk_ballot(int r, kiln_u32 k, const float* __restrict__ row,
-                                                      long long vocab, const KilnSampleParams& p, kiln_u64 step,
-                                                      kiln_u32* __restrict__ tokens, const kiln_u32* row_maxima,
-                                                      int groups, TopKBoundShared& sh, kiln_u64* profile) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const bool row0 = r == 0;
-    kiln_u32 g[TKB_GROUP_PER];
-#pragma unroll
-    for (int q = 0; q < TKB_GROUP_PER; ++q) {
-        const int i = q * THREADS + (int)threadIdx.x;
-        g[q] = i < groups ? __ldcg(&row_maxima[i]) : 0u;
-    }
-    // The draw's uniform does not depend on the logits: computed while the maxima load.
-    const kiln_u64 u = sample_uniform(p.seed, step, p.stream);
-    if (threadIdx.x == 0) {
-        sh.ngroups = 0u;
-        sh.ncand = 0u;
-        sh.overflow = 0u;
-    }
-    kiln_u32 mine_max = 0u;
-#pragma unroll
-    for (int q = 0; q < TKB_GROUP_PER; ++q) mine_max = max(mine_max, g[q]);
-    mine_max = __reduce_max_sync(KILN_FULL_MASK, mine_max);
-    if (lane == 0) sh.warp_max[warp] = mine_max;
-    __syncthreads();
-    const kiln_u32 mkey = tkb_warps_max(sh.warp_max);
-    TKB_CLOCK(17, row0);
-    if (mkey == 0u) {  // every logit of the row is NaN
-        TKB_SET(32, row0, 0);
-        TKB_SET(33, row0, 0);
-        if (threadIdx.x == 0) tokens[r] = NO_TOKEN;
-        return 0;
-    }
-    const float M = fused_value(mkey);
-
-    // The bin of group q (g[q] != 0) is byte q % 4 of bins[q / 4].
-    kiln_u32 bins[TKB_GROUP_PER / 4];
-#pragma unroll
-    for (int w4 = 0; w4 < TKB_GROUP_PER / 4; ++w4) bins[w4] = 0u;
-#pragma unroll
-    for (int q = 0; q < TKB_GROUP_PER; ++q) {
-        if (q * THREADS >= groups) break;  // the same for the whole block
-        if (g[q] != 0u) bins[q >> 2] |= (kiln_u32)tkb_bin(g[q], M) << (8 * (q & 3));
-    }
-    auto bin_of = [&](int q) { return (bins[q >> 2] >> (8 * (q & 3))) & 0xFFu; };
-    kiln_u32 flip[5];
-#pragma unroll
-    for (int b = 0; b < 5; ++b) flip[b] = ((lane >> b) & 1) != 0 ? 0u : 0xFFFFFFFFu;
-
-    // Level 1: the coarse bin cc at which the count of groups reaches k.
-    kiln_u32 coarse = 0u;
-#pragma unroll
-    for (int q = 0; q < TKB_GROUP_PER; ++q) {
-        if (q * THREADS >= groups) break;
-        coarse += tkb_ballot_count<5>(bin_of(q) >> 3, g[q] != 0u, flip);
-    }
-    sh.hist.coarse[warp][lane] = coarse;
-    __syncthreads();
-    kiln_u32 column = 0u;
-#pragma unroll
-    for (int w = 0; w < SAMPLE_WARPS; ++w) column += sh.hist.coarse[w][lane];
-    const kiln_u32 upto_coarse = tkb_warp_inclusive(column);
-    const kiln_u32 valid = __shfl_sync(KILN_FULL_MASK, upto_coarse, 31);
-    TKB_SET(32, row0, valid);
-    kiln_u32 bound = 1u;  // candidates: keys at or above it, in bins up to cb_limit
-    int cb_limit = FUSED_BINS - 1;
-    int passes = 0;
-    if (valid >= k) {  // else fewer valid groups than k: every valid token
-        const int cc = __ffs(__ballot_sync(KILN_FULL_MASK, upto_coarse >= k)) - 1;
-        const kiln_u32 below_coarse = __shfl_sync(KILN_FULL_MASK, upto_coarse - column, cc);
-        if (__shfl_sync(KILN_FULL_MASK, upto_coarse, cc) <= TKB_PREFETCH_GROUPS) {
-#pragma unroll
-            for (int q = 0; q < TKB_GROUP_PER; ++q) {
-                if (q * THREADS >= groups) break;
-                if (g[q] != 0u && (int)(bin_of(q) >> 3) <= cc) {
-                    const long long i = 32ll * (q * THREADS + (int)threadIdx.x);
-                    tkb_prefetch_l1(row + i);
-                    tkb_prefetch_l1(row + (i + 31 < vocab ? i + 31 : vocab - 1));  // an unaligned row
-                }
-            }
-        }
-        // Level 2: the fine bin f of coarse bin cc at which the count reaches k.
-        kiln_u32 fine = 0u;
-#pragma unroll
-        for (int q = 0; q < TKB_GROUP_PER; ++q) {
-            if (q * THREADS >= groups) break;
-            const kiln_u32 bq = bin_of(q);
-            fine += tkb_ballot_count<3>(bq & 7u, g[q] != 0u && (int)(bq >> 3) == cc, flip);
-        }
-        if (lane < 8) sh.hist.fine[warp][lane] = fine;
-        __syncthreads();
-        kiln_u32 fine_column = 0u;
-        if (lane < 8) {
-#pragma unroll
-            for (int w = 0; w < SAMPLE_WARPS; ++w) fine_column += sh.hist.fine[w][lane];
-        }
-        const kiln_u32 upto_fine = tkb_warp_inclusive(fine_column);  // lanes from 8 on add nothing
-        const kiln_u32 target_fine = k - below_coarse;  // 1 to the count of coarse bin cc
-        const int f = __ffs(__ballot_sync(KILN_FULL_MASK, lane < 8 && upto_fine >= target_fine)) - 1;
-        const kiln_u32 below_lo = below_coarse + __shfl_sync(KILN_FULL_MASK, upto_fine - fine_column, f);
-        const kiln_u32 upto_hi = below_coarse + __shfl_sync(KILN_FULL_MASK, upto_fine, f);
-        const int cb = 8 * cc + f;
-        cb_limit = cb;
-        if (upto_hi - below_lo > TKB_SLACK) {
-            // As the binary-search path: 8-bit radix passes over the keys of bin cb's groups.
-            kiln_u32 target = k - below_lo;
-            kiln_u32 prefix = 0u, mask = 0u;
-            for (int shift = 24; shift >= 0; shift -= 8) {
-                for (int b = threadIdx.x; b < 256; b += THREADS) sh.bins[b] = 0u;
-                __syncthreads();
-#pragma unroll
-                for (int q = 0; q < TKB_GROUP_PER; ++q) {
-                    if (q * THREADS >= groups) break;
-                    const bool in = g[q] != 0u && (g[q] & mask) == prefix && (int)bin_of(q) == cb;
-                    fused_count(sh.bins, in ? (int)((g[q] >> shift) & 0xFFu) : -1);
-                }
-                __syncthreads();
-                tkb_pick(sh, target, true);
-                prefix |= sh.chosen << shift;
-                mask |= 0xFFu << shift;
-                target -= sh.above;
-                const bool enough = sh.count <= TKB_SLACK;
-                __syncthreads();  // sh.chosen, sh.above, sh.count are read before reuse
-                ++passes;
-                if (enough) break;
-            }
-            bound = prefix > 1u ? prefix : 1u;
-        }
-    }
-    TKB_SET(39, row0, passes);
-    TKB_CLOCK(18, row0);
-
-    // Each warp lists its own candidate groups (no barrier) and gathers their tokens at or above
-    // the bound, a lane a logit, up to TKB_GATHER groups in flight.
-    int nw = 0;
-    const kiln_u32 lanes_before = (1u << lane) - 1u;
-#pragma unroll
-    for (int q = 0; q < TKB_GROUP_PER; ++q) {
-        if (q * THREADS >= groups) break;
-        const bool take = g[q] != 0u && g[q] >= bound && (int)bin_of(q) <= cb_limit;
-        const kiln_u32 ballot = __ballot_sync(KILN_FULL_MASK, take);
-        const int at = nw + __popc(ballot & lanes_before);
-        if (take && at < TKB_WARP_GROUPS) sh.wgroups[warp][at] = (kiln_u32)(q * THREADS + (int)threadIdx.x);
-        nw += __popc(ballot);
-    }
-    __syncwarp();
-    TKB_CLOCK(19, row0);
-    if (lane == 0 && nw > 0) {
-        atomicAdd(&sh.ngroups, (kiln_u32)nw);
-        if (nw > TKB_WARP_GROUPS) sh.overflow = 1u;
-    }
-    const int listed = min(nw, TKB_WARP_GROUPS);
-    // The largest scaled logit, for the candidates' weights (k > 1 only: greedy rows need none).
-    const bool weigh = k > 1u;
-    const float m = weigh ? fminf(fmaxf(M / p.temperature, -3.40282347e38f), 3.40282347e38f) : 0.0f;
-    for (int base = 0; base < listed; base += TKB_GATHER) {
-        const int here = min(listed - base, TKB_GATHER);  // the same for the whole warp
-        float x[TKB_GATHER];
-        int idx[TKB_GATHER];  // the row's groups are at most TKB_GROUP_PER * THREADS (launcher)
-        // The round's loads (from L1 when prefetched) are issued before any is used.
-#pragma unroll
-        for (int t = 0; t < TKB_GATHER; ++t) {
-            x[t] = 0.0f;
-            idx[t] = -1;
-            if (t >= here) continue;
-            const long long i = 32ll * (long long)sh.wgroups[warp][base + t] + lane;
-            if (i < vocab) {
-                idx[t] = (int)i;
-                x[t] = __ldg(&row[i]);
-            }
-        }
-        kiln_u32 takes[TKB_GATHER];
-        kiln_u32 warp_total = 0u;
-#pragma unroll
-        for (int t = 0; t < TKB_GATHER; ++t) {
-            takes[t] = 0u;
-            if (t >= here) continue;
-            const kiln_u32 key = idx[t] >= 0 ? sample_order_key(x[t]) : 0u;
-            const bool take = key != 0u && key >= bound && fused_dbin(x[t], M) <= cb_limit;
-            takes[t] = __ballot_sync(KILN_FULL_MASK, take);
-            warp_total += (kiln_u32)__popc(takes[t]);
-        }
-        if (warp_total == 0u) continue;  // the same for the whole warp
-        kiln_u32 at = 0u;
-        if (lane == 0) at = atomicAdd(&sh.ncand, warp_total);
-        at = __shfl_sync(KILN_FULL_MASK, at, 0);
-#pragma unroll
-        for (int t = 0; t < TKB_GATHER; ++t) {
-            if (t >= here) break;
-            const kiln_u32 slot = at + (kiln_u32)__popc(takes[t] & lanes_before);
-            if (((takes[t] >> lane) & 1u) != 0u && slot < TKB_CAND_CAP) {
-                const kiln_u32 key = sample_order_key(x[t]);
-                sh.cand[slot] = fast_pack(key, (kiln_u32)idx[t]);
-                // The weight (of the value the key gives back, as tkb_rank_finish) for
-                // tkb_finish_few.
-                if (weigh && slot < THREADS) sh.hist.weights[slot] = sample_weight(fused_value(key), p.temperature, m);
-            }
-            at += (kiln_u32)__popc(takes[t]);
-        }
-    }
-    __syncthreads();
-    const int m_n = (int)sh.ncand;
-    TKB_CLOCK(20, row0);
-    TKB_SET(33, row0, sh.ngroups);
-    TKB_SET(34, row0, m_n);
-    if (sh.overflow != 0u || m_n > TKB_CAND_CAP) return TKB_FALLBACK;
-    if (m_n <= THREADS) {
-        tkb_finish_few(r, k, m_n, p, u, tokens, sh, profile);
-    } else {
-        tkb_rank_finish(r, k, m_n, p, u, tokens, sh, profile);
-    }
-    return 0;
-}
-
 // The fences around the row's ticket: a block's maxima are published (release) before its
-// ticket and read (acquire) after the last one. TKB_BALLOT=1 takes fence.acq_rel.gpu, which is
-// all the two patterns need (with the relaxed atomic beside it); __threadfence() is fence.sc.gpu,
-// a total order over every such fence on the device.
+// ticket and read (acquire) after the last one.
 __device__ __forceinline__ void tkb_fence() {
-#if TKB_BALLOT
-    asm volatile("fence.acq_rel.gpu;" ::: "memory");
-#else
     __threadfence();
-#endif
 }
 
 // One launch: grid (slices, rows), `slice_len` logits a block (a multiple of 32, at most
@@ -3746,13 +3465,8 @@ kiln_sample_topk_bound(const float* __restrict__ logits, long long vocab, long l
     TKB_SET(35, row0, k);
     TKB_SET(37, row0, gridDim.x);
     TKB_SET(38, row0, slice_groups);
-#if TKB_BALLOT
-    const int fallback = sample_row_topk_ballot(r, k, logits + (long long)r * row_stride, vocab, p, step, tokens,
-                                                maxima + (long long)r * group_stride, groups, sh, profile);
-#else
     const int fallback = sample_row_topk_bound(r, k, logits + (long long)r * row_stride, vocab, p, step, tokens,
                                                maxima + (long long)r * group_stride, groups, sh, profile);
-#endif
     TKB_SET(36, row0, fallback);
     if (fallback == TKB_FALLBACK) {
         __syncthreads();

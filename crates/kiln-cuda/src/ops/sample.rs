@@ -55,9 +55,7 @@
 //! tokens at or above it: a binary search over bins of the maxima's distance below the row
 //! maximum finds it), reads again only the groups that reach the bound and finishes on the few
 //! candidates. Compiled with `SAMPLE_PROFILE=1` ([`sample_with_path_profiled`]) it and the top-k
-//! merge kernel write time stamps of their phases. [`SamplePath::TopKBallot`] launches the same
-//! kernel compiled with `TKB_BALLOT=1`, whose last block finds the same bound with two levels of
-//! warp ballot histograms (two barriers) instead of a binary search over the bins (eight).
+//! merge kernel write time stamps of their phases.
 //! [`SamplePath::TopKWide`] launches it compiled for blocks of [`TOPK_WIDE_THREADS`] (a grid of
 //! [`topk_wide_slices`], one block a multiprocessor), so that each thread of the row's last block
 //! holds half the group maxima and 16 warps hide each other's latency.
@@ -251,17 +249,6 @@ pub enum SamplePath {
     /// or above it and finishes on the top-k. Every other row on one block. Not chosen by
     /// [`SamplePath::for_rows`]: a candidate to measure against [`SamplePath::Fused`].
     TopKBound,
-    /// [`SamplePath::TopKBound`] with another last block (`kiln_sample_topk_bound` compiled
-    /// with `TKB_BALLOT=1`), for the latency of a batch of one: the bin of the k-th group
-    /// maximum found by two levels of warp ballot histograms (coarse bin, then fine bin; two
-    /// barriers in all, the bins in registers) instead of a binary search of eight block-wide
-    /// counts, the candidate groups' lines prefetched into L1 between the two levels, the
-    /// gather issuing only the loads of the groups listed, and (up to 256 candidates) one pass
-    /// that ranks the candidates and sums the weights before each, so the finish takes two
-    /// barriers. The same candidates, hence the same token. Not chosen by [`SamplePath::for_rows`]:
-    /// measured slower than [`SamplePath::TopKBound`] on the H200 (top-k + top-p at batch 1,
-    /// vocabulary 151936: 17.2 us against 15.7, `bench/results/2026-11-30-h200-afternoon/r19`).
-    TopKBallot,
     /// [`SamplePath::TopKBound`] on blocks of [`TOPK_WIDE_THREADS`] (`kiln_sample_topk_bound`
     /// compiled with `THREADS=512`, `TKB_PER=16`, `TKB_GROUP_PER=16`, `TKB_MIN_BLOCKS=1`) on a
     /// grid of [`topk_wide_slices`], one block a multiprocessor, for the latency of a batch of
@@ -275,7 +262,7 @@ pub enum SamplePath {
 
 impl SamplePath {
     /// Every path, for tests that compare each with the reference.
-    pub const ALL: [SamplePath; 11] = [
+    pub const ALL: [SamplePath; 10] = [
         SamplePath::Auto,
         SamplePath::SingleBlock,
         SamplePath::TopKBlocks,
@@ -285,7 +272,6 @@ impl SamplePath {
         SamplePath::Greedy,
         SamplePath::TopKMerge,
         SamplePath::TopKBound,
-        SamplePath::TopKBallot,
         SamplePath::TopKWide,
     ];
 
@@ -345,7 +331,7 @@ impl SamplePath {
 
     /// The paths that launch `kiln_sample_topk_bound`.
     fn top_k_bound(self) -> bool {
-        matches!(self, SamplePath::TopKBound | SamplePath::TopKBallot | SamplePath::TopKWide)
+        matches!(self, SamplePath::TopKBound | SamplePath::TopKWide)
     }
 }
 
@@ -729,7 +715,7 @@ pub fn sample_with_path(
 }
 
 /// [`sample_with_path`]; with `profile` (at least [`PROFILE_SLOTS`] u64, zeroed by the caller)
-/// and [`SamplePath::TopKBound`], [`SamplePath::TopKBallot`], [`SamplePath::TopKWide`] or
+/// and [`SamplePath::TopKBound`], [`SamplePath::TopKWide`] or
 /// [`SamplePath::TopKMerge`], the kernel is compiled with
 /// `SAMPLE_PROFILE=1` and writes the time stamps and counts of its phases there (the slots are
 /// listed in `sample.cu`; other paths leave it untouched).
@@ -790,7 +776,6 @@ pub fn sample_with_path_profiled(
         | SamplePath::Greedy
         | SamplePath::TopKMerge
         | SamplePath::TopKBound
-        | SamplePath::TopKBallot
         | SamplePath::TopKWide => None,
         _ => slices(rows, vocab, multiprocessors),
     };
@@ -950,9 +935,6 @@ pub fn sample_with_path_profiled(
         let profiled = if profile.is_some() { "1" } else { "0" };
         let mut bound_defines =
             vec![("THREADS", bound_threads.as_str()), ("PENALTIES", penalties), ("SAMPLE_PROFILE", profiled)];
-        if path == SamplePath::TopKBallot {
-            bound_defines.push(("TKB_BALLOT", "1"));
-        }
         // The wide compile's shape (the 256-thread one takes the kernel's own constants).
         let wide = [shape.per_thread, shape.groups_per_thread, shape.blocks_per_sm].map(|v| v.to_string());
         if path == SamplePath::TopKWide {
