@@ -58,7 +58,8 @@ pub struct BenchNormArgs {
     /// Time only the certified and the declared default variant and these (labels such as
     /// `8w1r+s3`, comma-separated; `staged` for every staged variant, `lanes` for every variant with
     /// one lane a quantization block, `+b`, `ahead` for every variant that loads the weight a unit
-    /// ahead, `+w`), each with a row of its
+    /// ahead, `+w`; `total` for every variant whose row's first warp alone finishes the total,
+    /// `+t`), each with a row of its
     /// own in the table (tagged `listed`).
     #[arg(long, value_delimiter = ',')]
     pub variants: Vec<String>,
@@ -132,7 +133,7 @@ pub fn run(args: &BenchNormArgs) -> Result<()> {
         None => BTreeMap::new(),
     };
     for l in &args.variants {
-        if !["staged", "lanes", "ahead"].contains(&l.as_str())
+        if !["staged", "lanes", "ahead", "total"].contains(&l.as_str())
             && !NORM_VARIANTS.iter().any(|v| label(*v) == *l)
         {
             return Err(Error::InvalidArgument {
@@ -254,6 +255,7 @@ pub fn run(args: &BenchNormArgs) -> Result<()> {
                         || (l == "staged" && v.stages > 0)
                         || (l == "lanes" && v.block_lane)
                         || (l == "ahead" && v.weight_ahead)
+                        || (l == "total" && v.row_total)
                 })
             })
             .collect();

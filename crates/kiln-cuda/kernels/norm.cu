@@ -418,8 +418,26 @@ __device__ __forceinline__ void kiln_norm_pairs_reduce(const float (&lane_sums)[
 }
 #endif
 
+// ROW_TOTAL_WARP (optional, 0 by default) 1, with more than one warp a row: only the row's warp 0
+// adds the unit sums from shared memory and finishes the total (`finish`: the mean, or 1 / the
+// root mean square), and writes the result beside the unit sums for the row's other warps to read
+// after a second barrier. The same operations in the same order, once a row instead of once a
+// warp: the serial sum of the row's units (one addition a unit) and the division, square root
+// and reciprocal are issued by one warp, not WARPS_PER_ROW, at the cost of a barrier.
+#ifndef ROW_TOTAL_WARP
+#define ROW_TOTAL_WARP 0
+#endif
+#if ROW_TOTAL_WARP && WARPS_PER_ROW == 1
+#error "ROW_TOTAL_WARP shares the total of several warps of a row"
+#endif
+// Floats of a segment's row of unit sums in shared memory: the units, and with ROW_TOTAL_WARP
+// the finished total at index KILN_NORM_UNITS (4 more, so that rows stay 16-byte aligned).
+#define KILN_NORM_SUM_SLOTS (KILN_NORM_UNITS + (ROW_TOTAL_WARP ? 4 : 0))
+
+// finish(the segment's total), the total of the unit sums left to right (see kiln_norm_total).
+template <typename F>
 __device__ __forceinline__ float kiln_norm_total(float (&lane_sums)[UNITS_PER_WARP], int warp_in_row, int units,
-                                                 float* unit_sums) {
+                                                 float* unit_sums, F finish) {
     const int lane = threadIdx.x & 31;
 #if BLOCK_LANE
     float v[UNITS_PER_WARP / 2];
@@ -465,7 +483,9 @@ __device__ __forceinline__ float kiln_norm_total(float (&lane_sums)[UNITS_PER_WA
         }
 #endif
         __syncthreads();
-        if (KILN_NORM_UNITS % 4 == 0 && units == KILN_NORM_UNITS) {
+        if (ROW_TOTAL_WARP && warp_in_row != 0) {
+            // The row's warp 0 finishes the total.
+        } else if (KILN_NORM_UNITS % 4 == 0 && units == KILN_NORM_UNITS) {
             // Every unit present (the row fills the warps' units): the same sums in the same
             // order, without a test a unit.
 #pragma unroll
@@ -494,7 +514,12 @@ __device__ __forceinline__ float kiln_norm_total(float (&lane_sums)[UNITS_PER_WA
             }
         }
     }
-    return total;
+    if (ROW_TOTAL_WARP && WARPS_PER_ROW > 1) {
+        if (warp_in_row == 0 && lane == 0) unit_sums[KILN_NORM_UNITS] = finish(total);
+        __syncthreads();
+        return unit_sums[KILN_NORM_UNITS];
+    }
+    return finish(total);
 }
 
 // x holds its raw bits unless a gate before the norm changes the values.
@@ -857,7 +882,7 @@ __device__ __forceinline__ void kiln_norm_segment(
             KILN_NORM_VALUES(u, a);
             lane_sums[u] = kiln_lane_sum8(a);
         }
-        mean = kiln_norm_total(lane_sums, warp_in_row, units, mean_sums) / (float)n;
+        mean = kiln_norm_total(lane_sums, warp_in_row, units, mean_sums, [&](float t) { return t / (float)n; });
         KILN_NORM_RELOAD();
     }
 #pragma unroll
@@ -872,8 +897,8 @@ __device__ __forceinline__ void kiln_norm_segment(
         }
         lane_sums[u] = kiln_lane_sum8(sq);
     }
-    const float total = kiln_norm_total(lane_sums, warp_in_row, units, square_sums);
-    const float r = 1.0f / sqrtf(total / (float)n + eps);
+    const float r = kiln_norm_total(lane_sums, warp_in_row, units, square_sums,
+                                    [&](float t) { return 1.0f / sqrtf(t / (float)n + eps); });
     KILN_NORM_RELOAD();
 
     // BLOCK_LANE with a block-quantized output: the lane's 16 values of register units 2P, 2P + 1.
@@ -1121,7 +1146,7 @@ kiln_norm(const void* __restrict__ x, void* residual, const void* __restrict__ w
     kiln_wait_prior();
     // [group parity][mean, squares][segment of the block][unit]
     __shared__ __align__(16) float shared_sums[PERSISTENT || STAGES ? 2 : 1][2][ROWS_PER_BLOCK]
-                                              [WARPS_PER_ROW > 1 || BLOCK_LANE ? KILN_NORM_UNITS : 1];
+                                              [WARPS_PER_ROW > 1 || BLOCK_LANE ? KILN_NORM_SUM_SLOTS : 1];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int warp_in_row = warp % WARPS_PER_ROW;

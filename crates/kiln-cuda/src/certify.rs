@@ -610,17 +610,20 @@ impl AttentionTask {
 // ---- configurations and their names ----------------------------------------------------------
 
 /// A norm variant's name: `4w1r` (warps per row, rows per block), `+e` when it loads the weight
-/// early, `+p` when its grid is persistent, `+s3` for a staged grid of 3 cp.async stages.
+/// early, `+p` when its grid is persistent, `+s3` for a staged grid of 3 cp.async stages, `+b` for
+/// one lane a quantization block, `+w` when it loads the weight a unit ahead, `+t` when the row's
+/// first warp alone finishes the total.
 pub fn norm_label(v: NormVariant) -> String {
     format!(
-        "{}w{}r{}{}{}{}{}",
+        "{}w{}r{}{}{}{}{}{}",
         v.warps_per_row,
         v.rows_per_block,
         if v.early_weight { "+e" } else { "" },
         if v.persistent { "+p" } else { "" },
         if v.stages > 0 { format!("+s{}", v.stages) } else { String::new() },
         if v.block_lane { "+b" } else { "" },
-        if v.weight_ahead { "+w" } else { "" }
+        if v.weight_ahead { "+w" } else { "" },
+        if v.row_total { "+t" } else { "" }
     )
 }
 

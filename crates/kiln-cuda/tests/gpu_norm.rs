@@ -513,6 +513,17 @@ fn weight_ahead_and_early_block_lane_variants_match_the_reference() {
     assert!(checked >= 200, "only {checked} checks served");
 }
 
+/// The variants whose row's first warp alone finishes the row's total (`NormVariant::row_total`,
+/// labels `+t`) alone (a quick check: `cargo test ... --test gpu_norm row_total`): the cases of
+/// [`block_lane_variants_match_the_reference`], LayerNorm's two totals among them.
+#[test]
+fn row_total_variants_match_the_reference() {
+    let listed: Vec<NormVariant> = NORM_VARIANTS.iter().copied().filter(|v| v.row_total).collect();
+    assert!(listed.len() >= 4 && listed.iter().any(|v| v.block_lane), "{listed:?}");
+    let checked = check_variants_over_flavors_and_edges(&listed);
+    assert!(checked >= 200, "only {checked} checks served");
+}
+
 /// Every flavor (INT8 and NVFP4 outputs among them, and LayerNorm into INT8; those in every x
 /// dtype) over ragged shapes (one block, rows of a unit and a block, fewer units than a warp's
 /// pair, rows that leave lanes past the end), with and without the residual; the benchmark's INT8

@@ -237,6 +237,7 @@ fn every_configuration_name_parses_back() {
             stages: 0,
             block_lane: false,
             weight_ahead: false,
+            row_total: false,
         }),
         "4w2r+e"
     );
@@ -308,6 +309,7 @@ fn lookups_answer_the_winner_the_default_or_a_named_error() {
         stages: 0,
         block_lane: false,
         weight_ahead: false,
+        row_total: false,
     };
     assert_eq!(norm_variant(&open(TuningMode::Strict), &task, SM90).unwrap(), want);
 

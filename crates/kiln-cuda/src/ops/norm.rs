@@ -46,6 +46,11 @@ pub struct NormVariant {
     /// units' weight loads overlap the work instead of waiting one after the other. One unit of
     /// weight and bias in registers.
     pub weight_ahead: bool,
+    /// With several warps a row: only the row's first warp adds the unit sums from shared memory
+    /// and finishes the total (the mean, 1 / the root mean square), and the row's other warps read
+    /// the result after a second barrier (the kernel's `ROW_TOTAL_WARP`; label `+t`): the same
+    /// operations in the same order, issued once a row instead of once a warp.
+    pub row_total: bool,
 }
 
 const fn variant(warps_per_row: u32, rows_per_block: u32, early_weight: bool) -> NormVariant {
@@ -57,6 +62,7 @@ const fn variant(warps_per_row: u32, rows_per_block: u32, early_weight: bool) ->
         stages: 0,
         block_lane: false,
         weight_ahead: false,
+        row_total: false,
     }
 }
 
@@ -70,6 +76,7 @@ const fn block_lane(warps_per_row: u32, rows_per_block: u32) -> NormVariant {
         stages: 0,
         block_lane: true,
         weight_ahead: false,
+        row_total: false,
     }
 }
 
@@ -83,6 +90,18 @@ const fn block_lane_early(warps_per_row: u32, rows_per_block: u32) -> NormVarian
 /// A variant that loads the weight one unit ahead ([`NormVariant::weight_ahead`], label `+w`).
 const fn ahead(warps_per_row: u32, rows_per_block: u32) -> NormVariant {
     NormVariant { weight_ahead: true, ..variant(warps_per_row, rows_per_block, false) }
+}
+
+/// A variant whose row's first warp alone finishes the row's total ([`NormVariant::row_total`],
+/// label `+t`).
+const fn row_total(warps_per_row: u32, rows_per_block: u32) -> NormVariant {
+    NormVariant { row_total: true, ..variant(warps_per_row, rows_per_block, false) }
+}
+
+/// A [`NormVariant::block_lane`] variant whose row's first warp alone finishes the row's total
+/// (label `+b+t`).
+const fn block_lane_total(warps_per_row: u32, rows_per_block: u32) -> NormVariant {
+    NormVariant { row_total: true, ..block_lane(warps_per_row, rows_per_block) }
 }
 
 /// A [`NormVariant::block_lane`] variant that loads the weight one unit ahead (label `+b+w`).
@@ -99,6 +118,7 @@ const fn persistent(warps_per_row: u32, rows_per_block: u32, early_weight: bool)
         stages: 0,
         block_lane: false,
         weight_ahead: false,
+        row_total: false,
     }
 }
 
@@ -111,6 +131,7 @@ const fn staged(warps_per_row: u32, rows_per_block: u32, early_weight: bool, sta
         stages,
         block_lane: false,
         weight_ahead: false,
+        row_total: false,
     }
 }
 
@@ -199,6 +220,10 @@ pub const NORM_VARIANTS: &[NormVariant] = &[
     block_lane_ahead(2, 1),
     block_lane_ahead(4, 1),
     block_lane_ahead(8, 1),
+    row_total(2, 1),
+    row_total(4, 1),
+    block_lane_total(4, 1),
+    block_lane_total(8, 1),
 ];
 
 /// Most units of 256 elements one warp holds in registers (16: 128 fp32 values per lane).
@@ -270,6 +295,7 @@ impl NormVariant {
                 stages: 0,
                 block_lane: false,
                 weight_ahead: false,
+                row_total: false,
             };
         }
         let two_byte_x = matches!(call.x_type, DType::BF16 | DType::F16);
@@ -291,6 +317,7 @@ impl NormVariant {
             stages: 0,
             block_lane,
             weight_ahead: false,
+            row_total: false,
         }
     }
 }
@@ -411,6 +438,13 @@ impl NormCall {
                 reason: "stages are 0 or at least 2, and exclude `persistent` and `block_lane`".into(),
             });
         }
+        if variant.row_total && variant.warps_per_row < 2 {
+            return Err(Error::InvalidArgument {
+                name: "norm variant",
+                value: format!("{variant:?}"),
+                reason: "`row_total` shares the total of several warps of a row".into(),
+            });
+        }
         if variant.weight_ahead && variant.early_weight {
             return Err(Error::InvalidArgument {
                 name: "norm variant",
@@ -474,6 +508,9 @@ impl NormCall {
         }
         if variant.weight_ahead {
             defines.push(("WEIGHT_AHEAD", "1".to_owned()));
+        }
+        if variant.row_total {
+            defines.push(("ROW_TOTAL_WARP", "1".to_owned()));
         }
         Ok(defines)
     }
