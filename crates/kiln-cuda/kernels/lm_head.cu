@@ -51,27 +51,11 @@
 // copied: __syncwarp() after cp.async.wait_group orders their copies before its reads, and its
 // reads of a slot before the next copies into it. The products and sums are those of the ring.
 //
-// PAIR = 1 (on the cooperative ring, 2-byte weights) gives each lane two chains of a unit: its own
-// position p = lane % 16 and its distance-16 partner p + 16 (bytes 16 p and 16 p + 256 of the
-// unit's row), for every h row (128 h registers at 5 to 8 rows: 8 or fewer warps a
-// multiprocessor there; 64 or fewer at 1 to 4 rows). The butterfly's first level (distance 16)
-// is then one local FADD per sum, chain(p) + chain(p + 16), the value both lanes of the
-// distance-16 pair would compute, so the shuffles run over the half-warp (distances 8, 4, 2, 1)
-// and a step's sums halve. Half-warp hf takes step rows hf * VROWS / 2 ..; its VROWS / 2 x
-// ROWS_P2 sums (at most 32) are reduced transposed as above, with the slots permuted by p (see
-// `LmPairStep`). Per 256 FFMA of 8 rows:
-// 16 local FADD + 15 SHFL + 15 FADD instead of 31 SHFL + 31 FADD; the weights' decode stays one
-// instruction per weight shared by every row. Same additions in the same tree: the same bits.
-// PAIR = 2 instead gives the half-warps two units (2 u' and 2 u' + 1 of the warp's unit pair u'),
-// each all VROWS rows of the step: a step copies VROWS rows of both units (VROWS x 1024 bytes,
-// row-unit k = half * VROWS + row at k * 512 in the slot), and no h value is held twice, so 8
-// warps hold all of h at hidden 4096 (16 units) and never reload it.
-//
 // Compile-time constants: ROWS (1..8), W_T (0 bf16, 1 fp16, 2 Q8_0, 3 Q4_0, 4 Q4_1), WARPS,
 // VROWS (a power of two <= 16; reduced VSUB = min(VROWS, 32 / next_pow2(ROWS)) rows at a time),
 // XSLOT, PIPE, STAGES (0, 2, 4, 8), MIN_BLOCKS (blocks a multiprocessor the registers must
 // allow: 1, 2 or 4; two 8-warp blocks keep 16 warps resident while one of them adds up a tile),
-// COOP (0 / 1), PAIR (0, 1, 2), ROW_SCALE, SOFT_CAP, STATS (0 / 1).
+// COOP (0 / 1), ROW_SCALE, SOFT_CAP, STATS (0 / 1).
 // Compiled with --fmad=false; the fused operations (the chains, Q4_1's d * q + m) are explicit
 // __fmaf_rn.
 
@@ -102,9 +86,6 @@
 #ifndef COOP
 #define COOP 0
 #endif
-#ifndef PAIR
-#define PAIR 0
-#endif
 #ifndef ROW_SCALE
 #define ROW_SCALE 0
 #endif
@@ -131,24 +112,8 @@ static_assert(STAGES == 0 || PIPE == 0, "STAGES replaces PIPE");
 static_assert(COOP == 0 || (STAGES > 0 && XSLOT == 1), "COOP runs on the ring with permuted slots");
 // The ring with cooperative copies (COOP, 2-byte weights): see the header.
 #define RING_COOP (RING && COOP)
-static_assert(PAIR >= 0 && PAIR <= 2, "PAIR must be 0, 1 or 2");
-static_assert(PAIR == 0 || (COOP == 1 && VROWS >= 2 && VROWS <= (PAIR == 2 ? 4 : 8)),
-              "PAIR runs on the cooperative ring, 2 to 8 rows a step (PAIR = 2: 2 or 4)");
-// Units a warp takes at once (PAIR = 2: two, one a half-warp), and row-units (512 bytes: one
-// vocabulary row of one unit) a step copies.
-#define WUNITS (PAIR == 2 ? 2 : 1)
-#define STEP_RU (VROWS * WUNITS)
-// Lanes that copy one row-unit of a step (each copies STEP_RU of its 32 chunks of 16 bytes).
-#define LPR (32 / STEP_RU)
-// PAIR (see the header): step rows a half-warp takes, the sums it reduces per step (at most 32),
-// the sums a lane ends with, and the lanes that end with the same sum.
-#define PAIR_ROWS (PAIR == 2 ? VROWS : (VROWS / 2 > 0 ? VROWS / 2 : 1))
-#define PAIR_SLOTS (PAIR_ROWS * ROWS_P2)
-#define PAIR_KEEP (PAIR_SLOTS >= 16 ? PAIR_SLOTS / 16 : 1)
-#define PAIR_GROUP (PAIR_SLOTS >= 16 ? 1 : 16 / PAIR_SLOTS)
-static_assert(PAIR == 0 || PAIR_SLOTS <= 32, "PAIR: at most 32 sums a half-warp and step");
-// Quantized weights take no ring (decoded at the load): PAIR changes nothing for them.
-#define RING_PAIR (RING_COOP && PAIR)
+// Lanes that copy one row of a step (each copies VROWS of the row's 32 chunks of 16 bytes).
+#define LPR (32 / VROWS)
 
 // 16 bytes streamed past L1 (W is read once).
 __device__ __forceinline__ uint4 lm_load_stream16(const void* p) {
@@ -403,76 +368,6 @@ __device__ __forceinline__ void lm_step(const LmW (&cur)[VROWS], const float (&h
     }
 }
 
-#if RING_PAIR
-// One transposed step of the half-warp reduction: C sums per lane become C / 2, exchanged with
-// the lane at distance O (8, 4, 2, 1). Register k of lane L holds slot k ^ m, with m =
-// pair_mask(L % 16): lane bit O of step j maps to slot bit C / 2, so a lane keeps its lower
-// half, sends its upper half, and its partner's upper register k + C / 2 holds the slot of its
-// own register k. Stops with one sum a lane (the plain butterfly continues) or when the
-// distances are used up (PAIR_KEEP sums a lane).
-template <int C, int O>
-struct LmPairStep {
-    static __device__ __forceinline__ void run(float* s) {
-#pragma unroll
-        for (int k = 0; k < C / 2; ++k) s[k] = s[k] + __shfl_xor_sync(KILN_FULL_MASK, s[k + C / 2], O);
-        LmPairStep<C / 2, O / 2>::run(s);
-    }
-};
-template <int O>
-struct LmPairStep<1, O> {
-    static __device__ __forceinline__ void run(float*) {}
-};
-template <int C>
-struct LmPairStep<C, 0> {
-    static __device__ __forceinline__ void run(float*) {}
-};
-template <>
-struct LmPairStep<1, 0> {
-    static __device__ __forceinline__ void run(float*) {}
-};
-
-// The slot permutation of half-warp lane p (0..15): lane bits 8, 4, 2, 1 map to slot bits
-// PAIR_SLOTS / 2, / 4, ... (as many as the sums halve).
-__device__ __forceinline__ int lm_pair_mask(int p) {
-    return PAIR_SLOTS >= 16 ? p * (PAIR_SLOTS / 16) : p / (16 / PAIR_SLOTS);
-}
-
-// One PAIR step: this lane's chains at positions p and p + 16 of its half-warp's step rows
-// (register row ii reads step row at[ii], register row rr holds h row rr ^ xr), the local first
-// level of the butterfly, the half-warp's transposed reduction, and (where `live`) the unit sums
-// written to out[r * stride + row0 + i] for the half-warp's step row i and h row r.
-__device__ __forceinline__ void lm_pair_step(const uint4* slot, const int (&at)[PAIR_ROWS],
-                                             const float (&ha)[ROWS_P2][8], const float (&hb)[ROWS_P2][8],
-                                             int row0, int p, int mask, bool live, float* out, int stride) {
-    float s[PAIR_SLOTS];
-#pragma unroll
-    for (int ii = 0; ii < PAIR_ROWS; ++ii) {
-        LmW a, b;
-        a.q = slot[at[ii]];
-        b.q = slot[at[ii] + 16];
-        float wa[8], wb[8];
-        lm_decode(a, wa);
-        lm_decode(b, wb);
-#pragma unroll
-        for (int rr = 0; rr < ROWS_P2; ++rr) {
-            // The butterfly's distance-16 level: chain(p) + chain(p + 16), as both lanes would add.
-            s[ii * ROWS_P2 + rr] = lm_chain8(ha[rr], wa) + lm_chain8(hb[rr], wb);
-        }
-    }
-    LmPairStep<PAIR_SLOTS, 8>::run(s);
-#pragma unroll
-    for (int o = 8 / PAIR_SLOTS; o > 0; o >>= 1) s[0] += __shfl_xor_sync(KILN_FULL_MASK, s[0], o);
-    if (live && p % PAIR_GROUP == 0) {
-#pragma unroll
-        for (int k = 0; k < PAIR_KEEP; ++k) {
-            const int sl = mask ^ k;
-            const int i = row0 + sl / ROWS_P2, r = sl % ROWS_P2;
-            if (r < ROWS) out[r * stride + i] = s[k];
-        }
-    }
-}
-#endif
-
 // The end of a tile: after every warp's unit sums are in `partial`, one thread per (row, token)
 // adds them left to right, applies the epilogue and writes the logit (and, with STATS, the
 // tile's largest logit per row). Every thread of the block calls it.
@@ -603,10 +498,9 @@ __device__ __forceinline__ void lm_produce(const kiln_u8* __restrict__ weights, 
 #endif
 
 #if RING_COOP
-// The cooperative producer: the next step to copy (tile t, unit u, group g; with PAIR = 2, u is
-// the unit pair), this lane's source (its first chunk of row-unit l / LPR of the step: unit
-// WUNITS u + k / VROWS, row k % VROWS) and whether the step lies wholly inside the vocabulary and
-// full units (`fast`: no checks).
+// The cooperative producer: the next step to copy (tile t, unit u, group g), this lane's source
+// (its first chunk of row l / LPR of the step) and whether the step lies wholly inside the
+// vocabulary and a full unit (`fast`: no checks).
 struct LmCoopProducer {
     kiln_u32 t;
     int u, g;
@@ -616,12 +510,10 @@ struct LmCoopProducer {
 
 __device__ __forceinline__ void lm_coop_locate(const kiln_u8* weights, kiln_u32 row_bytes, kiln_u32 vocab, int hidden,
                                                int tile, long long tiles, int lane, LmCoopProducer& p) {
-    const int k = lane / LPR;
-    const kiln_u32 row = p.t * (kiln_u32)tile + (kiln_u32)(p.g * VROWS) + (kiln_u32)(WUNITS == 2 ? k % VROWS : k);
-    const int unit = WUNITS == 2 ? p.u * 2 + k / VROWS : p.u;
-    p.src = (kiln_u64)weights + (kiln_u64)row * row_bytes + (kiln_u64)(2 * (unit * 256) + 16 * (lane % LPR));
+    const kiln_u32 row = p.t * (kiln_u32)tile + (kiln_u32)(p.g * VROWS) + (kiln_u32)(lane / LPR);
+    p.src = (kiln_u64)weights + (kiln_u64)row * row_bytes + (kiln_u64)(2 * (p.u * 256) + 16 * (lane % LPR));
     p.fast = p.t < tiles && (kiln_u64)p.t * (kiln_u32)tile + (kiln_u32)tile <= vocab &&
-             p.u * (WUNITS * 256) + WUNITS * 256 <= hidden;
+             p.u * 256 + 256 <= hidden;
 }
 
 // Copies the producer's step into ring slot `slot` (`dst`: this lane's first chunk in slot 0),
@@ -631,18 +523,17 @@ __device__ __forceinline__ void lm_coop_produce(const kiln_u8* __restrict__ weig
                                                 kiln_u32 vocab, int hidden, int tile, long long tiles, int units,
                                                 int groups, int warp, int lane, kiln_u32 dst, int slot,
                                                 kiln_u32 step_bytes, LmCoopProducer& p) {
-    const kiln_u32 d = dst + slot * (STEP_RU * 512);
+    const kiln_u32 d = dst + slot * (VROWS * 512);
     if (p.fast) {
 #pragma unroll
-        for (int j = 0; j < STEP_RU; ++j) lm_cp_async_16_full(d + j * (LPR * 16), p.src + j * (LPR * 16));
+        for (int j = 0; j < VROWS; ++j) lm_cp_async_16_full(d + j * (LPR * 16), p.src + j * (LPR * 16));
     } else if (p.t < tiles) {
-        const int k = lane / LPR;
-        const kiln_u32 row = p.t * (kiln_u32)tile + (kiln_u32)(p.g * VROWS) + (kiln_u32)(WUNITS == 2 ? k % VROWS : k);
-        const int e0 = (WUNITS == 2 ? p.u * 2 + k / VROWS : p.u) * 256 + 8 * (lane % LPR);
+        const kiln_u32 row = p.t * (kiln_u32)tile + (kiln_u32)(p.g * VROWS) + (kiln_u32)(lane / LPR);
+        const int e0 = p.u * 256 + 8 * (lane % LPR);
         const bool in_vocab = row < vocab;
         const kiln_u64 base = (kiln_u64)weights + (kiln_u64)row * row_bytes + (kiln_u64)(2 * e0);
 #pragma unroll
-        for (int j = 0; j < STEP_RU; ++j) {
+        for (int j = 0; j < VROWS; ++j) {
             const bool valid = in_vocab && e0 + j * (LPR * 8) < hidden;
             const kiln_u64 source = valid ? base + (kiln_u64)(j * (LPR * 16)) : (kiln_u64)weights;
             kiln_cp_async_16(d + j * (LPR * 16), reinterpret_cast<const void*>(source), valid);
@@ -691,81 +582,45 @@ kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, c
     // As the ring below, with cooperative copies (COOP, see the header).
     const int groups = tile / VROWS;
     const int ring_offset = (units * ROWS * stride + 3) & ~3;
-    const uint4* ring_warp = reinterpret_cast<const uint4*>(partial + ring_offset) + warp * (STAGES * STEP_RU * 32);
+    const uint4* ring_warp = reinterpret_cast<const uint4*>(partial + ring_offset) + warp * (STAGES * VROWS * 32);
     const kiln_u32 copy_dst = kiln_smem_address(ring_warp + (lane / LPR) * 32 + lane % LPR);
     // Where this lane reads step row i (vocabulary row i ^ xi) in slot 0, in 16-byte units.
-#if RING_PAIR
-    // This lane's half-warp, position p, slot permutation, and where it reads its register row
-    // ii (step row half * PAIR_ROWS + (ii ^ pxi)) in slot 0; h registers permuted by pxr.
-    const int half = lane >> 4, pp = lane & 15;
-    const int pmask = lm_pair_mask(pp);
-    const int pxi = pmask / ROWS_P2, pxr = pmask % ROWS_P2;
-    (void)xi;  // the whole-warp permutation is not used
-    (void)xr;
-    int read_at[PAIR_ROWS];
-#pragma unroll
-    for (int ii = 0; ii < PAIR_ROWS; ++ii) read_at[ii] = (half * PAIR_ROWS + (ii ^ pxi)) * 32 + pp;
-    float hb[ROWS_P2][8];
-#else
     int read_at[VROWS];
 #pragma unroll
     for (int i = 0; i < VROWS; ++i) read_at[i] = (i ^ xi) * 32 + lane;
-#endif
     const kiln_u32 ring_row_bytes = (kiln_u32)row_bytes, ring_vocab = (kiln_u32)vocab;
     const kiln_u32 step_bytes = VROWS * ring_row_bytes;
-    // The warps' work units: units, or unit pairs with PAIR = 2.
-    const int wunits = (units + WUNITS - 1) / WUNITS;
     LmCoopProducer producer;
-    producer.t = warp < wunits ? blockIdx.x : (kiln_u32)tiles;  // a warp with no unit copies nothing
+    producer.t = warp < units ? blockIdx.x : (kiln_u32)tiles;  // a warp with no unit copies nothing
     producer.u = warp;
     producer.g = 0;
     lm_coop_locate(weights, ring_row_bytes, ring_vocab, hidden, tile, tiles, lane, producer);
 #pragma unroll
     for (int k = 0; k < STAGES - 1; ++k) {
-        lm_coop_produce(weights, ring_row_bytes, ring_vocab, hidden, tile, tiles, wunits, groups, warp, lane,
-                        copy_dst, k, step_bytes, producer);
+        lm_coop_produce(weights, ring_row_bytes, ring_vocab, hidden, tile, tiles, units, groups, warp, lane, copy_dst,
+                        k, step_bytes, producer);
     }
     float hv[ROWS_P2][8];
     int hu = -1;
     for (long long t = blockIdx.x; t < tiles; t += gridDim.x) {
-        for (int u = warp; u < wunits; u += WARPS) {
-#if RING_PAIR
-            // This half-warp's unit (PAIR = 2: its own of the pair; past the last unit with an odd
-            // count of units it computes zeros and writes nothing).
-            const int hunit = PAIR == 2 ? u * 2 + half : u;
-            const bool live = hunit < units;
-#endif
+        for (int u = warp; u < units; u += WARPS) {
             if (u != hu) {
-#if RING_PAIR
-                lm_load_h(h, hidden, hunit, pp, pxr, hv);
-                lm_load_h(h, hidden, hunit, pp + 16, pxr, hb);
-#else
                 lm_load_h(h, hidden, u, lane, xr, hv);
-#endif
                 hu = u;
             }
-#if RING_PAIR
-            float* out = partial + (long long)(live ? hunit : 0) * ROWS * stride;
-#else
             float* out = partial + (long long)u * ROWS * stride;
-#endif
             // Every (tile, unit) starts at slot 0: its `groups` steps are a multiple of STAGES.
             for (int g = 0; g < groups; g += STAGES) {
 #pragma unroll
                 for (int s = 0; s < STAGES; ++s) {
                     kiln_cp_async_wait<STAGES - 2>();
                     __syncwarp();
-                    lm_coop_produce(weights, ring_row_bytes, ring_vocab, hidden, tile, tiles, wunits, groups, warp,
+                    lm_coop_produce(weights, ring_row_bytes, ring_vocab, hidden, tile, tiles, units, groups, warp,
                                     lane, copy_dst, (s + STAGES - 1) % STAGES, step_bytes, producer);
-#if RING_PAIR
-                    lm_pair_step(ring_warp + s * (STEP_RU * 32), read_at, hv, hb, PAIR == 2 ? 0 : half * PAIR_ROWS, pp,
-                                 pmask, live, out + (g + s) * VROWS, stride);
-#else
                     LmW cur[VROWS];
 #pragma unroll
                     for (int i = 0; i < VROWS; ++i) cur[i].q = ring_warp[s * (VROWS * 32) + read_at[i]];
                     lm_step(cur, hv, lane, out + (g + s) * VROWS, stride);
-#endif
                 }
             }
         }

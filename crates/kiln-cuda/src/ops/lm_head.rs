@@ -24,13 +24,7 @@ use crate::runtime::{driver_error, Gpu};
 /// 0 for none), the blocks a multiprocessor the compile keeps registers for (`MIN_BLOCKS`:
 /// 1, 2 or 4), and whether the lanes copy each ring step cooperatively (`COOP`: one source
 /// address a lane and constant ring slots, the step loop unrolled by `stages`, so `tile /
-/// vocab_rows` must be a multiple of `stages`), and whether each lane runs two chains of a unit on
-/// the cooperative ring, its own and its distance-16 partner's (`pair` 1 or 2, `PAIR`: the
-/// butterfly's first level is a local add, half the shuffles; 128 h registers a lane at 5 to 8
-/// rows, so at most 8 warps a multiprocessor there, 16 at 1 to 4 rows). With `pair` 1 the half-warps split a step's 2, 4 or 8
-/// rows and hold the same h; with `pair` 2 they take two units (2 or 4 rows a step, each
-/// copied for both units), so 8 warps hold all of h at hidden 4096. Every variant computes the
-/// same bits.
+/// vocab_rows` must be a multiple of `stages`). Every variant computes the same bits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct LmHeadVariant {
     pub warps: u32,
@@ -41,7 +35,6 @@ pub struct LmHeadVariant {
     pub stages: u32,
     pub blocks: u32,
     pub coop: bool,
-    pub pair: u32,
 }
 
 impl LmHeadVariant {
@@ -55,7 +48,6 @@ impl LmHeadVariant {
             stages: 0,
             blocks: 1,
             coop: false,
-            pair: 0,
         }
     }
 
@@ -69,7 +61,6 @@ impl LmHeadVariant {
             stages: 0,
             blocks: 1,
             coop: false,
-            pair: 0,
         }
     }
 
@@ -90,7 +81,6 @@ impl LmHeadVariant {
             stages,
             blocks,
             coop: false,
-            pair: 0,
         }
     }
 
@@ -100,26 +90,12 @@ impl LmHeadVariant {
         LmHeadVariant { coop: true, ..LmHeadVariant::ring_blocks(warps, vocab_rows, tile, stages, blocks) }
     }
 
-    /// A cooperative ring variant whose lanes run two chains of a unit each (`PAIR` = `pair`: 1,
-    /// the half-warps split each step's rows; 2, they take two units), for `blocks` resident
-    /// blocks a multiprocessor.
-    const fn paired(
-        pair: u32,
-        warps: u32,
-        vocab_rows: u32,
-        tile: u32,
-        stages: u32,
-        blocks: u32,
-    ) -> LmHeadVariant {
-        LmHeadVariant { pair, ..LmHeadVariant::coop(warps, vocab_rows, tile, stages, blocks) }
-    }
-
     /// A short label: `8w/4v/64t`, with `x` for permuted slots, `p` for pipelined loads, `s4`
-    /// for a ring of 4 stages, `c` for cooperative ring copies, `d` for two chains a lane (`u`
-    /// with the half-warps on two units) and `b2` for two blocks a multiprocessor.
+    /// for a ring of 4 stages, `c` for cooperative ring copies and `b2` for two blocks a
+    /// multiprocessor.
     pub fn label(&self) -> String {
         format!(
-            "{}w/{}v/{}t{}{}{}{}{}{}",
+            "{}w/{}v/{}t{}{}{}{}{}",
             self.warps,
             self.vocab_rows,
             self.tile,
@@ -127,20 +103,17 @@ impl LmHeadVariant {
             if self.pipelined { "p" } else { "" },
             if self.stages > 0 { format!("s{}", self.stages) } else { String::new() },
             if self.coop { "c" } else { "" },
-            ["", "d", "u"].get(self.pair as usize).copied().unwrap_or("?"),
             if self.blocks > 1 { format!("b{}", self.blocks) } else { String::new() }
         )
     }
 
     /// Bytes of the ring in shared memory: per warp, `stages` steps of `vocab_rows` rows of 32
-    /// lanes' 16 bytes, of two units with `pair` 2 (2-byte weights; quantized weights take no
-    /// ring).
+    /// lanes' 16 bytes (2-byte weights; quantized weights take no ring).
     fn ring_bytes(&self, weight: DType) -> usize {
         if self.stages == 0 || !matches!(weight, DType::BF16 | DType::F16) {
             return 0;
         }
-        let units = if self.pair == 2 { 2 } else { 1 };
-        (self.warps * self.stages * self.vocab_rows * units) as usize * 512
+        (self.warps * self.stages * self.vocab_rows) as usize * 512
     }
 }
 
@@ -168,7 +141,6 @@ pub const LM_HEAD_VARIANTS: &[LmHeadVariant] = &[
         stages: 0,
         blocks: 1,
         coop: false,
-        pair: 0,
     },
     // The ring (cp.async ahead of the products, persistent grid), for 4 and 8 rows first. With
     // 16 warps each warp keeps one unit of 4096 for the whole launch (h loaded once).
@@ -209,26 +181,6 @@ pub const LM_HEAD_VARIANTS: &[LmHeadVariant] = &[
     LmHeadVariant::coop(8, 4, 64, 2, 2),
     LmHeadVariant::coop(8, 4, 64, 4, 2),
     LmHeadVariant::coop(8, 8, 64, 2, 1),
-    // Two chains a lane (PAIR) for 8 rows: a lane's chain at position p + 16 is added to its own
-    // before the shuffles, so 8 rows take 354 (8 rows a step, or 4 of two units) instead of
-    // 385.5 SASS instructions per 256 FFMA (15 SHFL + 31 FADD instead of 31 + 31; sm_90), at
-    // 221-227 registers: 8 warps a multiprocessor, one block of 8 or two of 4, with deeper rings
-    // to keep the bytes in flight. The 4-stage loops are ~52 KB of code (2 stages: ~26 KB).
-    // Measured on the H200 at 151936 x 4096 bf16: 318.1-412.6 us against the 16-warp default's
-    // 309.7 (`bench/results/2026-11-30-h200-afternoon/r18`): 8 warps do not keep the bytes moving.
-    // Half-warps on the same unit (h held twice, reloaded per unit: 2 units a warp at 4096):
-    LmHeadVariant::paired(1, 8, 8, 128, 4, 1),
-    LmHeadVariant::paired(1, 8, 8, 64, 4, 1),
-    LmHeadVariant::paired(1, 4, 8, 64, 4, 2),
-    // Half-warps on two units (8 warps keep all of h at 4096 for the whole launch):
-    LmHeadVariant::paired(2, 8, 4, 64, 4, 1),
-    LmHeadVariant::paired(2, 8, 4, 128, 4, 1),
-    LmHeadVariant::paired(2, 8, 4, 64, 2, 1),
-    LmHeadVariant::paired(2, 8, 4, 128, 2, 1),
-    LmHeadVariant::paired(2, 8, 2, 64, 8, 1),
-    // At 1 to 4 rows (64 or fewer h registers) with 16 warps, each on one unit: 408 instead of
-    // 445.5 instructions per 256 FFMA at 4 rows (16w/4v/64txs4c; sm_90).
-    LmHeadVariant::paired(1, 16, 8, 64, 2, 1),
 ];
 
 impl LmHeadVariant {
@@ -307,17 +259,6 @@ pub struct LmHeadPlan {
     pub persistent: bool,
 }
 
-/// The most warps a multiprocessor a `PAIR` variant may keep resident at `rows` rows: its lanes
-/// hold `2 x 8 x rows.next_power_of_two()` h values (128 registers at 5 to 8 rows: 8 warps; 64
-/// or fewer at 1 to 4 rows: 16 warps, as the other variants).
-fn pair_warps_max(rows: usize) -> u32 {
-    if rows.next_power_of_two() >= 8 {
-        8
-    } else {
-        16
-    }
-}
-
 /// Checks what the kernel serves for `rows` rows on `variant` and plans the launch.
 pub fn plan(head: &LmHead, rows: usize, variant: LmHeadVariant) -> Result<LmHeadPlan> {
     if rows == 0 || rows > MAX_ROWS {
@@ -334,10 +275,6 @@ pub fn plan(head: &LmHead, rows: usize, variant: LmHeadVariant) -> Result<LmHead
         || ![1, 2, 4].contains(&variant.blocks)
         || (variant.stages > 0 && variant.pipelined)
         || (variant.coop && (variant.stages == 0 || !variant.permuted))
-        || variant.pair > 2
-        || (variant.pair > 0 && (!variant.coop || variant.warps * variant.blocks > pair_warps_max(rows)))
-        || (variant.pair == 1 && ![2, 4, 8].contains(&variant.vocab_rows))
-        || (variant.pair == 2 && ![2, 4].contains(&variant.vocab_rows))
     {
         return Err(not_served(format!("variant {variant:?} for {rows} rows")));
     }
@@ -378,7 +315,6 @@ pub fn plan(head: &LmHead, rows: usize, variant: LmHeadVariant) -> Result<LmHead
         ("STAGES", variant.stages.to_string()),
         ("MIN_BLOCKS", variant.blocks.to_string()),
         ("COOP", flag(variant.coop)),
-        ("PAIR", variant.pair.to_string()),
         ("ROW_SCALE", flag(false)),
         ("SOFT_CAP", flag(head.soft_cap.is_some())),
         ("STATS", flag(head.stats_block.is_some())),
@@ -534,8 +470,7 @@ mod tests {
             for rows in 1..=MAX_ROWS {
                 let Ok(bf16) = plan(&head(4096, DType::BF16), rows, variant) else { continue };
                 let sums = (16 * rows * (variant.tile as usize + 1)).next_multiple_of(4) * 4;
-                let row_unit = if variant.pair == 2 { 1024 } else { 512 };
-                let ring = (variant.warps * variant.stages * variant.vocab_rows) as usize * row_unit;
+                let ring = (variant.warps * variant.stages * variant.vocab_rows) as usize * 512;
                 assert_eq!(bf16.shared_bytes, sums + ring, "{} at {rows} rows", variant.label());
                 assert!(bf16.shared_bytes + 64 <= h200_optin, "{} at {rows} rows", variant.label());
                 assert!(bf16.persistent);
@@ -562,40 +497,6 @@ mod tests {
         assert!(plan(&LmHead { weight: DType::Q8_0, ..uneven }, 8, coop4).is_ok());
         let no_ring = LmHeadVariant { stages: 0, ..coop4 };
         assert!(matches!(plan(&head(4096, DType::BF16), 8, no_ring), Err(Error::NotServed { .. })));
-        // Two chains a lane: on the cooperative ring, 2 to 8 rows a step, at most 8 warps a
-        // multiprocessor (its 128 h registers at 8 rows).
-        let pair = LmHeadVariant::paired(1, 8, 8, 128, 4, 1);
-        assert_eq!(pair.label(), "8w/8v/128txs4cd");
-        assert_eq!(LmHeadVariant::paired(1, 4, 8, 64, 4, 2).label(), "4w/8v/64txs4cdb2");
-        let units = LmHeadVariant::paired(2, 8, 4, 64, 4, 1);
-        assert_eq!(units.label(), "8w/4v/64txs4cu");
-        let planned = plan(&head(4096, DType::BF16), 8, pair).unwrap();
-        assert!(planned.defines.contains(&("PAIR", "1".to_owned())));
-        assert!(planned.defines.contains(&("COOP", "1".to_owned())));
-        assert!(coop.defines.contains(&("PAIR", "0".to_owned())));
-        // Two units a warp: each step copies its rows of both units.
-        let planned = plan(&head(4096, DType::BF16), 8, units).unwrap();
-        assert!(planned.defines.contains(&("PAIR", "2".to_owned())));
-        assert_eq!(planned.shared_bytes, (16 * 8 * 65) * 4 + 8 * 4 * 4 * 1024);
-        for refused in [
-            LmHeadVariant { coop: false, ..pair },
-            LmHeadVariant { vocab_rows: 16, tile: 256, ..pair },
-            LmHeadVariant { vocab_rows: 1, tile: 16, ..pair },
-            LmHeadVariant { warps: 16, ..pair },
-            LmHeadVariant { blocks: 2, ..pair },
-            LmHeadVariant { warps: 16, ..units },
-            LmHeadVariant { vocab_rows: 8, tile: 128, ..units },
-            LmHeadVariant { pair: 3, ..units },
-        ] {
-            assert!(
-                matches!(plan(&head(4096, DType::BF16), 8, refused), Err(Error::NotServed { .. })),
-                "{refused:?}"
-            );
-        }
-        // 16 warps where the h values fit 64 registers (up to 4 rows), not at 5 to 8 rows.
-        let wide = LmHeadVariant::paired(1, 16, 8, 64, 2, 1);
-        assert!(plan(&head(4096, DType::BF16), 4, wide).is_ok());
-        assert!(matches!(plan(&head(4096, DType::BF16), 5, wide), Err(Error::NotServed { .. })));
         let three = LmHeadVariant::ring_blocks(8, 4, 64, 2, 3);
         assert!(matches!(plan(&head(4096, DType::BF16), 8, three), Err(Error::NotServed { .. })));
         let labels: std::collections::HashSet<String> = LM_HEAD_VARIANTS.iter().map(|v| v.label()).collect();
