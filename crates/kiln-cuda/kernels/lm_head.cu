@@ -448,10 +448,10 @@ __device__ __forceinline__ void lm_cp_async_16_full(kiln_u32 shared_address, kil
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_address), "l"(global) : "memory");
 }
 
-// The ring's producer: the next step to copy (tile t, unit u, group g), its source (this lane's
-// 16 bytes of the step's row 0) and whether the step lies wholly inside the vocabulary and a full
-// unit (then its copies need no checks: `fast`). Tiles <= vocab < 2^32, and t + gridDim.x (at
-// most 2^20 blocks) stays below 2^32 for any vocabulary whose rows fit a GPU.
+// The ring's producer: the next step to copy (tile t, unit u, group g), this lane's source for it
+// and whether the step lies wholly inside the vocabulary and a full unit (then its copies need no
+// checks: `fast`). Tiles <= vocab < 2^32, and t + gridDim.x (at most 2^20 blocks) stays below
+// 2^32 for any vocabulary whose rows fit a GPU.
 struct LmProducer {
     kiln_u32 t;
     int u, g;
@@ -459,16 +459,56 @@ struct LmProducer {
     bool fast;
 };
 
+// Points the producer at its step: this lane's 16 bytes of the step's row 0 (the ring), or
+// with COOPERATIVE (COOP) its first chunk, lane % LPR, of row lane / LPR.
+template <bool COOPERATIVE>
 __device__ __forceinline__ void lm_locate(const kiln_u8* weights, kiln_u32 row_bytes, kiln_u32 vocab, int hidden,
                                           int tile, long long tiles, int lane, LmProducer& p) {
-    const kiln_u32 vb = p.t * (kiln_u32)tile + (kiln_u32)(p.g * VROWS);
-    p.src = (kiln_u64)weights + (kiln_u64)vb * row_bytes + (kiln_u64)(2 * (p.u * 256 + lane * 8));
+    if constexpr (COOPERATIVE) {
+        const kiln_u32 row = p.t * (kiln_u32)tile + (kiln_u32)(p.g * VROWS) + (kiln_u32)(lane / LPR);
+        p.src = (kiln_u64)weights + (kiln_u64)row * row_bytes + (kiln_u64)(2 * (p.u * 256) + 16 * (lane % LPR));
+    } else {
+        const kiln_u32 vb = p.t * (kiln_u32)tile + (kiln_u32)(p.g * VROWS);
+        p.src = (kiln_u64)weights + (kiln_u64)vb * row_bytes + (kiln_u64)(2 * (p.u * 256 + lane * 8));
+    }
     p.fast = p.t < tiles && (kiln_u64)p.t * (kiln_u32)tile + (kiln_u32)tile <= vocab &&
              p.u * 256 + 256 <= hidden;
 }
 
-// Copies the producer's step into ring slot `slot`, commits the group and moves on by one step
-// (within a tile and unit the source just moves VROWS rows on: `step_bytes`).
+// Commits the group of the producer's step and moves it on by one step: within a tile and unit
+// the source just moves VROWS rows on (`step_bytes`), past them it is located anew.
+template <bool COOPERATIVE>
+__device__ __forceinline__ void lm_advance(const kiln_u8* weights, kiln_u32 row_bytes, kiln_u32 vocab, int hidden,
+                                           int tile, long long tiles, int units, int groups, int warp, int lane,
+                                           kiln_u32 step_bytes, LmProducer& p) {
+    kiln_cp_async_commit();
+    if (++p.g == groups) {
+        p.g = 0;
+        p.u += WARPS;
+        if (p.u >= units) {
+            p.u = warp;
+            p.t += gridDim.x;
+        }
+        lm_locate<COOPERATIVE>(weights, row_bytes, vocab, hidden, tile, tiles, lane, p);
+    } else {
+        p.src += step_bytes;
+    }
+}
+
+// The producer of warp `warp` at its first step (tile blockIdx.x, unit warp, group 0); a warp
+// with no unit starts past the last tile, so it copies nothing.
+template <bool COOPERATIVE>
+__device__ __forceinline__ LmProducer lm_start(const kiln_u8* weights, kiln_u32 row_bytes, kiln_u32 vocab, int hidden,
+                                               int tile, long long tiles, int units, int warp, int lane) {
+    LmProducer p;
+    p.t = warp < units ? blockIdx.x : (kiln_u32)tiles;
+    p.u = warp;
+    p.g = 0;
+    lm_locate<COOPERATIVE>(weights, row_bytes, vocab, hidden, tile, tiles, lane, p);
+    return p;
+}
+
+// Copies the producer's step into ring slot `slot`, commits the group and moves on by one step.
 __device__ __forceinline__ void lm_produce(const kiln_u8* __restrict__ weights, kiln_u32 row_bytes, kiln_u32 vocab,
                                            int hidden, int tile, long long tiles, int units, int groups, int warp,
                                            int lane, int xi, kiln_u32 ring, int slot, kiln_u32 step_bytes,
@@ -482,47 +522,18 @@ __device__ __forceinline__ void lm_produce(const kiln_u8* __restrict__ weights, 
     } else {
         lm_issue(weights, row_bytes, vocab, hidden, tile, tiles, lane, xi, dst, p.t, p.u, p.g);
     }
-    kiln_cp_async_commit();
-    if (++p.g == groups) {
-        p.g = 0;
-        p.u += WARPS;
-        if (p.u >= units) {
-            p.u = warp;
-            p.t += gridDim.x;
-        }
-        lm_locate(weights, row_bytes, vocab, hidden, tile, tiles, lane, p);
-    } else {
-        p.src += step_bytes;
-    }
+    lm_advance<false>(weights, row_bytes, vocab, hidden, tile, tiles, units, groups, warp, lane, step_bytes, p);
 }
 #endif
 
 #if RING_COOP
-// The cooperative producer: the next step to copy (tile t, unit u, group g), this lane's source
-// (its first chunk of row l / LPR of the step) and whether the step lies wholly inside the
-// vocabulary and a full unit (`fast`: no checks).
-struct LmCoopProducer {
-    kiln_u32 t;
-    int u, g;
-    kiln_u64 src;
-    bool fast;
-};
-
-__device__ __forceinline__ void lm_coop_locate(const kiln_u8* weights, kiln_u32 row_bytes, kiln_u32 vocab, int hidden,
-                                               int tile, long long tiles, int lane, LmCoopProducer& p) {
-    const kiln_u32 row = p.t * (kiln_u32)tile + (kiln_u32)(p.g * VROWS) + (kiln_u32)(lane / LPR);
-    p.src = (kiln_u64)weights + (kiln_u64)row * row_bytes + (kiln_u64)(2 * (p.u * 256) + 16 * (lane % LPR));
-    p.fast = p.t < tiles && (kiln_u64)p.t * (kiln_u32)tile + (kiln_u32)tile <= vocab &&
-             p.u * 256 + 256 <= hidden;
-}
-
 // Copies the producer's step into ring slot `slot` (`dst`: this lane's first chunk in slot 0),
 // commits the group and moves on by one step. Past the vocabulary or `hidden` it copies zeros,
 // past the last tile nothing (a group is committed either way).
 __device__ __forceinline__ void lm_coop_produce(const kiln_u8* __restrict__ weights, kiln_u32 row_bytes,
                                                 kiln_u32 vocab, int hidden, int tile, long long tiles, int units,
                                                 int groups, int warp, int lane, kiln_u32 dst, int slot,
-                                                kiln_u32 step_bytes, LmCoopProducer& p) {
+                                                kiln_u32 step_bytes, LmProducer& p) {
     const kiln_u32 d = dst + slot * (VROWS * 512);
     if (p.fast) {
 #pragma unroll
@@ -539,18 +550,7 @@ __device__ __forceinline__ void lm_coop_produce(const kiln_u8* __restrict__ weig
             kiln_cp_async_16(d + j * (LPR * 16), reinterpret_cast<const void*>(source), valid);
         }
     }
-    kiln_cp_async_commit();
-    if (++p.g == groups) {
-        p.g = 0;
-        p.u += WARPS;
-        if (p.u >= units) {
-            p.u = warp;
-            p.t += gridDim.x;
-        }
-        lm_coop_locate(weights, row_bytes, vocab, hidden, tile, tiles, lane, p);
-    } else {
-        p.src += step_bytes;
-    }
+    lm_advance<true>(weights, row_bytes, vocab, hidden, tile, tiles, units, groups, warp, lane, step_bytes, p);
 }
 #endif
 
@@ -590,11 +590,8 @@ kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, c
     for (int i = 0; i < VROWS; ++i) read_at[i] = (i ^ xi) * 32 + lane;
     const kiln_u32 ring_row_bytes = (kiln_u32)row_bytes, ring_vocab = (kiln_u32)vocab;
     const kiln_u32 step_bytes = VROWS * ring_row_bytes;
-    LmCoopProducer producer;
-    producer.t = warp < units ? blockIdx.x : (kiln_u32)tiles;  // a warp with no unit copies nothing
-    producer.u = warp;
-    producer.g = 0;
-    lm_coop_locate(weights, ring_row_bytes, ring_vocab, hidden, tile, tiles, lane, producer);
+    LmProducer producer =
+        lm_start<true>(weights, ring_row_bytes, ring_vocab, hidden, tile, tiles, units, warp, lane);
 #pragma unroll
     for (int k = 0; k < STAGES - 1; ++k) {
         lm_coop_produce(weights, ring_row_bytes, ring_vocab, hidden, tile, tiles, units, groups, warp, lane, copy_dst,
@@ -639,11 +636,8 @@ kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, c
     const kiln_u32 ring_row_bytes = (kiln_u32)row_bytes, ring_vocab = (kiln_u32)vocab;
     // VROWS rows of 2 * hidden bytes: below 2^32 (the launcher serves the ring up to hidden 2^24).
     const kiln_u32 step_bytes = VROWS * ring_row_bytes;
-    LmProducer producer;
-    producer.t = warp < units ? blockIdx.x : (kiln_u32)tiles;  // a warp with no unit copies nothing
-    producer.u = warp;
-    producer.g = 0;
-    lm_locate(weights, ring_row_bytes, ring_vocab, hidden, tile, tiles, lane, producer);
+    LmProducer producer =
+        lm_start<false>(weights, ring_row_bytes, ring_vocab, hidden, tile, tiles, units, warp, lane);
 #pragma unroll
     for (int k = 0; k < STAGES - 1; ++k) {
         lm_produce(weights, ring_row_bytes, ring_vocab, hidden, tile, tiles, units, groups, warp, lane, xi, ring, k,
