@@ -63,9 +63,18 @@
 #define WARP_KEYS 64
 #endif
 // K/V tiles in flight (shared-memory stages): 2, or 3 for the deep decode variants (two tiles in
-// flight while one is computed; ops/attention.rs DECODE_DEEP, DECODE_WIDE_DEEP).
+// flight while one is computed; ops/attention.rs DECODE_DEEP, DECODE_WIDE_DEEP), or 1 for the
+// alternating decode variants (WARPS_M = 1; ops/attention.rs DECODE_ALT, DECODE_ALT_WIDE): one K
+// and one V buffer, and the copies of a tile's V fly while S = Q K^T is computed, those of the
+// next tile's K while O += P V is, so a block has one K or V tile in flight at a time, read from
+// one region of the cache after the other.
 #ifndef STAGES
 #define STAGES 2
+#endif
+// 1: the one-stage decode variants' K/V copies ask L2 for whole 128-byte lines (the default);
+// 0: plain 16-byte copies (for measurement: KILN_DECODE_L2_HINT=noline, ops/attention.rs).
+#ifndef KV_L2_LINE
+#define KV_L2_LINE 1
 #endif
 // 1: compile the streaming decode kernel (kiln_attention_decode) instead of kiln_attention.
 #ifndef STREAMING
@@ -140,7 +149,7 @@ static_assert((BLOCK_N * CHUNKS_PER_ROW) % THREADS == 0, "a K/V tile splits even
 static_assert((BLOCK_M * CHUNKS_PER_ROW) % THREADS == 0, "a Q tile splits evenly over the threads");
 // The merge of WARPS_N > 1 reuses the K/V buffers: WARPS_M * WARPS_N * 16 rows of HEAD_DIM + 4 f32.
 static_assert(WARPS_M * WARPS_N * 16 * (HEAD_DIM + 4) * 4 <= 2 * STAGES * BLOCK_N * ROW * 2, "merge fits in K/V");
-static_assert(STAGES >= 2, "at least two stages");
+static_assert(STAGES >= 2 || (STAGES == 1 && WARPS_M == 1), "at least two stages, or one (decode: K and V alternate)");
 // The decode variants (one row tile of 16 rows) combine by gathering every split's log-sums into
 // the K/V stages first, where the launcher's most splits (MAX_TILED_SPLITS) x 16 rows of f32 fit;
 // the other variants combine in one online pass over the splits.
@@ -219,6 +228,7 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
             ids[i] = (t < tiles && position < kv_end) ? pages[position >> page_shift] : 0u;
         }
     };
+#if STAGES > 1
     // K and V of tile `t` into buffer `stage`: 16-byte chunks, positions past kv_end zeroed.
     auto load_tile = [&](int t, int stage, const kiln_u32 (&ids)[TILE_CHUNKS_PER_THREAD]) {
         const int tile_start = kv_begin + t * BLOCK_N;
@@ -237,7 +247,36 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
             kiln_cp_async_16_line(kiln_smem_address(v_smem + smem_offset), valid ? v_cache + offset : v_cache, valid);
         }
     };
+#endif
 
+#if STAGES == 1
+    // One stage (decode): K of a tile or V of a tile in flight, never both (see the header).
+    auto load_half = [&](int t, kiln_u16* smem, const kiln_u16* cache, const kiln_u32 (&ids)[TILE_CHUNKS_PER_THREAD]) {
+        const int tile_start = kv_begin + t * BLOCK_N;
+#pragma unroll
+        for (int i = 0; i < TILE_CHUNKS_PER_THREAD; ++i) {
+            const int index = tid + i * THREADS;
+            const int r = index / CHUNKS_PER_ROW, c = index % CHUNKS_PER_ROW;
+            const int position = tile_start + r;
+            const bool valid = position < kv_end;
+            const kiln_u64 offset =
+                (((kiln_u64)ids[i] * kv_heads + kv_head) << page_shift | (kiln_u64)(position & ((1 << page_shift) - 1))) *
+                    HEAD_DIM +
+                c * 8;
+#if KV_L2_LINE
+            kiln_cp_async_16_line(kiln_smem_address(smem + r * ROW + c * 8), valid ? cache + offset : cache, valid);
+#else
+            kiln_cp_async_16(kiln_smem_address(smem + r * ROW + c * 8), valid ? cache + offset : cache, valid);
+#endif
+        }
+    };
+    kiln_u32 next_pages[TILE_CHUNKS_PER_THREAD];
+    tile_pages(0, next_pages);
+    if (tiles > 0) load_half(0, k_smem, k_cache, next_pages);
+    kiln_cp_async_commit();
+    kiln_cp_async_wait<1>();
+    __syncthreads();
+#else
     // Tiles 0 .. STAGES - 2 in flight, one commit group each (empty groups past the last tile),
     // and the pages of tile STAGES - 1 read.
     kiln_u32 next_pages[TILE_CHUNKS_PER_THREAD];
@@ -258,6 +297,7 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
     // at most the STAGES - 1 tile groups are pending).
     kiln_cp_async_wait<STAGES - 1>();
     __syncthreads();
+#endif
     kiln_u32 q_fragments[HEAD_DIM / 16][4];
     {
         const int r = warp_m * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
@@ -285,6 +325,16 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
     float row_sum[2] = {0.0f, 0.0f};                  // this thread's columns only, until the end
 
     for (int t = 0; t < tiles; ++t) {
+#if STAGES == 1
+        // K of tile t has landed (its group is the only one pending) and every warp is past the
+        // products of tile t - 1 (this barrier): V of tile t into the one V buffer (next_pages
+        // holds tile t's pages), then the pages of tile t + 1.
+        kiln_cp_async_wait<0>();
+        __syncthreads();
+        load_half(t, v_smem, v_cache, next_pages);
+        kiln_cp_async_commit();
+        tile_pages(t + 1, next_pages);
+#else
         // Tile t + STAGES - 1 into the stage tile t - 1 used (every warp is past it: the barrier
         // at the end of the previous iteration), then the pages of the tile after it.
         if (t + STAGES - 1 < tiles) load_tile(t + STAGES - 1, (t + STAGES - 1) % STAGES, next_pages);
@@ -292,6 +342,7 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
         tile_pages(t + STAGES, next_pages);
         kiln_cp_async_wait<STAGES - 1>();
         __syncthreads();
+#endif
 
         const int stage = t % STAGES;
         const int warp_key0 = warp_n * WARP_KEYS;  // within the tile
@@ -326,6 +377,14 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
             }
         }
 
+#if STAGES == 1
+        // V of tile t has landed and every warp is done with K of tile t: K of tile t + 1 flies
+        // while the softmax and the products with V are made.
+        kiln_cp_async_wait<0>();
+        __syncthreads();
+        if (t + 1 < tiles) load_half(t + 1, k_smem, k_cache, next_pages);
+        kiln_cp_async_commit();
+#endif
         // Online softmax: new row maxima (over the quad that shares a row), rescale, exponentiate.
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -374,7 +433,9 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
                 kiln_mma_bf16_16816(o[2 * nd + 1], p, b[2], b[3]);
             }
         }
+#if STAGES > 1
         __syncthreads();
+#endif
     }
     kiln_cp_async_wait<0>();
 

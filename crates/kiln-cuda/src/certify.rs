@@ -651,7 +651,7 @@ pub struct AttentionConfig {
 impl AttentionConfig {
     /// `4x1x64.s1`: warps_m x warps_n x warp_keys, then the splits; the wgmma prefill kernels'
     /// named `wgmma-8x1x128.s1` and `wgmma-pingpong-8x1x128.s1`, the decode variants three K/V
-    /// tiles deep `deep-1x4x16.s8`, the hybrid decode `hybrid-1x4x16.s33`, and the streaming
+    /// tiles deep `deep-1x4x16.s8`, the one-stage alternating ones `alt-1x4x32.s4`, the hybrid decode `hybrid-1x4x16.s33`, and the streaming
     /// decode variants but the default `stream<stages>-...` (`stream3-1x8x16.s2`,
     /// `stream6-1x4x16.s2`), the persistent decode variants `persist<stages>-...` (16-byte copies)
     /// and `bulk<stages>-...` (bulk copies on sm_90), their splits the most chunks a sequence is cut
@@ -663,6 +663,7 @@ impl AttentionConfig {
             AttentionKernel::WarpgroupPingpong => "wgmma-pingpong-",
             _ if v.hybrid => "hybrid-",
             AttentionKernel::Tiled if v.stages == AttentionVariant::DECODE_DEEP.stages => "deep-",
+            AttentionKernel::Tiled if v.stages == 1 => "alt-",
             AttentionKernel::Streaming if *v != AttentionVariant::DECODE => {
                 return format!(
                     "stream{}-{}x{}x{}.s{}",
@@ -696,6 +697,8 @@ impl AttentionConfig {
             AttentionVariant::DECODE_HYBRID,
             AttentionVariant::DECODE_STREAM_WIDE,
             AttentionVariant::DECODE_STREAM_DEEP,
+            AttentionVariant::DECODE_ALT,
+            AttentionVariant::DECODE_ALT_WIDE,
         ];
         let variant = AttentionVariant::ALL
             .into_iter()
@@ -955,6 +958,7 @@ pub fn attention_candidates(task: &AttentionTask, facts: &DeviceFacts) -> Candid
                 AttentionVariant::DECODE_DEEP,
                 AttentionVariant::DECODE_WIDE_DEEP,
                 AttentionVariant::DECODE_HYBRID,
+                AttentionVariant::DECODE_ALT_WIDE,
             ]
             .into_iter()
             .flat_map(|variant| splits.iter().map(move |&splits| AttentionConfig { variant, splits }))

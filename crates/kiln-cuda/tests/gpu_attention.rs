@@ -278,6 +278,9 @@ fn decode_matches_float64_and_repeats_bit_for_bit() {
                 (AttentionVariant::DECODE_STREAM_WIDE, Some(16)),
                 (AttentionVariant::DECODE_STREAM_DEEP, Some(2)),
                 (AttentionVariant::DECODE_STREAM_DEEP, Some(16)),
+                (AttentionVariant::DECODE_ALT, Some(3)),
+                (AttentionVariant::DECODE_ALT_WIDE, None),
+                (AttentionVariant::DECODE_ALT_WIDE, Some(4)),
                 (AttentionVariant::PREFILL, None),
             ] {
                 let case = Case {
@@ -347,8 +350,8 @@ fn streaming_decode_at_its_edges_matches_float64_and_repeats_bit_for_bit() {
 }
 
 /// A long context through the streaming kernel's pipeline: hundreds of steps per warp unsplit,
-/// and the default splits; against the reference, as are the tiled kernel's decode variants (two
-/// and three tiles deep) on the same inputs.
+/// and the default splits; against the reference, as are the tiled kernel's decode variants (one,
+/// two and three tiles deep) on the same inputs.
 #[test]
 fn streaming_decode_over_a_long_context_matches_float64() {
     let (gpu, mut rng) = (gpu(), Rng::fresh());
@@ -370,6 +373,8 @@ fn streaming_decode_over_a_long_context_matches_float64() {
             AttentionVariant::DECODE_DEEP,
             AttentionVariant::DECODE_WIDE_DEEP,
             AttentionVariant::DECODE_HYBRID,
+            AttentionVariant::DECODE_ALT,
+            AttentionVariant::DECODE_ALT_WIDE,
         ] {
             (case.splits, case.variant) = (splits, variant);
             let outputs = check_on(&gpu, &case, &inputs, &want, 2);
@@ -395,6 +400,8 @@ fn tiled_decode_combine_over_many_splits_matches_float64_and_repeats_bit_for_bit
             AttentionVariant::DECODE_WIDE,
             AttentionVariant::DECODE_DEEP,
             AttentionVariant::DECODE_WIDE_DEEP,
+            AttentionVariant::DECODE_ALT,
+            AttentionVariant::DECODE_ALT_WIDE,
         ] {
             let mut case = Case {
                 q_heads,

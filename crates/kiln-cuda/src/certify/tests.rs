@@ -404,15 +404,18 @@ fn the_attention_default_is_the_launchers_default() {
         prefill.default_config(132),
         AttentionConfig { variant: AttentionVariant::PREFILL, splits: 1 }
     );
-    // The decode candidates: five variants (streaming, wide, the two deep ones, the hybrid) at 1,
+    // The decode candidates: six variants (streaming, wide, the two deep ones, the hybrid, the
+    // one-stage wide one) at 1,
     // half, once and twice the default splits and at the streaming kernels' splits, and the wide and deep streaming ones at once and
     // twice their own (16 at batch 1: one wave of 128 one-block multiprocessors), and the three
     // persistent ones cutting a sequence into at most 64 chunks, each named apart and parsed back.
     let kept = attention_candidates(&decode, &h200()).kept;
     let labels: Vec<String> = kept.iter().map(|c| c.label()).collect();
     assert_eq!(labels[0], "1x4x16.s33");
-    assert_eq!(labels.len(), 32, "{labels:?}");
+    assert_eq!(labels.len(), 37, "{labels:?}");
     for label in [
+        "alt-1x4x32.s1",
+        "alt-1x4x32.s64",
         "1x4x32.s16",
         "1x4x32.s64",
         "1x4x16.s1",

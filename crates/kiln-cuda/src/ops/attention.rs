@@ -169,6 +169,15 @@ impl AttentionVariant {
     /// memory the larger of the two paths'. Not in [`AttentionVariant::ALL`] (its name is
     /// `DECODE`'s; the bench tags it `hybrid`).
     pub const DECODE_HYBRID: AttentionVariant = AttentionVariant { hybrid: true, ..Self::DECODE_DEEP };
+    /// Decode on the tiled kernel with one stage: one K and one V buffer of 64 keys, the copies
+    /// of a tile's V in flight while S = Q K^T is computed and those of the next tile's K while
+    /// O += P V is, so each block reads one K or V tile at a time (37 KiB of shared memory at head
+    /// dim 128). Not in [`AttentionVariant::ALL`] (named `alt-1x4x16.sN`).
+    pub const DECODE_ALT: AttentionVariant = AttentionVariant { stages: 1, ..Self::DECODE_TILED };
+    /// [`AttentionVariant::DECODE_ALT`] with 128-key tiles (one 32 KiB K or V tile in flight a
+    /// block, 72 KiB of shared memory at head dim 128: two blocks a multiprocessor). Not in
+    /// [`AttentionVariant::ALL`] (named `alt-1x4x32.sN`).
+    pub const DECODE_ALT_WIDE: AttentionVariant = AttentionVariant { stages: 1, ..Self::DECODE_WIDE };
     /// Decode on the streaming kernel, 8 warps a block (each its own pipeline of 16-key steps,
     /// three in flight): 192 KiB of shared memory at head dim 128, one block a multiprocessor, so
     /// a batch of a few sequences (GQA 32/8: batch 8 at 2 splits, 128 blocks on sm_90's 132
@@ -348,7 +357,8 @@ impl AttentionVariant {
         let served = match self.kernel {
             AttentionKernel::Tiled if self.hybrid => *self == AttentionVariant::DECODE_HYBRID,
             AttentionKernel::Tiled => {
-                (self.stages == STAGES || (self.stages == DEEP_STAGES && self.warps_m == 1))
+                (self.stages == STAGES
+                    || ((self.stages == DEEP_STAGES || self.stages == 1) && self.warps_m == 1))
                     && self.warps_m * self.warps_n <= 8
                     && self.warp_keys.is_multiple_of(16)
                     && self.warp_keys > 0
@@ -393,7 +403,9 @@ impl AttentionVariant {
 pub const PREFILL_KERNEL_ENV: &str = "KILN_PREFILL_ATTENTION";
 
 /// For measurement: `none` compiles the streaming decode kernel to read K and V under the default
-/// L2 policy instead of evict-first (`kiln bench attention` times both at batch 1).
+/// L2 policy instead of evict-first (`kiln bench attention` times both at batch 1); `noline`
+/// compiles the one-stage decode variants ([`AttentionVariant::DECODE_ALT`]) with plain 16-byte
+/// copies instead of whole-line L2 fetches.
 pub const DECODE_L2_HINT_ENV: &str = "KILN_DECODE_L2_HINT";
 
 fn prefill_requested() -> Option<AttentionVariant> {
@@ -697,6 +709,12 @@ fn defines(head_dim: usize, variant: AttentionVariant) -> Vec<(&'static str, Str
     }
     if variant.kernel == AttentionKernel::Tiled && variant.stages != STAGES {
         defines.push(("STAGES", variant.stages.to_string()));
+    }
+    if variant.kernel == AttentionKernel::Tiled
+        && variant.stages == 1
+        && std::env::var(DECODE_L2_HINT_ENV).is_ok_and(|v| v.trim() == "noline")
+    {
+        defines.push(("KV_L2_LINE", "0".to_owned()));
     }
     if variant.hybrid {
         defines.push(("HYBRID", "1".to_owned()));
@@ -1212,6 +1230,20 @@ mod tests {
         assert_eq!(AttentionVariant::DECODE_WIDE_DEEP.shared_bytes(128), (16 + 768) * 272);
         assert!(AttentionVariant::DECODE_WIDE_DEEP.shared_bytes(128) + 16 <= 227 * 1024);
         assert_eq!(defines(128, AttentionVariant::DECODE_DEEP).last(), Some(&("STAGES", "3".to_owned())));
+        // The alternating decode variants: one stage of 64 (128) keys, K and V, beside 16 Q rows;
+        // two blocks a multiprocessor even with 128-key tiles. One stage only for one row tile.
+        for alt in [AttentionVariant::DECODE_ALT, AttentionVariant::DECODE_ALT_WIDE] {
+            alt.validate(128).unwrap();
+            alt.validate(64).unwrap();
+            assert_eq!(defines(128, alt).last(), Some(&("STAGES", "1".to_owned())));
+        }
+        assert_eq!(AttentionVariant::DECODE_ALT.shared_bytes(128), (16 + 128) * 272);
+        assert_eq!(AttentionVariant::DECODE_ALT_WIDE.shared_bytes(128), (16 + 256) * 272);
+        assert!(2 * (AttentionVariant::DECODE_ALT_WIDE.shared_bytes(128) + 1024 + 600) <= 228 * 1024);
+        assert!(matches!(
+            AttentionVariant { stages: 1, ..AttentionVariant::PREFILL }.validate(128),
+            Err(Error::NotServed { .. })
+        ));
         assert!(!defines(128, AttentionVariant::DECODE_TILED).iter().any(|(k, _)| *k == "STAGES"));
         // The hybrid kernel: DECODE_DEEP's shape and stages, its shared memory the larger of the
         // tiled path's and the streaming one's, at both head dims; nothing else passes as hybrid.
@@ -1270,6 +1302,8 @@ mod tests {
             AttentionVariant::DECODE_HYBRID,
             AttentionVariant::DECODE_STREAM_WIDE,
             AttentionVariant::DECODE_STREAM_DEEP,
+            AttentionVariant::DECODE_ALT,
+            AttentionVariant::DECODE_ALT_WIDE,
         ];
         for variant in AttentionVariant::ALL
             .into_iter()
@@ -1289,6 +1323,8 @@ mod tests {
                     AttentionVariant::DECODE_DEEP,
                     AttentionVariant::DECODE_WIDE_DEEP,
                     AttentionVariant::DECODE_HYBRID,
+                    AttentionVariant::DECODE_ALT,
+                    AttentionVariant::DECODE_ALT_WIDE,
                 ]
                 .contains(&variant);
                 if compiled_for_all_heads || head_dim == 128 {
