@@ -864,6 +864,46 @@ mod tests {
         (lo & 0x7) | ((v.to_bits() >> 28) & 0x8)
     }
 
+    /// `kiln_e2m1_fast_half`, the kernel's form of [`e2m1_fast`]: from s = |v| / 2, g / 2 = s +
+    /// min(s, sat(2 - s / 2)) (`fma.rn.sat` clamps to [0, 1]) and the ends (g / 2) (2 -+ 2^-19)
+    /// plus the magic. The bits of both ends.
+    fn e2m1_fast_half(s: f32) -> (u32, u32) {
+        let h = s.mul_add(-0.5, 2.0).clamp(0.0, 1.0);
+        let g2 = s + s.min(h);
+        let lo = g2.mul_add(2.0 - 1.0 / 524_288.0, ROUND_MAGIC).to_bits();
+        let hi = g2.mul_add(2.0 + 1.0 / 524_288.0, ROUND_MAGIC).to_bits();
+        (lo, hi)
+    }
+
+    /// The kernel's half form gives the bracket ends of [`e2m1_fast`] bit for bit: for every float
+    /// |v| in [1/8, 8) (the binades where E2M1's map has its breaks and ties, and past the 6.4 the
+    /// fast path serves), every 61st one in each binade from 2^-125 to 1/8, and 0.
+    #[test]
+    fn e2m1_fast_half_form_gives_the_same_bracket_as_the_full_form() {
+        let ends = |a: f32| {
+            let mut differ = 0;
+            let lo = e2m1_fast(a, &mut differ) & 0x7;
+            let g = a + a.min(2.0).min(a.mul_add(-0.5, 4.0));
+            let full = (
+                g.mul_add(1.0 - 1.0 / 1_048_576.0, ROUND_MAGIC).to_bits(),
+                g.mul_add(1.0 + 1.0 / 1_048_576.0, ROUND_MAGIC).to_bits(),
+            );
+            assert_eq!(lo, full.0 & 0x7);
+            full
+        };
+        let mut checked = 0usize;
+        for exponent in 2u32..130 {
+            let step = if exponent >= 124 { 1 } else { 61 };
+            for m in (0..(1u32 << 23)).step_by(step) {
+                let a = f32::from_bits((exponent << 23) | m);
+                assert_eq!(e2m1_fast_half(a * 0.5), ends(a), "{a} ({:#010x})", a.to_bits());
+                checked += 1;
+            }
+        }
+        assert_eq!(e2m1_fast_half(0.0), ends(0.0));
+        assert!(checked > 50_000_000, "{checked}");
+    }
+
     /// Inputs: every 4099th float, and the neighbourhood of every E2M1 rounding midpoint and of
     /// every INT8 half-integer.
     fn probe_floats() -> Vec<f32> {
