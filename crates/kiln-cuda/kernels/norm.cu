@@ -25,10 +25,11 @@
 // sums are reduced together (`kiln_norm_units_reduce`: 6 shuffles for 4 units, not 20), and the
 // unit sums of several warps are combined from shared memory four at a time. With an NVFP4
 // output the budget is about 20 instructions a value at the copy ceiling (2.56 bytes a bf16
-// value) and the kernel needs about 28 as compiled for sm_90 (one lane a block: the norm and its
-// sums 11, the block maximum, scale and E2M1 codes 15, packing 2): it is bound by issue, not by
-// DRAM; INT8 (3.25 bytes, about 26) needs about 17 (of which the codes 1 and their packing
-// 0.75). Hugging Face's rounding with bf16 x,
+// value) and the kernel needs about 27 as compiled for sm_90 (one lane a block at 8192 x 8192:
+// 856 instructions a lane for its 32 values, 26.75 a value; the norm and its sums 11, the block
+// maximum, scale and E2M1 codes 14, packing 2; 24.7 in the warps that ROW_TOTAL_WARP spares the
+// row's total, 25 on average): it is bound by issue, not by DRAM; INT8 (3.25 bytes, about 26)
+// needs about 17.7 (16.2 with ROW_TOTAL_WARP; of which the codes 1 and their packing 0.75). Hugging Face's rounding with bf16 x,
 // weight and output takes the weight's product packed (`kiln_bf16x2_mul`, see
 // KILN_NORM_PACKED_BF16): about 6 a value for the whole norm.
 //
