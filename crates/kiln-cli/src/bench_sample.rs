@@ -15,10 +15,11 @@
 //! lists with the mass path (`SamplePath::Lists`) and, for greedy rows, the greedy kernel
 //! (`SamplePath::Greedy`), and, for greedy and top-k rows without penalties, the top-k merge
 //! kernel (`SamplePath::TopKMerge`, a candidate not yet chosen by `for_rows`), the top-k
-//! bound kernel (`SamplePath::TopKBound`, likewise) and the same kernel on 512-thread blocks
-//! (`SamplePath::TopKWide`, likewise).
+//! bound kernel (`SamplePath::TopKBound`, likewise), the same kernel on 512-thread blocks
+//! (`SamplePath::TopKWide`, likewise) and with the slices' lists (`SamplePath::TopKHeads`,
+//! likewise).
 //!
-//! `--profile` prints, instead of the table, the phases of the top-k bound (its two compiles)
+//! `--profile` prints, instead of the table, the phases of the top-k bound (its three compiles)
 //! and top-k merge kernels compiled with `SAMPLE_PROFILE=1` (one launch a sample, the median of several) for
 //! their modes at batch 1 and 64: where the microseconds go, in a few seconds.
 
@@ -98,7 +99,20 @@ fn profile_lines(name: &str, batch: usize, path: SamplePath, runs: &[Vec<u64>]) 
         format!("  {label:<28} {c:>8.0} cycles {:>7.2} us\n", c / ghz / 1e3)
     };
     // (label, first slot, last slot) of each phase of the path's kernel.
-    let phases: &[(&str, usize, usize)] = if path == SamplePath::TopKMerge {
+    // The heads path's row 0 that found a saturated list ran the bound path's last block.
+    let heads = path == SamplePath::TopKHeads && runs.iter().all(|r| r[40] == 0);
+    let phases: &[(&str, usize, usize)] = if heads {
+        &[
+            ("block (0,0) keys loaded", 8, 9),
+            ("block (0,0) heads + fence", 9, 10),
+            ("block (0,0) ticket", 10, 11),
+            ("last block: lists + row max", 16, 17),
+            ("last block: bins + pick", 17, 18),
+            ("last block: candidates", 18, 20),
+            ("last block: rank", 20, 21),
+            ("last block: finish", 21, 22),
+        ]
+    } else if path == SamplePath::TopKMerge {
         &[
             ("block (0,0) slice loaded", 8, 9),
             ("block (0,0) histogram + pick", 9, 10),
@@ -135,6 +149,20 @@ fn profile_lines(name: &str, batch: usize, path: SamplePath, runs: &[Vec<u64>]) 
         return out;
     }
     let last = &runs[runs.len() - 1];
+    if heads {
+        out.push_str(&format!(
+            "  row 0: k {}, {} slices, {} listed tokens, {} candidates, fallback {}\n",
+            last[35], last[37], last[32], last[34], last[36]
+        ));
+        return out;
+    }
+    if path == SamplePath::TopKHeads {
+        let saturated = runs.iter().filter(|r| r[40] != 0).count();
+        out.push_str(&format!(
+            "  {saturated} of {} runs found a saturated list (the bound path's phases)\n",
+            runs.len()
+        ));
+    }
     out.push_str(&format!(
         "  row 0: k {}, {} slices of {} groups, {} valid groups, {} radix passes (crowded bin), {} candidate groups, {} \
          candidates, fallback {}\n",
@@ -188,10 +216,10 @@ pub fn run(args: &BenchSampleArgs) -> Result<()> {
     let mut table = format!(
         "Sampler, vocabulary {vocab}, on {} ({})\n\n\
          | mode | batch | path | time_us | graph_us | auto_us | auto_graph_us | fused_graph_us | lists_graph_us \
-         | greedy_graph_us | topk_merge_graph_us | topk_bound_graph_us | topk_wide_graph_us \
+         | greedy_graph_us | topk_merge_graph_us | topk_bound_graph_us | topk_wide_graph_us | topk_heads_graph_us \
          | torch_us | torch / kiln | torch / kiln graph |\n\
          | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: \
-         | ---: |\n",
+         | ---: | ---: |\n",
         gpu.facts().name,
         gpu.arch()
     );
@@ -247,7 +275,12 @@ pub fn run(args: &BenchSampleArgs) -> Result<()> {
                 !penalties && (params.is_greedy() || (1..=TOPK_BOUND_KMAX).contains(&params.top_k));
             if args.profile {
                 // The top-k merge kernel serves the same rows.
-                for profiled in [SamplePath::TopKBound, SamplePath::TopKWide, SamplePath::TopKMerge] {
+                for profiled in [
+                    SamplePath::TopKBound,
+                    SamplePath::TopKWide,
+                    SamplePath::TopKHeads,
+                    SamplePath::TopKMerge,
+                ] {
                     if !bound_serves {
                         break;
                     }
@@ -316,12 +349,17 @@ pub fn run(args: &BenchSampleArgs) -> Result<()> {
             } else {
                 "-".to_owned()
             };
+            let topk_heads_graph_us = if bound_serves {
+                format!("{:.1}", graph_time(SamplePath::TopKHeads)?)
+            } else {
+                "-".to_owned()
+            };
             let torch = peer.get(name).and_then(|m| m.get(&batch.to_string())).copied();
             let ratio = |kiln: f64| torch.map_or("-".to_owned(), |t| format!("{:.2}x", t / kiln));
             table.push_str(&format!(
                 "| {name} | {batch} | {path:?} | {us:.1} | {graph_us:.1} | {auto_us:.1} | {auto_graph_us:.1} \
                  | {fused_graph_us:.1} | {lists_graph_us:.1} | {greedy_graph_us} | {topk_merge_graph_us} \
-                 | {topk_bound_graph_us} | {topk_wide_graph_us} | {} | {} | {} |\n",
+                 | {topk_bound_graph_us} | {topk_wide_graph_us} | {topk_heads_graph_us} | {} | {} | {} |\n",
                 torch.map_or("-".to_owned(), |t| format!("{t:.1}")),
                 ratio(us),
                 ratio(graph_us),

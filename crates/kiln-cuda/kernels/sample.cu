@@ -2845,6 +2845,11 @@ kiln_sample_topk_merge(const float* __restrict__ logits, long long vocab, long l
 #define TKB_GATHER 16         // candidate groups a warp reads at once
 #endif
 #define TKB_FALLBACK 1
+#ifndef TKB_HEADS
+#define TKB_HEADS 0           // TKB_HEADS > 0: each slice block lists its TKB_HEADS largest tokens
+#endif
+#define TKB_HEAD_CAP TKB_CAND_CAP  // the lists' entries a row's last block reads (heads path)
+#define TKB_SATURATED 2       // the heads path could not bound the row: the bound path takes it
 #ifndef TKB_MIN_BLOCKS
 #define TKB_MIN_BLOCKS 2
 #endif
@@ -3365,6 +3370,169 @@ __device__ __forceinline__ void tkb_finish_few(int r, kiln_u32 k, int m_n, const
     if (lead && own_weight != 0u && inclusive - own_weight <= draw && draw < inclusive) tokens[r] = index;
 }
 
+// ---- TKB_HEADS > 0: the bound from the slices' own lists (`SamplePath::TopKHeads`) ----------
+//
+// The same kernel, with the serial search of the row's last block moved into the slice blocks:
+//   1. Block (s, r) also lists its slice's TKB_HEADS largest tokens in the order, as packed
+//      (key, ~index) u64 (0 past its valid tokens): each warp takes its lanes' TKB_HEADS largest
+//      (one round a head: two warp-wide maxima, the key, then the lowest index at that key), and
+//      warp 0 those of the warps' lists. The group maxima are written too (for the fallback).
+//   2. The row's last block reads every list (slices * TKB_HEADS <= TKB_HEAD_CAP entries, a few a
+//      thread, one round trip to L2), takes their maximum M (the row's), bins them by the
+//      distance below M (`fused_dbin`) and picks cb, the first bin at which the count reaches k
+//      (one warp, one barrier; every bin when the lists hold fewer than k tokens). The listed
+//      tokens are distinct, so at least k tokens of the row lie in bins up to cb, and every token
+//      of the row's top-k lies in a bin up to cb (the bins are monotone in the key). Every such
+//      token of a slice is in its list unless the list is full and its last entry lies in a bin
+//      up to cb (the list is the slice's largest: an unlisted token is at most its last entry);
+//      such a saturated list sends the row to the bound path of the group maxima
+//      (TKB_SATURATED). Otherwise the listed tokens in bins up to cb are the candidates, already
+//      in shared memory with their weights: ranked and finished as tkb_finish_few (or
+//      tkb_rank_finish past THREADS candidates). No gather from the logits, no search loop.
+// The candidates hold the row's top-k and the finish is the bound path's, so the token is the
+// reference's. Profile slots as the bound path's, with block (0, 0)'s (9, 10) its heads, the last
+// block's 17 (lists loaded, M), 18 (bins, cb), 20 (candidates written), 21 (ranked); counts:
+// listed tokens (32), candidates (34), saturated (40: the bound path's counts follow).
+
+#if TKB_HEADS
+static_assert(TKB_HEADS <= 32 && (SAMPLE_WARPS * TKB_HEADS) % 32 == 0, "the warps' lists in whole lanes");
+static_assert(SAMPLE_WARPS * TKB_HEADS <= TKB_CAND_CAP, "the warps' lists fit in `cand`");
+// The warp's TKB_HEADS largest of the entries its lanes hold in v[0, count) (distinct packed
+// (key, ~index), 0: none; count the same for the whole warp): lane h gets the h-th (0 past the
+// last). One round a head; the entries taken are zeroed.
+template <int N>
+__device__ __forceinline__ kiln_u64 tkb_warp_heads(kiln_u64 (&v)[N], int count) {
+    const int lane = threadIdx.x & 31;
+    kiln_u64 mine = 0ull;
+#pragma unroll 1
+    for (int h = 0; h < TKB_HEADS; ++h) {
+        kiln_u64 best = 0ull;
+#pragma unroll
+        for (int u = 0; u < N; ++u) {
+            if (u >= count) break;
+            best = max(best, v[u]);
+        }
+        const kiln_u32 hk = __reduce_max_sync(KILN_FULL_MASK, (kiln_u32)(best >> 32));
+        if (hk == 0u) break;  // the same for the whole warp
+        const kiln_u32 lk =
+            __reduce_max_sync(KILN_FULL_MASK, (kiln_u32)(best >> 32) == hk ? (kiln_u32)best : 0u);
+        const kiln_u64 w = ((kiln_u64)hk << 32) | lk;
+        if (lane == h) mine = w;
+#pragma unroll
+        for (int u = 0; u < N; ++u) {
+            if (u >= count) break;
+            if (v[u] == w) v[u] = 0ull;
+        }
+    }
+    return mine;
+}
+
+#define TKB_HEAD_PER ((TKB_HEAD_CAP + THREADS - 1) / THREADS)  // list entries a thread of the last block
+
+// Block (s, r)'s list (see above): its TKB_HEADS largest tokens into `out`, from this thread's
+// order keys (key[u]: index lo + u * THREADS + threadIdx.x, 0 for none).
+__device__ __forceinline__ void tkb_write_heads(const kiln_u32 (&key)[TKB_PER], long long lo, long long slice_len,
+                                                kiln_u64* out, TopKBoundShared& sh) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    kiln_u64 v[TKB_PER];
+#pragma unroll
+    for (int u = 0; u < TKB_PER; ++u) {
+        v[u] = key[u] != 0u ? fast_pack(key[u], (kiln_u32)(lo + u * THREADS + (int)threadIdx.x)) : 0ull;
+    }
+    const int count = (int)((slice_len + THREADS - 1) / THREADS);
+    const kiln_u64 own = tkb_warp_heads(v, count);
+    if (lane < TKB_HEADS) sh.cand[warp * TKB_HEADS + lane] = own;
+    __syncthreads();
+    if (warp == 0) {
+        constexpr int PER = SAMPLE_WARPS * TKB_HEADS / 32;
+        kiln_u64 w[PER];
+#pragma unroll
+        for (int j = 0; j < PER; ++j) w[j] = sh.cand[j * 32 + lane];
+        const kiln_u64 head = tkb_warp_heads(w, PER);
+        if (lane < TKB_HEADS) out[lane] = head;
+    }
+}
+
+// The last block of served row r on the heads path (see above): 0 when the token is written,
+// TKB_SATURATED when a list is saturated (the caller runs the bound path after a barrier).
+// `slices` * TKB_HEADS <= TKB_HEAD_CAP (the caller's check).
+__device__ __forceinline__ int sample_row_topk_heads(int r, kiln_u32 k, const KilnSampleParams& p, kiln_u64 step,
+                                                     kiln_u32* __restrict__ tokens, const kiln_u64* row_heads,
+                                                     int slices, TopKBoundShared& sh, kiln_u64* profile) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const bool row0 = r == 0;
+    const int n = slices * TKB_HEADS;
+    kiln_u64 e[TKB_HEAD_PER];
+#pragma unroll
+    for (int j = 0; j < TKB_HEAD_PER; ++j) {
+        const int i = j * THREADS + (int)threadIdx.x;
+        e[j] = i < n ? __ldcg(&row_heads[i]) : 0ull;
+    }
+    // The draw's uniform does not depend on the logits: computed while the lists load.
+    const kiln_u64 u = sample_uniform(p.seed, step, p.stream);
+    for (int b = threadIdx.x; b < FUSED_BINS; b += THREADS) sh.bins[b] = 0u;
+    if (threadIdx.x == 0) sh.ncand = 0u;
+    kiln_u32 mine_max = 0u;
+#pragma unroll
+    for (int j = 0; j < TKB_HEAD_PER; ++j) mine_max = max(mine_max, (kiln_u32)(e[j] >> 32));
+    mine_max = __reduce_max_sync(KILN_FULL_MASK, mine_max);
+    if (lane == 0) sh.warp_max[warp] = mine_max;
+    __syncthreads();  // also publishes the zeroed bins and count
+    const kiln_u32 mkey = tkb_warps_max(sh.warp_max);
+    TKB_CLOCK(17, row0);
+    if (mkey == 0u) {  // every logit of the row is NaN
+        TKB_SET(32, row0, 0);
+        if (threadIdx.x == 0) tokens[r] = NO_TOKEN;
+        return 0;
+    }
+    const float M = fused_value(mkey);
+#pragma unroll
+    for (int j = 0; j < TKB_HEAD_PER; ++j) {
+        const kiln_u32 key = (kiln_u32)(e[j] >> 32);
+        fused_count(sh.bins, key != 0u ? tkb_bin(key, M) : -1);
+    }
+    __syncthreads();
+    tkb_pick(sh, k, false);
+    // Fewer listed tokens than k: every bin (then no list may be full, below).
+    const int cb = sh.total >= k ? (int)sh.chosen : FUSED_BINS - 1;
+    TKB_SET(32, row0, sh.total);
+    TKB_CLOCK(18, row0);
+    // The candidates (listed, in a bin up to cb) with their weights (k > 1: greedy rows need
+    // none), one atomic a warp and entry; a full list whose last entry lies in a bin up to cb
+    // is saturated.
+    const bool weigh = k > 1u;
+    const float m = weigh ? fminf(fmaxf(M / p.temperature, -3.40282347e38f), 3.40282347e38f) : 0.0f;
+    const kiln_u32 lanes_before = (1u << lane) - 1u;
+    bool saturated = false;
+#pragma unroll
+    for (int j = 0; j < TKB_HEAD_PER; ++j) {
+        const int i = j * THREADS + (int)threadIdx.x;
+        const kiln_u32 key = (kiln_u32)(e[j] >> 32);
+        const bool take = key != 0u && tkb_bin(key, M) <= cb;
+        if (take && i % TKB_HEADS == TKB_HEADS - 1) saturated = true;
+        const kiln_u32 mask = __ballot_sync(KILN_FULL_MASK, take);
+        if (mask == 0u) continue;  // the same for the whole warp
+        kiln_u32 at = 0u;
+        if (lane == 0) at = atomicAdd(&sh.ncand, (kiln_u32)__popc(mask));
+        at = __shfl_sync(KILN_FULL_MASK, at, 0) + (kiln_u32)__popc(mask & lanes_before);
+        if (take) {  // at < n <= TKB_CAND_CAP
+            sh.cand[at] = e[j];
+            if (weigh && at < THREADS) sh.hist.weights[at] = sample_weight(fused_value(key), p.temperature, m);
+        }
+    }
+    if (__syncthreads_or(saturated ? 1 : 0) != 0) return TKB_SATURATED;
+    const int m_n = (int)sh.ncand;
+    TKB_CLOCK(20, row0);
+    TKB_SET(34, row0, m_n);
+    if (m_n <= THREADS) {
+        tkb_finish_few(r, k, m_n, p, u, tokens, sh, profile);
+    } else {
+        tkb_rank_finish(r, k, m_n, p, u, tokens, sh, profile);
+    }
+    return 0;
+}
+#endif  // TKB_HEADS
+
 // The fences around the row's ticket: a block's maxima are published (release) before its
 // ticket and read (acquire) after the last one.
 __device__ __forceinline__ void tkb_fence() {
@@ -3374,15 +3542,17 @@ __device__ __forceinline__ void tkb_fence() {
 // One launch: grid (slices, rows), `slice_len` logits a block (a multiple of 32, at most
 // TKB_PER * THREADS; the launcher keeps ceil(vocab / 32) <= TKB_GROUP_PER * THREADS and
 // slices * slice_len / 32 <= `group_stride`). `maxima` holds `group_stride` u32 a row,
-// `tickets` one u32 a row (zero on entry, left zero); `profile` is read only with
-// SAMPLE_PROFILE=1.
+// `tickets` one u32 a row (zero on entry, left zero); `heads` (TKB_HEADS > 0 only)
+// `heads_stride` u64 a row: a grid whose lists do not fit takes the bound path; `profile` is
+// read only with SAMPLE_PROFILE=1.
 extern "C" __global__ void __launch_bounds__(THREADS, TKB_MIN_BLOCKS)
 kiln_sample_topk_bound(const float* __restrict__ logits, long long vocab, long long row_stride,
                        const KilnSampleParams* __restrict__ params, const kiln_u64* __restrict__ steps,
                        const kiln_u32* __restrict__ history_offsets, const kiln_u32* __restrict__ history,
                        kiln_u32* __restrict__ counts, float* __restrict__ scratch, const kiln_u64* __restrict__ stats,
                        int stats_per_row, kiln_u32* __restrict__ tokens, kiln_u32* tickets, kiln_u32* maxima,
-                       int group_stride, long long slice_len, kiln_u64* profile) {
+                       int group_stride, long long slice_len, kiln_u64* heads, int heads_stride,
+                       kiln_u64* profile) {
     kiln_wait_prior();
     __shared__ TopKBoundShared sh;
 #if SAMPLE_PROFILE
@@ -3439,6 +3609,18 @@ kiln_sample_topk_bound(const float* __restrict__ logits, long long vocab, long l
         if (lane == 0 && j < slice_groups) out[j] = m;
     }
     TKB_CLOCK(9, first);
+#if TKB_HEADS
+    // The slice's list (the heads path), where every list of the row fits the stride and the
+    // last block's reads (the same for the whole grid).
+    const bool headed = (long long)gridDim.x * TKB_HEADS <= min(heads_stride, TKB_HEAD_CAP);
+    if (headed) {
+        tkb_write_heads(key, lo, slice_len, heads + (long long)r * heads_stride + (long long)blockIdx.x * TKB_HEADS,
+                        sh);
+    }
+#else
+    (void)heads;
+    (void)heads_stride;
+#endif
     tkb_fence();
     __syncthreads();
     TKB_CLOCK(10, first);
@@ -3465,8 +3647,22 @@ kiln_sample_topk_bound(const float* __restrict__ logits, long long vocab, long l
     TKB_SET(35, row0, k);
     TKB_SET(37, row0, gridDim.x);
     TKB_SET(38, row0, slice_groups);
+#if TKB_HEADS
+    int fallback = TKB_SATURATED;
+    if (headed) {
+        fallback = sample_row_topk_heads(r, k, p, step, tokens, heads + (long long)r * heads_stride, (int)gridDim.x,
+                                         sh, profile);
+    }
+    TKB_SET(40, row0, fallback == TKB_SATURATED ? 1 : 0);
+    if (fallback == TKB_SATURATED) {
+        __syncthreads();
+        fallback = sample_row_topk_bound(r, k, logits + (long long)r * row_stride, vocab, p, step, tokens,
+                                         maxima + (long long)r * group_stride, groups, sh, profile);
+    }
+#else
     const int fallback = sample_row_topk_bound(r, k, logits + (long long)r * row_stride, vocab, p, step, tokens,
                                                maxima + (long long)r * group_stride, groups, sh, profile);
+#endif
     TKB_SET(36, row0, fallback);
     if (fallback == TKB_FALLBACK) {
         __syncthreads();

@@ -1272,6 +1272,32 @@ pub const SAMPLE: KernelSource = KernelSource {
             ("TKB_GROUP_PER", "16"),
             ("TKB_MIN_BLOCKS", "1"),
         ],
+        // The same with the slices' lists (`SamplePath::TopKHeads`).
+        &[
+            ("THREADS", "512"),
+            ("PENALTIES", "0"),
+            ("TKB_PER", "16"),
+            ("TKB_GROUP_PER", "16"),
+            ("TKB_MIN_BLOCKS", "1"),
+            ("TKB_HEADS", "8"),
+        ],
+        &[
+            ("THREADS", "512"),
+            ("PENALTIES", "1"),
+            ("TKB_PER", "16"),
+            ("TKB_GROUP_PER", "16"),
+            ("TKB_MIN_BLOCKS", "1"),
+            ("TKB_HEADS", "8"),
+        ],
+        &[
+            ("THREADS", "512"),
+            ("PENALTIES", "0"),
+            ("SAMPLE_PROFILE", "1"),
+            ("TKB_PER", "16"),
+            ("TKB_GROUP_PER", "16"),
+            ("TKB_MIN_BLOCKS", "1"),
+            ("TKB_HEADS", "8"),
+        ],
     ],
     fmad: false,
 };

@@ -319,7 +319,8 @@ fn a_scratch_is_reused_across_launches() {
                 SamplePath::TopKMerge,
                 SamplePath::TopKBound,
                 SamplePath::TopKWide,
-            ][launch % 7];
+                SamplePath::TopKHeads,
+            ][launch % 8];
             let (got, _) = run_gpu(
                 &gpu,
                 &[],
@@ -385,7 +386,9 @@ fn the_profiled_top_k_kernels_sample_and_count() {
         out.fill_bytes(0xAB).expect("poison");
         let scratch = SampleScratch::new(&gpu, rows, vocab).expect("scratch");
         let sms = gpu.facts().multiprocessors as usize;
-        for path in [SamplePath::TopKBound, SamplePath::TopKWide, SamplePath::TopKMerge] {
+        for path in
+            [SamplePath::TopKBound, SamplePath::TopKWide, SamplePath::TopKHeads, SamplePath::TopKMerge]
+        {
             out.fill_bytes(0xAB).expect("poison");
             let profile = gpu.alloc(PROFILE_SLOTS * 8).expect("profile");
             profile.fill_bytes(0).expect("zero");
@@ -422,8 +425,14 @@ fn the_profiled_top_k_kernels_sample_and_count() {
             assert_eq!(slots[36], 0, "{path:?} rows {rows}: fell back");
             let first_entry = !slots[0];
             assert!(slots[2] > first_entry && slots[25] > slots[24], "{path:?} rows {rows}: {slots:?}");
-            if path != SamplePath::TopKMerge {
-                let grid = if path == SamplePath::TopKWide { topk_wide_slices } else { topk_bound_slices };
+            if path == SamplePath::TopKHeads && slots[40] == 0 {
+                // The heads path's last block: listed tokens (32), candidates (34).
+                let (count, len) = topk_wide_slices(rows, vocab, sms).expect("grid");
+                assert_eq!(slots[37], count as u64, "rows {rows}: slices");
+                assert_eq!(slots[38], (len / 32) as u64, "rows {rows}: groups a slice");
+                assert!(slots[32] >= k as u64 && slots[34] >= k as u64, "rows {rows}: {slots:?}");
+            } else if path != SamplePath::TopKMerge {
+                let grid = if path == SamplePath::TopKBound { topk_bound_slices } else { topk_wide_slices };
                 let (count, len) = grid(rows, vocab, sms).expect("grid");
                 assert_eq!(slots[37], count as u64, "rows {rows}: slices");
                 assert_eq!(slots[38], (len / 32) as u64, "rows {rows}: groups a slice");
@@ -443,11 +452,11 @@ fn the_profiled_top_k_kernels_sample_and_count() {
     }
 }
 
-/// The top-k bound kernel's two compiles (256-thread blocks, `TopKBound`, and 512-thread blocks,
-/// `TopKWide`) at batch 1
+/// The top-k bound kernel's three compiles (256-thread blocks, `TopKBound`, 512-thread blocks,
+/// `TopKWide`, and those with the slices' lists, `TopKHeads`) at batch 1
 /// and vocab 151936, on fresh rows of every edge shape and rows like the benchmark's, each with
 /// its own top-k (1, 2, 50, 255, 256 and random), greedy or with a temperature, top-p and min-p:
-/// the token is the CPU reference's, and the two find the same bound (row 0's counts of valid
+/// the token is the CPU reference's, and the first two find the same bound (row 0's counts of valid
 /// groups, candidate groups, candidates, k, fallbacks and radix passes are equal: the same bin
 /// and the same prefix, whatever the slices).
 #[test]
@@ -458,6 +467,7 @@ fn the_wide_bound_equals_the_binary_search_and_the_reference() {
     let scratch = SampleScratch::new(&gpu, 1, vocab).expect("scratch");
     let mut failures = Vec::new();
     let mut checked = 0usize;
+    let mut saturated = 0usize;
     for case in 0..96 {
         let logits: Vec<f32> = match case % 16 {
             shape @ 0..=11 => edge_row(&mut rng, vocab, shape),
@@ -498,7 +508,7 @@ fn the_wide_bound_equals_the_binary_search_and_the_reference() {
         let history_dev = upload(&gpu, &[0u8; 4]);
         let out = gpu.alloc(4).expect("tokens");
         let mut counts = Vec::new();
-        for path in [SamplePath::TopKBound, SamplePath::TopKWide] {
+        for path in [SamplePath::TopKBound, SamplePath::TopKWide, SamplePath::TopKHeads] {
             out.fill_bytes(0xAB).expect("poison");
             let profile = gpu.alloc(PROFILE_SLOTS * 8).expect("profile");
             profile.fill_bytes(0).expect("zero");
@@ -530,6 +540,9 @@ fn the_wide_bound_equals_the_binary_search_and_the_reference() {
                 .collect();
             // Slots 37 and 38 (slices, groups a slice) are the grid's: the wide path's differs.
             counts.push([slots[32], slots[33], slots[34], slots[35], slots[36], slots[39]]);
+            if path == SamplePath::TopKHeads {
+                saturated += slots[40] as usize;
+            }
         }
         if counts[0] != counts[1] {
             failures.push(format!(
@@ -540,7 +553,7 @@ fn the_wide_bound_equals_the_binary_search_and_the_reference() {
             ));
         }
     }
-    println!("{checked} cases checked");
+    println!("{checked} cases checked, {saturated} rows sent from the heads path to the bound path");
     let shown: Vec<&String> = failures.iter().take(20).collect();
     assert!(failures.is_empty(), "{} failures:\n{shown:#?}", failures.len());
 }
@@ -692,6 +705,7 @@ fn fused_paths_equal_the_cpu_reference_on_edge_rows() {
             SamplePath::TopKMerge,
             SamplePath::TopKBound,
             SamplePath::TopKWide,
+            SamplePath::TopKHeads,
         ] {
             for penalty in [true, false] {
                 let want_here: Vec<u32> = if penalty {
@@ -882,7 +896,8 @@ fn gpu_frequencies_match_the_exact_distribution() {
                 SamplePath::TopKMerge,
                 SamplePath::TopKBound,
                 SamplePath::TopKWide,
-            ][launch % 6];
+                SamplePath::TopKHeads,
+            ][launch % 7];
             let (got, _) = run_gpu(
                 &gpu,
                 &[],

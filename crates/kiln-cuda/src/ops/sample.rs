@@ -59,6 +59,10 @@
 //! [`SamplePath::TopKWide`] launches it compiled for blocks of [`TOPK_WIDE_THREADS`] (a grid of
 //! [`topk_wide_slices`], one block a multiprocessor), so that each thread of the row's last block
 //! holds half the group maxima and 16 warps hide each other's latency.
+//! [`SamplePath::TopKHeads`] launches that compile with `TKB_HEADS=8`: each block also lists its
+//! slice's largest tokens, and the row's last block bounds the top-k from the lists alone (one
+//! histogram of the listed tokens) and finishes on the listed tokens, with no search loop and no
+//! second read of the logits (a row with a saturated list takes the wide path's last block).
 //!
 //! Every path gives the reference's token; [`SamplePath`] chooses among them. The default,
 //! [`SamplePath::Auto`], runs the fused path and the mass path's three launches after it (which
@@ -258,11 +262,22 @@ pub enum SamplePath {
     /// single top-k row: top-k + top-p at vocabulary 151936 in 14.2 us on the H200 against
     /// [`SamplePath::TopKBound`]'s 15.7 (`bench/results/2026-11-30-h200-afternoon/r19`).
     TopKWide,
+    /// [`SamplePath::TopKWide`] with the bound search moved into the slice blocks
+    /// (`kiln_sample_topk_bound` compiled as it with `TKB_HEADS=8`): each block also lists its
+    /// slice's [`TOPK_HEADS`] largest tokens (key and index), and the row's last block reads the
+    /// lists (one round trip), picks the bin of the distance below the row maximum at which
+    /// their count reaches k (one histogram, one warp), and finishes on the listed tokens up to
+    /// that bin: no search loop, no second read of the logits. A row where a slice holds more
+    /// than its list's worth of tokens up to that bin takes [`SamplePath::TopKWide`]'s last
+    /// block. The row's top-k are among the candidates, hence the reference's token. Not chosen
+    /// by [`SamplePath::for_rows`]: a candidate to measure against [`SamplePath::TopKWide`] for
+    /// a single top-k row.
+    TopKHeads,
 }
 
 impl SamplePath {
     /// Every path, for tests that compare each with the reference.
-    pub const ALL: [SamplePath; 10] = [
+    pub const ALL: [SamplePath; 11] = [
         SamplePath::Auto,
         SamplePath::SingleBlock,
         SamplePath::TopKBlocks,
@@ -273,6 +288,7 @@ impl SamplePath {
         SamplePath::TopKMerge,
         SamplePath::TopKBound,
         SamplePath::TopKWide,
+        SamplePath::TopKHeads,
     ];
 
     /// The path for a batch of rows with these parameters, known on the host, by the H200's
@@ -331,7 +347,7 @@ impl SamplePath {
 
     /// The paths that launch `kiln_sample_topk_bound`.
     fn top_k_bound(self) -> bool {
-        matches!(self, SamplePath::TopKBound | SamplePath::TopKWide)
+        matches!(self, SamplePath::TopKBound | SamplePath::TopKWide | SamplePath::TopKHeads)
     }
 }
 
@@ -447,6 +463,11 @@ const TOPK_BOUND_GROUP: usize = 32;
 const TOPK_BOUND_MIN_SLICE: usize = FUSED_MIN_SLICE;
 /// Blocks of the top-k bound kernel a multiprocessor keeps resident (`TKB_MIN_BLOCKS`).
 const TOPK_BOUND_BLOCKS_PER_SM: usize = 2;
+/// Tokens each slice block of [`SamplePath::TopKHeads`] lists (`TKB_HEADS` of its compile): 8
+/// keeps a list from saturating (more of the row's top-k candidates in one slice than it holds,
+/// which sends the row to [`SamplePath::TopKWide`]'s last block) but in rare rows at k = 50 over
+/// 132 slices of random logits.
+pub const TOPK_HEADS: usize = 8;
 /// u64 slots of the profile buffer of [`sample_with_path_profiled`].
 pub const PROFILE_SLOTS: usize = 64;
 
@@ -715,7 +736,7 @@ pub fn sample_with_path(
 }
 
 /// [`sample_with_path`]; with `profile` (at least [`PROFILE_SLOTS`] u64, zeroed by the caller)
-/// and [`SamplePath::TopKBound`], [`SamplePath::TopKWide`] or
+/// and [`SamplePath::TopKBound`], [`SamplePath::TopKWide`], [`SamplePath::TopKHeads`] or
 /// [`SamplePath::TopKMerge`], the kernel is compiled with
 /// `SAMPLE_PROFILE=1` and writes the time stamps and counts of its phases there (the slots are
 /// listed in `sample.cu`; other paths leave it untouched).
@@ -776,7 +797,8 @@ pub fn sample_with_path_profiled(
         | SamplePath::Greedy
         | SamplePath::TopKMerge
         | SamplePath::TopKBound
-        | SamplePath::TopKWide => None,
+        | SamplePath::TopKWide
+        | SamplePath::TopKHeads => None,
         _ => slices(rows, vocab, multiprocessors),
     };
     // The fused launch also runs the mass path's first step on the mass path's slices: its grid
@@ -788,7 +810,7 @@ pub fn sample_with_path_profiled(
     let merge_grid =
         if path == SamplePath::TopKMerge { topk_merge_slices(rows, vocab, multiprocessors) } else { None };
     let bound_grid = match path {
-        SamplePath::TopKWide => topk_wide_slices(rows, vocab, multiprocessors),
+        SamplePath::TopKWide | SamplePath::TopKHeads => topk_wide_slices(rows, vocab, multiprocessors),
         _ if path.top_k_bound() => topk_bound_slices(rows, vocab, multiprocessors),
         _ => None,
     };
@@ -929,7 +951,8 @@ pub fn sample_with_path_profiled(
         return Ok(());
     }
     if let (Some((bound_count, bound_len)), true) = (bound_grid, base != 0) {
-        let shape = if path == SamplePath::TopKWide { TOPK_WIDE_SHAPE } else { TOPK_BOUND_SHAPE };
+        let wide_path = matches!(path, SamplePath::TopKWide | SamplePath::TopKHeads);
+        let shape = if wide_path { TOPK_WIDE_SHAPE } else { TOPK_BOUND_SHAPE };
         let block_threads = shape.threads as u32;
         let bound_threads = block_threads.to_string();
         let profiled = if profile.is_some() { "1" } else { "0" };
@@ -937,7 +960,11 @@ pub fn sample_with_path_profiled(
             vec![("THREADS", bound_threads.as_str()), ("PENALTIES", penalties), ("SAMPLE_PROFILE", profiled)];
         // The wide compile's shape (the 256-thread one takes the kernel's own constants).
         let wide = [shape.per_thread, shape.groups_per_thread, shape.blocks_per_sm].map(|v| v.to_string());
-        if path == SamplePath::TopKWide {
+        let heads_define = TOPK_HEADS.to_string();
+        if path == SamplePath::TopKHeads {
+            bound_defines.push(("TKB_HEADS", heads_define.as_str()));
+        }
+        if wide_path {
             bound_defines.extend([
                 ("TKB_PER", wide[0].as_str()),
                 ("TKB_GROUP_PER", wide[1].as_str()),
@@ -955,9 +982,20 @@ pub fn sample_with_path_profiled(
         let profile_ptr = profile.map_or(0u64, DeviceMemory::device_ptr);
         let mut launch = gpu.launch_builder(&function);
         row_args.push(&mut launch);
-        launch.arg(&tickets).arg(&maxima_region).arg(&group_stride).arg(&bound_len).arg(&profile_ptr);
+        // The slices' lists of the heads path (TKB_HEADS > 0) in the lists' values region:
+        // `slots * FAST_BLOCK_CAP` u32 a row.
+        let heads = at(layout.values);
+        let heads_stride = (layout.slots * FAST_BLOCK_CAP / 2) as i32;
+        launch
+            .arg(&tickets)
+            .arg(&maxima_region)
+            .arg(&group_stride)
+            .arg(&bound_len)
+            .arg(&heads)
+            .arg(&heads_stride)
+            .arg(&profile_ptr);
         // SAFETY: the arguments match `kiln_sample_topk_bound`'s signature (pointer, i64, i64, 7
-        // pointers, i32, 3 pointers, i32, i64, pointer); every buffer was checked above to hold
+        // pointers, i32, 3 pointers, i32, i64, pointer, i32, pointer); every buffer was checked above to hold
         // what `rows` rows touch, `counts` and `scratch` are null only with PENALTIES=0, `stats`
         // only with zero statistics per row, `profile` null or PROFILE_SLOTS u64 (checked above).
         // The scratch is laid out by `ScratchLayout` for at least `rows` rows of this vocabulary
@@ -965,8 +1003,10 @@ pub fn sample_with_path_profiled(
         // each for the THREADS, TKB_PER and TKB_GROUP_PER of its compile, keep them within
         // TKB_GROUP_PER * THREADS and within the stride, tested) lie in the fused lists' region
         // (`fused_slots` * FUSED_KMAX u64 a row: the stride's bytes); each slice is a multiple of
-        // 32 logits and at most TKB_PER * THREADS; the tickets are zero (zeroed at allocation,
-        // left zero by every launch).
+        // 32 logits and at most TKB_PER * THREADS; the heads path's lists (`heads_stride` u64 a
+        // row, the kernel lists only a grid that fits) lie in the lists' values region
+        // (`slots * FAST_BLOCK_CAP` u32 a row); the tickets are zero (zeroed at allocation, left
+        // zero by every launch).
         unsafe { launch.launch(bound_config) }
             .map_err(|e| driver_error("cuLaunchKernel(kiln_sample_topk_bound)", e))?;
         return Ok(());
@@ -1243,6 +1283,14 @@ mod tests {
         assert_eq!(topk_wide_slices(1, 151_936, 132), Some((132, 1152)));
         assert_eq!(topk_wide_slices(64, 151_936, 132), Some((19, 8000)));
         assert_eq!(topk_wide_slices(1, 262_145, 132), None);
+        // The heads path's lists fit the last block's reads (TKB_HEAD_CAP = 2048 entries) and
+        // the lists' values region (`slots * FAST_BLOCK_CAP / 2` u64 a row) at batch 1: else
+        // every row would take the wide path's last block.
+        for (vocab, sms) in [(151_936usize, 132usize), (32_000, 108), (128_256, 132), (262_144, 132)] {
+            let (count, _) = topk_wide_slices(1, vocab, sms).unwrap();
+            assert!(count * TOPK_HEADS <= 2048, "{vocab} {sms}: {count} slices");
+            assert!(count * TOPK_HEADS <= slots(vocab) * FAST_BLOCK_CAP / 2, "{vocab} {sms}: {count} slices");
+        }
         let layout = ScratchLayout::new(3, 151_936);
         let lists = 3 * 75 * FAST_BLOCK_CAP * 4;
         assert!(layout.counts >= 3 * 4 && layout.cuts >= layout.counts + 3 * 75 * 4);
