@@ -309,6 +309,11 @@ impl NormVariant {
         // 13.42 and 77.8 against 83.2).
         let block_lane =
             matches!(call.spec.out, NormOutput::Quantized(Quantizer::Int8 | Quantizer::Nvfp4 { .. }));
+        // LayerNorm of 2 or 4 warps a row: the row's first warp alone finishes the totals (`+t`, the
+        // same operations in the same order, so the same bits). Each warp finishing both totals
+        // itself needs more than the 64 registers sm_90's ptxas gives the bf16 8-units-a-warp
+        // case, which spills (12 bytes at 2 warps, 8 at 4); with `+t` 72 and 71, no spill.
+        let row_total = call.spec.kind == NormKind::Layer && !block_lane && matches!(warps, 2 | 4);
         NormVariant {
             warps_per_row: warps,
             rows_per_block,
@@ -317,7 +322,7 @@ impl NormVariant {
             stages: 0,
             block_lane,
             weight_ahead: false,
-            row_total: false,
+            row_total,
         }
     }
 }
@@ -735,7 +740,7 @@ pub fn persistent_blocks_per_multiprocessor(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kiln_core::ops::norm::RmsNorm;
+    use kiln_core::ops::norm::{LayerNorm, RmsNorm};
 
     #[test]
     fn variants_cover_every_row_length_up_to_16384() {
@@ -770,6 +775,18 @@ mod tests {
         let fp8 = NormSpec { out: NormOutput::Quantized(Quantizer::Fp8E4m3 { scale: 1.0 }), ..rms };
         assert_eq!(NormVariant::default_for(&call(fp8, 8192, 8192)), variant(8, 1, false));
         assert_eq!(NormVariant::default_for(&call(rms, 1, 4096)), variant(16, 1, true));
+        let layer: NormSpec = LayerNorm {
+            eps: 1e-5,
+            weight: WeightMode::Plain,
+            bias: true,
+            groups: 1,
+            out: NormOutput::Float(DType::BF16),
+        }
+        .into();
+        assert_eq!(NormVariant::default_for(&call(layer, 2048, 4096)), row_total(2, 1));
+        assert_eq!(NormVariant::default_for(&call(layer, 8192, 8192)), row_total(4, 1));
+        assert_eq!(NormVariant::default_for(&call(layer, 1, 4096)), variant(16, 1, true));
+        assert_eq!(NormVariant::default_for(&call(layer, 8192, 16_384)), variant(8, 1, false));
         assert_eq!(NormVariant::default_for(&call(rms, 8192, 576)), variant(1, 4, false));
         assert_eq!(NormVariant::default_for(&call(rms, 1, 576)), variant(4, 1, true));
         // Per-head norms of 128 values: one warp a head, whatever the row count.
@@ -783,6 +800,67 @@ mod tests {
         assert_eq!(variant(4, 1, true).units_per_warp(8200), None);
         let unique: std::collections::HashSet<_> = NORM_VARIANTS.iter().collect();
         assert_eq!(unique.len(), NORM_VARIANTS.len(), "variants are listed once");
+    }
+
+    /// The launcher's defines of `call` on `variant` with or without the residual, as a set.
+    fn launch_defines(call: &NormCall, variant: NormVariant, residual: bool) -> Vec<(String, String)> {
+        let mut defines: Vec<(String, String)> = call
+            .defines(variant)
+            .unwrap_or_else(|e| panic!("{variant:?}: {e}"))
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), if k == "HAS_RESIDUAL" && residual { "1".to_owned() } else { v }))
+            .collect();
+        if variant.stages > 0 {
+            defines.push(("STAGES".to_owned(), variant.stages.to_string()));
+        }
+        defines.sort();
+        defines
+    }
+
+    /// Whether `defines` is one of kernels::NORM's define sets (in any order).
+    fn compiled(defines: &[(String, String)]) -> bool {
+        NORM.define_sets.iter().any(|set| {
+            let mut set: Vec<(String, String)> =
+                set.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+            set.sort();
+            set == defines
+        })
+    }
+
+    #[test]
+    fn defines_of_the_benchmark_defaults_and_the_decode_winner_are_compiled_define_sets() {
+        // The compile check compiles kernels::NORM's define sets: the declared defaults of the
+        // benchmark's LayerNorm at 2048 x 4096 and 8192 x 8192 and of its RMSNorm after the
+        // residual add at 2048 x 4096 (`kiln bench norm`), and the certified Llama-3-8B decode
+        // norm after the residual add, are among them.
+        let rms = RmsNorm::llama(1e-5, DType::BF16);
+        let layer = LayerNorm {
+            eps: 1e-5,
+            weight: WeightMode::Plain,
+            bias: true,
+            groups: 1,
+            out: NormOutput::Float(DType::BF16),
+        };
+        let call = |spec: NormSpec, rows, hidden| NormCall {
+            spec,
+            rows,
+            hidden,
+            x_type: DType::BF16,
+            weight_type: DType::BF16,
+        };
+        for (call, residual) in [
+            (call(layer.into(), 2048, 4096), false),
+            (call(layer.into(), 8192, 8192), false),
+            (call(rms.into(), 2048, 4096), true),
+        ] {
+            let defines = launch_defines(&call, NormVariant::default_for(&call), residual);
+            assert!(compiled(&defines), "{call:?}: {defines:?}");
+        }
+        let winner = persistent(16, 1, true);
+        assert!(compiled(&launch_defines(&call(rms.into(), 1, 4096), winner, true)));
+        // The check itself: the residual changes the set.
+        assert!(!compiled(&launch_defines(&call(rms.into(), 1, 4096), winner, false)));
+        assert!(!compiled(&launch_defines(&call(layer.into(), 2048, 4096), variant(2, 1, false), false)));
     }
 
     #[test]
