@@ -29,18 +29,7 @@
 //! kernel one block a multiprocessor, 8 warps (`stream wide`, `stream3-1x8x16.sN`) or six steps
 //! in flight a warp (`stream deep`, `stream6-1x4x16.sN`), at the splits of
 //! [`decode_stream_splits_for`](kiln_cuda::ops::attention::decode_stream_splits_for) (one wave),
-//! and at batch 1 and 8 both at twice those (`stream wide, two waves`, `stream deep, two waves`);
-//! then the persistent kernel (one block a multiprocessor, a copying warp streaming K/V five
-//! stages deep) with 16-byte copies (`persistent`, `persist5-1x4x16.s64`), bulk copies on sm_90
-//! (`persistent bulk`, `bulk5-1x4x16.s64`), bulk copies three stages deep (`persistent bulk
-//! shallow`, `bulk3-1x4x16.s64`), bulk copies at most 32 chunks a sequence (`bulk5-...s32`), and
-//! both copies at the chunks of
-//! [`persistent_splits_for`](kiln_cuda::ops::attention::persistent_splits_for) (`own chunks`:
-//! about four items a block; 9 at batch 8, 2 at batch 64); then the persistent kernel without
-//! the copying warp, each computing warp copying its own steps of 16 keys (`persistent warp
-//! copies`, `own5-1x4x16.s64`; three steps deep, `persistent warp copies shallow`,
-//! `own3-1x4x16.s64`; two steps deep at two blocks a multiprocessor, `persistent warp copies,
-//! pair`, `own2-1x4x16.s64`; own5 and own2 also at the `own chunks`).
+//! and at batch 1 and 8 both at twice those (`stream wide, two waves`, `stream deep, two waves`).
 //!
 //! Both as a ratio to PyTorch's `scaled_dot_product_attention` (flash backend) on the same shapes
 //! (unpaged), read from the JSON of `bench/peers/attention.py` (`--peer`). Timing: CUDA events,
@@ -65,9 +54,8 @@ use kiln_cuda::certify::{
     DECODE_SHORT_MAX,
 };
 use kiln_cuda::ops::attention::{
-    attention, attention_persistent_profiled, decode_splits_resident, decode_stream_splits_for,
-    persistent_splits_for, scratch_bytes, AttentionVariant, KvBuffers, PagedBatch, DECODE_L2_HINT_ENV,
-    PERSISTENT_PROFILE_SLOTS, PERSISTENT_SPLITS,
+    attention, decode_splits_resident, decode_stream_splits_for, scratch_bytes, AttentionVariant, KvBuffers,
+    PagedBatch, DECODE_L2_HINT_ENV,
 };
 use kiln_cuda::{DeviceMemory, Gpu};
 
@@ -92,15 +80,9 @@ pub struct BenchAttentionArgs {
     pub out: Option<PathBuf>,
     /// Only the decode rows whose tag or configuration name contains one of these
     /// comma-separated words (the certified row always), and no prefill table: `--decode-only
-    /// persist,bulk` times the persistent variants beside the certified configuration.
+    /// stream` times the one-block streaming variants beside the certified configuration.
     #[arg(long, value_delimiter = ',')]
     pub decode_only: Vec<String>,
-    /// After each persistent decode row, one launch compiled with the kernel's phase profile
-    /// (`attention_persistent_profiled`): a `profile` line per row with each warp's share of its
-    /// cycles waiting for K/V, computing, issuing its own copies, in item prologues and ends, and
-    /// its steps, summed over the blocks.
-    #[arg(long)]
-    pub persist_profile: bool,
     /// More decode configurations to time, by label (comma-separated, as the tuning reports
     /// name them: `hybrid-1x4x16.s16,1x4x32.s8`), each a row tagged `extra` at every batch and
     /// context: splits beyond the defaults' one wave, for measurement.
@@ -112,34 +94,6 @@ pub struct BenchAttentionArgs {
     /// Only these decode contexts (comma-separated; default all of 1024 to 131072).
     #[arg(long, value_delimiter = ',')]
     pub decode_contexts: Vec<usize>,
-}
-
-/// The `profile` line of a persistent row: for each warp that ran (the copying warp last), the
-/// percent of its cycles (entry to exit, summed over the blocks) in each phase of
-/// [`PERSISTENT_PROFILE_SLOTS`]'s layout, its steps and items, and its mean cycles a step.
-fn persist_profile_line(row: &str, slots: &[u64]) -> String {
-    let mut line = format!("profile | {row} |");
-    for warp in 0..slots.len() / 16 {
-        let s = &slots[16 * warp..16 * warp + 16];
-        let total = s[10];
-        if total == 0 {
-            continue;
-        }
-        let pct = |i: usize| 100.0 * s[i] as f64 / total as f64;
-        let per_step = if s[8] > 0 { (s[0] + s[1] + s[2]) as f64 / s[8] as f64 } else { 0.0 };
-        line.push_str(&format!(
-            " w{warp}: wait {:.0}% compute {:.0}% copy {:.0}% prologue {:.0}% end {:.0}% start {:.0}%, {} steps, {} items, {per_step:.0} cycles a step |",
-            pct(0),
-            pct(1),
-            pct(2),
-            pct(3),
-            pct(4),
-            pct(5),
-            s[8],
-            s[9],
-        ));
-    }
-    line
 }
 
 /// The tag of the decode row whose streaming kernel reads K/V without the evict-first hint.
@@ -355,39 +309,6 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
                 AttentionConfig { variant: AttentionVariant::DECODE_STREAM_DEEP, splits: 2 * stream },
             ));
         }
-        // The persistent kernel (one block a multiprocessor, a copying warp): 16-byte copies
-        // (`persistent`), bulk copies on sm_90 five and three stages deep (`persistent bulk`,
-        // `persistent bulk shallow`), a sequence cut into at most 64 chunks; the bulk one also
-        // at 32 (longer chunks past 8k positions, half the partials); then without the copying
-        // warp, each computing warp copying its own steps (`persistent warp copies`, five steps
-        // deep; `shallow`, three; `pair`, two steps and two blocks a multiprocessor).
-        let own_chunks = persistent_splits_for(multiprocessors, batch_size, KV_HEADS);
-        for (tag, variant, splits) in [
-            ("persistent", AttentionVariant::DECODE_PERSISTENT, PERSISTENT_SPLITS),
-            ("persistent bulk", AttentionVariant::DECODE_PERSISTENT_BULK, PERSISTENT_SPLITS),
-            ("persistent bulk shallow", AttentionVariant::DECODE_PERSISTENT_BULK_SHALLOW, PERSISTENT_SPLITS),
-            ("persistent bulk, 32 chunks", AttentionVariant::DECODE_PERSISTENT_BULK, PERSISTENT_SPLITS / 2),
-            ("persistent, own chunks", AttentionVariant::DECODE_PERSISTENT, own_chunks),
-            ("persistent bulk, own chunks", AttentionVariant::DECODE_PERSISTENT_BULK, own_chunks),
-            ("persistent warp copies", AttentionVariant::DECODE_PERSISTENT_OWN, PERSISTENT_SPLITS),
-            (
-                "persistent warp copies shallow",
-                AttentionVariant::DECODE_PERSISTENT_OWN_SHALLOW,
-                PERSISTENT_SPLITS,
-            ),
-            ("persistent warp copies, pair", AttentionVariant::DECODE_PERSISTENT_OWN_PAIR, PERSISTENT_SPLITS),
-            ("persistent warp copies, own chunks", AttentionVariant::DECODE_PERSISTENT_OWN, own_chunks),
-            (
-                "persistent warp copies pair, own chunks",
-                AttentionVariant::DECODE_PERSISTENT_OWN_PAIR,
-                own_chunks,
-            ),
-        ] {
-            if splits == own_chunks && splits == PERSISTENT_SPLITS && tag.ends_with("own chunks") {
-                continue; // the same configuration as the 64-chunk rows
-            }
-            configs.push((tag, AttentionConfig { variant, splits }));
-        }
         for label in &args.decode_configs {
             let config = AttentionConfig::parse(label).ok_or_else(|| Error::InvalidArgument {
                 name: "--decode-configs",
@@ -495,32 +416,6 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
                 );
                 println!("{line}");
                 let _ = writeln!(report, "{line}");
-                if args.persist_profile && config.variant.is_persistent() {
-                    let profile = gpu.alloc(PERSISTENT_PROFILE_SLOTS * 8)?;
-                    profile.fill_bytes(0)?;
-                    attention_persistent_profiled(
-                        &gpu,
-                        &shape,
-                        &batches[0],
-                        &q,
-                        cache,
-                        &out,
-                        Some(&scratch),
-                        splits,
-                        config.variant,
-                        &profile,
-                    )?;
-                    gpu.synchronize()?;
-                    let slots: Vec<u64> = profile
-                        .to_host_bytes()?
-                        .chunks_exact(8)
-                        .map(|b| u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]))
-                        .collect();
-                    let row = format!("{batch_size} | {context} | {}", config.label());
-                    let line = persist_profile_line(&row, &slots);
-                    println!("{line}");
-                    let _ = writeln!(report, "{line}");
-                }
             }
         }
     }

@@ -52,8 +52,8 @@ use crate::facts::DeviceFacts;
 use crate::kernels::{ATTENTION, LM_HEAD, NORM};
 use crate::memory::DeviceMemory;
 use crate::ops::attention::{
-    attention, decode_splits_for, decode_stream_splits_for, persistent_splits_for, scratch_bytes,
-    AttentionKernel, AttentionVariant, KvBuffers, PagedBatch, PERSISTENT_SPLITS,
+    attention, decode_splits_for, decode_stream_splits_for, scratch_bytes, AttentionKernel, AttentionVariant,
+    KvBuffers, PagedBatch,
 };
 use crate::ops::lm_head::{lm_head, plan, LmHeadBuffers, LmHeadVariant, LM_HEAD_VARIANTS};
 use crate::ops::norm::{norm, NormBuffers, NormCall, NormVariant, NORM_VARIANTS};
@@ -653,9 +653,7 @@ impl AttentionConfig {
     /// named `wgmma-8x1x128.s1` and `wgmma-pingpong-8x1x128.s1`, the decode variants three K/V
     /// tiles deep `deep-1x4x16.s8`, the one-stage alternating ones `alt-1x4x32.s4`, the hybrid decode `hybrid-1x4x16.s33`, and the streaming
     /// decode variants but the default `stream<stages>-...` (`stream3-1x8x16.s2`,
-    /// `stream6-1x4x16.s2`), the persistent decode variants `persist<stages>-...` (16-byte copies)
-    /// and `bulk<stages>-...` (bulk copies on sm_90), their splits the most chunks a sequence is cut
-    /// into (`persist5-1x4x16.s64`, `bulk5-1x4x16.s64`, `bulk3-1x4x16.s64`).
+    /// `stream6-1x4x16.s2`).
     pub fn label(&self) -> String {
         let v = &self.variant;
         let kernel = match v.kernel {
@@ -669,15 +667,6 @@ impl AttentionConfig {
                     "stream{}-{}x{}x{}.s{}",
                     v.stages, v.warps_m, v.warps_n, v.warp_keys, self.splits
                 );
-            }
-            AttentionKernel::Persistent => {
-                return format!("persist{}-1x{}x16.s{}", v.stages, v.warps_n, self.splits);
-            }
-            AttentionKernel::PersistentBulk => {
-                return format!("bulk{}-1x{}x16.s{}", v.stages, v.warps_n, self.splits);
-            }
-            AttentionKernel::PersistentOwn => {
-                return format!("own{}-1x{}x16.s{}", v.stages, v.warps_n, self.splits);
             }
             AttentionKernel::Tiled | AttentionKernel::Streaming => "",
         };
@@ -703,7 +692,6 @@ impl AttentionConfig {
         let variant = AttentionVariant::ALL
             .into_iter()
             .chain(others)
-            .chain(AttentionVariant::PERSISTENT)
             .find(|&variant| AttentionConfig { variant, splits }.label() == label)?;
         Some(AttentionConfig { variant, splits })
     }
@@ -907,27 +895,6 @@ fn stream_candidates(task: &AttentionTask, facts: &DeviceFacts) -> Vec<Attention
         .collect()
 }
 
-/// The persistent decode variants ([`AttentionVariant::PERSISTENT`]) cut each sequence into at
-/// most [`PERSISTENT_SPLITS`] chunks, half that (longer chunks, fewer partials) at contexts past
-/// 16k positions, and [`persistent_splits_for`] the batch (about four items a block). The
-/// bulk-copy ones are pruned below sm_90 (where they compile the 16-byte copies, the plain
-/// persistent variant).
-fn persistent_candidates(task: &AttentionTask, facts: &DeviceFacts) -> Vec<AttentionConfig> {
-    let AttentionPhase::Decode { batch, context } = task.phase else { return Vec::new() };
-    let mut splits = vec![PERSISTENT_SPLITS];
-    if context > 16_384 {
-        splits.push(PERSISTENT_SPLITS / 2);
-    }
-    let own = persistent_splits_for(facts.multiprocessors, batch, task.shape.kv_heads);
-    if !splits.contains(&own) {
-        splits.push(own);
-    }
-    AttentionVariant::PERSISTENT
-        .into_iter()
-        .flat_map(|variant| splits.iter().map(move |&splits| AttentionConfig { variant, splits }))
-        .collect()
-}
-
 /// The attention configurations for `task`: prefill runs each prefill variant unsplit; decode
 /// runs each decode variant at 1, half, once and twice the default splits, and the wide and deep
 /// streaming ones at their own splits ([`stream_candidates`]); each must fit the
@@ -963,7 +930,6 @@ pub fn attention_candidates(task: &AttentionTask, facts: &DeviceFacts) -> Candid
             .into_iter()
             .flat_map(|variant| splits.iter().map(move |&splits| AttentionConfig { variant, splits }))
             .chain(stream_candidates(task, facts))
-            .chain(persistent_candidates(task, facts))
             .collect()
         }
     };
@@ -973,18 +939,13 @@ pub fn attention_candidates(task: &AttentionTask, facts: &DeviceFacts) -> Candid
             .map(|c| {
                 let v = c.variant;
                 let shared = v.shared_bytes(task.shape.head_dim) as u64;
-                let threads = 32 * v.warps_m * v.warps_n + if v.is_persistent() { 32 } else { 0 };
+                let threads = 32 * v.warps_m * v.warps_n;
                 let wgmma =
                     matches!(v, AttentionVariant::PREFILL_WGMMA | AttentionVariant::PREFILL_WGMMA_PINGPONG);
                 let why = if wgmma && (facts.compute_capability != (9, 0) || task.shape.head_dim != 128) {
                     Some(format!(
                         "the wgmma prefill serves sm_90 and head dim 128, not sm_{}{} and head dim {}",
                         facts.compute_capability.0, facts.compute_capability.1, task.shape.head_dim
-                    ))
-                } else if v.kernel == AttentionKernel::PersistentBulk && facts.compute_capability.0 < 9 {
-                    Some(format!(
-                        "the bulk copies serve sm_90 and later, not sm_{}{} (the persistent variant is its copy there)",
-                        facts.compute_capability.0, facts.compute_capability.1
                     ))
                 } else if shared > facts.shared_memory_per_block_optin_bytes {
                     Some(format!(

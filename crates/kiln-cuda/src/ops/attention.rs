@@ -60,24 +60,6 @@ pub enum AttentionKernel {
     /// K/V tiles, three stages deep, while the two others only compute, taking turns to issue
     /// their products so one's softmax overlaps the other's matrix work.
     WarpgroupPingpong,
-    /// `kiln_attention_decode_persistent` (`PERSISTENT` = 1): one query token per sequence on a
-    /// persistent grid (one block a multiprocessor, from the device alone); work items
-    /// (sequence, kv head and row tile, chunk of the context) in a fixed order, each block a
-    /// contiguous run of them balanced by keys; a copying warp streams K/V rows `stages` deep
-    /// through shared memory by 16-byte cp.async completing on mbarriers, `warps_n` computing
-    /// warps take 16 keys of each stage; chunk partials combined in chunk order by the last
-    /// chunk's block. The chunks ([`persistent_chunk_keys`]) depend on the context and the
-    /// call's `splits` alone, so the output bits do not depend on the grid.
-    Persistent,
-    /// [`AttentionKernel::Persistent`] with each K and V row copied by one `cp.async.bulk`
-    /// (Hopper's bulk copy engine, the bytes counted on the stage's mbarrier by expect_tx) on
-    /// sm_90; below sm_90 the module compiles the 16-byte copies instead (the same bits).
-    PersistentBulk,
-    /// [`AttentionKernel::Persistent`] without the copying warp (`PERSIST_OWN` = 1): each
-    /// computing warp copies its own 16-key steps (the same keys, so the same bits) by 16-byte
-    /// cp.async through its own `stages`-deep pipeline, its copies running `stages` steps ahead
-    /// across item boundaries; no mbarrier, no warp waiting on another but at an item's end.
-    PersistentOwn,
 }
 
 /// The work split of one thread block: `warps_m` warps of 16 rows each, and `warps_n` warps that
@@ -211,50 +193,6 @@ impl AttentionVariant {
         ..Self::PREFILL_WGMMA
     };
 
-    /// Decode on the persistent kernel ([`AttentionKernel::Persistent`]): 4 computing warps and a
-    /// copying one, five stages of 64 keys (K and V, 170 KiB at head dim 128, 160 KiB of it K/V
-    /// in flight), 16-byte cp.async copies; `splits` is the most chunks a sequence is cut into
-    /// ([`PERSISTENT_SPLITS`] by default). Not in [`AttentionVariant::ALL`] (named
-    /// `persist5-1x4x16.sN`).
-    pub const DECODE_PERSISTENT: AttentionVariant = AttentionVariant {
-        warps_m: 1,
-        warps_n: 4,
-        warp_keys: 16,
-        kernel: AttentionKernel::Persistent,
-        stages: PERSISTENT_STAGES,
-        hybrid: false,
-    };
-    /// [`AttentionVariant::DECODE_PERSISTENT`] copying each K/V row by `cp.async.bulk` on sm_90
-    /// ([`AttentionKernel::PersistentBulk`]; named `bulk5-1x4x16.sN`).
-    pub const DECODE_PERSISTENT_BULK: AttentionVariant =
-        AttentionVariant { kernel: AttentionKernel::PersistentBulk, ..Self::DECODE_PERSISTENT };
-    /// [`AttentionVariant::DECODE_PERSISTENT_BULK`] three stages deep (96 KiB of K/V in flight a
-    /// multiprocessor instead of 160; named `bulk3-1x4x16.sN`), to measure what the depth buys.
-    /// (Eight computing warps do not fit: nine warps a block leave 168 registers a thread.)
-    pub const DECODE_PERSISTENT_BULK_SHALLOW: AttentionVariant =
-        AttentionVariant { stages: 3, ..Self::DECODE_PERSISTENT_BULK };
-    /// [`AttentionVariant::DECODE_PERSISTENT`] with every computing warp copying its own steps
-    /// ([`AttentionKernel::PersistentOwn`]), five steps of 16 keys in flight a warp (the same
-    /// 160 KiB of K/V a block at head dim 128; named `own5-1x4x16.sN`).
-    pub const DECODE_PERSISTENT_OWN: AttentionVariant =
-        AttentionVariant { kernel: AttentionKernel::PersistentOwn, ..Self::DECODE_PERSISTENT };
-    /// [`AttentionVariant::DECODE_PERSISTENT_OWN`] three steps deep (96 KiB of K/V in flight a
-    /// block; named `own3-1x4x16.sN`).
-    pub const DECODE_PERSISTENT_OWN_SHALLOW: AttentionVariant =
-        AttentionVariant { stages: 3, ..Self::DECODE_PERSISTENT_OWN };
-    /// [`AttentionVariant::DECODE_PERSISTENT_OWN`] two steps deep and two blocks a
-    /// multiprocessor (eight warps, each with its own pipeline; 128 KiB of K/V a multiprocessor;
-    /// named `own2-1x4x16.sN`). The grid does not change the bits.
-    pub const DECODE_PERSISTENT_OWN_PAIR: AttentionVariant =
-        AttentionVariant { stages: 2, ..Self::DECODE_PERSISTENT_OWN };
-    /// The persistent decode variants with a copying warp (the certifier's candidates).
-    pub const PERSISTENT: [AttentionVariant; 3] =
-        [Self::DECODE_PERSISTENT, Self::DECODE_PERSISTENT_BULK, Self::DECODE_PERSISTENT_BULK_SHALLOW];
-    /// The persistent decode variants whose computing warps copy their own steps (not yet
-    /// certifier candidates). Every persistent variant gives the same bits.
-    pub const PERSISTENT_OWN: [AttentionVariant; 3] =
-        [Self::DECODE_PERSISTENT_OWN, Self::DECODE_PERSISTENT_OWN_SHALLOW, Self::DECODE_PERSISTENT_OWN_PAIR];
-
     /// Every named variant (distinct names); the tests run each, and
     /// [`AttentionVariant::DECODE_TILED`] beside them.
     pub const ALL: [AttentionVariant; 4] =
@@ -263,28 +201,9 @@ impl AttentionVariant {
     fn threads(&self) -> u32 {
         let copying_warps = match self.kernel {
             AttentionKernel::WarpgroupPingpong => 4,
-            AttentionKernel::Persistent | AttentionKernel::PersistentBulk => 1,
             _ => 0,
         };
         32 * (self.warps_m * self.warps_n + copying_warps)
-    }
-
-    /// Blocks a multiprocessor of a persistent variant's grid (the kernel's `PERSIST_MIN_BLOCKS`):
-    /// two for own copies two steps deep, else one.
-    pub fn persistent_blocks_per_multiprocessor(&self) -> u32 {
-        if self.kernel == AttentionKernel::PersistentOwn && self.stages == 2 {
-            2
-        } else {
-            1
-        }
-    }
-
-    /// Whether the variant runs the persistent decode kernel.
-    pub fn is_persistent(&self) -> bool {
-        matches!(
-            self.kernel,
-            AttentionKernel::Persistent | AttentionKernel::PersistentBulk | AttentionKernel::PersistentOwn
-        )
     }
 
     /// Whether the variant runs a kernel of `kernels/attention_prefill.cu` (wgmma, sm_90).
@@ -320,18 +239,6 @@ impl AttentionVariant {
             }
             AttentionKernel::Streaming => {
                 self.warps_n as usize * self.stages() as usize * 2 * self.warp_keys as usize * head_dim * 2
-            }
-            // Stages of K then V rows (16 keys a computing warp, padded by 16 bytes), then the
-            // merge rows (16 f32 rows a computing warp, padded by 16 bytes).
-            AttentionKernel::Persistent | AttentionKernel::PersistentBulk => {
-                let stage = 2 * 16 * self.warps_n as usize * (head_dim + 8) * 2;
-                self.stages() as usize * stage + self.warps_n as usize * 16 * (head_dim + 4) * 4
-            }
-            // Each computing warp's steps of 16 K then 16 V rows (unpadded, swizzled), then the
-            // merge rows.
-            AttentionKernel::PersistentOwn => {
-                let stage = 2 * 16 * self.warps_n as usize * head_dim * 2;
-                self.stages() as usize * stage + self.warps_n as usize * 16 * (head_dim + 4) * 4
             }
             // 1 KiB to align the swizzled arrays to their 1024-byte pattern, then Q rows and the
             // stages of K and V tiles, unpadded.
@@ -375,13 +282,6 @@ impl AttentionVariant {
                 ]
                 .contains(self)
                     && head_dim.is_multiple_of(64)
-            }
-            AttentionKernel::Persistent
-            | AttentionKernel::PersistentBulk
-            | AttentionKernel::PersistentOwn => {
-                (AttentionVariant::PERSISTENT.contains(self)
-                    || AttentionVariant::PERSISTENT_OWN.contains(self))
-                    && HEAD_DIMS.contains(&head_dim)
             }
             AttentionKernel::Warpgroup => *self == AttentionVariant::PREFILL_WGMMA && head_dim == 128,
             AttentionKernel::WarpgroupPingpong => {
@@ -439,35 +339,6 @@ const DEEP_STAGES: u32 = 3;
 
 /// K/V stages of the ping-pong wgmma kernel (its `PINGPONG_STAGES`).
 const PINGPONG_STAGES: u32 = 3;
-
-/// Stages of [`AttentionVariant::DECODE_PERSISTENT`] and [`AttentionVariant::DECODE_PERSISTENT_BULK`].
-const PERSISTENT_STAGES: u32 = 5;
-
-/// The persistent kernel's chunk quantum (its `PERSIST_QUANTUM`): chunks are whole multiples.
-pub const PERSISTENT_QUANTUM: usize = 256;
-
-/// The default `splits` of the persistent variants: a sequence is cut into at most 64 chunks
-/// (chunks of 256 keys up to 16k positions, longer past that).
-pub const PERSISTENT_SPLITS: u32 = 64;
-
-/// Keys of each chunk of a sequence of `context` positions under the persistent kernel with
-/// `splits` (at most that many chunks): [`PERSISTENT_QUANTUM`] times
-/// `ceil(context / (PERSISTENT_QUANTUM * splits))`, so from the context and `splits` alone.
-pub fn persistent_chunk_keys(context: usize, splits: u32) -> usize {
-    let unit = PERSISTENT_QUANTUM * splits.max(1) as usize;
-    PERSISTENT_QUANTUM * context.div_ceil(unit).max(1)
-}
-
-/// Splits (the most chunks a sequence is cut into) for the persistent variants on a device of
-/// `multiprocessors`, from the batch and the heads alone: enough (sequence, kv head, chunk) items
-/// for about four a block (so a block with one item more than another idles little), at most
-/// [`PERSISTENT_SPLITS`]: 64 at batch 1 (GQA 32/8 on 132 multiprocessors), 9 at batch 8, 2 at
-/// batch 64. Fewer chunks are fewer partials to write and combine.
-pub fn persistent_splits_for(multiprocessors: u32, batch: usize, kv_heads: usize) -> u32 {
-    let groups = (batch * kv_heads).max(1);
-    let wanted = (4 * multiprocessors.max(1) as usize).div_ceil(groups);
-    wanted.clamp(1, PERSISTENT_SPLITS as usize) as u32
-}
 
 /// Steps in flight per warp of the streaming kernel (its `STREAM_STAGES`).
 const STREAM_STAGES: u32 = 3;
@@ -696,17 +567,6 @@ fn defines(head_dim: usize, variant: AttentionVariant) -> Vec<(&'static str, Str
         ("WARPS_N", variant.warps_n.to_string()),
         ("WARP_KEYS", variant.warp_keys.to_string()),
     ];
-    if variant.is_persistent() {
-        defines.push(("STAGES", variant.stages.to_string()));
-        defines.push(("PERSISTENT", "1".to_owned()));
-        if variant.kernel == AttentionKernel::PersistentBulk {
-            defines.push(("PERSIST_BULK", "1".to_owned()));
-        }
-        if variant.kernel == AttentionKernel::PersistentOwn {
-            defines.push(("PERSIST_OWN", "1".to_owned()));
-        }
-        return defines;
-    }
     if variant.kernel == AttentionKernel::Tiled && variant.stages != STAGES {
         defines.push(("STAGES", variant.stages.to_string()));
     }
@@ -791,56 +651,6 @@ pub fn attention(
     splits: u32,
     variant: Option<AttentionVariant>,
 ) -> Result<()> {
-    attention_with_profile(gpu, shape, batch, q, cache, out, scratch, splits, variant, None)
-}
-
-/// u64 slots of the phase profile of [`attention_persistent_profiled`]: slot `16 w + s` of warp
-/// `w` (the copying warp is warp 4) sums over the blocks lane 0's cycles of phase `s`: 0 waiting
-/// for K/V (the copying warp: for a free stage), 1 computing steps (the copying warp: issuing
-/// copies), 2 issuing its own copies (own-copy variants), 3 the items' prologues, 4 the items'
-/// ends (merge, partial, ticket, combine), 5 the start; 8 the steps, 9 the items, 10 the cycles
-/// from entry to exit.
-pub const PERSISTENT_PROFILE_SLOTS: usize = 96;
-
-/// [`attention`] on a persistent variant compiled with `PERSIST_PROFILE` = 1, its warps' cycles
-/// per phase added into `profile` ([`PERSISTENT_PROFILE_SLOTS`] u64, zeroed by the caller). The
-/// same output bits; slower by the clock reads (for measurement only).
-#[allow(clippy::too_many_arguments)]
-pub fn attention_persistent_profiled(
-    gpu: &Gpu,
-    shape: &AttentionShape,
-    batch: &PagedBatch,
-    q: &DeviceMemory,
-    cache: KvBuffers<'_>,
-    out: &DeviceMemory,
-    scratch: Option<&DeviceMemory>,
-    splits: u32,
-    variant: AttentionVariant,
-    profile: &DeviceMemory,
-) -> Result<()> {
-    if !variant.is_persistent() {
-        return Err(Error::NotServed {
-            op: "attention profile",
-            reason: format!("{variant:?} is not a persistent variant"),
-        });
-    }
-    check_len("attention profile", profile.len_bytes(), PERSISTENT_PROFILE_SLOTS * 8)?;
-    attention_with_profile(gpu, shape, batch, q, cache, out, scratch, splits, Some(variant), Some(profile))
-}
-
-#[allow(clippy::too_many_arguments)]
-fn attention_with_profile(
-    gpu: &Gpu,
-    shape: &AttentionShape,
-    batch: &PagedBatch,
-    q: &DeviceMemory,
-    cache: KvBuffers<'_>,
-    out: &DeviceMemory,
-    scratch: Option<&DeviceMemory>,
-    splits: u32,
-    variant: Option<AttentionVariant>,
-    profile: Option<&DeviceMemory>,
-) -> Result<()> {
     let page_shift = check_shape(shape)?;
     let variant = variant.unwrap_or_else(|| AttentionVariant::default_for(batch.max_query_tokens));
     variant.validate(shape.head_dim)?;
@@ -851,7 +661,7 @@ fn attention_with_profile(
             reason: "between 1 and 1024".into(),
         });
     }
-    if variant.kernel == AttentionKernel::Streaming || variant.hybrid || variant.is_persistent() {
+    if variant.kernel == AttentionKernel::Streaming || variant.hybrid {
         if batch.max_query_tokens > 1 {
             return Err(Error::NotServed {
                 op: "attention kernel",
@@ -910,30 +720,12 @@ fn attention_with_profile(
     if variant.is_wgmma() {
         return prefill_wgmma(gpu, shape, batch, q, cache, out, variant, page_shift);
     }
-    if variant.is_persistent() {
-        let buffers = [q.device_ptr(), cache.k.device_ptr(), cache.v.device_ptr(), out.device_ptr()];
-        return decode_persistent(
-            gpu,
-            shape,
-            batch,
-            buffers,
-            (partial_out, partial_lse),
-            splits,
-            variant,
-            page_shift,
-            profile.map(|p| p.device_ptr()),
-        );
-    }
-
     let entry = match variant.kernel {
         AttentionKernel::Tiled if variant.hybrid => "kiln_attention_decode_hybrid",
         AttentionKernel::Tiled => "kiln_attention",
         AttentionKernel::Streaming => "kiln_attention_decode",
         AttentionKernel::Warpgroup => "kiln_attention_prefill",
         AttentionKernel::WarpgroupPingpong => "kiln_attention_prefill_pingpong",
-        AttentionKernel::Persistent | AttentionKernel::PersistentBulk | AttentionKernel::PersistentOwn => {
-            "kiln_attention_decode_persistent"
-        }
     };
     let kernel = function(gpu, shape.head_dim, variant, entry)?;
     let shared = raise_shared_memory(gpu, &kernel, shape.head_dim, variant, "cuFuncSetAttribute(attention)")?;
@@ -995,93 +787,6 @@ fn attention_with_profile(
     // reuses memory only in this stream's order, so they outlive the kernel.
     unsafe { launch.launch(config) }.map_err(|e| driver_error("cuLaunchKernel(attention)", e))?;
 
-    Ok(())
-}
-
-/// The launch of `kiln_attention_decode_persistent` (checked by [`attention`]: one query token a
-/// sequence, at most [`MAX_STREAMING_SPLITS`] chunks, the buffers' lengths; `buffers` are q, the
-/// K and V caches and out): one block a multiprocessor, whatever the batch and its contexts.
-#[allow(clippy::too_many_arguments)]
-fn decode_persistent(
-    gpu: &Gpu,
-    shape: &AttentionShape,
-    batch: &PagedBatch,
-    buffers: [u64; 4],
-    (partial_out, partial_lse): (u64, u64),
-    splits: u32,
-    variant: AttentionVariant,
-    page_shift: u32,
-    profile: Option<u64>,
-) -> Result<()> {
-    let entry = "kiln_attention_decode_persistent";
-    let kernel = match profile {
-        None => function(gpu, shape.head_dim, variant, entry)?,
-        Some(_) => {
-            let mut defines = defines(shape.head_dim, variant);
-            defines.push(("PERSIST_PROFILE", "1".to_owned()));
-            let refs: Vec<(&str, &str)> = defines.iter().map(|(k, v)| (*k, v.as_str())).collect();
-            gpu.function(&ATTENTION, entry, &refs)?
-        }
-    };
-    let shared = raise_shared_memory(
-        gpu,
-        &kernel,
-        shape.head_dim,
-        variant,
-        "cuFuncSetAttribute(attention_decode_persistent)",
-    )?;
-    // One (sequence, kv head, row tile) ticket counter each, whenever a sequence has several chunks.
-    let groups = batch.batch * shape.kv_heads * shape.group().div_ceil(16);
-    if groups > TICKETS {
-        return Err(Error::NotServed {
-            op: "attention kernel",
-            reason: format!("{groups} (sequence, kv head, row tile) groups, over {TICKETS}"),
-        });
-    }
-    let blocks = gpu.facts().multiprocessors.max(1) * variant.persistent_blocks_per_multiprocessor();
-    let config = LaunchConfig {
-        grid_dim: (blocks, 1, 1),
-        block_dim: (variant.threads(), 1, 1),
-        shared_mem_bytes: shared as u32,
-    };
-    let (q_heads, kv_heads) = (as_i32("q_heads", shape.q_heads)?, as_i32("kv_heads", shape.kv_heads)?);
-    let (page_shift, splits_arg) = (page_shift as i32, splits as i32);
-    let scale_log2 = shape.scale * std::f32::consts::LOG2_E;
-    let batch_arg = as_i32("batch", batch.batch)?;
-    let [q, k_cache, v_cache, out] = buffers;
-    let pointers = [
-        q,
-        k_cache,
-        v_cache,
-        batch.query_offsets.ptr,
-        batch.context_lens.ptr,
-        batch.page_offsets.ptr,
-        batch.page_ids.ptr,
-        out,
-        partial_out,
-        partial_lse,
-    ];
-    let mut launch = gpu.launch_builder(&kernel);
-    for pointer in &pointers {
-        launch.arg(pointer);
-    }
-    launch.arg(&q_heads).arg(&kv_heads).arg(&page_shift).arg(&scale_log2).arg(&splits_arg).arg(&batch_arg);
-    if let Some(profile) = profile.as_ref() {
-        launch.arg(profile);
-    }
-    // SAFETY: the arguments match `kiln_attention_decode_persistent` (10 pointers, 3 i32, f32, 2
-    // i32, and with PERSIST_PROFILE the profile pointer, whose PERSISTENT_PROFILE_SLOTS u64
-    // [`attention_persistent_profiled`] checked); [`attention`] checked one query token a sequence, 1 to MAX_STREAMING_SPLITS splits
-    // (the chunks' partial slots, which the scratch holds when splits > 1; a sequence of one
-    // chunk writes no partial) and the lengths of q, out and the caches; `batch` was validated
-    // against the shape and the cache's page count when uploaded, so every page id and offset
-    // the kernel reads is in bounds; the (sequence, kv head, row tile) groups index the
-    // kernel's TICKETS counters in bounds (checked above), and launches of this module run in
-    // this stream's order, so no two share a counter at once. The dynamic shared memory was
-    // raised to what the launch asks for. All buffers come from this device's pool, which reuses
-    // memory only in this stream's order, so they outlive the kernel.
-    unsafe { launch.launch(config) }
-        .map_err(|e| driver_error("cuLaunchKernel(attention_decode_persistent)", e))?;
     Ok(())
 }
 
@@ -1305,12 +1010,7 @@ mod tests {
             AttentionVariant::DECODE_ALT,
             AttentionVariant::DECODE_ALT_WIDE,
         ];
-        for variant in AttentionVariant::ALL
-            .into_iter()
-            .chain(others)
-            .chain(AttentionVariant::PERSISTENT)
-            .chain(AttentionVariant::PERSISTENT_OWN)
-        {
+        for variant in AttentionVariant::ALL.into_iter().chain(others) {
             for head_dim in HEAD_DIMS {
                 let defines = defines(head_dim, variant);
                 let declared = ATTENTION.define_sets.iter().any(|set| {
@@ -1425,90 +1125,6 @@ mod tests {
         for batch in 1..200 {
             let splits = decode_stream_splits_for(132, batch, 8);
             assert!((1..=MAX_STREAMING_SPLITS).contains(&splits), "{batch}: {splits}");
-        }
-    }
-
-    #[test]
-    fn the_persistent_variants_fit_one_block_a_multiprocessor() {
-        for variant in AttentionVariant::PERSISTENT.into_iter().chain(AttentionVariant::PERSISTENT_OWN) {
-            assert!(variant.is_persistent() && !variant.is_wgmma() && !variant.hybrid);
-            for head_dim in HEAD_DIMS {
-                variant.validate(head_dim).unwrap();
-            }
-            // Four computing warps and the copying one (none where each warp copies its own steps).
-            let copying = u32::from(variant.kernel != AttentionKernel::PersistentOwn);
-            assert_eq!(variant.threads(), 32 * (4 + copying));
-            let defines = defines(128, variant);
-            assert!(defines.contains(&("PERSISTENT", "1".to_owned())), "{defines:?}");
-            assert!(defines.contains(&("STAGES", variant.stages().to_string())), "{defines:?}");
-            assert_eq!(
-                defines.contains(&("PERSIST_BULK", "1".to_owned())),
-                variant.kernel == AttentionKernel::PersistentBulk
-            );
-            assert_eq!(
-                defines.contains(&("PERSIST_OWN", "1".to_owned())),
-                variant.kernel == AttentionKernel::PersistentOwn
-            );
-        }
-        // Own copies: 4 warps x 5 steps of 16 K and 16 V rows of 256 bytes, then the merge rows.
-        assert_eq!(
-            AttentionVariant::DECODE_PERSISTENT_OWN.shared_bytes(128),
-            5 * 4 * 32 * 256 + 64 * 132 * 4
-        );
-        assert!(AttentionVariant::DECODE_PERSISTENT_OWN.shared_bytes(128) + 1024 <= 227 * 1024);
-        assert_eq!(
-            AttentionVariant::DECODE_PERSISTENT_OWN_SHALLOW.shared_bytes(64),
-            3 * 4 * 32 * 128 + 64 * 68 * 4
-        );
-        // Two blocks of the pair variant fit a multiprocessor's 228 KiB (1 KiB reserved a block).
-        let pair = AttentionVariant::DECODE_PERSISTENT_OWN_PAIR;
-        assert_eq!(pair.persistent_blocks_per_multiprocessor(), 2);
-        assert_eq!(AttentionVariant::DECODE_PERSISTENT_OWN.persistent_blocks_per_multiprocessor(), 1);
-        assert!(2 * (pair.shared_bytes(128) + 1024 + 1024) <= 228 * 1024);
-        // Five stages of 64 K and 64 V rows of 272 bytes, then 4 x 16 merge rows of 132 f32:
-        // within sm_90's 227 KiB opt-in beside the barriers, maxima and sums (under 1 KiB).
-        assert_eq!(AttentionVariant::DECODE_PERSISTENT.shared_bytes(128), 5 * 128 * 272 + 64 * 132 * 4);
-        assert_eq!(AttentionVariant::DECODE_PERSISTENT_BULK.shared_bytes(128), 207_872);
-        assert!(AttentionVariant::DECODE_PERSISTENT.shared_bytes(128) + 1024 <= 227 * 1024);
-        assert_eq!(
-            AttentionVariant::DECODE_PERSISTENT_BULK_SHALLOW.shared_bytes(128),
-            3 * 128 * 272 + 64 * 132 * 4
-        );
-        assert_eq!(AttentionVariant::DECODE_PERSISTENT.shared_bytes(64), 5 * 128 * 144 + 64 * 68 * 4);
-        // The launcher's quantum and stage count are the kernel's.
-        assert!(ATTENTION.source.contains(&format!("#define PERSIST_QUANTUM {PERSISTENT_QUANTUM}\n")));
-        assert_eq!(PERSISTENT_STAGES, 5);
-        // Other persistent shapes are refused.
-        for bad in [
-            AttentionVariant { warps_n: 8, ..AttentionVariant::DECODE_PERSISTENT },
-            AttentionVariant { stages: 4, ..AttentionVariant::DECODE_PERSISTENT },
-            AttentionVariant { warp_keys: 32, ..AttentionVariant::DECODE_PERSISTENT_BULK },
-            AttentionVariant { hybrid: true, ..AttentionVariant::DECODE_PERSISTENT_BULK },
-        ] {
-            assert!(matches!(bad.validate(128), Err(Error::NotServed { .. })), "{bad:?}");
-        }
-        assert_eq!(persistent_splits_for(132, 1, 8), 64);
-        assert_eq!(persistent_splits_for(132, 8, 8), 9);
-        assert_eq!(persistent_splits_for(132, 64, 8), 2);
-        assert_eq!(persistent_splits_for(132, 1000, 8), 1);
-        assert_eq!(persistent_splits_for(0, 0, 0), 4);
-        // Chunks: 256 keys up to 256 * splits positions, then the context over `splits` rounded
-        // up to 256; never more than `splits` chunks, each chunk a multiple of 256.
-        assert_eq!(persistent_chunk_keys(1, 64), 256);
-        assert_eq!(persistent_chunk_keys(4096, 64), 256);
-        assert_eq!(persistent_chunk_keys(16_384, 64), 256);
-        assert_eq!(persistent_chunk_keys(16_385, 64), 512);
-        assert_eq!(persistent_chunk_keys(131_072, 64), 2048);
-        assert_eq!(persistent_chunk_keys(131_072, 32), 4096);
-        assert_eq!(persistent_chunk_keys(5000, 1), 5120);
-        for context in [1, 255, 256, 257, 4097, 40_000, 131_071, 1 << 20] {
-            for splits in [1, 2, 16, 33, 64] {
-                let chunk = persistent_chunk_keys(context, splits);
-                assert_eq!(chunk % PERSISTENT_QUANTUM, 0);
-                assert!(context.div_ceil(chunk) <= splits as usize, "{context} {splits}");
-                // The smallest such chunk: one quantum less would need more than `splits` chunks.
-                assert!(chunk == 256 || context.div_ceil(chunk - 256) > splits as usize);
-            }
         }
     }
 
