@@ -858,6 +858,19 @@ mod tests {
         }
         let winner = persistent(16, 1, true);
         assert!(compiled(&launch_defines(&call(rms.into(), 1, 4096), winner, true)));
+        // The engine's fp32 prefill norm at 4096 with the planes of Q4_0 products.
+        let engine = NormCall {
+            spec: RmsNorm::llama(1e-5, DType::F32).into(),
+            rows: 2048,
+            hidden: 4096,
+            x_type: DType::F32,
+            weight_type: DType::F32,
+        };
+        let mut planes = launch_defines(&engine, NormVariant::default_for(&engine), false);
+        planes
+            .extend([("I8_PLANES".to_owned(), "1".to_owned()), ("I8_SECOND_INT".to_owned(), "1".to_owned())]);
+        planes.sort();
+        assert!(compiled(&planes), "{planes:?}");
         // The check itself: the residual changes the set.
         assert!(!compiled(&launch_defines(&call(rms.into(), 1, 4096), winner, false)));
         assert!(!compiled(&launch_defines(&call(layer.into(), 2048, 4096), variant(2, 1, false), false)));
