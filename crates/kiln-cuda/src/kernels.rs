@@ -557,7 +557,7 @@ pub const NORM: KernelSource = KernelSource {
             ("PERSISTENT", "1"),
         ],
         // The declared defaults of the benchmark's LayerNorm at 2048 x 4096 and 8192 x 8192 (bf16,
-        // the row total in the first warp) and RMSNorm after the residual add at 2048 x 4096, and
+        // 8 units a warp) and RMSNorm after the residual add at 2048 x 4096, and
         // the certified Llama-3-8B decode norm after the residual add (16w1r+e+p); `ops::norm`'s
         // tests check that the launcher builds exactly these.
         &[
@@ -575,7 +575,6 @@ pub const NORM: KernelSource = KernelSource {
             ("UNITS_PER_WARP", "8"),
             ("EARLY_WEIGHT", "0"),
             ("PERSISTENT", "0"),
-            ("ROW_TOTAL_WARP", "1"),
         ],
         &[
             ("KIND", "1"),
@@ -592,7 +591,6 @@ pub const NORM: KernelSource = KernelSource {
             ("UNITS_PER_WARP", "8"),
             ("EARLY_WEIGHT", "0"),
             ("PERSISTENT", "0"),
-            ("ROW_TOTAL_WARP", "1"),
         ],
         &[
             ("KIND", "0"),
