@@ -513,6 +513,48 @@ fn weight_ahead_and_early_block_lane_variants_match_the_reference() {
     assert!(checked >= 200, "only {checked} checks served");
 }
 
+/// LayerNorm of 2-byte x at 8 units a warp (the kernel's launch bounds of one block a
+/// multiprocessor, where the thread count alone left it 64 registers and spills): the benchmark's
+/// defaults at 4096 and 8192 (2w1r, 4w1r) and their `+t` forms, with and without the bias, the
+/// residual and a 2-byte output (a quick check: `cargo test ... --test gpu_norm layer_norm_at`).
+#[test]
+fn layer_norm_at_8_units_a_warp_matches_the_reference() {
+    let gpu = gpu();
+    let mut rng = Rng::fresh();
+    let layer = LayerNorm {
+        eps: 1e-5,
+        weight: WeightMode::Plain,
+        bias: true,
+        groups: 1,
+        out: NormOutput::Float(DType::BF16),
+    };
+    let mut checked = 0;
+    for (spec, x_type, weight_type) in [
+        (layer, DType::BF16, DType::BF16),
+        (LayerNorm { bias: false, out: NormOutput::Float(DType::F32), ..layer }, DType::BF16, DType::BF16),
+        (
+            LayerNorm { weight: WeightMode::OnePlus, out: NormOutput::Float(DType::F16), ..layer },
+            DType::F16,
+            DType::F32,
+        ),
+    ] {
+        for (rows, hidden) in [(300usize, 4096usize), (100, 8192)] {
+            let call = NormCall { spec: spec.into(), rows, hidden, x_type, weight_type };
+            let default = NormVariant::default_for(&call);
+            assert_eq!(default.units_per_warp(hidden), Some(8), "{call:?}");
+            let total = NormVariant { row_total: true, ..default };
+            assert!(NORM_VARIANTS.contains(&total), "{total:?}");
+            let xt = FloatType::of(x_type, "test").unwrap();
+            let x = rng.values(rows * hidden, -2.0, 2.0, xt);
+            for with_residual in [false, true] {
+                check_variants_on_weight(&gpu, &mut rng, call, &[default, total], &x, with_residual, None);
+                checked += 2;
+            }
+        }
+    }
+    assert_eq!(checked, 24);
+}
+
 /// The variants whose row's first warp alone finishes the row's total (`NormVariant::row_total`,
 /// labels `+t`) alone (a quick check: `cargo test ... --test gpu_norm row_total`): the cases of
 /// [`block_lane_variants_match_the_reference`], LayerNorm's two totals among them.
