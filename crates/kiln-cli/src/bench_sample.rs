@@ -14,10 +14,10 @@
 //! without top-k run on one block each, so only greedy and top-k rows are fast there), the
 //! lists with the mass path (`SamplePath::Lists`) and, for greedy rows, the greedy kernel
 //! (`SamplePath::Greedy`), and, for greedy and top-k rows without penalties, the top-k merge
-//! kernel (`SamplePath::TopKMerge`, a candidate not yet chosen by `for_rows`), the top-k
-//! bound kernel (`SamplePath::TopKBound`, likewise), the same kernel on 512-thread blocks
-//! (`SamplePath::TopKWide`, likewise) and with the slices' lists (`SamplePath::TopKHeads`,
-//! likewise).
+//! kernel (`SamplePath::TopKMerge`, a candidate not chosen by `for_rows`), the top-k bound
+//! kernel (`SamplePath::TopKBound`: several top-k rows), the same kernel on 512-thread blocks
+//! (`SamplePath::TopKWide`: a single row past `TOPK_HEADS_KMAX`) and with the slices' lists
+//! (`SamplePath::TopKHeads`: a single top-k row up to `TOPK_HEADS_KMAX`).
 //!
 //! `--profile` prints, instead of the table, the phases of the top-k bound (its three compiles)
 //! and top-k merge kernels compiled with `SAMPLE_PROFILE=1` (one launch a sample, the median of several) for

@@ -259,8 +259,9 @@ pub enum SamplePath {
     /// one: the row's last block has 16 warps and each of its threads half the group maxima, so
     /// its serial phases (maxima, bound search, candidate lists, ranking) take about half the
     /// steps. The same candidates, hence the same token. [`SamplePath::for_rows`] takes it for a
-    /// single top-k row: top-k + top-p at vocabulary 151936 in 14.2 us on the H200 against
-    /// [`SamplePath::TopKBound`]'s 15.7 (`bench/results/2026-11-30-h200-afternoon/r19`).
+    /// single top-k row past [`TOPK_HEADS_KMAX`]: top-k + top-p at vocabulary 151936 in 14.2 us on
+    /// the H200 against [`SamplePath::TopKBound`]'s 15.7
+    /// (`bench/results/2026-11-30-h200-afternoon/r19`).
     TopKWide,
     /// [`SamplePath::TopKWide`] with the bound search moved into the slice blocks
     /// (`kiln_sample_topk_bound` compiled as it with `TKB_HEADS=8`): each block also lists its
@@ -269,9 +270,10 @@ pub enum SamplePath {
     /// their count reaches k (one histogram, one warp), and finishes on the listed tokens up to
     /// that bin: no search loop, no second read of the logits. A row where a slice holds more
     /// than its list's worth of tokens up to that bin takes [`SamplePath::TopKWide`]'s last
-    /// block. The row's top-k are among the candidates, hence the reference's token. Not chosen
-    /// by [`SamplePath::for_rows`]: a candidate to measure against [`SamplePath::TopKWide`] for
-    /// a single top-k row.
+    /// block. The row's top-k are among the candidates, hence the reference's token.
+    /// [`SamplePath::for_rows`] takes it for a single top-k row up to [`TOPK_HEADS_KMAX`]: top-k
+    /// and top-p at vocabulary 151936 in 10.7 us on the H200 against [`SamplePath::TopKWide`]'s
+    /// 14.2 (`bench/results/2026-11-30-h200-evening/m1`).
     TopKHeads,
 }
 
@@ -320,6 +322,8 @@ impl SamplePath {
         };
         if rows.iter().all(|p| p.is_greedy() && !p.has_penalties()) {
             SamplePath::Greedy
+        } else if rows.len() == 1 && top_k(rows[0]) && rows[0].top_k <= TOPK_HEADS_KMAX {
+            SamplePath::TopKHeads
         } else if rows.len() == 1 && top_k(rows[0]) {
             SamplePath::TopKWide
         } else if !rows.is_empty() && rows.iter().all(|p| top_k(p)) {
@@ -463,6 +467,14 @@ const TOPK_BOUND_GROUP: usize = 32;
 const TOPK_BOUND_MIN_SLICE: usize = FUSED_MIN_SLICE;
 /// Blocks of the top-k bound kernel a multiprocessor keeps resident (`TKB_MIN_BLOCKS`).
 const TOPK_BOUND_BLOCKS_PER_SM: usize = 2;
+/// The largest `top_k` [`SamplePath::for_rows`] sends a single row with to
+/// [`SamplePath::TopKHeads`] (larger ones to [`SamplePath::TopKWide`]): at vocabulary 151936 the
+/// 132 slices' lists of 8 hold a row's top 128 unless one slice holds 8 of them (such a row
+/// takes the wide path's last block, the same token); for independent logits that is about one
+/// row in a hundred at k = 128 and almost never at k = 50.
+pub const TOPK_HEADS_KMAX: u32 = 128;
+const _: () = assert!(TOPK_HEADS_KMAX < TOPK_BOUND_KMAX);
+
 /// Tokens each slice block of [`SamplePath::TopKHeads`] lists (`TKB_HEADS` of its compile): 8
 /// keeps a list from saturating (more of the row's top-k candidates in one slice than it holds,
 /// which sends the row to [`SamplePath::TopKWide`]'s last block) but in rare rows at k = 50 over
@@ -1312,7 +1324,9 @@ mod tests {
         let greedy = SamplingParams::greedy();
         let top_k = SamplingParams { top_k: 50, top_p: 0.9, ..d };
         let widest = SamplingParams { top_k: FUSED_KMAX, ..d };
-        assert_eq!(SamplePath::for_rows([&top_k]), SamplePath::TopKWide);
+        assert_eq!(SamplePath::for_rows([&top_k]), SamplePath::TopKHeads);
+        let wide = SamplingParams { top_k: TOPK_HEADS_KMAX + 1, ..d };
+        assert_eq!(SamplePath::for_rows([&wide]), SamplePath::TopKWide);
         assert_eq!(SamplePath::for_rows([&top_k; 64]), SamplePath::TopKBound);
         assert_eq!(SamplePath::for_rows([&greedy, &top_k, &widest]), SamplePath::Fused);
         assert_eq!(SamplePath::for_rows([&top_k, &d]), SamplePath::Auto);

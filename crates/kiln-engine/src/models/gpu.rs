@@ -1637,7 +1637,7 @@ mod tests {
         let top_k = SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.9, ..SamplingParams::default() };
         let plain = SamplingParams { temperature: 0.8, ..SamplingParams::default() };
         assert_eq!(sample_path([&greedy]), SamplePath::Greedy);
-        assert_eq!(sample_path([&top_k]), SamplePath::TopKWide);
+        assert_eq!(sample_path([&top_k]), SamplePath::TopKHeads);
         assert_eq!(sample_path([&top_k, &top_k]), SamplePath::TopKBound);
         assert_eq!(sample_path([&greedy, &top_k]), SamplePath::Fused);
         assert_eq!(sample_path([&plain]), SamplePath::Lists);
