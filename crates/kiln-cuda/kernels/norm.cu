@@ -1160,11 +1160,15 @@ __device__ __forceinline__ void kiln_norm_segment(
 #if KILN_NORM_BLOCKED && KIND == 0 && WARPS_PER_ROW >= 4 && UNITS_PER_WARP <= 4 && X_T != KILN_F32 && \
     !HAS_RESIDUAL && GATE == 0 && !HAS_BIAS && !EARLY_WEIGHT && !PERSISTENT
 #define KILN_NORM_BOUNDS __launch_bounds__(KILN_NORM_THREADS, (1024 / KILN_NORM_THREADS < 32 ? 1024 / KILN_NORM_THREADS : 32))
-#elif KIND == 1 && !KILN_NORM_BLOCKED && UNITS_PER_WARP >= 8 && !EARLY_WEIGHT && !PERSISTENT && !STAGES
-// LayerNorm holding 8 units a warp or more (2-byte x at 4096 and 8192: the defaults 2w1r and 4w1r):
-// with the thread count alone sm_90's ptxas stops at 64 registers and spills 12 to 28 bytes (both
-// totals, x, weight and bias); a minimum of one block a multiprocessor lets it take what it needs
-// (register allocation only: the same operations, the same bits).
+#elif KIND == 1 && !KILN_NORM_BLOCKED && UNITS_PER_WARP >= 8 && WARPS_PER_ROW >= 4 && !EARLY_WEIGHT && \
+    !PERSISTENT && !STAGES
+// LayerNorm holding 8 units a warp or more on 4 warps a row or more (2-byte x at 8192: the default
+// 4w1r): with the thread count alone sm_90's ptxas stops at 64 registers and spills 8 to 28 bytes
+// (both totals, x, weight and bias); a minimum of one block a multiprocessor lets it take what it
+// needs (register allocation only: the same operations, the same bits; 8192 x 8192 at the same
+// speed). Two warps a row (the default 2w1r at 4096) keep the thread count's bound: at 92
+// registers 2048 x 4096 took 13.7 us on the H200 against 11.4 at 64 with 12 bytes spilled
+// (fewer resident warps; bench/results/2026-11-30-h200-evening, f1 against m1).
 #define KILN_NORM_BOUNDS __launch_bounds__(KILN_NORM_THREADS, 1)
 #elif I8_PLANES && I8_SECOND_INT && UNITS_PER_WARP >= 4 && !EARLY_WEIGHT
 // The planes with Q4_0's integer block sums from 4 units a warp held (the engine's fp32 prefill

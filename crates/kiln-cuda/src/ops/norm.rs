@@ -825,9 +825,10 @@ mod tests {
     #[test]
     fn defines_of_the_benchmark_defaults_and_the_decode_winner_are_compiled_define_sets() {
         // The compile check compiles kernels::NORM's define sets: the declared defaults of the
-        // benchmark's LayerNorm at 2048 x 4096 and 8192 x 8192 and of its RMSNorm after the
-        // residual add at 2048 x 4096 (`kiln bench norm`), and the certified Llama-3-8B decode
-        // norm after the residual add, are among them.
+        // benchmark's LayerNorm at 8192 x 8192 and of its RMSNorm after the residual add at
+        // 2048 x 4096 (`kiln bench norm`), and the certified Llama-3-8B decode norm after the
+        // residual add, are among them. (LayerNorm's 2w1r at 2048 x 4096 is not: it spills 12
+        // bytes on sm_90 by choice, see KILN_NORM_BOUNDS in norm.cu.)
         let rms = RmsNorm::llama(1e-5, DType::BF16);
         let layer = LayerNorm {
             eps: 1e-5,
@@ -843,11 +844,9 @@ mod tests {
             x_type: DType::BF16,
             weight_type: DType::BF16,
         };
-        for (call, residual) in [
-            (call(layer.into(), 2048, 4096), false),
-            (call(layer.into(), 8192, 8192), false),
-            (call(rms.into(), 2048, 4096), true),
-        ] {
+        for (call, residual) in
+            [(call(layer.into(), 8192, 8192), false), (call(rms.into(), 2048, 4096), true)]
+        {
             let defines = launch_defines(&call, NormVariant::default_for(&call), residual);
             assert!(compiled(&defines), "{call:?}: {defines:?}");
         }
@@ -869,6 +868,11 @@ mod tests {
         // The check itself: the residual changes the set.
         assert!(!compiled(&launch_defines(&call(rms.into(), 1, 4096), winner, false)));
         assert!(!compiled(&launch_defines(&call(layer.into(), 2048, 4096), row_total(2, 1), true)));
+        assert!(!compiled(&launch_defines(
+            &call(layer.into(), 2048, 4096),
+            NormVariant::default_for(&call(layer.into(), 2048, 4096)),
+            false
+        )));
     }
 
     #[test]
