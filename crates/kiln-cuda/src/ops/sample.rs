@@ -272,8 +272,8 @@ pub enum SamplePath {
     /// than its list's worth of tokens up to that bin takes [`SamplePath::TopKWide`]'s last
     /// block. The row's top-k are among the candidates, hence the reference's token.
     /// [`SamplePath::for_rows`] takes it for a single top-k row up to [`TOPK_HEADS_KMAX`]: top-k
-    /// and top-p at vocabulary 151936 in 10.7 us on the H200 against [`SamplePath::TopKWide`]'s
-    /// 14.2 (`bench/results/2026-11-30-h200-evening/m1`).
+    /// and top-p at vocabulary 151936 in 10.6 us on the H200 against [`SamplePath::TopKWide`]'s
+    /// 14.2 (`bench/results/2026-11-30-h200-evening/f1`).
     TopKHeads,
 }
 
