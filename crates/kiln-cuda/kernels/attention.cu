@@ -71,11 +71,6 @@
 #ifndef STAGES
 #define STAGES 2
 #endif
-// 1: the one-stage decode variants' K/V copies ask L2 for whole 128-byte lines (the default);
-// 0: plain 16-byte copies (for measurement: KILN_DECODE_L2_HINT=noline, ops/attention.rs).
-#ifndef KV_L2_LINE
-#define KV_L2_LINE 1
-#endif
 // 1: compile the streaming decode kernel (kiln_attention_decode) instead of kiln_attention.
 #ifndef STREAMING
 #define STREAMING 0
@@ -243,11 +238,7 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
                 (((kiln_u64)ids[i] * kv_heads + kv_head) << page_shift | (kiln_u64)(position & ((1 << page_shift) - 1))) *
                     HEAD_DIM +
                 c * 8;
-#if KV_L2_LINE
             kiln_cp_async_16_line(kiln_smem_address(smem + r * ROW + c * 8), valid ? cache + offset : cache, valid);
-#else
-            kiln_cp_async_16(kiln_smem_address(smem + r * ROW + c * 8), valid ? cache + offset : cache, valid);
-#endif
         }
     };
     kiln_u32 next_pages[TILE_CHUNKS_PER_THREAD];

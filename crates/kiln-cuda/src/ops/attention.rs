@@ -303,9 +303,7 @@ impl AttentionVariant {
 pub const PREFILL_KERNEL_ENV: &str = "KILN_PREFILL_ATTENTION";
 
 /// For measurement: `none` compiles the streaming decode kernel to read K and V under the default
-/// L2 policy instead of evict-first (`kiln bench attention` times both at batch 1); `noline`
-/// compiles the one-stage decode variants ([`AttentionVariant::DECODE_ALT`]) with plain 16-byte
-/// copies instead of whole-line L2 fetches.
+/// L2 policy instead of evict-first (`kiln bench attention` times both at batch 1).
 pub const DECODE_L2_HINT_ENV: &str = "KILN_DECODE_L2_HINT";
 
 fn prefill_requested() -> Option<AttentionVariant> {
@@ -569,12 +567,6 @@ fn defines(head_dim: usize, variant: AttentionVariant) -> Vec<(&'static str, Str
     ];
     if variant.kernel == AttentionKernel::Tiled && variant.stages != STAGES {
         defines.push(("STAGES", variant.stages.to_string()));
-    }
-    if variant.kernel == AttentionKernel::Tiled
-        && variant.stages == 1
-        && std::env::var(DECODE_L2_HINT_ENV).is_ok_and(|v| v.trim() == "noline")
-    {
-        defines.push(("KV_L2_LINE", "0".to_owned()));
     }
     if variant.hybrid {
         defines.push(("HYBRID", "1".to_owned()));
