@@ -298,9 +298,10 @@ impl SamplePath {
     /// - every row greedy without penalties: [`SamplePath::Greedy`] (one launch that reads the
     ///   logits once);
     /// - one row at temperature > 0 with `1 <= top_k <=` [`TOPK_BOUND_KMAX`] and no penalties:
-    ///   [`SamplePath::TopKWide`] (one launch, the row's last block 16 warps wide; top-k + top-p
-    ///   at vocabulary 151936 in 14.2 us against [`SamplePath::TopKBound`]'s 15.7,
-    ///   `bench/results/2026-11-30-h200-afternoon/r19`);
+    ///   [`SamplePath::TopKHeads`] up to [`TOPK_HEADS_KMAX`] (one launch, the row's last block
+    ///   finishing from the slices' lists; top-k + top-p at vocabulary 151936 in 10.6 us,
+    ///   `bench/results/2026-11-30-h200-evening/f1`), [`SamplePath::TopKWide`] past it (the row's
+    ///   last block 16 warps wide; 14.2 us against [`SamplePath::TopKBound`]'s 15.7);
     /// - several such rows: [`SamplePath::TopKBound`] (one launch; at vocabulary 151936 top-k +
     ///   top-p 44.8 us at batch 64 against the fused path's 123.6,
     ///   `bench/results/2026-11-30-h200-kernels/step5`);
@@ -322,10 +323,12 @@ impl SamplePath {
         };
         if rows.iter().all(|p| p.is_greedy() && !p.has_penalties()) {
             SamplePath::Greedy
-        } else if rows.len() == 1 && top_k(rows[0]) && rows[0].top_k <= TOPK_HEADS_KMAX {
-            SamplePath::TopKHeads
         } else if rows.len() == 1 && top_k(rows[0]) {
-            SamplePath::TopKWide
+            if rows[0].top_k <= TOPK_HEADS_KMAX {
+                SamplePath::TopKHeads
+            } else {
+                SamplePath::TopKWide
+            }
         } else if !rows.is_empty() && rows.iter().all(|p| top_k(p)) {
             SamplePath::TopKBound
         } else if rows.iter().all(|p| fused(p)) {
