@@ -3375,8 +3375,9 @@ __device__ __forceinline__ void tkb_finish_few(int r, kiln_u32 k, int m_n, const
 // The same kernel, with the serial search of the row's last block moved into the slice blocks:
 //   1. Block (s, r) also lists its slice's TKB_HEADS largest tokens in the order, as packed
 //      (key, ~index) u64 (0 past its valid tokens): each warp takes its lanes' TKB_HEADS largest
-//      (one round a head: two warp-wide maxima, the key, then the lowest index at that key), and
-//      warp 0 those of the warps' lists. The group maxima are written too (for the fallback).
+//      (one round a head: the warp-wide maximum of the lanes' own largest keys, whose lane lists
+//      it and finds its next), and every entry of the warps' lists is ranked among them (one
+//      count of the entries above it). The group maxima are written too (for the fallback).
 //   2. The row's last block reads every list (slices * TKB_HEADS <= TKB_HEAD_CAP entries, a few a
 //      thread, one round trip to L2), takes their maximum M (the row's), bins them by the
 //      distance below M (`fused_dbin`) and picks cb, the first bin at which the count reaches k
@@ -3397,60 +3398,88 @@ __device__ __forceinline__ void tkb_finish_few(int r, kiln_u32 k, int m_n, const
 #if TKB_HEADS
 static_assert(TKB_HEADS <= 32 && (SAMPLE_WARPS * TKB_HEADS) % 32 == 0, "the warps' lists in whole lanes");
 static_assert(SAMPLE_WARPS * TKB_HEADS <= TKB_CAND_CAP, "the warps' lists fit in `cand`");
-// The warp's TKB_HEADS largest of the entries its lanes hold in v[0, count) (distinct packed
-// (key, ~index), 0: none; count the same for the whole warp): lane h gets the h-th (0 past the
-// last). One round a head; the entries taken are zeroed.
+// The warp's TKB_HEADS largest tokens of its lanes' keys key[0, count) (key[u]: index
+// lo + u * THREADS + threadIdx.x, 0 for none; count the same for the whole warp) into
+// dst[0, TKB_HEADS) in the order, as packed (key, ~index) (0 past the last); returns how many it
+// wrote that are not 0 (the same for the whole warp). Each lane keeps its own largest (the lowest
+// u on a tie: the lowest index); a round takes the warp's maximum key, its lane (the one holding
+// it, or the lowest (u, lane) on a tie, found only then) writes the entry and finds its next
+// largest. Taken keys are zeroed.
 template <int N>
-__device__ __forceinline__ kiln_u64 tkb_warp_heads(kiln_u64 (&v)[N], int count) {
+__device__ __forceinline__ int tkb_warp_heads(kiln_u32 (&key)[N], int count, long long lo, kiln_u64* dst) {
     const int lane = threadIdx.x & 31;
-    kiln_u64 mine = 0ull;
-#pragma unroll 1
-    for (int h = 0; h < TKB_HEADS; ++h) {
-        kiln_u64 best = 0ull;
+    kiln_u32 bk = 0u;
+    int bu = 0;
 #pragma unroll
-        for (int u = 0; u < N; ++u) {
-            if (u >= count) break;
-            best = max(best, v[u]);
-        }
-        const kiln_u32 hk = __reduce_max_sync(KILN_FULL_MASK, (kiln_u32)(best >> 32));
-        if (hk == 0u) break;  // the same for the whole warp
-        const kiln_u32 lk =
-            __reduce_max_sync(KILN_FULL_MASK, (kiln_u32)(best >> 32) == hk ? (kiln_u32)best : 0u);
-        const kiln_u64 w = ((kiln_u64)hk << 32) | lk;
-        if (lane == h) mine = w;
-#pragma unroll
-        for (int u = 0; u < N; ++u) {
-            if (u >= count) break;
-            if (v[u] == w) v[u] = 0ull;
+    for (int u = 0; u < N; ++u) {
+        if (u >= count) break;
+        if (key[u] > bk) {
+            bk = key[u];
+            bu = u;
         }
     }
-    return mine;
+#pragma unroll 1
+    for (int h = 0; h < TKB_HEADS; ++h) {
+        const kiln_u32 hk = __reduce_max_sync(KILN_FULL_MASK, bk);
+        if (hk == 0u) {  // the same for the whole warp: the rest of the list is empty
+            if (lane >= h && lane < TKB_HEADS) dst[lane] = 0ull;
+            return h;
+        }
+        const kiln_u32 tied = __ballot_sync(KILN_FULL_MASK, bk == hk);
+        int winner = __ffs((int)tied) - 1;
+        if ((tied & (tied - 1u)) != 0u) {  // several lanes hold the key: the lowest index
+            winner = (int)(__reduce_min_sync(KILN_FULL_MASK, bk == hk ? (kiln_u32)(bu * 32 + lane) : 0xFFFFFFFFu) & 31u);
+        }
+        if (lane == winner) {
+            dst[h] = fast_pack(hk, (kiln_u32)(lo + (long long)bu * THREADS + (int)threadIdx.x));
+            const int taken = bu;
+            bk = 0u;
+            bu = 0;
+#pragma unroll
+            for (int u = 0; u < N; ++u) {
+                if (u >= count) break;
+                if (u == taken) key[u] = 0u;
+                if (key[u] > bk) {
+                    bk = key[u];
+                    bu = u;
+                }
+            }
+        }
+    }
+    return TKB_HEADS;
 }
 
 #define TKB_HEAD_PER ((TKB_HEAD_CAP + THREADS - 1) / THREADS)  // list entries a thread of the last block
+#define TKB_RANKERS (32 / TKB_HEADS)  // threads that rank one entry of the warps' lists
+static_assert(TKB_HEADS * TKB_RANKERS == 32, "TKB_HEADS divides the warp");
 
 // Block (s, r)'s list (see above): its TKB_HEADS largest tokens into `out`, from this thread's
-// order keys (key[u]: index lo + u * THREADS + threadIdx.x, 0 for none).
+// order keys (key[u]: index lo + u * THREADS + threadIdx.x, 0 for none). Each warp lists its
+// own in `sh.cand`; then every entry of those lists is ranked among them by TKB_RANKERS threads
+// (the count of entries above it, each thread every TKB_RANKERS-th: the entries not 0 are
+// distinct), and the entry of rank h below
+// TKB_HEADS is the block's h-th.
 __device__ __forceinline__ void tkb_write_heads(const kiln_u32 (&key)[TKB_PER], long long lo, long long slice_len,
                                                 kiln_u64* out, TopKBoundShared& sh) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    kiln_u64 v[TKB_PER];
+    kiln_u32 v[TKB_PER];
 #pragma unroll
-    for (int u = 0; u < TKB_PER; ++u) {
-        v[u] = key[u] != 0u ? fast_pack(key[u], (kiln_u32)(lo + u * THREADS + (int)threadIdx.x)) : 0ull;
-    }
+    for (int u = 0; u < TKB_PER; ++u) v[u] = key[u];
     const int count = (int)((slice_len + THREADS - 1) / THREADS);
-    const kiln_u64 own = tkb_warp_heads(v, count);
-    if (lane < TKB_HEADS) sh.cand[warp * TKB_HEADS + lane] = own;
-    __syncthreads();
-    if (warp == 0) {
-        constexpr int PER = SAMPLE_WARPS * TKB_HEADS / 32;
-        kiln_u64 w[PER];
+    const int found = tkb_warp_heads(v, count, lo, &sh.cand[warp * TKB_HEADS]);
+    // The listed entries that are not 0 (the block's list holds as many, up to TKB_HEADS).
+    const int listed = __syncthreads_count(lane < found);
+    constexpr int ENTRIES = SAMPLE_WARPS * TKB_HEADS;
+    constexpr int EACH = ENTRIES / TKB_RANKERS;  // entries each ranker compares against
+    const int entry = (int)threadIdx.x / TKB_RANKERS, part = (int)threadIdx.x % TKB_RANKERS;
+    const kiln_u64 mine = sh.cand[entry];
+    int above = 0;
 #pragma unroll
-        for (int j = 0; j < PER; ++j) w[j] = sh.cand[j * 32 + lane];
-        const kiln_u64 head = tkb_warp_heads(w, PER);
-        if (lane < TKB_HEADS) out[lane] = head;
-    }
+    for (int j = 0; j < EACH; ++j) above += sh.cand[j * TKB_RANKERS + part] > mine ? 1 : 0;
+#pragma unroll
+    for (int o = 1; o < TKB_RANKERS; o <<= 1) above += __shfl_xor_sync(KILN_FULL_MASK, above, o);
+    if (part == 0 && mine != 0ull && above < TKB_HEADS) out[above] = mine;
+    if ((int)threadIdx.x < TKB_HEADS && (int)threadIdx.x >= listed) out[threadIdx.x] = 0ull;
 }
 
 // The last block of served row r on the heads path (see above): 0 when the token is written,
