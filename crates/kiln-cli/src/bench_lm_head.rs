@@ -48,6 +48,10 @@ pub struct BenchLmHeadArgs {
     /// Launches per batch.
     #[arg(long, default_value_t = 10)]
     pub launches: usize,
+    /// Time only these variants (labels as the table prints them, e.g. `16w/4v/64txs4c`;
+    /// comma-separated) beside the certified and default ones; all of them when absent.
+    #[arg(long, value_delimiter = ',')]
+    pub variants: Option<Vec<String>>,
     /// Also write the table (markdown) here.
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -113,6 +117,21 @@ pub fn run(args: &BenchLmHeadArgs) -> Result<()> {
             name: "--rows",
             value: rows.to_string(),
             reason: format!("the LM head serves 1 to {MAX_ROWS} rows"),
+        });
+    }
+    if let Some(unknown) = args
+        .variants
+        .iter()
+        .flatten()
+        .find(|label| !LM_HEAD_VARIANTS.iter().any(|v| v.label() == **label))
+    {
+        return Err(Error::InvalidArgument {
+            name: "--variants",
+            value: unknown.clone(),
+            reason: format!(
+                "not a variant of the LM head; they are {}",
+                LM_HEAD_VARIANTS.iter().map(LmHeadVariant::label).collect::<Vec<_>>().join(", ")
+            ),
         });
     }
     let gpu = Gpu::open(0)?;
@@ -186,7 +205,8 @@ pub fn run(args: &BenchLmHeadArgs) -> Result<()> {
         let default =
             LmHeadVariant::default_for_call(&head, rows, gpu.facts().shared_memory_per_block_optin_bytes);
         let mut results: Vec<(LmHeadVariant, f64)> = Vec::new();
-        for &variant in [certified, default].iter().chain(LM_HEAD_VARIANTS) {
+        let chosen = |v: &&LmHeadVariant| args.variants.as_ref().is_none_or(|labels| labels.contains(&v.label()));
+        for &variant in [certified, default].iter().chain(LM_HEAD_VARIANTS.iter().filter(chosen)) {
             if plan(&head, rows, variant).is_err() || results.iter().any(|(v, _)| *v == variant) {
                 continue;
             }
