@@ -2853,6 +2853,9 @@ kiln_sample_topk_merge(const float* __restrict__ logits, long long vocab, long l
 #ifndef TKB_MIN_BLOCKS
 #define TKB_MIN_BLOCKS 2
 #endif
+#ifndef TKB_FENCE_ONE
+#define TKB_FENCE_ONE 0       // 1: thread 0's fence alone publishes the block's writes (see the kernel)
+#endif
 // The top-k in the order (TKB_KMAX u64); tkb_finish_few's kept weights and indices (THREADS u32
 // each) in the same memory.
 #define TKB_TOP (THREADS > TKB_KMAX ? THREADS : TKB_KMAX)
@@ -3460,15 +3463,18 @@ static_assert(TKB_HEADS * TKB_RANKERS == 32, "TKB_HEADS divides the warp");
 // distinct), and the entry of rank h below
 // TKB_HEADS is the block's h-th.
 __device__ __forceinline__ void tkb_write_heads(const kiln_u32 (&key)[TKB_PER], long long lo, long long slice_len,
-                                                kiln_u64* out, TopKBoundShared& sh) {
+                                                kiln_u64* out, TopKBoundShared& sh, bool first, kiln_u64* profile) {
+    (void)profile;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     kiln_u32 v[TKB_PER];
 #pragma unroll
     for (int u = 0; u < TKB_PER; ++u) v[u] = key[u];
     const int count = (int)((slice_len + THREADS - 1) / THREADS);
     const int found = tkb_warp_heads(v, count, lo, &sh.cand[warp * TKB_HEADS]);
+    TKB_CLOCK(12, first);
     // The listed entries that are not 0 (the block's list holds as many, up to TKB_HEADS).
     const int listed = __syncthreads_count(lane < found);
+    TKB_CLOCK(13, first);
     constexpr int ENTRIES = SAMPLE_WARPS * TKB_HEADS;
     constexpr int EACH = ENTRIES / TKB_RANKERS;  // entries each ranker compares against
     const int entry = (int)threadIdx.x / TKB_RANKERS, part = (int)threadIdx.x % TKB_RANKERS;
@@ -3480,6 +3486,7 @@ __device__ __forceinline__ void tkb_write_heads(const kiln_u32 (&key)[TKB_PER], 
     for (int o = 1; o < TKB_RANKERS; o <<= 1) above += __shfl_xor_sync(KILN_FULL_MASK, above, o);
     if (part == 0 && mine != 0ull && above < TKB_HEADS) out[above] = mine;
     if ((int)threadIdx.x < TKB_HEADS && (int)threadIdx.x >= listed) out[threadIdx.x] = 0ull;
+    TKB_CLOCK(14, first);
 }
 
 // The last block of served row r on the heads path (see above): 0 when the token is written,
@@ -3644,12 +3651,34 @@ kiln_sample_topk_bound(const float* __restrict__ logits, long long vocab, long l
     const bool headed = (long long)gridDim.x * TKB_HEADS <= min(heads_stride, TKB_HEAD_CAP);
     if (headed) {
         tkb_write_heads(key, lo, slice_len, heads + (long long)r * heads_stride + (long long)blockIdx.x * TKB_HEADS,
-                        sh);
+                        sh, first, profile);
     }
 #else
     (void)heads;
     (void)heads_stride;
 #endif
+#if TKB_FENCE_ONE
+    // One fence a block: the barrier makes every thread's writes thread 0's, whose fence
+    // (cumulative) publishes them before its ticket; in the last block the same thread's fence
+    // after the ticket orders the other blocks' writes before the reads after the barrier.
+    __syncthreads();
+    TKB_CLOCK(10, first);
+    if (threadIdx.x == 0) {
+        tkb_fence();
+        const kiln_u32 ticket = atomicAdd(&tickets[r], 1u);
+        sh.last = ticket == gridDim.x - 1u;
+        if (sh.last) {
+            tickets[r] = 0u;  // every block of the row has taken its ticket
+            tkb_fence();
+        }
+#if SAMPLE_PROFILE
+        if (profile != nullptr) atomicMax(&profile[1], tkb_globaltimer());
+#endif
+    }
+    TKB_CLOCK(11, first);
+    __syncthreads();
+    if (!sh.last) return;
+#else
     tkb_fence();
     __syncthreads();
     TKB_CLOCK(10, first);
@@ -3665,6 +3694,7 @@ kiln_sample_topk_bound(const float* __restrict__ logits, long long vocab, long l
     __syncthreads();
     if (!sh.last) return;
     tkb_fence();  // the other blocks' maxima, published before their tickets, are read after ours
+#endif
     const bool row0 = r == 0;
     TKB_CLOCK(16, row0);
     TKB_SET(24, row0, tkb_globaltimer());
