@@ -104,9 +104,9 @@ fn profile_lines(name: &str, batch: usize, path: SamplePath, runs: &[Vec<u64>]) 
     let phases: &[(&str, usize, usize)] = if heads {
         &[
             ("block (0,0) keys loaded", 8, 9),
-            ("block (0,0) warp 0's list", 9, 12),
-            ("block (0,0) lists barrier", 12, 13),
-            ("block (0,0) lists ranked", 13, 14),
+            ("block (0,0) candidates", 9, 12),
+            ("block (0,0) barrier", 12, 13),
+            ("block (0,0) list ranked", 13, 14),
             ("block (0,0) fence + barrier", 14, 10),
             ("block (0,0) ticket", 10, 11),
             ("last block: lists + row max", 16, 17),

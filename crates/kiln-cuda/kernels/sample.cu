@@ -2853,9 +2853,6 @@ kiln_sample_topk_merge(const float* __restrict__ logits, long long vocab, long l
 #ifndef TKB_MIN_BLOCKS
 #define TKB_MIN_BLOCKS 2
 #endif
-#ifndef TKB_FENCE_ONE
-#define TKB_FENCE_ONE 0       // 1: thread 0's fence alone publishes the block's writes (see the kernel)
-#endif
 // The top-k in the order (TKB_KMAX u64); tkb_finish_few's kept weights and indices (THREADS u32
 // each) in the same memory.
 #define TKB_TOP (THREADS > TKB_KMAX ? THREADS : TKB_KMAX)
@@ -3377,10 +3374,9 @@ __device__ __forceinline__ void tkb_finish_few(int r, kiln_u32 k, int m_n, const
 //
 // The same kernel, with the serial search of the row's last block moved into the slice blocks:
 //   1. Block (s, r) also lists its slice's TKB_HEADS largest tokens in the order, as packed
-//      (key, ~index) u64 (0 past its valid tokens): each warp takes its lanes' TKB_HEADS largest
-//      (one round a head: the warp-wide maximum of the lanes' own largest keys, whose lane lists
-//      it and finds its next), and every entry of the warps' lists is ranked among them (one
-//      count of the entries above it). The group maxima are written too (for the fallback).
+//      (key, ~index) u64 (0 past its valid tokens): the tokens whose key reaches the
+//      TKB_HEADS-th largest of the warps' maxima, ranked among themselves (tkb_write_heads).
+//      The group maxima are written too (for the fallback).
 //   2. The row's last block reads every list (slices * TKB_HEADS <= TKB_HEAD_CAP entries, a few a
 //      thread, one round trip to L2), takes their maximum M (the row's), bins them by the
 //      distance below M (`fused_dbin`) and picks cb, the first bin at which the count reaches k
@@ -3457,24 +3453,77 @@ __device__ __forceinline__ int tkb_warp_heads(kiln_u32 (&key)[N], int count, lon
 static_assert(TKB_HEADS * TKB_RANKERS == 32, "TKB_HEADS divides the warp");
 
 // Block (s, r)'s list (see above): its TKB_HEADS largest tokens into `out`, from this thread's
-// order keys (key[u]: index lo + u * THREADS + threadIdx.x, 0 for none). Each warp lists its
-// own in `sh.cand`; then every entry of those lists is ranked among them by TKB_RANKERS threads
-// (the count of entries above it, each thread every TKB_RANKERS-th: the entries not 0 are
-// distinct), and the entry of rank h below
-// TKB_HEADS is the block's h-th.
+// order keys (key[u]: index lo + u * THREADS + threadIdx.x, 0 for none).
+//   1. T, the TKB_HEADS-th largest of the warps' maximum keys: at least TKB_HEADS tokens of the
+//      slice have a key >= T (those maxima), so every token of the list has one too.
+//   2. The tokens with a key >= T (not 0) are the candidates, compacted into `sh.cand` (a dozen
+//      or so for distinct logits).
+//   3. Each candidate is ranked among them (the count of those above it in the order: packed
+//      (key, ~index) are distinct), and the one of rank h below TKB_HEADS is the list's h-th.
+// More than TKB_LIST_CAP candidates (ties at T) take the rounds instead: each warp lists its
+// own TKB_HEADS largest (tkb_warp_heads) and every entry of those lists is ranked among them.
+#define TKB_LIST_CAP 256
+static_assert(SAMPLE_WARPS >= TKB_HEADS && SAMPLE_WARPS <= 32, "a warp maximum of rank TKB_HEADS - 1 exists");
 __device__ __forceinline__ void tkb_write_heads(const kiln_u32 (&key)[TKB_PER], long long lo, long long slice_len,
                                                 kiln_u64* out, TopKBoundShared& sh, bool first, kiln_u64* profile) {
     (void)profile;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int count = (int)((slice_len + THREADS - 1) / THREADS);
+    kiln_u32 own = 0u;
+#pragma unroll
+    for (int u = 0; u < TKB_PER; ++u) {
+        if (u >= count) break;
+        own = max(own, key[u]);
+    }
+    own = __reduce_max_sync(KILN_FULL_MASK, own);
+    if (lane == 0) sh.warp_max[warp] = own;
+    if (threadIdx.x == 0) sh.ncand = 0u;
+    __syncthreads();
+    // Every warp finds T itself: lane w ranks warp w's maximum (ties in warp order).
+    const kiln_u32 wm = lane < SAMPLE_WARPS ? sh.warp_max[lane] : 0u;
+    int rank = 0;
+#pragma unroll
+    for (int w = 0; w < SAMPLE_WARPS; ++w) {
+        const kiln_u32 o = sh.warp_max[w];
+        rank += (o > wm || (o == wm && w < lane)) ? 1 : 0;
+    }
+    const kiln_u32 at_rank = __ballot_sync(KILN_FULL_MASK, lane < SAMPLE_WARPS && rank == TKB_HEADS - 1);
+    const kiln_u32 T = __shfl_sync(KILN_FULL_MASK, wm, __ffs((int)at_rank) - 1);  // one lane has that rank
+    const kiln_u32 lanes_before = (1u << lane) - 1u;
+#pragma unroll
+    for (int u = 0; u < TKB_PER; ++u) {
+        if (u >= count) break;
+        const bool take = key[u] != 0u && key[u] >= T;
+        const kiln_u32 mask = __ballot_sync(KILN_FULL_MASK, take);
+        if (mask == 0u) continue;  // the same for the whole warp
+        kiln_u32 at = 0u;
+        if (lane == 0) at = atomicAdd(&sh.ncand, (kiln_u32)__popc(mask));
+        at = __shfl_sync(KILN_FULL_MASK, at, 0) + (kiln_u32)__popc(mask & lanes_before);
+        if (take && at < TKB_LIST_CAP) sh.cand[at] = fast_pack(key[u], (kiln_u32)(lo + u * THREADS + (int)threadIdx.x));
+    }
+    TKB_CLOCK(12, first);
+    __syncthreads();
+    const int c = (int)sh.ncand;
+    TKB_CLOCK(13, first);
+    if (c <= TKB_LIST_CAP) {
+        for (int e = threadIdx.x; e < c; e += THREADS) {
+            const kiln_u64 mine = sh.cand[e];
+            int above = 0;
+#pragma unroll 4
+            for (int j = 0; j < c; ++j) above += sh.cand[j] > mine ? 1 : 0;
+            if (above < TKB_HEADS) out[above] = mine;
+        }
+        if ((int)threadIdx.x < TKB_HEADS && (int)threadIdx.x >= c) out[threadIdx.x] = 0ull;
+        TKB_CLOCK(14, first);
+        return;
+    }
+    // Ties at T: the rounds (the candidates in `sh.cand` are not read again).
     kiln_u32 v[TKB_PER];
 #pragma unroll
     for (int u = 0; u < TKB_PER; ++u) v[u] = key[u];
-    const int count = (int)((slice_len + THREADS - 1) / THREADS);
     const int found = tkb_warp_heads(v, count, lo, &sh.cand[warp * TKB_HEADS]);
-    TKB_CLOCK(12, first);
     // The listed entries that are not 0 (the block's list holds as many, up to TKB_HEADS).
     const int listed = __syncthreads_count(lane < found);
-    TKB_CLOCK(13, first);
     constexpr int ENTRIES = SAMPLE_WARPS * TKB_HEADS;
     constexpr int EACH = ENTRIES / TKB_RANKERS;  // entries each ranker compares against
     const int entry = (int)threadIdx.x / TKB_RANKERS, part = (int)threadIdx.x % TKB_RANKERS;
@@ -3657,28 +3706,6 @@ kiln_sample_topk_bound(const float* __restrict__ logits, long long vocab, long l
     (void)heads;
     (void)heads_stride;
 #endif
-#if TKB_FENCE_ONE
-    // One fence a block: the barrier makes every thread's writes thread 0's, whose fence
-    // (cumulative) publishes them before its ticket; in the last block the same thread's fence
-    // after the ticket orders the other blocks' writes before the reads after the barrier.
-    __syncthreads();
-    TKB_CLOCK(10, first);
-    if (threadIdx.x == 0) {
-        tkb_fence();
-        const kiln_u32 ticket = atomicAdd(&tickets[r], 1u);
-        sh.last = ticket == gridDim.x - 1u;
-        if (sh.last) {
-            tickets[r] = 0u;  // every block of the row has taken its ticket
-            tkb_fence();
-        }
-#if SAMPLE_PROFILE
-        if (profile != nullptr) atomicMax(&profile[1], tkb_globaltimer());
-#endif
-    }
-    TKB_CLOCK(11, first);
-    __syncthreads();
-    if (!sh.last) return;
-#else
     tkb_fence();
     __syncthreads();
     TKB_CLOCK(10, first);
@@ -3694,7 +3721,6 @@ kiln_sample_topk_bound(const float* __restrict__ logits, long long vocab, long l
     __syncthreads();
     if (!sh.last) return;
     tkb_fence();  // the other blocks' maxima, published before their tickets, are read after ours
-#endif
     const bool row0 = r == 0;
     TKB_CLOCK(16, row0);
     TKB_SET(24, row0, tkb_globaltimer());

@@ -979,9 +979,6 @@ pub fn sample_with_path_profiled(
         if path == SamplePath::TopKHeads {
             bound_defines.push(("TKB_HEADS", heads_define.as_str()));
         }
-        if std::env::var("KILN_SAMPLE_FENCE").is_ok_and(|v| v == "one") {
-            bound_defines.push(("TKB_FENCE_ONE", "1"));
-        }
         if wide_path {
             bound_defines.extend([
                 ("TKB_PER", wide[0].as_str()),
