@@ -265,15 +265,16 @@ pub enum SamplePath {
     TopKWide,
     /// [`SamplePath::TopKWide`] with the bound search moved into the slice blocks
     /// (`kiln_sample_topk_bound` compiled as it with `TKB_HEADS=8`): each block also lists its
-    /// slice's [`TOPK_HEADS`] largest tokens (key and index), and the row's last block reads the
+    /// slice's [`TOPK_HEADS`] largest tokens (key and index: the tokens whose key reaches the
+    /// 8th largest of its warps' maxima, ranked among themselves), and the row's last block reads the
     /// lists (one round trip), picks the bin of the distance below the row maximum at which
     /// their count reaches k (one histogram, one warp), and finishes on the listed tokens up to
     /// that bin: no search loop, no second read of the logits. A row where a slice holds more
     /// than its list's worth of tokens up to that bin takes [`SamplePath::TopKWide`]'s last
     /// block. The row's top-k are among the candidates, hence the reference's token.
     /// [`SamplePath::for_rows`] takes it for a single top-k row up to [`TOPK_HEADS_KMAX`]: top-k
-    /// and top-p at vocabulary 151936 in 10.6 us on the H200 against [`SamplePath::TopKWide`]'s
-    /// 14.2 (`bench/results/2026-11-30-h200-evening/f1`).
+    /// and top-p at vocabulary 151936 in 8.9 us on the H200 against [`SamplePath::TopKWide`]'s
+    /// 14.2 (`bench/results/2026-11-30-h200-night/d3`).
     TopKHeads,
 }
 
@@ -299,8 +300,8 @@ impl SamplePath {
     ///   logits once);
     /// - one row at temperature > 0 with `1 <= top_k <=` [`TOPK_BOUND_KMAX`] and no penalties:
     ///   [`SamplePath::TopKHeads`] up to [`TOPK_HEADS_KMAX`] (one launch, the row's last block
-    ///   finishing from the slices' lists; top-k + top-p at vocabulary 151936 in 10.6 us,
-    ///   `bench/results/2026-11-30-h200-evening/f1`), [`SamplePath::TopKWide`] past it (the row's
+    ///   finishing from the slices' lists; top-k + top-p at vocabulary 151936 in 8.9 us,
+    ///   `bench/results/2026-11-30-h200-night/d3`), [`SamplePath::TopKWide`] past it (the row's
     ///   last block 16 warps wide; 14.2 us against [`SamplePath::TopKBound`]'s 15.7);
     /// - several such rows: [`SamplePath::TopKBound`] (one launch; at vocabulary 151936 top-k +
     ///   top-p 44.8 us at batch 64 against the fused path's 123.6,
