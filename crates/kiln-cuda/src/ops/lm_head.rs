@@ -181,11 +181,6 @@ pub const LM_HEAD_VARIANTS: &[LmHeadVariant] = &[
     LmHeadVariant::coop(8, 4, 64, 2, 2),
     LmHeadVariant::coop(8, 4, 64, 4, 2),
     LmHeadVariant::coop(8, 8, 64, 2, 1),
-    // Tiles of 128 tokens on the cooperative ring: half the tile ends (the block's barriers and
-    // the adds of the unit sums) per weight; the same compile as tiles of 64 (the tile is an
-    // argument).
-    LmHeadVariant::coop(16, 4, 128, 2, 1),
-    LmHeadVariant::coop(16, 4, 128, 4, 1),
 ];
 
 impl LmHeadVariant {
