@@ -119,11 +119,8 @@ pub fn run(args: &BenchLmHeadArgs) -> Result<()> {
             reason: format!("the LM head serves 1 to {MAX_ROWS} rows"),
         });
     }
-    if let Some(unknown) = args
-        .variants
-        .iter()
-        .flatten()
-        .find(|label| !LM_HEAD_VARIANTS.iter().any(|v| v.label() == **label))
+    if let Some(unknown) =
+        args.variants.iter().flatten().find(|label| !LM_HEAD_VARIANTS.iter().any(|v| v.label() == **label))
     {
         return Err(Error::InvalidArgument {
             name: "--variants",
@@ -205,7 +202,8 @@ pub fn run(args: &BenchLmHeadArgs) -> Result<()> {
         let default =
             LmHeadVariant::default_for_call(&head, rows, gpu.facts().shared_memory_per_block_optin_bytes);
         let mut results: Vec<(LmHeadVariant, f64)> = Vec::new();
-        let chosen = |v: &&LmHeadVariant| args.variants.as_ref().is_none_or(|labels| labels.contains(&v.label()));
+        let chosen =
+            |v: &&LmHeadVariant| args.variants.as_ref().is_none_or(|labels| labels.contains(&v.label()));
         for &variant in [certified, default].iter().chain(LM_HEAD_VARIANTS.iter().filter(chosen)) {
             if plan(&head, rows, variant).is_err() || results.iter().any(|(v, _)| *v == variant) {
                 continue;
