@@ -125,13 +125,6 @@ static_assert((BLOCK_M * CHUNKS_PER_ROW) % THREADS == 0, "a Q tile splits evenly
 // The merge of WARPS_N > 1 reuses the K/V buffers: WARPS_M * WARPS_N * 16 rows of HEAD_DIM + 4 f32.
 static_assert(WARPS_M * WARPS_N * 16 * (HEAD_DIM + 4) * 4 <= 2 * STAGES * BLOCK_N * ROW * 2, "merge fits in K/V");
 static_assert(STAGES >= 2 || (STAGES == 1 && WARPS_M == 1), "at least two stages, or one (decode: K and V alternate)");
-// ALT_KAHEAD = 1 (one stage only): two K buffers, so K of tile t + 1 is issued beside V of tile t
-// (both in flight during S = Q K^T) instead of after V of tile t has landed.
-#ifndef ALT_KAHEAD
-#define ALT_KAHEAD 0
-#endif
-static_assert(ALT_KAHEAD == 0 || STAGES == 1, "K ahead is a one-stage decode variant");
-#define K_BUFFERS (ALT_KAHEAD ? 2 : STAGES)
 // The decode variants (one row tile of 16 rows) combine by gathering every split's log-sums into
 // the K/V stages first, where the launcher's most splits (MAX_TILED_SPLITS) x 16 rows of f32 fit;
 // the other variants combine in one online pass over the splits.
@@ -159,7 +152,7 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
     __shared__ int is_last_block;
     kiln_u16* q_smem = reinterpret_cast<kiln_u16*>(shared_chunks);
     kiln_u16* k_smem = q_smem + BLOCK_M * ROW;
-    kiln_u16* v_smem = k_smem + K_BUFFERS * BLOCK_N * ROW;
+    kiln_u16* v_smem = k_smem + STAGES * BLOCK_N * ROW;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int warp_m = warp / WARPS_N, warp_n = warp % WARPS_N;
@@ -252,11 +245,6 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
     tile_pages(0, next_pages);
     if (tiles > 0) load_half(0, k_smem, k_cache, next_pages);
     kiln_cp_async_commit();
-#if ALT_KAHEAD
-    // The pages of tile 1 (for its K, issued beside V of tile 0); next_pages keeps tile 0's.
-    kiln_u32 ahead_pages[TILE_CHUNKS_PER_THREAD];
-    tile_pages(1, ahead_pages);
-#endif
     kiln_cp_async_wait<1>();
     __syncthreads();
 #else
@@ -316,17 +304,7 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
         __syncthreads();
         load_half(t, v_smem, v_cache, next_pages);
         kiln_cp_async_commit();
-#if ALT_KAHEAD
-        // K of tile t + 1 into the K buffer tile t - 1 used (every warp is past S of tile t - 1:
-        // this barrier), its own group; then the pages move on a tile.
-        if (t + 1 < tiles) load_half(t + 1, k_smem + ((t + 1) & 1) * BLOCK_N * ROW, k_cache, ahead_pages);
-        kiln_cp_async_commit();
-#pragma unroll
-        for (int i = 0; i < TILE_CHUNKS_PER_THREAD; ++i) next_pages[i] = ahead_pages[i];
-        tile_pages(t + 2, ahead_pages);
-#else
         tile_pages(t + 1, next_pages);
-#endif
 #else
         // Tile t + STAGES - 1 into the stage tile t - 1 used (every warp is past it: the barrier
         // at the end of the previous iteration), then the pages of the tile after it.
@@ -339,7 +317,7 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
 
         const int stage = t % STAGES;
         const int warp_key0 = warp_n * WARP_KEYS;  // within the tile
-        const kiln_u16* k_tile = k_smem + (ALT_KAHEAD ? (t & 1) : stage) * BLOCK_N * ROW;
+        const kiln_u16* k_tile = k_smem + stage * BLOCK_N * ROW;
         const kiln_u16* v_tile = v_smem + stage * BLOCK_N * ROW;
 
         // S = Q K^T over this warp's keys.
@@ -373,16 +351,10 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
 #if STAGES == 1
         // V of tile t has landed and every warp is done with K of tile t: K of tile t + 1 flies
         // while the softmax and the products with V are made.
-#if ALT_KAHEAD
-        // V of tile t has landed (K of tile t + 1 may still fly) and is every warp's.
-        kiln_cp_async_wait<1>();
-        __syncthreads();
-#else
         kiln_cp_async_wait<0>();
         __syncthreads();
         if (t + 1 < tiles) load_half(t + 1, k_smem, k_cache, next_pages);
         kiln_cp_async_commit();
-#endif
 #endif
         // Online softmax: new row maxima (over the quad that shares a row), rescale, exponentiate.
 #pragma unroll

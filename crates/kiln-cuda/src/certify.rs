@@ -651,8 +651,7 @@ pub struct AttentionConfig {
 impl AttentionConfig {
     /// `4x1x64.s1`: warps_m x warps_n x warp_keys, then the splits; the wgmma prefill kernels'
     /// named `wgmma-8x1x128.s1` and `wgmma-pingpong-8x1x128.s1`, the decode variants three K/V
-    /// tiles deep `deep-1x4x16.s8`, the one-stage alternating ones `alt-1x4x32.s4` (with K a tile
-    /// ahead `alt2-1x4x32.s4`), the hybrid decode `hybrid-1x4x16.s33`, and the streaming
+    /// tiles deep `deep-1x4x16.s8`, the one-stage alternating ones `alt-1x4x32.s4`, the hybrid decode `hybrid-1x4x16.s33`, and the streaming
     /// decode variants but the default `stream<stages>-...` (`stream3-1x8x16.s2`,
     /// `stream6-1x4x16.s2`).
     pub fn label(&self) -> String {
@@ -662,7 +661,6 @@ impl AttentionConfig {
             AttentionKernel::WarpgroupPingpong => "wgmma-pingpong-",
             _ if v.hybrid => "hybrid-",
             AttentionKernel::Tiled if v.stages == AttentionVariant::DECODE_DEEP.stages => "deep-",
-            AttentionKernel::Tiled if v.k_ahead => "alt2-",
             AttentionKernel::Tiled if v.stages == 1 => "alt-",
             AttentionKernel::Streaming if *v != AttentionVariant::DECODE => {
                 return format!(
@@ -690,7 +688,6 @@ impl AttentionConfig {
             AttentionVariant::DECODE_STREAM_DEEP,
             AttentionVariant::DECODE_ALT,
             AttentionVariant::DECODE_ALT_WIDE,
-            AttentionVariant::DECODE_ALT2_WIDE,
         ];
         let variant = AttentionVariant::ALL
             .into_iter()

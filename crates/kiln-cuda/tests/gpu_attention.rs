@@ -280,8 +280,6 @@ fn decode_matches_float64_and_repeats_bit_for_bit() {
                 (AttentionVariant::DECODE_ALT, Some(3)),
                 (AttentionVariant::DECODE_ALT_WIDE, None),
                 (AttentionVariant::DECODE_ALT_WIDE, Some(4)),
-                (AttentionVariant::DECODE_ALT2_WIDE, None),
-                (AttentionVariant::DECODE_ALT2_WIDE, Some(4)),
                 (AttentionVariant::PREFILL, None),
             ] {
                 let case = Case {
@@ -376,7 +374,6 @@ fn streaming_decode_over_a_long_context_matches_float64() {
             AttentionVariant::DECODE_HYBRID,
             AttentionVariant::DECODE_ALT,
             AttentionVariant::DECODE_ALT_WIDE,
-            AttentionVariant::DECODE_ALT2_WIDE,
         ] {
             (case.splits, case.variant) = (splits, variant);
             let outputs = check_on(&gpu, &case, &inputs, &want, 2);
@@ -404,7 +401,6 @@ fn tiled_decode_combine_over_many_splits_matches_float64_and_repeats_bit_for_bit
             AttentionVariant::DECODE_WIDE_DEEP,
             AttentionVariant::DECODE_ALT,
             AttentionVariant::DECODE_ALT_WIDE,
-            AttentionVariant::DECODE_ALT2_WIDE,
         ] {
             let mut case = Case {
                 q_heads,

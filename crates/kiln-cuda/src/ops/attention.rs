@@ -78,9 +78,6 @@ pub struct AttentionVariant {
     /// where a split holds at most [`HYBRID_STREAM_CHUNK`] keys, the tiled kernel's (this shape,
     /// these stages) past that. Only with `kernel` = [`AttentionKernel::Tiled`].
     pub hybrid: bool,
-    /// One-stage decode ([`AttentionVariant::DECODE_ALT2_WIDE`]) with two K buffers: K of the next
-    /// tile flies beside V of this one (`ALT_KAHEAD`). Only with `stages` = 1.
-    pub k_ahead: bool,
 }
 
 impl AttentionVariant {
@@ -92,7 +89,6 @@ impl AttentionVariant {
         kernel: AttentionKernel::Tiled,
         stages: STAGES,
         hybrid: false,
-        k_ahead: false,
     };
     /// Prefill: 128 rows by 8 warps, 64 keys a tile.
     pub const PREFILL_WIDE: AttentionVariant = AttentionVariant {
@@ -102,7 +98,6 @@ impl AttentionVariant {
         kernel: AttentionKernel::Tiled,
         stages: STAGES,
         hybrid: false,
-        k_ahead: false,
     };
     /// Decode (the default): the streaming kernel, 16 rows (the query heads of a group), 4 warps
     /// each streaming its own steps of 16 keys, three in flight.
@@ -113,7 +108,6 @@ impl AttentionVariant {
         kernel: AttentionKernel::Streaming,
         stages: STREAM_STAGES,
         hybrid: false,
-        k_ahead: false,
     };
     /// Decode on the tiled kernel: 16 rows, 4 warps sharing 64 keys a tile (the decode default
     /// before the streaming kernel). Not in [`AttentionVariant::ALL`]: its name
@@ -125,7 +119,6 @@ impl AttentionVariant {
         kernel: AttentionKernel::Tiled,
         stages: STAGES,
         hybrid: false,
-        k_ahead: false,
     };
     /// Decode on the tiled kernel: 16 rows, 4 warps sharing 128 keys a tile.
     pub const DECODE_WIDE: AttentionVariant = AttentionVariant {
@@ -135,7 +128,6 @@ impl AttentionVariant {
         kernel: AttentionKernel::Tiled,
         stages: STAGES,
         hybrid: false,
-        k_ahead: false,
     };
     /// [`AttentionVariant::DECODE_TILED`] three tiles deep: two 64-key tiles in flight while one
     /// is computed (106 KiB of shared memory at head dim 128: two blocks a multiprocessor on
@@ -168,12 +160,6 @@ impl AttentionVariant {
     /// block, 72 KiB of shared memory at head dim 128: two blocks a multiprocessor). Not in
     /// [`AttentionVariant::ALL`] (named `alt-1x4x32.sN`).
     pub const DECODE_ALT_WIDE: AttentionVariant = AttentionVariant { stages: 1, ..Self::DECODE_WIDE };
-    /// [`AttentionVariant::DECODE_ALT_WIDE`] with a second K buffer: K of tile t + 1 is issued
-    /// beside V of tile t, so both fly while S = Q K^T is computed (108 KiB of shared memory at
-    /// head dim 128: two blocks a multiprocessor). Not in [`AttentionVariant::ALL`] (named
-    /// `alt2-1x4x32.sN`).
-    pub const DECODE_ALT2_WIDE: AttentionVariant =
-        AttentionVariant { k_ahead: true, ..Self::DECODE_ALT_WIDE };
     /// Decode on the streaming kernel, 8 warps a block (each its own pipeline of 16-key steps,
     /// three in flight): 192 KiB of shared memory at head dim 128, one block a multiprocessor, so
     /// a batch of a few sequences (GQA 32/8: batch 8 at 2 splits, 128 blocks on sm_90's 132
@@ -198,7 +184,6 @@ impl AttentionVariant {
         kernel: AttentionKernel::Warpgroup,
         stages: STAGES,
         hybrid: false,
-        k_ahead: false,
     };
     /// [`AttentionVariant::PREFILL_WGMMA`]'s work on the ping-pong kernel (a third warpgroup
     /// copies).
@@ -250,8 +235,7 @@ impl AttentionVariant {
         match self.kernel {
             AttentionKernel::Tiled => {
                 let row = (head_dim + 8) * 2;
-                let k_buffers = if self.k_ahead { 2 } else { self.stages() as usize };
-                (self.rows() as usize + (k_buffers + self.stages() as usize) * self.keys() as usize) * row
+                (self.rows() as usize + 2 * self.stages() as usize * self.keys() as usize) * row
             }
             AttentionKernel::Streaming => {
                 self.warps_n as usize * self.stages() as usize * 2 * self.warp_keys as usize * head_dim * 2
@@ -279,7 +263,6 @@ impl AttentionVariant {
     fn validate(&self, head_dim: usize) -> Result<()> {
         let served = match self.kernel {
             AttentionKernel::Tiled if self.hybrid => *self == AttentionVariant::DECODE_HYBRID,
-            AttentionKernel::Tiled if self.k_ahead => *self == AttentionVariant::DECODE_ALT2_WIDE,
             AttentionKernel::Tiled => {
                 (self.stages == STAGES
                     || ((self.stages == DEEP_STAGES || self.stages == 1) && self.warps_m == 1))
@@ -587,9 +570,6 @@ fn defines(head_dim: usize, variant: AttentionVariant) -> Vec<(&'static str, Str
     }
     if variant.hybrid {
         defines.push(("HYBRID", "1".to_owned()));
-    }
-    if variant.k_ahead {
-        defines.push(("ALT_KAHEAD", "1".to_owned()));
     }
     if variant.kernel == AttentionKernel::Streaming {
         defines.push(("STREAMING", "1".to_owned()));
@@ -949,21 +929,14 @@ mod tests {
         assert_eq!(defines(128, AttentionVariant::DECODE_DEEP).last(), Some(&("STAGES", "3".to_owned())));
         // The alternating decode variants: one stage of 64 (128) keys, K and V, beside 16 Q rows;
         // two blocks a multiprocessor even with 128-key tiles. One stage only for one row tile.
-        for alt in [
-            AttentionVariant::DECODE_ALT,
-            AttentionVariant::DECODE_ALT_WIDE,
-            AttentionVariant::DECODE_ALT2_WIDE,
-        ] {
+        for alt in [AttentionVariant::DECODE_ALT, AttentionVariant::DECODE_ALT_WIDE] {
             alt.validate(128).unwrap();
             alt.validate(64).unwrap();
-            assert!(defines(128, alt).contains(&("STAGES", "1".to_owned())));
-            assert_eq!(defines(128, alt).contains(&("ALT_KAHEAD", "1".to_owned())), alt.k_ahead);
+            assert_eq!(defines(128, alt).last(), Some(&("STAGES", "1".to_owned())));
         }
         assert_eq!(AttentionVariant::DECODE_ALT.shared_bytes(128), (16 + 128) * 272);
         assert_eq!(AttentionVariant::DECODE_ALT_WIDE.shared_bytes(128), (16 + 256) * 272);
         assert!(2 * (AttentionVariant::DECODE_ALT_WIDE.shared_bytes(128) + 1024 + 600) <= 228 * 1024);
-        assert_eq!(AttentionVariant::DECODE_ALT2_WIDE.shared_bytes(128), (16 + 384) * 272);
-        assert!(2 * (AttentionVariant::DECODE_ALT2_WIDE.shared_bytes(128) + 1024 + 600) <= 228 * 1024);
         assert!(matches!(
             AttentionVariant { stages: 1, ..AttentionVariant::PREFILL }.validate(128),
             Err(Error::NotServed { .. })
@@ -1028,7 +1001,6 @@ mod tests {
             AttentionVariant::DECODE_STREAM_DEEP,
             AttentionVariant::DECODE_ALT,
             AttentionVariant::DECODE_ALT_WIDE,
-            AttentionVariant::DECODE_ALT2_WIDE,
         ];
         for variant in AttentionVariant::ALL.into_iter().chain(others) {
             for head_dim in HEAD_DIMS {
@@ -1045,7 +1017,6 @@ mod tests {
                     AttentionVariant::DECODE_HYBRID,
                     AttentionVariant::DECODE_ALT,
                     AttentionVariant::DECODE_ALT_WIDE,
-                    AttentionVariant::DECODE_ALT2_WIDE,
                 ]
                 .contains(&variant);
                 if compiled_for_all_heads || head_dim == 128 {
