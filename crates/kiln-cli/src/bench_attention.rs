@@ -94,6 +94,11 @@ pub struct BenchAttentionArgs {
     /// Only these decode contexts (comma-separated; default all of 1024 to 131072).
     #[arg(long, value_delimiter = ',')]
     pub decode_contexts: Vec<usize>,
+    /// Tokens a KV cache page holds (a power of two from 16 to 4096): the page a head's K or V
+    /// rows stay contiguous in. The shipped certificates are for 64; at another size each case
+    /// runs its kernel's default configuration unless certified for that size.
+    #[arg(long, default_value_t = DEFAULT_PAGE_TOKENS)]
+    pub page_tokens: usize,
 }
 
 /// The tag of the decode row whose streaming kernel reads K/V without the evict-first hint.
@@ -101,17 +106,17 @@ const NO_L2_HINT: &str = "default, no L2 hint";
 const Q_HEADS: usize = 32;
 const KV_HEADS: usize = 8;
 const HEAD_DIM: usize = 128;
-const PAGE_TOKENS: usize = 64;
+const DEFAULT_PAGE_TOKENS: usize = 64;
 pub const PREFILL_LENGTHS: [usize; 3] = [1024, 4096, 16384];
 pub const DECODE_BATCHES: [usize; 3] = [1, 8, 64];
 pub const DECODE_CONTEXTS: [usize; 5] = [1024, 4096, 16384, 32768, 131072];
 
-fn shape() -> AttentionShape {
+fn shape(page_tokens: usize) -> AttentionShape {
     AttentionShape {
         q_heads: Q_HEADS,
         kv_heads: KV_HEADS,
         head_dim: HEAD_DIM,
-        page_tokens: PAGE_TOKENS,
+        page_tokens,
         scale: 1.0 / (HEAD_DIM as f32).sqrt(),
     }
 }
@@ -193,9 +198,17 @@ fn prefill_agreement(
 
 /// Runs the benchmark and prints the tables.
 pub fn run(args: &BenchAttentionArgs) -> Result<()> {
+    if !(16..=4096).contains(&args.page_tokens) || !args.page_tokens.is_power_of_two() {
+        return Err(Error::InvalidArgument {
+            name: "--page-tokens",
+            value: args.page_tokens.to_string(),
+            reason: "a KV cache page holds a power of two of tokens from 16 to 4096".to_owned(),
+        });
+    }
     let gpu = Gpu::open(0)?;
     let peer = read_peer(args)?;
-    let shape = shape();
+    let shape = shape(args.page_tokens);
+    let page_tokens = args.page_tokens;
     // Every key's configuration is looked up before anything runs, so that a strict-mode miss
     // fails at once, naming the key.
     let (store, arch, multiprocessors) = (open_store()?, gpu.arch(), gpu.facts().multiprocessors);
@@ -227,7 +240,7 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
     let copy = copy_ceiling(&gpu, 1 << 30, 5, 20)?;
     let _ = writeln!(
         report,
-        "device: {} ({}), copy ceiling {:.0} GB/s\n\n## Prefill (causal, GQA {Q_HEADS}/{KV_HEADS}, head dim {HEAD_DIM}, page {PAGE_TOKENS})\n",
+        "device: {} ({}), copy ceiling {:.0} GB/s\n\n## Prefill (causal, GQA {Q_HEADS}/{KV_HEADS}, head dim {HEAD_DIM}, page {page_tokens})\n",
         gpu.facts().name,
         gpu.arch(),
         copy.gb_per_s
@@ -249,12 +262,12 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
         prefill.table(&tiled, Some(prefill_config), false)?;
     }
 
-    let header = "\n## Decode (GQA 32/8, head dim 128, page 64; % of the copy ceiling)\n\n\
+    let header = format!("\n## Decode (GQA 32/8, head dim 128, page {page_tokens}; % of the copy ceiling)\n\n\
                   graph_us: the time per launch of launches captured once in a CUDA graph and replayed \
                   (as the engine replays its decode step; GB/s and % copy from it). events_us: CUDA \
                   events around one launch (host launch cost included). torch the same two ways.\n\n\
                   | batch | context | configuration | graph_us | GB/s | % copy | events_us | torch graph_us / speedup | torch events_us / speedup |\n\
-                  |---|---|---|---|---|---|---|---|---|";
+                  |---|---|---|---|---|---|---|---|---|");
     println!("{header}");
     let _ = writeln!(report, "{header}");
     let l2 = gpu.facts().l2_cache_bytes as usize;
@@ -337,9 +350,9 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
                 println!("| {batch_size} | {context} | - | skipped: over --max-cache-gib | | | | | |");
                 continue;
             }
-            let pages_per_sequence = context.div_ceil(PAGE_TOKENS);
+            let pages_per_sequence = context.div_ceil(page_tokens);
             let total_pages = pages_per_sequence * batch_size * rotations;
-            let cache_bytes = total_pages * KV_HEADS * PAGE_TOKENS * HEAD_DIM * 2;
+            let cache_bytes = total_pages * KV_HEADS * page_tokens * HEAD_DIM * 2;
             let (k, v) =
                 (random_device(&gpu, cache_bytes, &mut seed)?, random_device(&gpu, cache_bytes, &mut seed)?);
             let cache = KvBuffers { k: &k, v: &v, pages: total_pages };
@@ -423,7 +436,7 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
     // above (they are printed as they come); a failure is a row, not the end of the run.
     if gpu.arch() == kiln_cuda::Arch(90) && args.decode_only.is_empty() {
         let header = format!(
-            "\n## Prefill on wgmma (sm_90; causal, GQA {Q_HEADS}/{KV_HEADS}, head dim {HEAD_DIM}, page {PAGE_TOKENS})\n\n\
+            "\n## Prefill on wgmma (sm_90; causal, GQA {Q_HEADS}/{KV_HEADS}, head dim {HEAD_DIM}, page {page_tokens})\n\n\
              | tokens | variant | time_us | TFLOP/s | torch_us / speedup |\n|---|---|---|---|---|"
         );
         println!("{header}");
@@ -461,12 +474,13 @@ impl PrefillRun<'_> {
         certified: Option<AttentionConfig>,
         agreement: bool,
     ) -> Result<()> {
-        let (gpu, shape) = (self.gpu, shape());
+        let page_tokens = self.args.page_tokens;
+        let (gpu, shape) = (self.gpu, shape(page_tokens));
         for &len in &PREFILL_LENGTHS {
-            let pages: Vec<u32> = (0..len.div_ceil(PAGE_TOKENS) as u32).collect();
+            let pages: Vec<u32> = (0..len.div_ceil(page_tokens) as u32).collect();
             let sequence = [AttentionSequence { query_tokens: len, context_tokens: len, pages: &pages }];
             let batch = PagedBatch::upload(gpu, &shape, &sequence, pages.len())?;
-            let cache_bytes = pages.len() * KV_HEADS * PAGE_TOKENS * HEAD_DIM * 2;
+            let cache_bytes = pages.len() * KV_HEADS * page_tokens * HEAD_DIM * 2;
             let q = random_device(gpu, len * Q_HEADS * HEAD_DIM * 2, self.seed)?;
             let (k, v) =
                 (random_device(gpu, cache_bytes, self.seed)?, random_device(gpu, cache_bytes, self.seed)?);
