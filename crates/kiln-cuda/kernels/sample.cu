@@ -61,6 +61,16 @@ __device__ __forceinline__ kiln_u32 sample_weight(float x, float temperature, fl
     return __float2uint_rz(kiln_exp_poly(z - m) * 2147483648.0f);
 }
 
+// The top-p target of a mass: max(1, ceil(mass * units / 2^24)), exact in 128 bits (units < 2^24:
+// the kept tokens are those whose mass before them, in the order, is below it).
+__device__ __forceinline__ kiln_u64 sample_top_p_target(kiln_u64 mass, kiln_u32 units) {
+    const kiln_u64 lo = mass * (kiln_u64)units, hi = __umul64hi(mass, (kiln_u64)units);
+    const kiln_u64 add = lo + 0xFFFFFFull;
+    const kiln_u64 carry = add < lo ? 1ull : 0ull;
+    const kiln_u64 target = (add >> 24) | ((hi + carry) << 40);
+    return target == 0ull ? 1ull : target;
+}
+
 // Philox4x32-10 (Random123), the counter (step, stream) and the key seed.
 __device__ __forceinline__ kiln_u64 sample_uniform(kiln_u64 seed, kiln_u64 step, kiln_u64 stream) {
     kiln_u32 c0 = (kiln_u32)step, c1 = (kiln_u32)(step >> 32), c2 = (kiln_u32)stream, c3 = (kiln_u32)(stream >> 32);
@@ -261,12 +271,7 @@ __device__ __forceinline__ kiln_u64 sample_select(const SampleRow row, SampleSha
             if (shift == 24 && mass) {
                 kiln_u64 total = 0ull;
                 for (int b = 0; b < 256; ++b) total += sh.bins[b];
-                // max(1, ceil(total * p_units / 2^24)), exact in 128 bits.
-                const kiln_u64 lo = total * (kiln_u64)p_units, hi = __umul64hi(total, (kiln_u64)p_units);
-                const kiln_u64 add = lo + 0xFFFFFFull;
-                const kiln_u64 carry = add < lo ? 1ull : 0ull;
-                target = (add >> 24) | ((hi + carry) << 40);
-                if (target == 0ull) target = 1ull;
+                target = sample_top_p_target(total, p_units);
                 sh.value = target;
             }
             if (!mass) sh.value = target;
@@ -901,12 +906,7 @@ __device__ __forceinline__ void sample_row_fast(int r, kiln_u32 k, bool penaltie
     if (p.top_p_units < (1u << 24)) {
         kiln_u64 mass;
         fast_scan((kiln_u64)w, sh.warp_u64, mass);
-        // max(1, ceil(mass * p_units / 2^24)), exact in 128 bits.
-        const kiln_u64 lo_p = mass * (kiln_u64)p.top_p_units, hi_p = __umul64hi(mass, (kiln_u64)p.top_p_units);
-        const kiln_u64 add = lo_p + 0xFFFFFFull;
-        const kiln_u64 carry = add < lo_p ? 1ull : 0ull;
-        kiln_u64 target = (add >> 24) | ((hi_p + carry) << 40);
-        if (target == 0ull) target = 1ull;
+        const kiln_u64 target = sample_top_p_target(mass, p.top_p_units);
         if (mine) sh.sorted_w[rank] = w;
         __syncthreads();
         const kiln_u64 ws = j < kk ? (kiln_u64)sh.sorted_w[j] : 0ull;
@@ -1240,12 +1240,7 @@ kiln_sample_mass(const float* __restrict__ logits, long long vocab, long long ro
     for (int b = b0; b < b1; ++b) local += __ldcg(&row_bins[b]);
     kiln_u64 total;
     const kiln_u64 before = fast_scan(local, sh.warp_u64, total);
-    // max(1, ceil(total * p_units / 2^24)), exact in 128 bits.
-    const kiln_u64 lo_p = total * (kiln_u64)p.top_p_units, hi_p = __umul64hi(total, (kiln_u64)p.top_p_units);
-    const kiln_u64 add = lo_p + 0xFFFFFFull;
-    const kiln_u64 carry = add < lo_p ? 1ull : 0ull;
-    kiln_u64 target = (add >> 24) | ((hi_p + carry) << 40);
-    if (target == 0ull) target = 1ull;
+    const kiln_u64 target = sample_top_p_target(total, p.top_p_units);
     if (local != 0ull && before < target && before + local >= target) {
         kiln_u64 acc = before;
         for (int b = b0; b < b1; ++b) {
@@ -2051,13 +2046,8 @@ __device__ __forceinline__ int sample_row_fused(int r, kiln_u32 k, bool penaltie
     const kiln_u64 before = fast_scan((kiln_u64)w, sh.warp_u64, mass);
     bool kept = mine;
     if (p->top_p_units < (1u << 24)) {
-        // max(1, ceil(mass * p_units / 2^24)), exact in 128 bits; the cutoff is the first rank
-        // whose inclusive mass reaches it.
-        const kiln_u64 lo_p = mass * (kiln_u64)p->top_p_units, hi_p = __umul64hi(mass, (kiln_u64)p->top_p_units);
-        const kiln_u64 add = lo_p + 0xFFFFFFull;
-        const kiln_u64 carry = add < lo_p ? 1ull : 0ull;
-        kiln_u64 target = (add >> 24) | ((hi_p + carry) << 40);
-        if (target == 0ull) target = 1ull;
+        // The cutoff is the first rank whose inclusive mass reaches the target.
+        const kiln_u64 target = sample_top_p_target(mass, p->top_p_units);
         kept = mine && before < target;
     }
     const kiln_u32 kw = kept && w >= p->min_weight ? w : 0u;
@@ -2693,13 +2683,8 @@ __device__ __forceinline__ int sample_row_topk_merge(int r, kiln_u32 k, const fl
     const kiln_u64 before = fast_scan((kiln_u64)w, sh.warp_u64, mass);
     bool kept = mine;
     if (p->top_p_units < (1u << 24)) {
-        // max(1, ceil(mass * p_units / 2^24)), exact in 128 bits; the cutoff is the first rank
-        // whose inclusive mass reaches it.
-        const kiln_u64 lo_p = mass * (kiln_u64)p->top_p_units, hi_p = __umul64hi(mass, (kiln_u64)p->top_p_units);
-        const kiln_u64 add = lo_p + 0xFFFFFFull;
-        const kiln_u64 carry = add < lo_p ? 1ull : 0ull;
-        kiln_u64 target = (add >> 24) | ((hi_p + carry) << 40);
-        if (target == 0ull) target = 1ull;
+        // The cutoff is the first rank whose inclusive mass reaches the target.
+        const kiln_u64 target = sample_top_p_target(mass, p->top_p_units);
         kept = mine && before < target;
     }
     const kiln_u32 kw = kept && w >= p->min_weight ? w : 0u;
@@ -3046,13 +3031,8 @@ __device__ __forceinline__ void tkb_rank_finish(int r, kiln_u32 k, int m_n, cons
     const kiln_u64 before = tkb_scan((kiln_u64)w, sh.mass_sums, mass);
     bool kept = mine;
     if (p.top_p_units < (1u << 24)) {
-        // max(1, ceil(mass * p_units / 2^24)), exact in 128 bits; the cutoff is the first rank
-        // whose inclusive mass reaches it.
-        const kiln_u64 lo_p = mass * (kiln_u64)p.top_p_units, hi_p = __umul64hi(mass, (kiln_u64)p.top_p_units);
-        const kiln_u64 add = lo_p + 0xFFFFFFull;
-        const kiln_u64 carry = add < lo_p ? 1ull : 0ull;
-        kiln_u64 target_p = (add >> 24) | ((hi_p + carry) << 40);
-        if (target_p == 0ull) target_p = 1ull;
+        // The cutoff is the first rank whose inclusive mass reaches the target.
+        const kiln_u64 target_p = sample_top_p_target(mass, p.top_p_units);
         kept = mine && before < target_p;
     }
     const kiln_u32 kw = kept && w >= p.min_weight ? w : 0u;
@@ -3340,12 +3320,7 @@ __device__ __forceinline__ void tkb_finish_few(int r, kiln_u32 k, int m_n, const
     const kiln_u64 mass = sh.mass;
     bool kept = lead && (int)rank < kk;
     if (p.top_p_units < (1u << 24)) {
-        // max(1, ceil(mass * p_units / 2^24)), exact in 128 bits, as tkb_rank_finish.
-        const kiln_u64 lo_p = mass * (kiln_u64)p.top_p_units, hi_p = __umul64hi(mass, (kiln_u64)p.top_p_units);
-        const kiln_u64 add = lo_p + 0xFFFFFFull;
-        const kiln_u64 carry = add < lo_p ? 1ull : 0ull;
-        kiln_u64 target_p = (add >> 24) | ((hi_p + carry) << 40);
-        if (target_p == 0ull) target_p = 1ull;
+        const kiln_u64 target_p = sample_top_p_target(mass, p.top_p_units);
         kept = kept && before < target_p;
     }
     const kiln_u32 kw = kept && w >= p.min_weight ? w : 0u;
