@@ -3424,15 +3424,17 @@ __device__ __forceinline__ int tkb_warp_heads(kiln_u32 (&key)[N], int count, lon
 }
 
 #define TKB_HEAD_PER ((TKB_HEAD_CAP + THREADS - 1) / THREADS)  // list entries a thread of the last block
+#define TKB_RANKERS (32 / TKB_HEADS)  // threads that rank one entry of the warps' lists
+static_assert(TKB_HEADS * TKB_RANKERS == 32, "TKB_HEADS divides the warp");
 
 // Block (s, r)'s list (see above): its TKB_HEADS largest tokens into `out`, from this thread's
 // order keys (key[u]: index lo + u * THREADS + threadIdx.x, 0 for none).
 //   1. T, the TKB_HEADS-th largest of the warps' maximum keys: at least TKB_HEADS tokens of the
 //      slice have a key >= T (those maxima), so every token of the list has one too.
 //   2. The tokens with a key >= T (not 0) are the candidates, compacted into `sh.cand` (a dozen
-//      or so for distinct logits; fused_append).
-//   3. Each candidate is ranked among them (fused_rank: packed (key, ~index) are distinct), and
-//      the one of rank h below TKB_HEADS is the list's h-th.
+//      or so for distinct logits).
+//   3. Each candidate is ranked among them (the count of those above it in the order: packed
+//      (key, ~index) are distinct), and the one of rank h below TKB_HEADS is the list's h-th.
 // More than TKB_LIST_CAP candidates (ties at T) take the rounds instead: each warp lists its
 // own TKB_HEADS largest (tkb_warp_heads) and every entry of those lists is ranked among them.
 #define TKB_LIST_CAP 256
@@ -3462,30 +3464,51 @@ __device__ __forceinline__ void tkb_write_heads(const kiln_u32 (&key)[TKB_PER], 
     }
     const kiln_u32 at_rank = __ballot_sync(KILN_FULL_MASK, lane < SAMPLE_WARPS && rank == TKB_HEADS - 1);
     const kiln_u32 T = __shfl_sync(KILN_FULL_MASK, wm, __ffs((int)at_rank) - 1);  // one lane has that rank
+    const kiln_u32 lanes_before = (1u << lane) - 1u;
 #pragma unroll
     for (int u = 0; u < TKB_PER; ++u) {
         if (u >= count) break;
         const bool take = key[u] != 0u && key[u] >= T;
-        fused_append(take, take ? fast_pack(key[u], (kiln_u32)(lo + u * THREADS + (int)threadIdx.x)) : 0ull,
-                     sh.cand, &sh.ncand, TKB_LIST_CAP);
+        const kiln_u32 mask = __ballot_sync(KILN_FULL_MASK, take);
+        if (mask == 0u) continue;  // the same for the whole warp
+        kiln_u32 at = 0u;
+        if (lane == 0) at = atomicAdd(&sh.ncand, (kiln_u32)__popc(mask));
+        at = __shfl_sync(KILN_FULL_MASK, at, 0) + (kiln_u32)__popc(mask & lanes_before);
+        if (take && at < TKB_LIST_CAP) sh.cand[at] = fast_pack(key[u], (kiln_u32)(lo + u * THREADS + (int)threadIdx.x));
     }
     TKB_CLOCK(12, first);
     __syncthreads();
-    int listed = (int)sh.ncand;  // the entries to rank, then those of the list that are not 0
-    int entries = listed;
+    const int c = (int)sh.ncand;
     TKB_CLOCK(13, first);
-    if (listed > TKB_LIST_CAP) {
-        // Ties at T: the rounds (the candidates in `sh.cand` are not read again).
-        kiln_u32 v[TKB_PER];
-#pragma unroll
-        for (int u = 0; u < TKB_PER; ++u) v[u] = key[u];
-        const int found = tkb_warp_heads(v, count, lo, &sh.cand[warp * TKB_HEADS]);
-        listed = __syncthreads_count(lane < found);
-        entries = SAMPLE_WARPS * TKB_HEADS;
+    if (c <= TKB_LIST_CAP) {
+        for (int e = threadIdx.x; e < c; e += THREADS) {
+            const kiln_u64 mine = sh.cand[e];
+            int above = 0;
+#pragma unroll 4
+            for (int j = 0; j < c; ++j) above += sh.cand[j] > mine ? 1 : 0;
+            if (above < TKB_HEADS) out[above] = mine;
+        }
+        if ((int)threadIdx.x < TKB_HEADS && (int)threadIdx.x >= c) out[threadIdx.x] = 0ull;
+        TKB_CLOCK(14, first);
+        return;
     }
-    fused_rank(sh.cand, entries, [&](kiln_u64 e, kiln_u32 rank) {
-        if (rank < TKB_HEADS) out[rank] = e;
-    });
+    // Ties at T: the rounds (the candidates in `sh.cand` are not read again).
+    kiln_u32 v[TKB_PER];
+#pragma unroll
+    for (int u = 0; u < TKB_PER; ++u) v[u] = key[u];
+    const int found = tkb_warp_heads(v, count, lo, &sh.cand[warp * TKB_HEADS]);
+    // The listed entries that are not 0 (the block's list holds as many, up to TKB_HEADS).
+    const int listed = __syncthreads_count(lane < found);
+    constexpr int ENTRIES = SAMPLE_WARPS * TKB_HEADS;
+    constexpr int EACH = ENTRIES / TKB_RANKERS;  // entries each ranker compares against
+    const int entry = (int)threadIdx.x / TKB_RANKERS, part = (int)threadIdx.x % TKB_RANKERS;
+    const kiln_u64 mine = sh.cand[entry];
+    int above = 0;
+#pragma unroll
+    for (int j = 0; j < EACH; ++j) above += sh.cand[j * TKB_RANKERS + part] > mine ? 1 : 0;
+#pragma unroll
+    for (int o = 1; o < TKB_RANKERS; o <<= 1) above += __shfl_xor_sync(KILN_FULL_MASK, above, o);
+    if (part == 0 && mine != 0ull && above < TKB_HEADS) out[above] = mine;
     if ((int)threadIdx.x < TKB_HEADS && (int)threadIdx.x >= listed) out[threadIdx.x] = 0ull;
     TKB_CLOCK(14, first);
 }
