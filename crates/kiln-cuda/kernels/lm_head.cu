@@ -51,20 +51,11 @@
 // copied: __syncwarp() after cp.async.wait_group orders their copies before its reads, and its
 // reads of a slot before the next copies into it. The products and sums are those of the ring.
 //
-// LEAN = 1 (on the ring, 2-byte weights) is the ring for calls of whole tiles and whole units
-// (vocab a multiple of the tile, hidden of 256; the launcher checks), with the row length a
-// compile-time constant ROW_BYTES: every lane copies its own 16 bytes of each of the step's
-// VROWS rows (one source address a lane, the rows and the round's steps at constant offsets
-// from it) and reads back only what it copied, so a step is VROWS copies, one commit, one wait
-// and VROWS shared loads, with no checks, no __syncwarp and no per-step address arithmetic; the
-// step loop is unrolled by STAGES (ring slots are constants) and the producer moves to its next
-// (tile, unit) once per unit, at a fixed step of the unit's last round.
-//
 // Compile-time constants: ROWS (1..8), W_T (0 bf16, 1 fp16, 2 Q8_0, 3 Q4_0, 4 Q4_1), WARPS,
 // VROWS (a power of two <= 16; reduced VSUB = min(VROWS, 32 / next_pow2(ROWS)) rows at a time),
 // XSLOT, PIPE, STAGES (0, 2, 4, 8), MIN_BLOCKS (blocks a multiprocessor the registers must
 // allow: 1, 2 or 4; two 8-warp blocks keep 16 warps resident while one of them adds up a tile),
-// COOP (0 / 1), LEAN (0 / 1, with ROW_BYTES), ROW_SCALE, SOFT_CAP, STATS (0 / 1).
+// COOP (0 / 1), ROW_SCALE, SOFT_CAP, STATS (0 / 1).
 // Compiled with --fmad=false; the fused operations (the chains, Q4_1's d * q + m) are explicit
 // __fmaf_rn.
 
@@ -95,9 +86,6 @@
 #ifndef COOP
 #define COOP 0
 #endif
-#ifndef LEAN
-#define LEAN 0
-#endif
 #ifndef ROW_SCALE
 #define ROW_SCALE 0
 #endif
@@ -126,12 +114,6 @@ static_assert(COOP == 0 || (STAGES > 0 && XSLOT == 1), "COOP runs on the ring wi
 #define RING_COOP (RING && COOP)
 // Lanes that copy one row of a step (each copies VROWS of the row's 32 chunks of 16 bytes).
 #define LPR (32 / VROWS)
-// The lean ring (LEAN, see the header): whole tiles and units, ROW_BYTES known when compiling.
-#define RING_LEAN (RING && LEAN)
-static_assert(LEAN == 0 || (STAGES > 0 && XSLOT == 1 && COOP == 0), "LEAN runs on the ring with permuted slots");
-#if RING_LEAN && !defined(ROW_BYTES)
-#error "LEAN needs ROW_BYTES (2 * hidden)"
-#endif
 
 // 16 bytes streamed past L1 (W is read once).
 __device__ __forceinline__ uint4 lm_load_stream16(const void* p) {
@@ -572,62 +554,6 @@ __device__ __forceinline__ void lm_coop_produce(const kiln_u8* __restrict__ weig
 }
 #endif
 
-#if RING_LEAN
-#define LM_STEP_BYTES ((long long)VROWS * ROW_BYTES)
-
-// The lean ring's state (see the header): the producer's (tile, unit), the source of its next
-// step (this lane's 16 bytes of the step's row 0) and whether its tile exists; the ring.
-struct LmLean {
-    kiln_u32 pt;
-    int pu;
-    const kiln_u8* lane_weights;
-    const kiln_u8* src;
-    bool live;
-    kiln_u32 ring;
-    const uint4* ring_lane;
-    int read_at[VROWS];
-};
-
-// One round of the lean ring: steps g .. g + STAGES - 1, one a slot. LAST: the unit's last
-// round, where the producer's steps after slot 0's are groups 0, 1, ... of its next (tile, unit).
-template <bool LAST>
-__device__ __forceinline__ void lm_lean_round(LmLean& lean, const float (&hv)[ROWS_P2][8], int lane, float* out,
-                                              int stride, int g, int units, long long tiles, int tile, int warp) {
-#pragma unroll
-    for (int s = 0; s < STAGES; ++s) {
-        // This lane's copies of step g + s have landed (it reads only those).
-        kiln_cp_async_wait<STAGES - 2>();
-        if (LAST && s == 1) {
-            lean.pu += WARPS;
-            if (lean.pu >= units) {
-                lean.pu = warp;
-                lean.pt += gridDim.x;
-            }
-            lean.live = lean.pt < tiles;
-            lean.src = lean.lane_weights + (long long)lean.pt * tile * ROW_BYTES + lean.pu * 512;
-        }
-        // The producer fills slot s - 1, which this lane read at the step before; its step lies
-        // s steps past `src`, or s - 1 past group 0 after the move.
-        const int fill = (s + STAGES - 1) % STAGES;
-        const long long ahead = (LAST && s >= 1 ? s - 1 : s) * LM_STEP_BYTES;
-        if (lean.live) {
-#pragma unroll
-            for (int i = 0; i < VROWS; ++i) {
-                lm_cp_async_16_full(lean.ring + (fill * VROWS + i) * 512,
-                                    (kiln_u64)(lean.src + ahead + i * ROW_BYTES));
-            }
-        }
-        kiln_cp_async_commit();
-        LmW cur[VROWS];
-#pragma unroll
-        for (int i = 0; i < VROWS; ++i) cur[i].q = lean.ring_lane[s * (VROWS * 32) + lean.read_at[i]];
-        lm_step(cur, hv, lane, out + (g + s) * VROWS, stride);
-    }
-    // The next round's steps: STAGES on, or STAGES - 1 past group 0 after the move.
-    lean.src += (LAST ? STAGES - 1 : STAGES) * LM_STEP_BYTES;
-}
-#endif
-
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
 kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, const float* __restrict__ row_scale,
              float* __restrict__ logits, kiln_u64* __restrict__ stats, long long vocab, int hidden,
@@ -652,62 +578,7 @@ kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, c
     const int xs = XSLOT ? lane / GROUP : 0;
     const int xi = xs / ROWS_P2, xr = xs % ROWS_P2;
 
-#if RING_LEAN
-    // The lean ring (LEAN, see the header): per warp STAGES slots of VROWS rows of 32 lanes' 16
-    // bytes after the unit sums; the producer runs STAGES - 1 steps ahead, across tile ends.
-    const int groups = tile / VROWS;
-    const int ring_offset = (units * ROWS * stride + 3) & ~3;
-    const uint4* ring_lane =
-        reinterpret_cast<const uint4*>(partial + ring_offset) + warp * (STAGES * VROWS * 32) + lane;
-    const kiln_u32 ring = kiln_smem_address(ring_lane);
-    // Where this lane reads step row i (vocabulary row i ^ xi) in slot 0, in 16-byte units.
-    int read_at[VROWS];
-#pragma unroll
-    for (int i = 0; i < VROWS; ++i) read_at[i] = (i ^ xi) * 32;
-    // The producer's (tile, unit), its next step's source (this lane's 16 bytes of row 0) and
-    // whether that tile exists.
-    LmLean lean;
-    lean.pt = warp < units ? blockIdx.x : (kiln_u32)tiles;
-    lean.pu = warp;
-    lean.lane_weights = weights + 16 * lane;
-    lean.src = lean.lane_weights + (long long)lean.pt * tile * ROW_BYTES + lean.pu * 512;
-    lean.live = lean.pt < tiles;
-    lean.ring = ring;
-    lean.ring_lane = ring_lane;
-#pragma unroll
-    for (int i = 0; i < VROWS; ++i) lean.read_at[i] = read_at[i];
-    // Steps 0 .. STAGES - 2 of the first (tile, unit): groups is a multiple of STAGES.
-#pragma unroll
-    for (int k = 0; k < STAGES - 1; ++k) {
-        if (lean.live) {
-#pragma unroll
-            for (int i = 0; i < VROWS; ++i) {
-                lm_cp_async_16_full(ring + (k * VROWS + i) * 512,
-                                    (kiln_u64)(lean.src + k * LM_STEP_BYTES + i * ROW_BYTES));
-            }
-        }
-        kiln_cp_async_commit();
-    }
-    // `src` points at the group of the producer's next step, STAGES - 1 ahead of the products.
-    lean.src += (STAGES - 1) * LM_STEP_BYTES;
-    float hv[ROWS_P2][8];
-    int hu = -1;
-    for (long long t = blockIdx.x; t < tiles; t += gridDim.x) {
-        for (int u = warp; u < units; u += WARPS) {
-            if (u != hu) {
-                lm_load_h(h, hidden, u, lane, xr, hv);
-                hu = u;
-            }
-            float* out = partial + (long long)u * ROWS * stride;
-            int g = 0;
-            for (; g + STAGES < groups; g += STAGES) {
-                lm_lean_round<false>(lean, hv, lane, out, stride, g, units, tiles, tile, warp);
-            }
-            lm_lean_round<true>(lean, hv, lane, out, stride, g, units, tiles, tile, warp);
-        }
-        lm_finish_tile(partial, row_scale, logits, stats, tile_max, vocab, units, tile, tiles, t, logit_scale, cap);
-    }
-#elif RING_COOP
+#if RING_COOP
     // As the ring below, with cooperative copies (COOP, see the header).
     const int groups = tile / VROWS;
     const int ring_offset = (units * ROWS * stride + 3) & ~3;

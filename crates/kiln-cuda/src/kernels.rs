@@ -1029,51 +1029,6 @@ pub const LM_HEAD: KernelSource = KernelSource {
             ("SOFT_CAP", "0"),
             ("STATS", "0"),
         ],
-        // The lean ring (LEAN, whole tiles and units, the row length compiled in): the 8-row
-        // bench shape at 2 and 4 stages, fp16 with every epilogue, and a quantized weight (no
-        // ring: LEAN has no effect).
-        &[
-            ("ROWS", "8"),
-            ("W_T", "0"),
-            ("WARPS", "16"),
-            ("VROWS", "4"),
-            ("XSLOT", "1"),
-            ("PIPE", "0"),
-            ("STAGES", "2"),
-            ("LEAN", "1"),
-            ("ROW_BYTES", "8192"),
-            ("ROW_SCALE", "0"),
-            ("SOFT_CAP", "0"),
-            ("STATS", "0"),
-        ],
-        &[
-            ("ROWS", "5"),
-            ("W_T", "1"),
-            ("WARPS", "16"),
-            ("VROWS", "4"),
-            ("XSLOT", "1"),
-            ("PIPE", "0"),
-            ("STAGES", "4"),
-            ("LEAN", "1"),
-            ("ROW_BYTES", "4096"),
-            ("ROW_SCALE", "1"),
-            ("SOFT_CAP", "1"),
-            ("STATS", "1"),
-        ],
-        &[
-            ("ROWS", "8"),
-            ("W_T", "4"),
-            ("WARPS", "16"),
-            ("VROWS", "4"),
-            ("XSLOT", "1"),
-            ("PIPE", "0"),
-            ("STAGES", "4"),
-            ("LEAN", "1"),
-            ("ROW_BYTES", "2560"),
-            ("ROW_SCALE", "0"),
-            ("SOFT_CAP", "0"),
-            ("STATS", "1"),
-        ],
         // Cooperative ring copies (COOP): the 8-row bench shape, fp16 with every epilogue, two
         // blocks a multiprocessor, a quantized weight (no ring: COOP has no effect), and two
         // reductions a step (8 rows of 8 rows).

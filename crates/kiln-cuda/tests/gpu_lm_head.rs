@@ -206,34 +206,6 @@ fn ring_variants_equal_the_cpu_reference_when_blocks_loop_over_many_tiles() {
 }
 
 #[test]
-fn lean_ring_variants_equal_the_cpu_reference_on_whole_tiles() {
-    // The lean ring serves whole tiles and whole units only: vocabularies of whole tiles, hidden
-    // sizes of whole units, many tiles a block (the ring runs on across tile and unit ends).
-    let gpu = Gpu::open(0).expect("the GPU tests need CUDA device 0");
-    let mut rng = Rng::fresh();
-    let leans: Vec<LmHeadVariant> = LM_HEAD_VARIANTS.iter().copied().filter(|v| v.lean).collect();
-    assert!(!leans.is_empty(), "no lean variant is listed");
-    let mut checked = 0usize;
-    let mut failures = Vec::new();
-    for variant in &leans {
-        for rows in [8, 4, 1 + rng.below(MAX_ROWS)] {
-            let dtype = [DType::BF16, DType::F16][rng.below(2)];
-            // 5 units: more units than a warp count divides, so warps take several units.
-            let hidden = [256, 1024, 1280, 4096][rng.below(4)];
-            let vocab = variant.tile as usize * (150 + rng.below(250));
-            match check_case(&gpu, &mut rng, dtype, rows, *variant, (vocab, hidden)) {
-                Ok(true) => checked += 1,
-                Ok(false) => failures.push(format!("{} does not serve {vocab} x {hidden}", variant.label())),
-                Err(failure) => failures.push(failure),
-            }
-        }
-    }
-    println!("{checked} cases checked");
-    assert!(failures.is_empty(), "{} of {checked} cases failed:\n{}", failures.len(), failures.join("\n"));
-    assert_eq!(checked, 3 * leans.len());
-}
-
-#[test]
 fn the_default_and_ring_variants_serve_the_benchmark_shape() {
     let gpu = Gpu::open(0).expect("the GPU tests need CUDA device 0");
     let mut rng = Rng::fresh();

@@ -24,10 +24,7 @@ use crate::runtime::{driver_error, Gpu};
 /// 0 for none), the blocks a multiprocessor the compile keeps registers for (`MIN_BLOCKS`:
 /// 1, 2 or 4), and whether the lanes copy each ring step cooperatively (`COOP`: one source
 /// address a lane and constant ring slots, the step loop unrolled by `stages`, so `tile /
-/// vocab_rows` must be a multiple of `stages`), and whether the ring is the lean one (`LEAN`:
-/// for calls of whole tiles and whole units of 2-byte weights, the row length compiled in, no
-/// checks or address arithmetic per step; also unrolled by `stages`). Every variant computes the
-/// same bits.
+/// vocab_rows` must be a multiple of `stages`). Every variant computes the same bits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct LmHeadVariant {
     pub warps: u32,
@@ -38,7 +35,6 @@ pub struct LmHeadVariant {
     pub stages: u32,
     pub blocks: u32,
     pub coop: bool,
-    pub lean: bool,
 }
 
 impl LmHeadVariant {
@@ -52,7 +48,6 @@ impl LmHeadVariant {
             stages: 0,
             blocks: 1,
             coop: false,
-            lean: false,
         }
     }
 
@@ -66,7 +61,6 @@ impl LmHeadVariant {
             stages: 0,
             blocks: 1,
             coop: false,
-            lean: false,
         }
     }
 
@@ -87,7 +81,6 @@ impl LmHeadVariant {
             stages,
             blocks,
             coop: false,
-            lean: false,
         }
     }
 
@@ -97,17 +90,12 @@ impl LmHeadVariant {
         LmHeadVariant { coop: true, ..LmHeadVariant::ring_blocks(warps, vocab_rows, tile, stages, blocks) }
     }
 
-    /// A lean ring variant (`LEAN`), for `blocks` resident blocks a multiprocessor.
-    const fn lean(warps: u32, vocab_rows: u32, tile: u32, stages: u32, blocks: u32) -> LmHeadVariant {
-        LmHeadVariant { lean: true, ..LmHeadVariant::ring_blocks(warps, vocab_rows, tile, stages, blocks) }
-    }
-
     /// A short label: `8w/4v/64t`, with `x` for permuted slots, `p` for pipelined loads, `s4`
-    /// for a ring of 4 stages, `c` for cooperative ring copies, `l` for the lean ring and `b2`
-    /// for two blocks a multiprocessor.
+    /// for a ring of 4 stages, `c` for cooperative ring copies and `b2` for two blocks a
+    /// multiprocessor.
     pub fn label(&self) -> String {
         format!(
-            "{}w/{}v/{}t{}{}{}{}{}{}",
+            "{}w/{}v/{}t{}{}{}{}{}",
             self.warps,
             self.vocab_rows,
             self.tile,
@@ -115,7 +103,6 @@ impl LmHeadVariant {
             if self.pipelined { "p" } else { "" },
             if self.stages > 0 { format!("s{}", self.stages) } else { String::new() },
             if self.coop { "c" } else { "" },
-            if self.lean { "l" } else { "" },
             if self.blocks > 1 { format!("b{}", self.blocks) } else { String::new() }
         )
     }
@@ -154,7 +141,6 @@ pub const LM_HEAD_VARIANTS: &[LmHeadVariant] = &[
         stages: 0,
         blocks: 1,
         coop: false,
-        lean: false,
     },
     // The ring (cp.async ahead of the products, persistent grid), for 4 and 8 rows first. With
     // 16 warps each warp keeps one unit of 4096 for the whole launch (h loaded once).
@@ -195,12 +181,6 @@ pub const LM_HEAD_VARIANTS: &[LmHeadVariant] = &[
     LmHeadVariant::coop(8, 4, 64, 2, 2),
     LmHeadVariant::coop(8, 4, 64, 4, 2),
     LmHeadVariant::coop(8, 8, 64, 2, 1),
-    // The lean ring (LEAN): 377 instead of 385 SASS instructions a step of 8 rows at 2 stages
-    // (sm_90), no __syncwarp and no checks; served for whole tiles and units of 2-byte weights.
-    LmHeadVariant::lean(16, 4, 64, 2, 1),
-    LmHeadVariant::lean(16, 4, 64, 4, 1),
-    LmHeadVariant::lean(16, 4, 128, 4, 1),
-    LmHeadVariant::lean(8, 4, 64, 4, 2),
 ];
 
 impl LmHeadVariant {
@@ -295,7 +275,6 @@ pub fn plan(head: &LmHead, rows: usize, variant: LmHeadVariant) -> Result<LmHead
         || ![1, 2, 4].contains(&variant.blocks)
         || (variant.stages > 0 && variant.pipelined)
         || (variant.coop && (variant.stages == 0 || !variant.permuted))
-        || (variant.lean && (variant.stages == 0 || !variant.permuted || variant.coop))
     {
         return Err(not_served(format!("variant {variant:?} for {rows} rows")));
     }
@@ -322,24 +301,6 @@ pub fn plan(head: &LmHead, rows: usize, variant: LmHeadVariant) -> Result<LmHead
             variant.stages
         )));
     }
-    let ring = variant.ring_bytes(head.weight) > 0;
-    if variant.lean && ring {
-        let groups = tile / variant.vocab_rows as usize;
-        if !head.vocab.is_multiple_of(tile)
-            || !head.hidden.is_multiple_of(256)
-            || !groups.is_multiple_of(variant.stages as usize)
-        {
-            // The lean ring copies whole rows of whole units, a round of `stages` steps at a time.
-            return Err(not_served(format!(
-                "{} x {} in tiles of {tile} on {}: needs whole tiles, units of 256 and {} x {} tokens a tile",
-                head.vocab,
-                head.hidden,
-                variant.label(),
-                variant.vocab_rows,
-                variant.stages
-            )));
-        }
-    }
     let units = head.hidden.div_ceil(256);
     // The unit sums, then (16-byte aligned) the ring.
     let shared_bytes = (units * rows * (tile + 1)).next_multiple_of(4) * 4 + variant.ring_bytes(head.weight);
@@ -354,16 +315,10 @@ pub fn plan(head: &LmHead, rows: usize, variant: LmHeadVariant) -> Result<LmHead
         ("STAGES", variant.stages.to_string()),
         ("MIN_BLOCKS", variant.blocks.to_string()),
         ("COOP", flag(variant.coop)),
-        ("LEAN", flag(variant.lean)),
         ("ROW_SCALE", flag(false)),
         ("SOFT_CAP", flag(head.soft_cap.is_some())),
         ("STATS", flag(head.stats_block.is_some())),
     ];
-    let mut defines = defines;
-    if variant.lean {
-        // The lean ring's row length, compiled in (its copies are constant offsets from one address).
-        defines.push(("ROW_BYTES", row_bytes(head.weight, head.hidden)?.to_string()));
-    }
     Ok(LmHeadPlan {
         defines,
         tile,
@@ -544,31 +499,6 @@ mod tests {
         assert!(matches!(plan(&head(4096, DType::BF16), 8, no_ring), Err(Error::NotServed { .. })));
         let three = LmHeadVariant::ring_blocks(8, 4, 64, 2, 3);
         assert!(matches!(plan(&head(4096, DType::BF16), 8, three), Err(Error::NotServed { .. })));
-        // The lean ring: whole tiles and units of 2-byte weights only, its row length compiled in.
-        let lean = LmHeadVariant::lean(16, 4, 64, 4, 1);
-        assert_eq!(lean.label(), "16w/4v/64txs4l");
-        let whole = LmHead { vocab: 64 * 37, ..head(4096, DType::BF16) };
-        let planned = plan(&whole, 8, lean).unwrap();
-        assert!(planned.defines.contains(&("LEAN", "1".to_owned())));
-        assert!(planned.defines.contains(&("ROW_BYTES", "8192".to_owned())));
-        assert!(!plan(&whole, 8, LmHeadVariant::coop(16, 4, 64, 4, 1))
-            .unwrap()
-            .defines
-            .iter()
-            .any(|d| d.0 == "ROW_BYTES"));
-        for call in [
-            LmHead { vocab: 64 * 37 + 1, ..whole },
-            LmHead { hidden: 4096 + 128, ..whole },
-            LmHead { stats_block: Some(24), ..whole },
-        ] {
-            assert!(matches!(plan(&call, 8, lean), Err(Error::NotServed { .. })), "{call:?}");
-        }
-        // Quantized weights take no ring, so any shape of whole steps.
-        assert!(
-            plan(&LmHead { vocab: 1001, hidden: 4096 + 32, weight: DType::Q8_0, ..whole }, 8, lean).is_ok()
-        );
-        let lean_coop = LmHeadVariant { coop: true, ..lean };
-        assert!(matches!(plan(&whole, 8, lean_coop), Err(Error::NotServed { .. })));
         let labels: std::collections::HashSet<String> = LM_HEAD_VARIANTS.iter().map(|v| v.label()).collect();
         assert_eq!(labels.len(), LM_HEAD_VARIANTS.len(), "two variants share a label");
     }
