@@ -16,20 +16,24 @@
 // and later, INT8 and E2M1 codes come from fp32 arithmetic alone (a rounding "magic" addition
 // whose low bits are the code, no conversion instruction): an INT8 code is one fused multiply-add
 // by the block's rounded 1 / scale (`kiln_int8_fast`: the reference defines the code as rint of
-// that exact product, and 1 / scale is __frcp_rn's sequence, `kiln_rcp_rn`), an E2M1 code from
-// `kiln_e2m1_fast`: after one multiplication by an approximate reciprocal of the block's divisor,
-// two fused multiply-adds that bracket E2M1's continuous map of it, with the reference's division
-// only for the rare block whose quotient comes near a rounding tie; the block scales divide by
-// 127 and 6 with a reciprocal and one correction (`kiln_div_const`), the block maximum's shuffle
-// runs outside any branch, quantized bytes and E2M1 signs are packed with `prmt`, a warp's unit
-// sums are reduced together (`kiln_norm_units_reduce`: 6 shuffles for 4 units, not 20), and the
-// unit sums of several warps are combined from shared memory four at a time. With an NVFP4
-// output the budget is about 20 instructions a value at the copy ceiling (2.56 bytes a bf16
-// value) and the kernel needs about 27 as compiled for sm_90 (one lane a block at 8192 x 8192:
-// 856 instructions a lane for its 32 values, 26.75 a value; the norm and its sums 11, the block
-// maximum, scale and E2M1 codes 14, packing 2; 24.7 in the warps that ROW_TOTAL_WARP spares the
-// row's total, 25 on average): it is bound by issue, not by DRAM; INT8 (3.25 bytes, about 26)
-// needs about 17.7 (16.2 with ROW_TOTAL_WARP; of which the codes 1 and their packing 0.75). Hugging Face's rounding with bf16 x,
+// that exact product, and 1 / scale is __frcp_rn's sequence, `kiln_rcp_rn`), an E2M1 code is
+// three fused multiply-adds and two minima (`kiln_e2m1_product`: the reference defines it as the
+// E2M1 value nearest the exact product y * inverse, inverse = qscale / f32(s) rounded once, which
+// is Markstein's correction of the rounded reciprocal, `kiln_nvfp4_inverse`; no check, no
+// division a value: only a block out of the fast path's range goes the reference's way); the
+// block scales divide by 127 and 6 with a reciprocal and one correction (`kiln_div_const`), the
+// block maximum's shuffle runs outside any branch, quantized bytes and E2M1 signs are packed with
+// `prmt`, a warp's unit sums are reduced together (`kiln_norm_units_reduce`: 6 shuffles for 4
+// units, not 20), and the unit sums of several warps are combined from shared memory four at a
+// time. With an NVFP4 output the budget is about 20 instructions a value at the copy ceiling
+// (2.56 bytes a bf16 value) and the kernel needs about 23.6 as compiled for sm_90 (one lane a
+// block at 8192 x 8192, 8 warps a row: 755 instructions a lane for its 32 values on the fast
+// path; the loads, squares, sums and 1 / rms 259 a lane, 8.1 a value; then per block of 16: the
+// norm's products and roundings 5 a value, the block maximum 15, the scale and inverse about
+// 24, the codes 5 a value with their products, packing and signs 30, the stores about 12;
+// 2048 x 4096, 4 warps a row: 731, 22.8 a value): it is bound by issue, not by DRAM; INT8 (3.25
+// bytes, about 26) needs 17.4 (556 a lane at 8192 x 8192; 16.8 at 2048 x 4096, 4 warps a row;
+// of which the codes 1 and their packing 0.75). Hugging Face's rounding with bf16 x,
 // weight and output takes the weight's product packed (`kiln_bf16x2_mul`, see
 // KILN_NORM_PACKED_BF16): about 6 a value for the whole norm.
 //
@@ -227,48 +231,59 @@ __device__ __forceinline__ void kiln_int8_codes(const float* p, float scale, uns
     }
 }
 
-// NVFP4 fast path: the E2M1 code of |v| in the low 3 bits of the result, for finite |v| <= 6.4;
-// `differ` collects the bits where the two ends of g's bracket round apart (0: the code is sure).
-// With a = |v|, g = a + min(a, 2, 4 - a / 2) is 2a below 2, a + 2 from 2 to 4 and a / 2 + 4
-// above, a continuous map that takes the E2M1 grid points 0, 0.5, 1, 1.5, 2, 3, 4, 6 to the codes
-// 0 .. 7 and each rounding midpoint between two of them to the half-integer between their codes,
-// so rint(g), ties to even (the even code has the even mantissa), is the code of a. Two fused
-// multiply-adds round g (1 -+ 2^-20) plus the magic, each exact product rounded once; where they
-// agree, rint is the same over the whole bracket (rint is monotonic), which holds the exact map of
-// the reference's quotient: that quotient is within 4.2e-7 of v relatively (the caller's
-// reciprocal), the map's slopes (2, 1, 1/2) keep a relative error relative, and g's own roundings
-// add below 7.5e-8 of g; 2^-20 is 9.5e-7. A NaN v gives equal ends: the caller sends blocks with a
-// NaN value the reference's way (its block maximum propagates NaN). The sign is not in the result
-// (bit 3 is clear): kiln_e2m1_signs adds it to eight packed codes at once.
-__device__ __forceinline__ unsigned int kiln_e2m1_fast(float v, unsigned int& differ) {
-    const float a = fabsf(v);
-    const float g = a + fminf(fminf(a, 2.0f), __fmaf_rn(a, -0.5f, 4.0f));
-    const unsigned int lo = __float_as_uint(__fmaf_rn(g, 1.0f - 1.0f / 1048576.0f, KILN_ROUND_MAGIC));
-    const unsigned int hi = __float_as_uint(__fmaf_rn(g, 1.0f + 1.0f / 1048576.0f, KILN_ROUND_MAGIC));
-    differ |= lo ^ hi;
-    return lo;
+// NVFP4 (`ops::quantize::nvfp4_block`): the scale s = e4m3((amax / 6) qscale), the block's
+// inverse = qscale / f32(s) rounded once, and each code the E2M1 value nearest the exact product
+// y * inverse: min(rint(2a), rint(a) + 2, rint(a / 2) + 4, 7) for a = |y * inverse|
+// (`e2m1_of_product` says why), with y's sign.
+//
+// The fast path serves a block whose `scaled` = (amax / 6) qscale, as kiln_div_const and one
+// product compute it, lies in [7.5 * 2^-9, 448], with qscale in [2^-80, 2^80] (a launch's
+// constant). Then amax is in kiln_div_const's range [2^-100, 2^100] (above it `scaled` would be
+// past 2^17, below it under 2^-22; a NaN or infinite amax gives a NaN), so `scaled` is the
+// reference's; s is a normal E4M3 code (7.5 * 2^-9, a tie, rounds to 2^-6) that did not
+// saturate, so f32(s) >= (15/16) scaled and every |y * inverse| <= amax * inverse <= 6.4 (1 +
+// 3 * 2^-24) < 7: the clamp to 7 never acts; inverse is in [2^-89, 2^86], so 2 inverse and
+// inverse / 2 are exact; and kiln_nvfp4_inverse is the division's rounding.
+#define KILN_NVFP4_QSCALE_LO 8.271806125530277e-25f  // 2^-80
+#define KILN_NVFP4_QSCALE_HI 1.2089258196146292e24f  // 2^80
+#define KILN_NVFP4_SCALED_LO 0.0146484375f           // 7.5 * 2^-9
+
+// qscale / scale_value rounded as the division, for qscale in [2^-100, 2^100] and a normal
+// E4M3 scale_value: Markstein's correction (kiln_div_const) of the product by the rounded
+// reciprocal (kiln_rcp_rn, 1 / scale_value as the division rounds it). ops::norm's tests check it
+// against the division for every fp32 mantissa of qscale and each of the 8 E4M3 mantissas; every
+// operation scales by powers of two from there (the residual -q * b + a is a multiple of
+// 2^(e(a) - 27), e(a) >= -100, so it stays exact): 6 instructions a block where the division
+// takes about 10 and a branch.
+__device__ __forceinline__ float kiln_nvfp4_inverse(float qscale, float scale_value) {
+    return kiln_div_const(qscale, scale_value, kiln_rcp_rn(scale_value));
 }
 
-// kiln_e2m1_fast computed from s = |v| / 2 (the caller's product |y| (inverse / 2), one multiplication with
-// the absolute value for free), in half units: g / 2 = s + min(s, 1, 2 - s / 2), where min(1, 2 - s / 2) is
-// one saturated fused multiply-add (`fma.rn.sat`: 2 - s / 2 clamped to [0, 1]; it is at least 0 for s <= 4),
-// so that g / 2 takes three instructions where g took four, and the bracket's ends round (g / 2) (2 -+ 2^-19)
-// plus the magic. Every step is the one above scaled by 1/2 and exact the same way (2 - s / 2 is exact by
-// Sterbenz's lemma for s in [2, 4] as 4 - a / 2 is for a in [4, 8]; min is exact; s + m / 2 rounds as a + m
-// at half the value), and the ends multiply the same exact g (1 -+ 2^-20): lo and hi are kiln_e2m1_fast's
-// bits for every v with |v| >= 2^-125, and for smaller |v| both give the magic itself (code 0) at both ends
-// (ops::norm's tests replay both on every float of [1/8, 8) and a sample below). An infinite v gives equal
-// infinite ends here and NaN ends there: such a block's maximum is out of the fast path's range either way.
-// Used one lane a block (BLOCK_LANE), 4 instructions a value where kiln_e2m1_fast takes 5 with its product
-// (the two-lane path keeps kiln_e2m1_fast: the half form spilled the persistent 8-warp grid on sm_90).
-__device__ __forceinline__ unsigned int kiln_e2m1_fast_half(float s, unsigned int& differ) {
-    float h;
-    asm("fma.rn.sat.f32 %0, %1, %2, %3;" : "=f"(h) : "f"(s), "f"(-0.5f), "f"(2.0f));
-    const float g2 = s + fminf(s, h);
-    const unsigned int lo = __float_as_uint(__fmaf_rn(g2, 2.0f - 1.0f / 524288.0f, KILN_ROUND_MAGIC));
-    const unsigned int hi = __float_as_uint(__fmaf_rn(g2, 2.0f + 1.0f / 524288.0f, KILN_ROUND_MAGIC));
-    differ |= lo ^ hi;
-    return lo;
+// The E2M1 code of |y * inverse| for the fast path (|y * inverse| < 7, 2 inverse and inverse / 2
+// exact): the low 3 bits of the result. Each of rint(2a), rint(a) + 2 and rint(a / 2) + 4 is one
+// fused multiply-add, |y| times 2 inverse, inverse or inverse / 2 (exact scalings) plus the
+// magic plus 0, 2 or 4 (exact): the exact product plus those, rounded once to an integer (ties
+// to even; below 2^22), plus the magic, whose low bits are that integer; the least of the three
+// is the code (floats of one binade order as their bits). 5 instructions a value with its
+// product, and no check: the code is the reference's for every y the fast path serves. The sign
+// is not in the result: kiln_e2m1_signs adds it to eight packed codes at once.
+__device__ __forceinline__ unsigned int kiln_e2m1_product(float y, float twice, float inverse, float half) {
+    const float a = fabsf(y);
+    const float by_two = __fmaf_rn(a, twice, KILN_ROUND_MAGIC);
+    const float by_one = __fmaf_rn(a, inverse, KILN_ROUND_MAGIC + 2.0f);
+    const float by_half = __fmaf_rn(a, half, KILN_ROUND_MAGIC + 4.0f);
+    return __float_as_uint(fminf(fminf(by_two, by_one), by_half));
+}
+
+// The reference's code of y * inverse (`e2m1_of_product`), for any inverse: the product is exact
+// in double, as is each step after it (2a, a / 2, rint, + 2, + 4, min). The slow path's.
+__device__ __forceinline__ unsigned int kiln_e2m1_of_product(float y, float inverse) {
+    if (!(fabsf(inverse) <= 3.402823466e38f)) return 0u;  // not finite
+    const double p = (double)y * (double)inverse;
+    if (p != p) return 0u;
+    const double a = fabs(p);
+    const double code = fmin(fmin(rint(2.0 * a), rint(a) + 2.0), fmin(rint(0.5 * a) + 4.0, 7.0));
+    return (unsigned int)code | (__double_as_longlong(p) < 0 ? 8u : 0u);
 }
 
 // Bit 3 of every nibble of eight packed E2M1 codes (value 2i in the low nibble of byte i, 2i + 1
@@ -755,8 +770,8 @@ __device__ __forceinline__ void kiln_norm_i8_planes(const float (&p)[8], void* p
 // (kiln_norm_segment), with the block maximum, the scale and its store once for 16 values, and
 // the codes in one store (16 bytes of INT8, 8 of E2M1).
 __device__ __forceinline__ void kiln_norm_block16(const float (&y)[16], void* __restrict__ out,
-                                                  void* __restrict__ scales, float qscale, long long first,
-                                                  long long first_half, long long block) {
+                                                  void* __restrict__ scales, float qscale,
+                                                  long long first, long long first_half, long long block) {
     // NaN when any value is (the reference's maximum skips NaN: the slow path takes it again).
     float m8[8];
 #pragma unroll
@@ -796,39 +811,33 @@ __device__ __forceinline__ void kiln_norm_block16(const float (&y)[16], void* __
         *reinterpret_cast<uint4*>(static_cast<signed char*>(out) + first) = make_uint4(w[0], w[1], w[2], w[3]);
         static_cast<float*>(scales)[block] = scale;
     } else {
-        const bool in_range = amax >= KILN_DIV_RANGE_LO && amax <= KILN_DIV_RANGE_HI;
-        float scaled = kiln_div_const(amax, 6.0f, __uint_as_float(0x3E2AAAABu)) * qscale;
+        // The fast path's conditions: see KILN_NVFP4_SCALED_LO (1 / 6 is 0x3E2AAAAB).
+        const float scaled = kiln_div_const(amax, 6.0f, __uint_as_float(0x3E2AAAABu)) * qscale;
         unsigned int s = kiln_e4m3x2(scaled, 0.0f) & 0xFFu;
-        float scale_value = kiln_e4m3_value(s);
-        const float inverse = qscale * kiln_rcp_approx(scale_value);
-        const bool normal =
-            in_range && inverse >= 1.0e-37f && inverse <= 1.0e37f && (s & 0x78u) != 0 && scaled <= 448.0f;
-        // inverse / 2, exact on the fast path (inverse >= 1e-37 > 2^-125).
-        const float half_inverse = inverse * 0.5f;
-        unsigned int c[16], differ = 0;
+        uint2 packed;
+        if (qscale >= KILN_NVFP4_QSCALE_LO && qscale <= KILN_NVFP4_QSCALE_HI && scaled >= KILN_NVFP4_SCALED_LO &&
+            scaled <= 448.0f) {
+            const float inverse = kiln_nvfp4_inverse(qscale, kiln_e4m3_value(s));
+            const float twice = inverse * 2.0f, half = inverse * 0.5f;
+            unsigned int c[16];
 #pragma unroll
-        for (int k = 0; k < 16; ++k) c[k] = kiln_e2m1_fast_half(fabsf(y[k]) * half_inverse, differ);
-        const float(&lo)[8] = *reinterpret_cast<const float(*)[8]>(&y[0]);
-        const float(&hi)[8] = *reinterpret_cast<const float(*)[8]>(&y[8]);
-        uint2 packed = make_uint2(
-            kiln_bytes4((c[1] << 4) + c[0], (c[3] << 4) + c[2], (c[5] << 4) + c[4], (c[7] << 4) + c[6]) |
-                kiln_e2m1_signs(lo),
-            kiln_bytes4((c[9] << 4) + c[8], (c[11] << 4) + c[10], (c[13] << 4) + c[12], (c[15] << 4) + c[14]) |
-                kiln_e2m1_signs(hi));
-        if (!(normal && differ == 0)) {
-            if (!in_range) {
-                const float m = amax != amax ? reference_amax() : amax;
-                scaled = (m / 6.0f) * qscale;
-                s = kiln_e4m3x2(scaled, 0.0f) & 0xFFu;
-                scale_value = kiln_e4m3_value(s);
-            }
-            const float divisor = scale_value / qscale;
+            for (int k = 0; k < 16; ++k) c[k] = kiln_e2m1_product(y[k], twice, inverse, half);
+            const float(&lo)[8] = *reinterpret_cast<const float(*)[8]>(&y[0]);
+            const float(&hi)[8] = *reinterpret_cast<const float(*)[8]>(&y[8]);
+            // The signs of y are those of y * inverse (inverse > 0).
+            packed = make_uint2(
+                kiln_bytes4((c[1] << 4) + c[0], (c[3] << 4) + c[2], (c[5] << 4) + c[4], (c[7] << 4) + c[6]) |
+                    kiln_e2m1_signs(lo),
+                kiln_bytes4((c[9] << 4) + c[8], (c[11] << 4) + c[10], (c[13] << 4) + c[12], (c[15] << 4) + c[14]) |
+                    kiln_e2m1_signs(hi));
+        } else {
+            // The reference's way: its maximum (NaN skipped), scale, division and codes.
+            const float m = amax != amax ? reference_amax() : amax;
+            s = kiln_e4m3x2((m / 6.0f) * qscale, 0.0f) & 0xFFu;
+            const float inverse = qscale / kiln_e4m3_value(s);
             unsigned int word[2] = {0u, 0u};
 #pragma unroll
-            for (int k = 0; k < 16; ++k) {
-                const unsigned int code = divisor > 0.0f ? kiln_f32_to_e2m1(y[k] / divisor) : 0u;
-                word[k >> 3] |= code << (4 * (k & 7));
-            }
+            for (int k = 0; k < 16; ++k) word[k >> 3] |= kiln_e2m1_of_product(y[k], inverse) << (4 * (k & 7));
             packed = make_uint2(word[0], word[1]);
         }
         *reinterpret_cast<uint2*>(static_cast<unsigned char*>(out) + first_half) = packed;
@@ -1057,10 +1066,8 @@ __device__ __forceinline__ void kiln_norm_segment(
             amax = kiln_max_nan(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
             if (!valid) continue;
             const long long block = KILN_NORM_AT(base, u) >> 4;
-            // Fast paths from an approximate 1 / divisor, with a check that the code is the
-            // reference's (INT8: the quotient bracketed; NVFP4: t = p * inverse is within 4.2e-7
-            // |t| of the reference's p / divisor, and E2M1's map of t bracketed); otherwise, or for
-            // a divisor out of range, the reference's division.
+            // Fast paths for the blocks whose maximum is in range (INT8: kiln_div_const's; NVFP4:
+            // see KILN_NVFP4_SCALED_LO), the reference's operations otherwise.
             if (OUT_T == KILN_OUT_INT8) {
                 // amax / 127 exactly where amax is in kiln_div_const's range (1 / 127 is
                 // 0x3C010204); then 1 / scale is a normal float, |p / scale| <= 127 (1 + 2^-23)
@@ -1095,48 +1102,37 @@ __device__ __forceinline__ void kiln_norm_segment(
                 *reinterpret_cast<uint2*>(static_cast<signed char*>(out) + KILN_NORM_AT(base, u)) = codes;
                 if ((lane & 1) == 0) static_cast<float*>(scales)[block] = scale;
             } else {
-                // amax / 6 (1 / 6 is 0x3E2AAAAB) as the reference's where amax is in
-                // kiln_div_const's range; the slow path takes the scale again otherwise.
-                const bool in_range = amax >= KILN_DIV_RANGE_LO && amax <= KILN_DIV_RANGE_HI;
-                float scaled = kiln_div_const(amax, 6.0f, __uint_as_float(0x3E2AAAABu)) * qscale;
+                // The fast path's conditions: see KILN_NVFP4_SCALED_LO (1 / 6 is 0x3E2AAAAB). Both
+                // lanes of a block take the same path (they share amax).
+                const float scaled = kiln_div_const(amax, 6.0f, __uint_as_float(0x3E2AAAABu)) * qscale;
                 unsigned int s = kiln_e4m3x2(scaled, 0.0f) & 0xFFu;
-                float scale_value = kiln_e4m3_value(s);
-                // inverse ~ qscale / scale_value = 1 / divisor within 2.5 * 2^-23 (the reciprocal,
-                // the product, the reference's rounding of the divisor). With the scale a normal
-                // E4M3 value (exponent bits set) that did not saturate (scaled <= 448), it is at
-                // least 15/16 of `scaled`, so |v| <= 6.4 as kiln_e2m1_fast_half needs.
-                const float inverse = qscale * kiln_rcp_approx(scale_value);
-                const bool normal = in_range && inverse >= 1.0e-37f && inverse <= 1.0e37f && (s & 0x78u) != 0 &&
-                                    scaled <= 448.0f;
-                unsigned int c[8], differ = 0;
+                unsigned int packed;
+                if (qscale >= KILN_NVFP4_QSCALE_LO && qscale <= KILN_NVFP4_QSCALE_HI &&
+                    scaled >= KILN_NVFP4_SCALED_LO && scaled <= 448.0f) {
+                    const float inverse = kiln_nvfp4_inverse(qscale, kiln_e4m3_value(s));
+                    const float twice = inverse * 2.0f, half = inverse * 0.5f;
+                    unsigned int c[8];
 #pragma unroll
-                for (int k = 0; k < 8; ++k) c[k] = kiln_e2m1_fast(p[k] * inverse, differ);
-                // The signs of p are those of p * inverse (inverse > 0 on this path).
-                unsigned int packed = kiln_bytes4((c[1] << 4) + c[0], (c[3] << 4) + c[2], (c[5] << 4) + c[4],
-                                                  (c[7] << 4) + c[6]) |
-                                      kiln_e2m1_signs(p);
-                if (!(normal && differ == 0)) {
-                    if (!in_range) {
-                        // Both lanes of the block are here (they share amax): for a NaN, the
-                        // maximum without the NaN values, as the reference takes it.
-                        float m = amax;
-                        if (amax != amax) {
-                            m = 0.0f;
+                    for (int k = 0; k < 8; ++k) c[k] = kiln_e2m1_product(p[k], twice, inverse, half);
+                    // The signs of p are those of p * inverse (inverse > 0).
+                    packed = kiln_bytes4((c[1] << 4) + c[0], (c[3] << 4) + c[2], (c[5] << 4) + c[4],
+                                         (c[7] << 4) + c[6]) |
+                             kiln_e2m1_signs(p);
+                } else {
+                    // The reference's way: its maximum (NaN skipped, from both lanes of the
+                    // block), scale, division and codes.
+                    float m = amax;
+                    if (amax != amax) {
+                        m = 0.0f;
 #pragma unroll
-                            for (int k = 0; k < 8; ++k) m = fmaxf(m, fabsf(p[k]));
-                            m = fmaxf(m, __shfl_xor_sync(3u << (lane & 30), m, 1));
-                        }
-                        scaled = (m / 6.0f) * qscale;
-                        s = kiln_e4m3x2(scaled, 0.0f) & 0xFFu;
-                        scale_value = kiln_e4m3_value(s);
+                        for (int k = 0; k < 8; ++k) m = fmaxf(m, fabsf(p[k]));
+                        m = fmaxf(m, __shfl_xor_sync(3u << (lane & 30), m, 1));
                     }
-                    const float divisor = scale_value / qscale;
+                    s = kiln_e4m3x2((m / 6.0f) * qscale, 0.0f) & 0xFFu;
+                    const float inverse = qscale / kiln_e4m3_value(s);
                     packed = 0;
 #pragma unroll
-                    for (int k = 0; k < 8; ++k) {
-                        unsigned int code = divisor > 0.0f ? kiln_f32_to_e2m1(p[k] / divisor) : 0u;
-                        packed |= code << (4 * k);
-                    }
+                    for (int k = 0; k < 8; ++k) packed |= kiln_e2m1_of_product(p[k], inverse) << (4 * k);
                 }
                 *reinterpret_cast<unsigned int*>(static_cast<unsigned char*>(out) + (KILN_NORM_AT(base, u) >> 1)) = packed;
                 if ((lane & 1) == 0) static_cast<unsigned char*>(scales)[block] = (unsigned char)s;
@@ -1156,7 +1152,7 @@ __device__ __forceinline__ void kiln_norm_segment(
 // the quantization's temporaries would otherwise cost a quarter of the resident warps; only where
 // the inputs held fit beside them (RMSNorm, 4 warps a row or more, at most 4 units a warp of
 // 2-byte x, no residual, gate, bias or early weight; not for a persistent grid, whose next
-// group's loads and the INT8 or E2M1 brackets' ends spill at 64), as a spill would cost more.
+// group's loads and the INT8 or E2M1 codes' temporaries spill at 64), as a spill would cost more.
 #if KILN_NORM_BLOCKED && KIND == 0 && WARPS_PER_ROW >= 4 && UNITS_PER_WARP <= 4 && X_T != KILN_F32 && \
     !HAS_RESIDUAL && GATE == 0 && !HAS_BIAS && !EARLY_WEIGHT && !PERSISTENT
 #define KILN_NORM_BOUNDS __launch_bounds__(KILN_NORM_THREADS, (1024 / KILN_NORM_THREADS < 32 ? 1024 / KILN_NORM_THREADS : 32))

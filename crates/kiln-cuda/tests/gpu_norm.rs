@@ -251,7 +251,7 @@ fn every_variant_matches_the_reference() {
 /// 16, shuffled, with random signs: the mean square is exactly 1, so with eps = 1e-30 (absorbed
 /// by the 1) r is exactly 1 and y = x. Blocks {2, 1 x 11, 0.5 x 4} put INT8 codes at 63.5 times
 /// the reference's rounded scale (within 1e-6 of a tie); blocks {3, 1.75, 1.25, 0.875, 0.625,
-/// 0.375, 0.125, 1, 0.25, 0 x 7} with the NVFP4 global scale 2 (scale code 1.0, divisor 0.5
+/// 0.375, 0.125, 1, 0.25, 0 x 7} with the NVFP4 global scale 2 (scale code 1.0, inverse 2
 /// exactly) put E2M1 inputs exactly on every rounding tie (0.25, 0.75, ... 5).
 fn tie_rows(rng: &mut Rng, rows: usize, hidden: usize) -> Vec<f32> {
     const INT8_TIES: [f32; 16] =

@@ -6,8 +6,10 @@
 //!   rounded once to the nearest integer (ties to even; y and the scale both times 2^64 where
 //!   `1 / scale` overflows), or 0 where the block's `amax` is 0 (see [`int8_code`]);
 //! - NVFP4: E2M1 codes (two per byte, the even element in the low nibble), one E4M3 scale per
-//!   [`QUANT_BLOCK`] values, `s = e4m3((amax / 6) * global_scale)`, and
-//!   `q = e2m1(y / (f32(s) / global_scale))`, or 0 where that divisor is 0;
+//!   [`QUANT_BLOCK`] values, `s = e4m3((amax / 6) * global_scale)`, and with
+//!   `inverse = global_scale / f32(s)` (rounded once) `q = e2m1(y * inverse)`, the E2M1 value
+//!   nearest the exact product (not the product rounded to fp32 first), or 0 where `inverse` is
+//!   not finite (a zero scale; see [`nvfp4_inverse`] and [`e2m1_of_product`]);
 //! - FP8 E4M3 with one per-tensor scale: `q = e4m3(y / scale)`.
 //!
 //! `amax` is the largest `|y|` of the block, NaN ignored (`fmaxf`). The conversions round to
@@ -160,11 +162,50 @@ pub fn int8_code(y: f32, scale: f32, factor: f32, inverse: f32) -> i8 {
 /// NVFP4 codes (one per byte, low nibble) and the block's E4M3 scale.
 pub fn nvfp4_block(block: &[f32], global_scale: f32, codes: &mut [u8]) -> u8 {
     let scale = f32_to_e4m3((block_amax(block) / 6.0) * global_scale);
-    let divisor = e4m3_to_f32(scale) / global_scale;
+    let inverse = nvfp4_inverse(scale, global_scale);
     for (q, &y) in codes.iter_mut().zip(block) {
-        *q = if divisor > 0.0 { f32_to_e2m1(y / divisor) } else { 0 };
+        *q = e2m1_of_product(y, inverse);
     }
     scale
+}
+
+/// The factor of an NVFP4 block's codes: `global_scale / f32(scale)`, one division rounded once
+/// (infinite for a zero scale). A product by it is one instruction a value on a GPU where the
+/// quotient `y / (f32(scale) / global_scale)` needs a division a value, and as exact: the codes
+/// are those of a well-defined real number ([`e2m1_of_product`]).
+pub fn nvfp4_inverse(scale: u8, global_scale: f32) -> f32 {
+    global_scale / e4m3_to_f32(scale)
+}
+
+/// The E2M1 code (sign in bit 3) of the exact product `y * inverse`: the nearest E2M1 value,
+/// ties to the even code, saturating at 6, with the product's sign; 0 where `inverse` is not
+/// finite or the product is NaN (a NaN `y`, or an infinite one times 0). The product of two fp32
+/// values is exact in f64 (48 significant bits at most, and within its exponent range).
+///
+/// With `a = |y * inverse|`, `g(a) = min(2a, a + 2, a / 2 + 4)` is a continuous, increasing map,
+/// linear between consecutive E2M1 values (its breaks, 2 and 4, are E2M1 values), that takes the
+/// values 0, 0.5, 1, 1.5, 2, 3, 4, 6 to the codes 0 .. 7 and so each midpoint between two of them
+/// to the half-integer between their codes; the code of `a` is therefore `rint(g(a))` (ties to
+/// even: the even code has the even mantissa), clamped to 7, and since rint is monotonic that is
+/// `min(rint(2a), rint(a) + 2, rint(a / 2) + 4, 7)`. Each of the three is one fused multiply-add
+/// of `|y|` by `2 inverse`, `inverse` or `inverse / 2` with a rounding magic in fp32 (the CUDA
+/// kernels' form), and an exact f64 operation here.
+pub fn e2m1_of_product(y: f32, inverse: f32) -> u8 {
+    if !inverse.is_finite() {
+        return 0;
+    }
+    let p = f64::from(y) * f64::from(inverse);
+    if p.is_nan() {
+        return 0;
+    }
+    let sign = if p.is_sign_negative() { 0x8 } else { 0 };
+    let a = p.abs();
+    let code = (2.0 * a)
+        .round_ties_even()
+        .min(a.round_ties_even() + 2.0)
+        .min((0.5 * a).round_ties_even() + 4.0)
+        .min(7.0);
+    sign | code as u8
 }
 
 /// Quantized rows.
@@ -424,6 +465,80 @@ mod tests {
         assert_eq!(int8_code(1.0, 0.0, 1.0, f32::INFINITY), 0);
     }
 
+    /// [`e2m1_of_product`] against the plain definition: the nearest E2M1 value (ties to the
+    /// even code, saturating) to the exact product, found by [`nearest`] in f64; for inverses over
+    /// many binades, values near every midpoint of the product's grid, spread over the block and
+    /// past its end (saturation), signed zeros, infinities and NaN.
+    #[test]
+    fn e2m1_codes_are_the_nearest_to_the_exact_product() {
+        let mut seed = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let values = e2m1_values();
+        // The plain definition on an f64 product (exact), as `nearest` does for an f32.
+        let plain = |p: f64| -> u8 {
+            let sign = if p.is_sign_negative() { 0x8 } else { 0 };
+            let a = p.abs();
+            let mut code = values.len() - 1;
+            for i in 0..code {
+                let (lo, hi) = (f64::from(values[i]), f64::from(values[i + 1]));
+                if a <= hi {
+                    let mid = (lo + hi) / 2.0;
+                    code = if a < mid || (a == mid && i % 2 == 0) { i } else { i + 1 };
+                    break;
+                }
+            }
+            sign | code as u8
+        };
+        let (mut checked, mut exact_ties) = (0usize, 0usize);
+        let random: Vec<f32> =
+            (0..300).map(|_| f32::from_bits(0x0080_0000 + (next() % 0x7E00_0000) as u32)).collect();
+        let powers = (-40..=40).flat_map(|e| [2.0f32.powi(e), 2.0f32.powi(e) * 3.0]);
+        let inverses = powers.chain(random);
+        let midpoints = [0.25f32, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 6.5, 7.0];
+        for inverse in inverses {
+            let mut block: Vec<f32> = vec![0.0, -0.0];
+            for m in midpoints {
+                // The floats nearest the value whose product is the midpoint.
+                let b = (m / inverse).to_bits() as i64;
+                for d in -40..=40 {
+                    let y = f32::from_bits((b + d) as u32);
+                    block.extend([y, -y]);
+                }
+            }
+            block.extend(
+                (0..400).map(|_| (8.0 / inverse) * ((next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0)),
+            );
+            for &y in &block {
+                let p = f64::from(y) * f64::from(inverse);
+                exact_ties += usize::from(midpoints[..7].iter().any(|&m| p.abs() == f64::from(m)));
+                assert_eq!(e2m1_of_product(y, inverse), plain(p), "{y} ({:#010x}) * {inverse}", y.to_bits());
+                checked += 1;
+            }
+        }
+        assert!(checked > 500_000 && exact_ties > 100, "{checked} values, {exact_ties} exact ties");
+        // Where the product is an fp32 value, the code is f32_to_e2m1's.
+        for bits in (0..=u32::MAX).step_by(7919) {
+            let y = f32::from_bits(bits);
+            assert_eq!(e2m1_of_product(y, 1.0), f32_to_e2m1(y), "{y}");
+        }
+        assert_eq!(e2m1_of_product(f32::NAN, 1.0), 0);
+        assert_eq!(e2m1_of_product(f32::INFINITY, 0.0), 0);
+        assert_eq!(e2m1_of_product(f32::NEG_INFINITY, 2.0), 0xF);
+        assert_eq!(e2m1_of_product(-0.0, 2.0), 0x8);
+        assert_eq!(e2m1_of_product(1.0, f32::INFINITY), 0);
+        // A product just past a midpoint whose fp32 rounding lands on it ((2.5 - 2^-22)
+        // (1 + 2^-23) = 2.5 + 2^-24 - 2^-45 rounds to 2.5): the exact product's code, not the
+        // rounded one's.
+        let y = 2.5f32 - 2.0f32.powi(-22);
+        assert_eq!(e2m1_of_product(y, 1.0 + 2.0f32.powi(-23)), 5);
+        assert_eq!(f32_to_e2m1(y * (1.0 + 2.0f32.powi(-23))), 4);
+    }
+
     #[test]
     fn nvfp4_blocks_dequantize_close_to_y() {
         let y: Vec<f32> = (0..16).map(|i| (i as f32 - 7.5) * 0.9).collect();
@@ -434,6 +549,7 @@ mod tests {
         };
         assert_eq!(packed.len(), 8);
         let divisor = e4m3_to_f32(scales[0]) / global_scale;
+        assert_eq!(nvfp4_inverse(scales[0], global_scale), global_scale / e4m3_to_f32(scales[0]));
         for (i, &v) in y.iter().enumerate() {
             let code = (packed[i / 2] >> (4 * (i % 2))) & 0xF;
             let back = e2m1_to_f32(code) * divisor;

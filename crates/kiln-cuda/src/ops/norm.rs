@@ -934,8 +934,8 @@ mod tests {
     }
 
     /// `kernels/norm.cu`'s fast rounding of INT8 and NVFP4 codes, replayed with the same fp32
-    /// operations: INT8's fused multiply-add; E2M1's map g and its two fused multiply-adds
-    /// g (1 -+ 2^-20) plus the magic.
+    /// operations: INT8's fused multiply-add; E2M1's three fused multiply-adds (|y| times 2
+    /// inverse, inverse and inverse / 2, plus the magic plus 0, 2 and 4) and their least.
     const ROUND_MAGIC: f32 = 12_582_912.0;
 
     /// `kiln_int8_fast`: the bits of p * inverse + magic (the exact product rounded once).
@@ -943,96 +943,93 @@ mod tests {
         p.mul_add(inverse, ROUND_MAGIC).to_bits()
     }
 
-    /// The code with its sign, as the kernel packs it (`kiln_e2m1_signs` sets bit 3 from v's
-    /// sign bit).
-    fn e2m1_fast(v: f32, differ: &mut u32) -> u32 {
-        let a = v.abs();
-        let g = a + a.min(2.0).min(a.mul_add(-0.5, 4.0));
-        let lo = g.mul_add(1.0 - 1.0 / 1_048_576.0, ROUND_MAGIC).to_bits();
-        let hi = g.mul_add(1.0 + 1.0 / 1_048_576.0, ROUND_MAGIC).to_bits();
-        *differ |= lo ^ hi;
-        (lo & 0x7) | ((v.to_bits() >> 28) & 0x8)
+    /// `kiln_e2m1_product` with the sign `kiln_e2m1_signs` adds (bit 3 from y's sign bit).
+    fn e2m1_product(y: f32, inverse: f32) -> u8 {
+        let a = y.abs();
+        let by_two = a.mul_add(inverse * 2.0, ROUND_MAGIC);
+        let by_one = a.mul_add(inverse, ROUND_MAGIC + 2.0);
+        let by_half = a.mul_add(inverse * 0.5, ROUND_MAGIC + 4.0);
+        let bits = by_two.min(by_one).min(by_half).to_bits();
+        ((bits & 0x7) | ((y.to_bits() >> 28) & 0x8)) as u8
     }
 
-    /// `kiln_e2m1_fast_half`, the kernel's form of [`e2m1_fast`]: from s = |v| / 2, g / 2 = s +
-    /// min(s, sat(2 - s / 2)) (`fma.rn.sat` clamps to [0, 1]) and the ends (g / 2) (2 -+ 2^-19)
-    /// plus the magic. The bits of both ends.
-    fn e2m1_fast_half(s: f32) -> (u32, u32) {
-        let h = s.mul_add(-0.5, 2.0).clamp(0.0, 1.0);
-        let g2 = s + s.min(h);
-        let lo = g2.mul_add(2.0 - 1.0 / 524_288.0, ROUND_MAGIC).to_bits();
-        let hi = g2.mul_add(2.0 + 1.0 / 524_288.0, ROUND_MAGIC).to_bits();
-        (lo, hi)
+    /// `kiln_nvfp4_inverse`: qscale / scale_value from the rounded reciprocal and Markstein's
+    /// correction (`kiln_div_const`).
+    fn nvfp4_inverse_fast(qscale: f32, scale_value: f32) -> f32 {
+        let r = 1.0 / scale_value;
+        let q = qscale * r;
+        (-q).mul_add(scale_value, qscale).mul_add(r, q)
     }
 
-    /// The kernel's half form gives the bracket ends of [`e2m1_fast`] bit for bit: for every float
-    /// |v| in [1/8, 8) (the binades where E2M1's map has its breaks and ties, and past the 6.4 the
-    /// fast path serves), every 61st one in each binade from 2^-125 to 1/8, and 0.
+    /// The NVFP4 fast path's inverse is the reference's division: for every fp32 mantissa of
+    /// qscale and each of the 8 mantissas of a normal E4M3 scale, in the binade of 1 and at the
+    /// ends of the range the kernel serves (qscale in [2^-80, 2^80], the scale in [2^-6, 448]):
+    /// every operation scales by powers of two in between (the residual is a multiple of
+    /// 2^(e(qscale) - 27), far from fp32's subnormals).
     #[test]
-    fn e2m1_fast_half_form_gives_the_same_bracket_as_the_full_form() {
-        let ends = |a: f32| {
-            let mut differ = 0;
-            let lo = e2m1_fast(a, &mut differ) & 0x7;
-            let g = a + a.min(2.0).min(a.mul_add(-0.5, 4.0));
-            let full = (
-                g.mul_add(1.0 - 1.0 / 1_048_576.0, ROUND_MAGIC).to_bits(),
-                g.mul_add(1.0 + 1.0 / 1_048_576.0, ROUND_MAGIC).to_bits(),
-            );
-            assert_eq!(lo, full.0 & 0x7);
-            full
-        };
-        let mut checked = 0usize;
-        for exponent in 2u32..130 {
-            let step = if exponent >= 124 { 1 } else { 61 };
-            for m in (0..(1u32 << 23)).step_by(step) {
-                let a = f32::from_bits((exponent << 23) | m);
-                assert_eq!(e2m1_fast_half(a * 0.5), ends(a), "{a} ({:#010x})", a.to_bits());
-                checked += 1;
-            }
-        }
-        assert_eq!(e2m1_fast_half(0.0), ends(0.0));
-        assert!(checked > 50_000_000, "{checked}");
-    }
-
-    /// Inputs: every 4099th float, and the neighbourhood of every E2M1 rounding midpoint and of
-    /// every INT8 half-integer.
-    fn probe_floats() -> Vec<f32> {
-        let mut values: Vec<f32> = (0..=u32::MAX).step_by(4099).map(f32::from_bits).collect();
-        let midpoints = [0.25f32, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 6.4, 6.9];
-        let halves = (-128..=127).map(|k| k as f32 + 0.5);
-        for m in midpoints.into_iter().chain(halves) {
-            for signed in [m, -m] {
-                let b = signed.to_bits() as i64;
-                values.extend((-3000..=3000).map(|d| f32::from_bits((b + d) as u32)));
-            }
-        }
-        values.extend([f32::NAN, -f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0]);
-        values
-    }
-
-    #[test]
-    fn fast_quantization_replayed_on_the_cpu_equals_the_reference_wherever_it_claims_to() {
-        use kiln_core::ops::quantize::f32_to_e2m1;
-        let mut e2m1_clear = 0usize;
-        for v in probe_floats() {
-            // The kernel takes the fast code when the bracket's ends agree, for the finite |v| it
-            // serves (up to 6.4 and rounding; 6.9 here; a NaN goes the reference's way by its
-            // block maximum), and the reference sees a quotient within 4.2e-7 |v| of v (NVFP4):
-            // both ends of a wider interval must give the fast code.
-            let ends = [v * (1.0 - 5e-7), v, v * (1.0 + 5e-7)];
-            if v.abs() <= 6.9 {
-                let mut differ = 0;
-                let code = (e2m1_fast(v, &mut differ) & 0xF) as u8;
-                if differ == 0 {
-                    e2m1_clear += 1;
-                    for end in ends {
-                        assert_eq!(code, f32_to_e2m1(end), "E2M1 of {v} ({:#010x}) near {end}", v.to_bits());
-                    }
+    fn nvfp4_inverse_from_the_rounded_reciprocal_is_the_division() {
+        use kiln_core::ops::quantize::{e4m3_to_f32, nvfp4_inverse};
+        let pairs = [(0x3F80_0000u32, 0x38u8), (0x1780_0000, 0x7E), (0x6780_0000, 0x08), (0x1780_0000, 0x08)];
+        for (binade, top) in pairs {
+            for code in (top & 0x78)..=(top | 0x07).min(0x7E) {
+                let scale_value = e4m3_to_f32(code);
+                for m in 0..(1u32 << 23) {
+                    let qscale = f32::from_bits(binade | m);
+                    let fast = nvfp4_inverse_fast(qscale, scale_value);
+                    assert_eq!(
+                        fast.to_bits(),
+                        nvfp4_inverse(code, qscale).to_bits(),
+                        "{qscale} / {scale_value}"
+                    );
                 }
             }
         }
-        // Every probe value with its magnitude served takes the fast path but those near a tie.
-        assert!(e2m1_clear > 400_000, "{e2m1_clear}");
+    }
+
+    /// The NVFP4 fast codes of `kernels/norm.cu` replayed: for inverses over the range the fast
+    /// path serves ([2^-89, 2^86]), values whose products lie near every E2M1 midpoint and
+    /// spread up to the bound 6.4 (1 + 3 * 2^-24) (here up to 6.99), signed zeros: the code is the
+    /// reference's `e2m1_of_product`, with no clamp, exact ties included.
+    #[test]
+    fn nvfp4_fast_codes_replayed_on_the_cpu_equal_the_reference() {
+        use kiln_core::ops::quantize::e2m1_of_product;
+        let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let (mut checked, mut ties) = (0usize, 0usize);
+        let random: Vec<f32> =
+            (0..300).map(|_| f32::from_bits(0x1300_0000 + (next() % 0x5780_0000) as u32)).collect();
+        let powers = (-89..=85).flat_map(|e| [2.0f32.powi(e), 2.0f32.powi(e) * 1.75]);
+        let midpoints = [0.25f32, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 6.4, 6.99];
+        for inverse in powers.chain(random) {
+            let mut values: Vec<f32> = vec![0.0, -0.0];
+            for m in midpoints {
+                let b = (m / inverse).to_bits() as i64;
+                for d in -24..=24 {
+                    let y = f32::from_bits((b + d) as u32);
+                    values.extend([y, -y]);
+                }
+            }
+            values.extend(
+                (0..200).map(|_| (6.99 / inverse) * ((next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0)),
+            );
+            for y in values.into_iter().filter(|y| f64::from(y.abs()) * f64::from(inverse) < 6.99) {
+                let p = f64::from(y.abs()) * f64::from(inverse);
+                ties += usize::from(midpoints[..7].iter().any(|&m| p == f64::from(m)));
+                assert_eq!(
+                    e2m1_product(y, inverse),
+                    e2m1_of_product(y, inverse),
+                    "{y} ({:#010x}) * {inverse}",
+                    y.to_bits()
+                );
+                checked += 1;
+            }
+        }
+        assert!(checked > 200_000 && ties > 100, "{checked} values, {ties} exact ties");
     }
 
     /// The INT8 fast path of `kernels/norm.cu` replayed: for block maxima over the binades it
