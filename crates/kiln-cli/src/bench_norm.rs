@@ -67,6 +67,14 @@ pub struct BenchNormArgs {
     /// replays of a CUDA graph holding a batch's launches.
     #[arg(long)]
     pub plain_launches: bool,
+    /// Only these built-in cases (comma-separated: rms_norm, rms_norm_residual, rms_norm_int8,
+    /// rms_norm_nvfp4, layer_norm); all of them when absent.
+    #[arg(long, value_delimiter = ',', conflicts_with_all = ["model", "shapes"])]
+    pub cases: Vec<String>,
+    /// Only these built-in shapes (comma-separated `ROWSxHIDDEN`: 1x4096, 2048x4096, 8192x8192);
+    /// all of them when absent.
+    #[arg(long, value_delimiter = ',', conflicts_with_all = ["model", "shapes"])]
+    pub sizes: Vec<String>,
     /// The norm calls of this model (or shape set) instead of the built-in cases.
     #[command(flatten)]
     pub shapes: ShapeArgs,
@@ -179,13 +187,36 @@ pub fn run(args: &BenchNormArgs) -> Result<()> {
         }
         cases
     } else {
+        let names: Vec<&str> = cases().iter().map(|c| c.0).collect();
+        if let Some(unknown) = args.cases.iter().find(|c| !names.contains(&c.as_str())) {
+            return Err(Error::InvalidArgument {
+                name: "--cases",
+                value: unknown.clone(),
+                reason: format!("not a case of the benchmark ({})", names.join(", ")),
+            });
+        }
+        let sizes: Vec<String> = SHAPES.iter().map(|(r, h)| format!("{r}x{h}")).collect();
+        if let Some(unknown) = args.sizes.iter().find(|s| !sizes.contains(s)) {
+            return Err(Error::InvalidArgument {
+                name: "--sizes",
+                value: unknown.clone(),
+                reason: format!("not a shape of the benchmark ({})", sizes.join(", ")),
+            });
+        }
         SHAPES
             .iter()
+            .filter(|(rows, hidden)| {
+                args.sizes.is_empty() || args.sizes.contains(&format!("{rows}x{hidden}"))
+            })
             .flat_map(|&(rows, hidden)| {
-                cases().into_iter().map(move |(name, spec, residual)| {
-                    let call = NormCall { spec, rows, hidden, x_type: DType::BF16, weight_type: DType::BF16 };
-                    (name.to_owned(), NormTask { call, residual })
-                })
+                cases()
+                    .into_iter()
+                    .filter(|(name, _, _)| args.cases.is_empty() || args.cases.iter().any(|c| c == name))
+                    .map(move |(name, spec, residual)| {
+                        let call =
+                            NormCall { spec, rows, hidden, x_type: DType::BF16, weight_type: DType::BF16 };
+                        (name.to_owned(), NormTask { call, residual })
+                    })
             })
             .collect()
     };
