@@ -65,9 +65,10 @@
 // K/V tiles in flight (shared-memory stages): 2, or 3 for the deep decode variants (two tiles in
 // flight while one is computed; ops/attention.rs DECODE_DEEP, DECODE_WIDE_DEEP), or 1 for the
 // alternating decode variants (WARPS_M = 1; ops/attention.rs DECODE_ALT, DECODE_ALT_WIDE): one K
-// and one V buffer, and the copies of a tile's V fly while S = Q K^T is computed, those of the
-// next tile's K while O += P V is, so a block has one K or V tile in flight at a time, read from
-// one region of the cache after the other.
+// and one V buffer, each refilled as soon as every warp is done with it (a barrier), so the
+// copies of a tile's V fly while its K is waited for and S = Q K^T computed, and those of the
+// next tile's K while its V is waited for and O += P V made: two tiles in flight a block while
+// it waits, in half the shared memory of two stages.
 #ifndef STAGES
 #define STAGES 2
 #endif
@@ -241,11 +242,16 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
             kiln_cp_async_16_line(kiln_smem_address(smem + r * ROW + c * 8), valid ? cache + offset : cache, valid);
         }
     };
+    // K and V of tile 0 both in flight (both buffers are free), one commit group each, then the
+    // pages of tile 1.
     kiln_u32 next_pages[TILE_CHUNKS_PER_THREAD];
     tile_pages(0, next_pages);
     if (tiles > 0) load_half(0, k_smem, k_cache, next_pages);
     kiln_cp_async_commit();
-    kiln_cp_async_wait<1>();
+    if (tiles > 0) load_half(0, v_smem, v_cache, next_pages);
+    kiln_cp_async_commit();
+    tile_pages(1, next_pages);
+    kiln_cp_async_wait<2>();
     __syncthreads();
 #else
     // Tiles 0 .. STAGES - 2 in flight, one commit group each (empty groups past the last tile),
@@ -297,14 +303,10 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
 
     for (int t = 0; t < tiles; ++t) {
 #if STAGES == 1
-        // K of tile t has landed (its group is the only one pending) and every warp is past the
-        // products of tile t - 1 (this barrier): V of tile t into the one V buffer (next_pages
-        // holds tile t's pages), then the pages of tile t + 1.
-        kiln_cp_async_wait<0>();
+        // K of tile t has landed (V of tile t may still fly: groups complete in order) and every
+        // warp sees it (this barrier).
+        kiln_cp_async_wait<1>();
         __syncthreads();
-        load_half(t, v_smem, v_cache, next_pages);
-        kiln_cp_async_commit();
-        tile_pages(t + 1, next_pages);
 #else
         // Tile t + STAGES - 1 into the stage tile t - 1 used (every warp is past it: the barrier
         // at the end of the previous iteration), then the pages of the tile after it.
@@ -349,12 +351,13 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
         }
 
 #if STAGES == 1
-        // V of tile t has landed and every warp is done with K of tile t: K of tile t + 1 flies
-        // while the softmax and the products with V are made.
-        kiln_cp_async_wait<0>();
+        // Every warp is done with K of tile t (this barrier): K of tile t + 1 (next_pages holds
+        // its pages) flies beside V of tile t, which is then waited for and seen by every warp.
         __syncthreads();
         if (t + 1 < tiles) load_half(t + 1, k_smem, k_cache, next_pages);
         kiln_cp_async_commit();
+        kiln_cp_async_wait<1>();
+        __syncthreads();
 #endif
         // Online softmax: new row maxima (over the quad that shares a row), rescale, exponentiate.
 #pragma unroll
@@ -404,8 +407,13 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
                 kiln_mma_bf16_16816(o[2 * nd + 1], p, b[2], b[3]);
             }
         }
-#if STAGES > 1
         __syncthreads();
+#if STAGES == 1
+        // Every warp is done with V of tile t (the barrier above): V of tile t + 1 flies beside K
+        // of tile t + 1, then the pages of tile t + 2 are read.
+        if (t + 1 < tiles) load_half(t + 1, v_smem, v_cache, next_pages);
+        kiln_cp_async_commit();
+        tile_pages(t + 2, next_pages);
 #endif
     }
     kiln_cp_async_wait<0>();
