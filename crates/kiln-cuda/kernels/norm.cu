@@ -17,23 +17,27 @@
 // whose low bits are the code, no conversion instruction): an INT8 code is one fused multiply-add
 // by the block's rounded 1 / scale (`kiln_int8_fast`: the reference defines the code as rint of
 // that exact product, and 1 / scale is __frcp_rn's sequence, `kiln_rcp_rn`), an E2M1 code is
-// three fused multiply-adds and two minima (`kiln_e2m1_product`: the reference defines it as the
-// E2M1 value nearest the exact product y * inverse, inverse = qscale / f32(s) rounded once, which
-// is Markstein's correction of the rounded reciprocal, `kiln_nvfp4_inverse`; no check, no
-// division a value: only a block out of the fast path's range goes the reference's way); the
-// block scales divide by 127 and 6 with a reciprocal and one correction (`kiln_div_const`), the
-// block maximum's shuffle runs outside any branch, quantized bytes and E2M1 signs are packed with
+// two fused multiply-adds and their minimum (`kiln_e2m1_product`: the reference defines it as
+// the E2M1 value nearest the exact product y * inverse, inverse = qscale / f32(s) rounded once,
+// which is Markstein's correction of the rounded reciprocal, `kiln_nvfp4_inverse`; the sums
+// straddle powers of two so that fp32's own spacing doubles where E2M1's does; no check, no
+// division a value: only a block out of the fast path's range goes the reference's way), eight
+// of them packed by multiply-adds and one subtraction (`kiln_e2m1_pack8`); the block scales
+// divide by 127 and 6 with a reciprocal and one correction (`kiln_div_const`), the block
+// maximum's shuffle runs outside any branch, quantized bytes and E2M1 signs are packed with
 // `prmt`, a warp's unit sums are reduced together (`kiln_norm_units_reduce`: 6 shuffles for 4
 // units, not 20), and the unit sums of several warps are combined from shared memory four at a
 // time. With an NVFP4 output the budget is about 20 instructions a value at the copy ceiling
-// (2.56 bytes a bf16 value) and the kernel needs about 23.6 as compiled for sm_90 (one lane a
-// block at 8192 x 8192, 8 warps a row: 755 instructions a lane for its 32 values on the fast
-// path; the loads, squares, sums and 1 / rms 259 a lane, 8.1 a value; then per block of 16: the
-// norm's products and roundings 5 a value, the block maximum 15, the scale and inverse about
-// 24, the codes 5 a value with their products, packing and signs 30, the stores about 12;
-// 2048 x 4096, 4 warps a row: 731, 22.8 a value): it is bound by issue, not by DRAM; INT8 (3.25
-// bytes, about 26) needs 17.4 (556 a lane at 8192 x 8192; 16.8 at 2048 x 4096, 4 warps a row;
-// of which the codes 1 and their packing 0.75). Hugging Face's rounding with bf16 x,
+// (2.56 bytes a bf16 value) and the kernel needs about 20.6 as compiled for sm_90 (one lane a
+// block at 8192 x 8192, 8 warps a row: 659 instructions a lane for its 32 values on the fast
+// path; the loads, squares, sums and 1 / rms about 255 a lane, 8 a value, of which about 70 are
+// each warp adding the row's 32 unit sums and finishing the total (ROW_TOTAL_WARP leaves that
+// to one warp: 604 a lane on average); then per block of 16: the norm's products and roundings
+// 5 a value, the block maximum 15, the scale, its checks and the inverse about 22, the codes 3
+// a value with their products, their packing and signs 32, the stores about 4; 2048 x 4096, 4
+// warps a row: 648, 20.25 a value; 617 with ROW_TOTAL_WARP): it is bound by issue, not by DRAM;
+// INT8 (3.25 bytes, about 26) needs 16.6 (531 a lane at 8192 x 8192; 16.2 at 2048 x 4096, 4
+// warps a row; of which the codes 1 and their packing 0.75). Hugging Face's rounding with bf16 x,
 // weight and output takes the weight's product packed (`kiln_bf16x2_mul`, see
 // KILN_NORM_PACKED_BF16): about 6 a value for the whole norm.
 //
@@ -242,8 +246,8 @@ __device__ __forceinline__ void kiln_int8_codes(const float* p, float scale, uns
 // past 2^17, below it under 2^-22; a NaN or infinite amax gives a NaN), so `scaled` is the
 // reference's; s is a normal E4M3 code (7.5 * 2^-9, a tie, rounds to 2^-6) that did not
 // saturate, so f32(s) >= (15/16) scaled and every |y * inverse| <= amax * inverse <= 6.4 (1 +
-// 3 * 2^-24) < 7: the clamp to 7 never acts; inverse is in [2^-89, 2^86], so 2 inverse and
-// inverse / 2 are exact; and kiln_nvfp4_inverse is the division's rounding.
+// 3 * 2^-24) < 7: the clamp to 7 never acts; inverse is in [2^-89, 2^86], so 2 inverse is
+// exact; and kiln_nvfp4_inverse is the division's rounding.
 #define KILN_NVFP4_QSCALE_LO 8.271806125530277e-25f  // 2^-80
 #define KILN_NVFP4_QSCALE_HI 1.2089258196146292e24f  // 2^80
 #define KILN_NVFP4_SCALED_LO 0.0146484375f           // 7.5 * 2^-9
@@ -259,20 +263,25 @@ __device__ __forceinline__ float kiln_nvfp4_inverse(float qscale, float scale_va
     return kiln_div_const(qscale, scale_value, kiln_rcp_rn(scale_value));
 }
 
-// The E2M1 code of |y * inverse| for the fast path (|y * inverse| < 7, 2 inverse and inverse / 2
-// exact): the low 3 bits of the result. Each of rint(2a), rint(a) + 2 and rint(a / 2) + 4 is one
-// fused multiply-add, |y| times 2 inverse, inverse or inverse / 2 (exact scalings) plus the
-// magic plus 0, 2 or 4 (exact): the exact product plus those, rounded once to an integer (ties
-// to even; below 2^22), plus the magic, whose low bits are that integer; the least of the three
-// is the code (floats of one binade order as their bits). 5 instructions a value with its
-// product, and no check: the code is the reference's for every y the fast path serves. The sign
-// is not in the result: kiln_e2m1_signs adds it to eight packed codes at once.
-__device__ __forceinline__ unsigned int kiln_e2m1_product(float y, float twice, float inverse, float half) {
+// The E2M1 code of |y * inverse| for the fast path (a = |y * inverse| < 7, 2 inverse exact),
+// as the bits of a float: KILN_E2M1_ZERO + the code. Floats double their spacing at each power
+// of two, as E2M1 values do at 2 and 4, so two fused multiply-adds cover the three pieces of
+// the reference's min(rint(2a), rint(a) + 2, rint(a / 2) + 4): `low` = 2a + 2^24 - 4 (|y| times
+// 2 inverse) lies in [2^23, 2^24), spacing 1, for a < 2 and in [2^24, 2^25), spacing 2, above,
+// so that it is rounded once to 2^24 - 4 + rint(2a), then 2^24 + 2 (rint(a) - 2); `high` = a +
+// 2^24 is 2^24 + 2 rint(a / 2). Both round ties to the even bit pattern, which is rint's even
+// integer (2^24 - 4 and 2^24 have even patterns), and each pattern is 0x4B800000 (2^24) plus
+// the code - 4 of its piece: rint(2a) below 2, rint(a) + 2 from 2 on, rint(a / 2) + 4. The
+// lesser of the two (floats of one sign order as their bits) is the reference's least of three:
+// rint(2a) <= rint(a) + 2 below 2 and rint(a) + 2 <= rint(2a) from 2 on. 3 instructions a value
+// with its product, and no check: the code is the reference's for every y the fast path
+// serves. kiln_e2m1_pack8 removes KILN_E2M1_ZERO from eight packed codes at once.
+#define KILN_E2M1_ZERO 0x4B7FFFFCu  // the bits of 2^24 - 4: code 0
+__device__ __forceinline__ unsigned int kiln_e2m1_product(float y, float twice, float inverse) {
     const float a = fabsf(y);
-    const float by_two = __fmaf_rn(a, twice, KILN_ROUND_MAGIC);
-    const float by_one = __fmaf_rn(a, inverse, KILN_ROUND_MAGIC + 2.0f);
-    const float by_half = __fmaf_rn(a, half, KILN_ROUND_MAGIC + 4.0f);
-    return __float_as_uint(fminf(fminf(by_two, by_one), by_half));
+    const float low = __fmaf_rn(a, twice, 16777212.0f);  // 2^24 - 4
+    const float high = __fmaf_rn(a, inverse, 16777216.0f);  // 2^24
+    return __float_as_uint(fminf(low, high));
 }
 
 // The reference's code of y * inverse (`e2m1_of_product`), for any inverse: the product is exact
@@ -299,6 +308,17 @@ __device__ __forceinline__ unsigned int kiln_e2m1_signs(const float (&v)[8]) {
     asm("prmt.b32 %0, %1, %2, 0x5410;" : "=r"(even) : "r"(e01), "r"(e23));
     asm("prmt.b32 %0, %1, %2, 0x5410;" : "=r"(odd) : "r"(o01), "r"(o23));
     return (even & 0x08080808u) | (odd & 0x80808080u);
+}
+
+// Eight E2M1 codes (value 2i in the low nibble of byte i, 2i + 1 in the high one) from
+// kiln_e2m1_product's c = KILN_E2M1_ZERO + code and v's signs: sum c[k] 16^k modulo 2^32 (two
+// Horner chains of multiply-adds and one to join them) is sum code[k] 16^k, the packed codes,
+// plus KILN_E2M1_ZERO * 0x11111111: a constant, removed with one subtraction (codes below 8
+// never carry into the next nibble).
+__device__ __forceinline__ unsigned int kiln_e2m1_pack8(const unsigned int (&c)[8], const float (&v)[8]) {
+    const unsigned int lo = ((c[3] * 16u + c[2]) * 16u + c[1]) * 16u + c[0];
+    const unsigned int hi = ((c[7] * 16u + c[6]) * 16u + c[5]) * 16u + c[4];
+    return (hi * 65536u + lo - KILN_E2M1_ZERO * 0x11111111u) | kiln_e2m1_signs(v);
 }
 
 // ---- x as loaded ----------------------------------------------------------------------------
@@ -570,18 +590,30 @@ struct KilnNormLoads {
     KilnRaw8<X_T> gate[GATE == 1 ? UNITS_PER_WARP : 1];
 };
 
-// Issues every load of this warp's share of the segment at `base` (x zero where not valid).
+// Issues every load of this warp's share of the segment at `base` (x zero where not valid, but
+// for RMSNorm without a persistent grid).
 __device__ __forceinline__ void kiln_norm_load(KilnNormLoads& in, const void* x, const void* residual,
                                                const void* gate, long long base, bool active, int n,
                                                int warp_in_row, int lane) {
+    // x of the lane's first element of the segment, computed once for every unit (the empty asm
+    // keeps ptxas from computing it again under each unit's predicate, 9 instructions at 4 units):
+    // each unit's load is a constant offset from it (kiln_norm_off). Not for a persistent grid,
+    // whose next group's loads then spill beside the current group (8 warps a row, INT8 / NVFP4).
+    const void* x_first = static_cast<const unsigned char*>(x) + KILN_NORM_AT(base, 0) * (X_T == KILN_F32 ? 4 : 2);
+    if (!PERSISTENT) asm volatile("" : "+l"(x_first));
 #pragma unroll
     for (int u = 0; u < UNITS_PER_WARP; ++u) {
         const int col = kiln_norm_col(warp_in_row, u, lane);
         if (active && col < n) {
-            in.x[u] = kiln_raw8_load<X_T, true>(x, KILN_NORM_AT(base, u));
+            in.x[u] = PERSISTENT ? kiln_raw8_load<X_T, true>(x, KILN_NORM_AT(base, u))
+                                 : kiln_raw8_load<X_T, true>(x_first, kiln_norm_off(u));
             if (HAS_RESIDUAL) in.residual[HAS_RESIDUAL ? u : 0] = kiln_raw8_load<X_T, false>(residual, KILN_NORM_AT(base, u));
             if (GATE == 1) in.gate[GATE == 1 ? u : 0] = kiln_raw8_load<X_T, true>(gate, KILN_NORM_AT(base, u));
-        } else {
+        } else if (KIND == 1 || PERSISTENT) {
+            // LayerNorm's mean adds every unit's values; RMSNorm's squares of a unit past the
+            // segment are zeros whatever x holds (kiln_norm_segment), so its registers stay as
+            // they are, but for a persistent grid (left unset, the next group's registers
+            // spilled on sm_90 at one warp a row with the int8 planes).
             kiln_raw8_zero<X_T>(in.x[u]);
         }
     }
@@ -765,13 +797,12 @@ __device__ __forceinline__ void kiln_norm_i8_planes(const float (&p)[8], void* p
 #endif
 
 #if BLOCK_LANE && KILN_NORM_BLOCKED
-// The INT8 or NVFP4 codes and scale of one block of 16 values y (BLOCK_LANE: one lane's), starting
-// at element `first` of the output (byte `first_half` of E2M1 codes, scale `block`): the fast paths and checks of the two-lane blocks
-// (kiln_norm_segment), with the block maximum, the scale and its store once for 16 values, and
-// the codes in one store (16 bytes of INT8, 8 of E2M1).
-__device__ __forceinline__ void kiln_norm_block16(const float (&y)[16], void* __restrict__ out,
-                                                  void* __restrict__ scales, float qscale,
-                                                  long long first, long long first_half, long long block) {
+// The INT8 or NVFP4 codes and scale of one block of 16 values y (BLOCK_LANE: one lane's), stored
+// at `codes_at` (16 bytes of INT8 or 8 of E2M1) and `scale_at` (an fp32 or E4M3 scale): the fast
+// paths and checks of the two-lane blocks (kiln_norm_segment), with the block maximum, the scale
+// and its store once for 16 values, and the codes in one store.
+__device__ __forceinline__ void kiln_norm_block16(const float (&y)[16], unsigned char* codes_at, unsigned char* scale_at,
+                                                  float qscale) {
     // NaN when any value is (the reference's maximum skips NaN: the slow path takes it again).
     float m8[8];
 #pragma unroll
@@ -808,40 +839,37 @@ __device__ __forceinline__ void kiln_norm_block16(const float (&y)[16], void* __
 #pragma unroll
             for (int j = 0; j < 4; ++j) w[j] = kiln_bytes4(q[4 * j], q[4 * j + 1], q[4 * j + 2], q[4 * j + 3]);
         }
-        *reinterpret_cast<uint4*>(static_cast<signed char*>(out) + first) = make_uint4(w[0], w[1], w[2], w[3]);
-        static_cast<float*>(scales)[block] = scale;
+        *reinterpret_cast<uint4*>(codes_at) = make_uint4(w[0], w[1], w[2], w[3]);
+        *reinterpret_cast<float*>(scale_at) = scale;
     } else {
         // The fast path's conditions: see KILN_NVFP4_SCALED_LO (1 / 6 is 0x3E2AAAAB).
         const float scaled = kiln_div_const(amax, 6.0f, __uint_as_float(0x3E2AAAABu)) * qscale;
-        unsigned int s = kiln_e4m3x2(scaled, 0.0f) & 0xFFu;
-        uint2 packed;
+        // Each path stores its own results (no merge of the two paths' registers before a
+        // shared store).
         if (qscale >= KILN_NVFP4_QSCALE_LO && qscale <= KILN_NVFP4_QSCALE_HI && scaled >= KILN_NVFP4_SCALED_LO &&
             scaled <= 448.0f) {
+            const unsigned int s = kiln_e4m3x2(scaled, 0.0f);  // e4m3(0) = 0 above the code: no mask
             const float inverse = kiln_nvfp4_inverse(qscale, kiln_e4m3_value(s));
-            const float twice = inverse * 2.0f, half = inverse * 0.5f;
-            unsigned int c[16];
+            const float twice = inverse * 2.0f;
+            unsigned int c[2][8];
 #pragma unroll
-            for (int k = 0; k < 16; ++k) c[k] = kiln_e2m1_product(y[k], twice, inverse, half);
+            for (int k = 0; k < 16; ++k) c[k >> 3][k & 7] = kiln_e2m1_product(y[k], twice, inverse);
             const float(&lo)[8] = *reinterpret_cast<const float(*)[8]>(&y[0]);
             const float(&hi)[8] = *reinterpret_cast<const float(*)[8]>(&y[8]);
             // The signs of y are those of y * inverse (inverse > 0).
-            packed = make_uint2(
-                kiln_bytes4((c[1] << 4) + c[0], (c[3] << 4) + c[2], (c[5] << 4) + c[4], (c[7] << 4) + c[6]) |
-                    kiln_e2m1_signs(lo),
-                kiln_bytes4((c[9] << 4) + c[8], (c[11] << 4) + c[10], (c[13] << 4) + c[12], (c[15] << 4) + c[14]) |
-                    kiln_e2m1_signs(hi));
-        } else {
-            // The reference's way: its maximum (NaN skipped), scale, division and codes.
-            const float m = amax != amax ? reference_amax() : amax;
-            s = kiln_e4m3x2((m / 6.0f) * qscale, 0.0f) & 0xFFu;
-            const float inverse = qscale / kiln_e4m3_value(s);
-            unsigned int word[2] = {0u, 0u};
-#pragma unroll
-            for (int k = 0; k < 16; ++k) word[k >> 3] |= kiln_e2m1_of_product(y[k], inverse) << (4 * (k & 7));
-            packed = make_uint2(word[0], word[1]);
+            *reinterpret_cast<uint2*>(codes_at) = make_uint2(kiln_e2m1_pack8(c[0], lo), kiln_e2m1_pack8(c[1], hi));
+            *scale_at = (unsigned char)s;
+            return;
         }
-        *reinterpret_cast<uint2*>(static_cast<unsigned char*>(out) + first_half) = packed;
-        static_cast<unsigned char*>(scales)[block] = (unsigned char)s;
+        // The reference's way: its maximum (NaN skipped), scale, division and codes.
+        const float m = amax != amax ? reference_amax() : amax;
+        const unsigned int s = kiln_e4m3x2((m / 6.0f) * qscale, 0.0f);
+        const float inverse = qscale / kiln_e4m3_value(s);
+        unsigned int word[2] = {0u, 0u};
+#pragma unroll
+        for (int k = 0; k < 16; ++k) word[k >> 3] |= kiln_e2m1_of_product(y[k], inverse) << (4 * (k & 7));
+        *reinterpret_cast<uint2*>(codes_at) = make_uint2(word[0], word[1]);
+        *scale_at = (unsigned char)s;
     }
 }
 #endif
@@ -938,6 +966,17 @@ __device__ __forceinline__ void kiln_norm_segment(
     // BLOCK_LANE with a block-quantized output: the lane's 16 values of register units 2P, 2P + 1.
 #if BLOCK_LANE && KILN_NORM_BLOCKED
     float p16[16];
+    // The codes and scale of this lane's first block of the segment; every later block's are
+    // constant offsets from them (kiln_norm_off is a multiple of 16). With 8 warps a row or more
+    // they are computed here once (the empty asm keeps ptxas from computing both again for each
+    // block, 9 instructions); with fewer, holding them spilled on sm_90 (4 warps, NVFP4).
+    unsigned char* codes_first = static_cast<unsigned char*>(out) +
+                                 (OUT_T == KILN_OUT_INT8 ? KILN_NORM_AT(base, 0) : KILN_NORM_AT(base, 0) >> 1);
+    unsigned char* scales_first =
+        static_cast<unsigned char*>(scales) + (KILN_NORM_AT(base, 0) >> 4) * (OUT_T == KILN_OUT_INT8 ? 4 : 1);
+    if (WARPS_PER_ROW >= 8) asm volatile("" : "+l"(codes_first), "+l"(scales_first));
+    // Global memory still (the asm hides where they point): global stores, not generic ones.
+    __builtin_assume(__isGlobal(codes_first) && __isGlobal(scales_first));
 #endif
 #if WEIGHT_AHEAD
     // The weight and bias of the next register unit, loaded one unit ahead (unit 0's here).
@@ -1053,8 +1092,8 @@ __device__ __forceinline__ void kiln_norm_segment(
 #pragma unroll
             for (int k = 0; k < 8; ++k) p16[(u & 1) * 8 + k] = p[k];
             if ((u & 1) == 0) continue;
-            kiln_norm_block16(p16, out, scales, qscale, KILN_NORM_AT(base, u - 1),
-                              KILN_NORM_AT(base, u - 1) >> 1, KILN_NORM_AT(base, u - 1) >> 4);
+            kiln_norm_block16(p16, codes_first + kiln_norm_off(u - 1) / (OUT_T == KILN_OUT_INT8 ? 1 : 2),
+                              scales_first + kiln_norm_off(u - 1) / 16 * (OUT_T == KILN_OUT_INT8 ? 4 : 1), qscale);
 #endif
         } else {
             // INT8 / NVFP4: lanes 2i and 2i + 1 hold one block of 16 values.
@@ -1105,19 +1144,17 @@ __device__ __forceinline__ void kiln_norm_segment(
                 // The fast path's conditions: see KILN_NVFP4_SCALED_LO (1 / 6 is 0x3E2AAAAB). Both
                 // lanes of a block take the same path (they share amax).
                 const float scaled = kiln_div_const(amax, 6.0f, __uint_as_float(0x3E2AAAABu)) * qscale;
-                unsigned int s = kiln_e4m3x2(scaled, 0.0f) & 0xFFu;
+                unsigned int s = kiln_e4m3x2(scaled, 0.0f);  // e4m3(0) = 0 above the code: no mask
                 unsigned int packed;
                 if (qscale >= KILN_NVFP4_QSCALE_LO && qscale <= KILN_NVFP4_QSCALE_HI &&
                     scaled >= KILN_NVFP4_SCALED_LO && scaled <= 448.0f) {
                     const float inverse = kiln_nvfp4_inverse(qscale, kiln_e4m3_value(s));
-                    const float twice = inverse * 2.0f, half = inverse * 0.5f;
+                    const float twice = inverse * 2.0f;
                     unsigned int c[8];
 #pragma unroll
-                    for (int k = 0; k < 8; ++k) c[k] = kiln_e2m1_product(p[k], twice, inverse, half);
+                    for (int k = 0; k < 8; ++k) c[k] = kiln_e2m1_product(p[k], twice, inverse);
                     // The signs of p are those of p * inverse (inverse > 0).
-                    packed = kiln_bytes4((c[1] << 4) + c[0], (c[3] << 4) + c[2], (c[5] << 4) + c[4],
-                                         (c[7] << 4) + c[6]) |
-                             kiln_e2m1_signs(p);
+                    packed = kiln_e2m1_pack8(c, p);
                 } else {
                     // The reference's way: its maximum (NaN skipped, from both lanes of the
                     // block), scale, division and codes.
@@ -1128,7 +1165,7 @@ __device__ __forceinline__ void kiln_norm_segment(
                         for (int k = 0; k < 8; ++k) m = fmaxf(m, fabsf(p[k]));
                         m = fmaxf(m, __shfl_xor_sync(3u << (lane & 30), m, 1));
                     }
-                    s = kiln_e4m3x2((m / 6.0f) * qscale, 0.0f) & 0xFFu;
+                    s = kiln_e4m3x2((m / 6.0f) * qscale, 0.0f);
                     const float inverse = qscale / kiln_e4m3_value(s);
                     packed = 0;
 #pragma unroll

@@ -187,9 +187,9 @@ pub fn nvfp4_inverse(scale: u8, global_scale: f32) -> f32 {
 /// values 0, 0.5, 1, 1.5, 2, 3, 4, 6 to the codes 0 .. 7 and so each midpoint between two of them
 /// to the half-integer between their codes; the code of `a` is therefore `rint(g(a))` (ties to
 /// even: the even code has the even mantissa), clamped to 7, and since rint is monotonic that is
-/// `min(rint(2a), rint(a) + 2, rint(a / 2) + 4, 7)`. Each of the three is one fused multiply-add
-/// of `|y|` by `2 inverse`, `inverse` or `inverse / 2` with a rounding magic in fp32 (the CUDA
-/// kernels' form), and an exact f64 operation here.
+/// `min(rint(2a), rint(a) + 2, rint(a / 2) + 4, 7)`: exact f64 operations here; the CUDA
+/// kernels take the least of two fused multiply-adds in fp32 whose sums straddle powers of two
+/// (`kiln_e2m1_product` in `kernels/norm.cu`).
 pub fn e2m1_of_product(y: f32, inverse: f32) -> u8 {
     if !inverse.is_finite() {
         return 0;

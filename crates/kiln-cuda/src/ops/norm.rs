@@ -934,23 +934,45 @@ mod tests {
     }
 
     /// `kernels/norm.cu`'s fast rounding of INT8 and NVFP4 codes, replayed with the same fp32
-    /// operations: INT8's fused multiply-add; E2M1's three fused multiply-adds (|y| times 2
-    /// inverse, inverse and inverse / 2, plus the magic plus 0, 2 and 4) and their least.
+    /// operations: INT8's fused multiply-add; E2M1's two fused multiply-adds (|y| times 2 inverse
+    /// plus 2^24 - 4, |y| times inverse plus 2^24), their least, and the packing of eight.
     const ROUND_MAGIC: f32 = 12_582_912.0;
+
+    /// `KILN_E2M1_ZERO`: the bits of 2^24 - 4, those of E2M1 code 0 in `kiln_e2m1_product`.
+    const E2M1_ZERO: u32 = 0x4B7F_FFFC;
 
     /// `kiln_int8_fast`: the bits of p * inverse + magic (the exact product rounded once).
     fn int8_fast(p: f32, inverse: f32) -> u32 {
         p.mul_add(inverse, ROUND_MAGIC).to_bits()
     }
 
-    /// `kiln_e2m1_product` with the sign `kiln_e2m1_signs` adds (bit 3 from y's sign bit).
-    fn e2m1_product(y: f32, inverse: f32) -> u8 {
+    /// `kiln_e2m1_product`: the bits of the lesser of |y| 2 inverse + 2^24 - 4 and |y| inverse +
+    /// 2^24, each rounded once (`E2M1_ZERO` + the code).
+    fn e2m1_product_bits(y: f32, inverse: f32) -> u32 {
         let a = y.abs();
-        let by_two = a.mul_add(inverse * 2.0, ROUND_MAGIC);
-        let by_one = a.mul_add(inverse, ROUND_MAGIC + 2.0);
-        let by_half = a.mul_add(inverse * 0.5, ROUND_MAGIC + 4.0);
-        let bits = by_two.min(by_one).min(by_half).to_bits();
-        ((bits & 0x7) | ((y.to_bits() >> 28) & 0x8)) as u8
+        let low = a.mul_add(inverse * 2.0, 16_777_212.0);
+        let high = a.mul_add(inverse, 16_777_216.0);
+        low.min(high).to_bits()
+    }
+
+    /// `kiln_e2m1_product`'s code with the sign `kiln_e2m1_signs` adds (bit 3 from y's sign bit).
+    fn e2m1_product(y: f32, inverse: f32) -> u8 {
+        let code = e2m1_product_bits(y, inverse).wrapping_sub(E2M1_ZERO);
+        assert!(code < 8, "{y} * {inverse}: {code:#x}");
+        (code | ((y.to_bits() >> 28) & 0x8)) as u8
+    }
+
+    /// `kiln_e2m1_pack8`: two Horner chains of the bits (modulo 2^32), joined, less the
+    /// constant, with the signs (value k in nibble k, its sign in bit 4k + 3).
+    fn e2m1_pack8(y: &[f32], inverse: f32) -> u32 {
+        let c: Vec<u32> = y.iter().map(|&v| e2m1_product_bits(v, inverse)).collect();
+        let chain = |c: &[u32]| c.iter().rev().fold(0u32, |w, &ck| w.wrapping_mul(16).wrapping_add(ck));
+        let codes = chain(&c[4..8])
+            .wrapping_mul(65536)
+            .wrapping_add(chain(&c[0..4]))
+            .wrapping_sub(E2M1_ZERO.wrapping_mul(0x1111_1111));
+        let signs = y.iter().enumerate().fold(0u32, |s, (k, v)| s | ((v.to_bits() >> 31) << (4 * k + 3)));
+        codes | signs
     }
 
     /// `kiln_nvfp4_inverse`: qscale / scale_value from the rounded reciprocal and Markstein's
@@ -987,9 +1009,10 @@ mod tests {
     }
 
     /// The NVFP4 fast codes of `kernels/norm.cu` replayed: for inverses over the range the fast
-    /// path serves ([2^-89, 2^86]), values whose products lie near every E2M1 midpoint and
-    /// spread up to the bound 6.4 (1 + 3 * 2^-24) (here up to 6.99), signed zeros: the code is the
-    /// reference's `e2m1_of_product`, with no clamp, exact ties included.
+    /// path serves ([2^-89, 2^86]), values whose products lie near every E2M1 midpoint, near 2
+    /// and 4 and spread up to the bound 6.4 (1 + 3 * 2^-24) (here up to 6.99), signed zeros: the
+    /// code is the reference's `e2m1_of_product`, with no clamp, exact ties included, and eight
+    /// of them packed as the reference packs them.
     #[test]
     fn nvfp4_fast_codes_replayed_on_the_cpu_equal_the_reference() {
         use kiln_core::ops::quantize::e2m1_of_product;
@@ -1007,7 +1030,8 @@ mod tests {
         let midpoints = [0.25f32, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 6.4, 6.99];
         for inverse in powers.chain(random) {
             let mut values: Vec<f32> = vec![0.0, -0.0];
-            for m in midpoints {
+            // The midpoints, and 2 and 4, where the kernel's sums cross a power of two.
+            for m in midpoints.into_iter().chain([2.0, 4.0]) {
                 let b = (m / inverse).to_bits() as i64;
                 for d in -24..=24 {
                     let y = f32::from_bits((b + d) as u32);
@@ -1017,7 +1041,8 @@ mod tests {
             values.extend(
                 (0..200).map(|_| (6.99 / inverse) * ((next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0)),
             );
-            for y in values.into_iter().filter(|y| f64::from(y.abs()) * f64::from(inverse) < 6.99) {
+            values.retain(|y| f64::from(y.abs()) * f64::from(inverse) < 6.99);
+            for &y in &values {
                 let p = f64::from(y.abs()) * f64::from(inverse);
                 ties += usize::from(midpoints[..7].iter().any(|&m| p == f64::from(m)));
                 assert_eq!(
@@ -1027,6 +1052,15 @@ mod tests {
                     y.to_bits()
                 );
                 checked += 1;
+            }
+            // Eight at a time, as `kiln_e2m1_pack8` packs them (every window, so that each code
+            // and sign takes every nibble).
+            for eight in values.windows(8) {
+                let expected = eight
+                    .iter()
+                    .enumerate()
+                    .fold(0u32, |w, (k, &y)| w | (u32::from(e2m1_of_product(y, inverse)) << (4 * k)));
+                assert_eq!(e2m1_pack8(eight, inverse), expected, "{eight:?} * {inverse}");
             }
         }
         assert!(checked > 200_000 && ties > 100, "{checked} values, {ties} exact ties");
