@@ -151,14 +151,16 @@ impl AttentionVariant {
     /// memory the larger of the two paths'. Not in [`AttentionVariant::ALL`] (its name is
     /// `DECODE`'s; the bench tags it `hybrid`).
     pub const DECODE_HYBRID: AttentionVariant = AttentionVariant { hybrid: true, ..Self::DECODE_DEEP };
-    /// Decode on the tiled kernel with one stage: one K and one V buffer of 64 keys, the copies
-    /// of a tile's V in flight while S = Q K^T is computed and those of the next tile's K while
-    /// O += P V is, so each block reads one K or V tile at a time (37 KiB of shared memory at head
-    /// dim 128). Not in [`AttentionVariant::ALL`] (named `alt-1x4x16.sN`).
+    /// Decode on the tiled kernel with one stage: one K and one V buffer of 64 keys, each
+    /// refilled as soon as every warp is done with it, so a tile's V flies while its K is waited
+    /// for and S = Q K^T computed, and the next tile's K while the V is waited for and O += P V
+    /// made (two tiles in flight a block in 37 KiB of shared memory at head dim 128). Not in
+    /// [`AttentionVariant::ALL`] (named `alt-1x4x16.sN`).
     pub const DECODE_ALT: AttentionVariant = AttentionVariant { stages: 1, ..Self::DECODE_TILED };
-    /// [`AttentionVariant::DECODE_ALT`] with 128-key tiles (one 32 KiB K or V tile in flight a
-    /// block, 72 KiB of shared memory at head dim 128: two blocks a multiprocessor). Not in
-    /// [`AttentionVariant::ALL`] (named `alt-1x4x32.sN`).
+    /// [`AttentionVariant::DECODE_ALT`] with 128-key tiles (32 KiB K and V tiles, 72 KiB of
+    /// shared memory at head dim 128: two blocks a multiprocessor). Not in
+    /// [`AttentionVariant::ALL`] (named `alt-1x4x32.sN`); the certified configuration of batch
+    /// 2-8 at long contexts and batch 9-64 at short ones on the H200 (llama3-8b's shapes).
     pub const DECODE_ALT_WIDE: AttentionVariant = AttentionVariant { stages: 1, ..Self::DECODE_WIDE };
     /// Decode on the streaming kernel, 8 warps a block (each its own pipeline of 16-key steps,
     /// three in flight): 192 KiB of shared memory at head dim 128, one block a multiprocessor, so
