@@ -22,8 +22,9 @@
 // them. It walks its key range in tiles of BLOCK_N = WARPS_N * WARP_KEYS keys, STAGES deep in
 // shared memory by cp.async (16-byte copies, the page looked up per key row; `.L2::128B`, so a
 // miss fetches the whole line: 1-3% more decode bandwidth on sm_90), S = Q K^T and
-// O += P V on bf16 tensor cores (mma.m16n8k16, operands by ldmatrix from rows padded by 16
-// bytes, so the eight row addresses of an 8x8 matrix hit distinct banks), with the online softmax
+// O += P V on bf16 tensor cores (mma.m16n8k16, operands by ldmatrix: Q from rows padded by 16
+// bytes, K and V from unpadded rows with their 16-byte chunks swizzled, kiln_kv_offset, so the
+// eight row addresses of an 8x8 matrix hit distinct banks), with the online softmax
 // in f32 between them. Prefill uses WARPS_N = 1 (each warp owns 16 rows and all keys of a tile);
 // decode, whose rows are the G heads of one token, uses WARPS_M = 1 and splits each tile among
 // WARPS_N warps, merged at the end in warp order through shared memory.
@@ -146,12 +147,21 @@ static_assert(STAGES >= 2 || (STAGES == 1 && WARPS_M == 1), "at least two stages
 #define TILED_LAUNCH_BOUNDS __launch_bounds__(THREADS)
 #endif
 
-// Dynamic shared memory: Q [BLOCK_M][ROW], then K [STAGES][BLOCK_N][ROW], V [STAGES][BLOCK_N][ROW]
-// (bf16). The body of kiln_attention (after the wait), and the hybrid kernel's long path.
+// Element offset of 16-byte chunk c of row r of a K or V tile: rows of HEAD_DIM elements with no
+// padding, chunk c stored at chunk c ^ (r & 7) of its row, so the eight rows an ldmatrix reads
+// hit distinct banks, and every 128 bytes a warp copies from the cache fill one aligned 128-byte
+// line of shared memory. (Rows padded by 16 bytes instead made the L2 see 1.5x the sectors of K
+// and V requested at batch-8 decode, bench/results/2026-11-30-h200-late/e3 and e5.)
+static_assert(HEAD_DIM % 64 == 0, "K/V rows of at least 8 chunks (the swizzle)");
+KILN_DEVICE int kiln_kv_offset(int r, int c) { return r * HEAD_DIM + ((c ^ (r & 7)) << 3); }
+
+// Dynamic shared memory (128-byte aligned): Q [BLOCK_M][ROW], then K [STAGES][BLOCK_N x ROW
+// elements, the tile's rows at kiln_kv_offset], V the same (bf16). The body of kiln_attention
+// (after the wait), and the hybrid kernel's long path.
 KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
-    extern __shared__ kiln_chunk16 shared_chunks[];
+    extern __shared__ __align__(128) kiln_chunk16 shared_tiles[];
     __shared__ int is_last_block;
-    kiln_u16* q_smem = reinterpret_cast<kiln_u16*>(shared_chunks);
+    kiln_u16* q_smem = reinterpret_cast<kiln_u16*>(shared_tiles);
     kiln_u16* k_smem = q_smem + BLOCK_M * ROW;
     kiln_u16* v_smem = k_smem + STAGES * BLOCK_N * ROW;
 
@@ -218,7 +228,7 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
                 (((kiln_u64)ids[i] * kv_heads + kv_head) << page_shift | (kiln_u64)(position & ((1 << page_shift) - 1))) *
                     HEAD_DIM +
                 c * 8;
-            const int smem_offset = (stage * BLOCK_N + r) * ROW + c * 8;
+            const int smem_offset = stage * BLOCK_N * ROW + kiln_kv_offset(r, c);
             kiln_cp_async_16_line(kiln_smem_address(k_smem + smem_offset), valid ? k_cache + offset : k_cache, valid);
             kiln_cp_async_16_line(kiln_smem_address(v_smem + smem_offset), valid ? v_cache + offset : v_cache, valid);
         }
@@ -239,7 +249,7 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
                 (((kiln_u64)ids[i] * kv_heads + kv_head) << page_shift | (kiln_u64)(position & ((1 << page_shift) - 1))) *
                     HEAD_DIM +
                 c * 8;
-            kiln_cp_async_16_line(kiln_smem_address(smem + r * ROW + c * 8), valid ? cache + offset : cache, valid);
+            kiln_cp_async_16_line(kiln_smem_address(smem + kiln_kv_offset(r, c)), valid ? cache + offset : cache, valid);
         }
     };
     // K and V of tile 0 both in flight (both buffers are free), one commit group each, then the
@@ -331,7 +341,7 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
 #pragma unroll
             for (int kd = 0; kd < HEAD_DIM / 16; kd += 2) {
                 kiln_u32 b[4];
-                kiln_ldmatrix_x4(b, kiln_smem_address(k_tile + key * ROW + kd * 16 + (lane >> 3) * 8));
+                kiln_ldmatrix_x4(b, kiln_smem_address(k_tile + kiln_kv_offset(key, kd * 2 + (lane >> 3))));
                 kiln_mma_bf16_16816(s[j], q_fragments[kd], b[0], b[1]);
                 kiln_mma_bf16_16816(s[j], q_fragments[kd + 1], b[2], b[3]);
             }
@@ -402,7 +412,7 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
 #pragma unroll
             for (int nd = 0; nd < HEAD_DIM / 16; ++nd) {
                 kiln_u32 b[4];
-                kiln_ldmatrix_x4_trans(b, kiln_smem_address(v_tile + key * ROW + nd * 16 + (lane >> 4) * 8));
+                kiln_ldmatrix_x4_trans(b, kiln_smem_address(v_tile + kiln_kv_offset(key, nd * 2 + (lane >> 4))));
                 kiln_mma_bf16_16816(o[2 * nd], p, b[0], b[1]);
                 kiln_mma_bf16_16816(o[2 * nd + 1], p, b[2], b[3]);
             }
