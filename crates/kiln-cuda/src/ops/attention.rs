@@ -159,8 +159,7 @@ impl AttentionVariant {
     pub const DECODE_ALT: AttentionVariant = AttentionVariant { stages: 1, ..Self::DECODE_TILED };
     /// [`AttentionVariant::DECODE_ALT`] with 128-key tiles (32 KiB K and V tiles, 72 KiB of
     /// shared memory at head dim 128: two blocks a multiprocessor). Not in
-    /// [`AttentionVariant::ALL`] (named `alt-1x4x32.sN`); the certified configuration of batch
-    /// 2-8 at long contexts and batch 9-64 at short ones on the H200 (llama3-8b's shapes).
+    /// [`AttentionVariant::ALL`] (named `alt-1x4x32.sN`).
     pub const DECODE_ALT_WIDE: AttentionVariant = AttentionVariant { stages: 1, ..Self::DECODE_WIDE };
     /// Decode on the streaming kernel, 8 warps a block (each its own pipeline of 16-key steps,
     /// three in flight): 192 KiB of shared memory at head dim 128, one block a multiprocessor, so
