@@ -126,8 +126,48 @@ fn device(gpu: &Gpu, bytes: &[u8]) -> Result<DeviceMemory> {
     Ok(m)
 }
 
+/// The built-in cases that `--cases` and `--sizes` select (all of them when both are empty);
+/// an unknown name or shape is a named error.
+fn builtin_cases(args: &BenchNormArgs) -> Result<Vec<(String, NormTask)>> {
+    let names: Vec<&str> = cases().iter().map(|c| c.0).collect();
+    if let Some(unknown) = args.cases.iter().find(|c| !names.contains(&c.as_str())) {
+        return Err(Error::InvalidArgument {
+            name: "--cases",
+            value: unknown.clone(),
+            reason: format!("not a case of the benchmark ({})", names.join(", ")),
+        });
+    }
+    let sizes: Vec<String> = SHAPES.iter().map(|(r, h)| format!("{r}x{h}")).collect();
+    if let Some(unknown) = args.sizes.iter().find(|s| !sizes.contains(s)) {
+        return Err(Error::InvalidArgument {
+            name: "--sizes",
+            value: unknown.clone(),
+            reason: format!("not a shape of the benchmark ({})", sizes.join(", ")),
+        });
+    }
+    Ok(SHAPES
+        .iter()
+        .filter(|(rows, hidden)| args.sizes.is_empty() || args.sizes.contains(&format!("{rows}x{hidden}")))
+        .flat_map(|&(rows, hidden)| {
+            cases()
+                .into_iter()
+                .filter(|(name, _, _)| args.cases.is_empty() || args.cases.iter().any(|c| c == name))
+                .map(move |(name, spec, residual)| {
+                    let call = NormCall { spec, rows, hidden, x_type: DType::BF16, weight_type: DType::BF16 };
+                    (name.to_owned(), NormTask { call, residual })
+                })
+        })
+        .collect())
+}
+
 /// Runs the benchmark and prints the table.
 pub fn run(args: &BenchNormArgs) -> Result<()> {
+    // The built-in cases (`--cases`, `--sizes`) are checked before the GPU is touched.
+    let builtin = if args.shapes.model.is_some() || args.shapes.shapes.is_some() {
+        None
+    } else {
+        Some(builtin_cases(args)?)
+    };
     let gpu = Gpu::open(0)?;
     let peer: BTreeMap<String, BTreeMap<String, f64>> = match &args.peer {
         Some(path) => {
@@ -177,48 +217,18 @@ pub fn run(args: &BenchNormArgs) -> Result<()> {
         .unwrap_or(1)
         | 1;
     let arch = gpu.arch();
-    let cases: Vec<(String, NormTask)> = if args.shapes.model.is_some() || args.shapes.shapes.is_some() {
-        let model = model_shapes(&args.shapes)?;
-        let mut cases = Vec::new();
-        for task in tasks(&model, &[Family::Norm], arch)? {
-            if let Task::Norm(t) = task {
-                cases.push((t.key(arch)?.shape_class, t));
+    let cases: Vec<(String, NormTask)> = match builtin {
+        Some(cases) => cases,
+        None => {
+            let model = model_shapes(&args.shapes)?;
+            let mut cases = Vec::new();
+            for task in tasks(&model, &[Family::Norm], arch)? {
+                if let Task::Norm(t) = task {
+                    cases.push((t.key(arch)?.shape_class, t));
+                }
             }
+            cases
         }
-        cases
-    } else {
-        let names: Vec<&str> = cases().iter().map(|c| c.0).collect();
-        if let Some(unknown) = args.cases.iter().find(|c| !names.contains(&c.as_str())) {
-            return Err(Error::InvalidArgument {
-                name: "--cases",
-                value: unknown.clone(),
-                reason: format!("not a case of the benchmark ({})", names.join(", ")),
-            });
-        }
-        let sizes: Vec<String> = SHAPES.iter().map(|(r, h)| format!("{r}x{h}")).collect();
-        if let Some(unknown) = args.sizes.iter().find(|s| !sizes.contains(s)) {
-            return Err(Error::InvalidArgument {
-                name: "--sizes",
-                value: unknown.clone(),
-                reason: format!("not a shape of the benchmark ({})", sizes.join(", ")),
-            });
-        }
-        SHAPES
-            .iter()
-            .filter(|(rows, hidden)| {
-                args.sizes.is_empty() || args.sizes.contains(&format!("{rows}x{hidden}"))
-            })
-            .flat_map(|&(rows, hidden)| {
-                cases()
-                    .into_iter()
-                    .filter(|(name, _, _)| args.cases.is_empty() || args.cases.iter().any(|c| c == name))
-                    .map(move |(name, spec, residual)| {
-                        let call =
-                            NormCall { spec, rows, hidden, x_type: DType::BF16, weight_type: DType::BF16 };
-                        (name.to_owned(), NormTask { call, residual })
-                    })
-            })
-            .collect()
     };
     // Every case's configuration is looked up before anything runs, so that a strict-mode miss
     // fails at once, naming the key.

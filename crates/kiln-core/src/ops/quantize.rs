@@ -295,7 +295,12 @@ mod tests {
         if x.is_nan() {
             return if nan == 0 { 0 } else { sign | nan };
         }
-        let a = f64::from(x.abs());
+        sign | nearest_code(f64::from(x.abs()), values)
+    }
+
+    /// The code of the nearest of the sorted `values` to the magnitude `a` (ties to the even
+    /// code, saturating at the last).
+    fn nearest_code(a: f64, values: &[f32]) -> u8 {
         let last = values.len() - 1;
         let mut code = last;
         for i in 0..last {
@@ -306,7 +311,17 @@ mod tests {
                 break;
             }
         }
-        sign | code as u8
+        code as u8
+    }
+
+    /// A xorshift64 stream for test inputs (fixed seeds: the same cases every run).
+    fn xorshift(mut seed: u64) -> impl FnMut() -> u64 {
+        move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        }
     }
 
     fn e4m3_values() -> Vec<f32> {
@@ -406,13 +421,7 @@ mod tests {
     /// blocks whose products land exactly on ties (power-of-two scales).
     #[test]
     fn int8_codes_are_the_nearest_integer_to_the_product_by_the_rounded_inverse() {
-        let mut seed = 0x2545_F491_4F6C_DD1Du64;
-        let mut next = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed
-        };
+        let mut next = xorshift(0x2545_F491_4F6C_DD1D);
         let (mut checked, mut exact_ties) = (0usize, 0usize);
         let powers = (-120..=120).map(|e| 127.0 * 2.0f32.powi(e));
         let random: Vec<f32> =
@@ -471,28 +480,12 @@ mod tests {
     /// past its end (saturation), signed zeros, infinities and NaN.
     #[test]
     fn e2m1_codes_are_the_nearest_to_the_exact_product() {
-        let mut seed = 0x2545_F491_4F6C_DD1Du64;
-        let mut next = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed
-        };
+        let mut next = xorshift(0x2545_F491_4F6C_DD1D);
         let values = e2m1_values();
         // The plain definition on an f64 product (exact), as `nearest` does for an f32.
         let plain = |p: f64| -> u8 {
             let sign = if p.is_sign_negative() { 0x8 } else { 0 };
-            let a = p.abs();
-            let mut code = values.len() - 1;
-            for i in 0..code {
-                let (lo, hi) = (f64::from(values[i]), f64::from(values[i + 1]));
-                if a <= hi {
-                    let mid = (lo + hi) / 2.0;
-                    code = if a < mid || (a == mid && i % 2 == 0) { i } else { i + 1 };
-                    break;
-                }
-            }
-            sign | code as u8
+            sign | nearest_code(p.abs(), &values)
         };
         let (mut checked, mut exact_ties) = (0usize, 0usize);
         let random: Vec<f32> =

@@ -941,6 +941,16 @@ mod tests {
     /// `KILN_E2M1_ZERO`: the bits of 2^24 - 4, those of E2M1 code 0 in `kiln_e2m1_product`.
     const E2M1_ZERO: u32 = 0x4B7F_FFFC;
 
+    /// A xorshift64 stream for test inputs (fixed seeds: the same cases every run).
+    fn xorshift(mut seed: u64) -> impl FnMut() -> u64 {
+        move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        }
+    }
+
     /// `kiln_int8_fast`: the bits of p * inverse + magic (the exact product rounded once).
     fn int8_fast(p: f32, inverse: f32) -> u32 {
         p.mul_add(inverse, ROUND_MAGIC).to_bits()
@@ -1016,13 +1026,7 @@ mod tests {
     #[test]
     fn nvfp4_fast_codes_replayed_on_the_cpu_equal_the_reference() {
         use kiln_core::ops::quantize::e2m1_of_product;
-        let mut seed = 0x9E37_79B9_7F4A_7C15u64;
-        let mut next = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed
-        };
+        let mut next = xorshift(0x9E37_79B9_7F4A_7C15);
         let (mut checked, mut ties) = (0usize, 0usize);
         let random: Vec<f32> =
             (0..300).map(|_| f32::from_bits(0x1300_0000 + (next() % 0x5780_0000) as u32)).collect();
@@ -1074,13 +1078,7 @@ mod tests {
     #[test]
     fn int8_fast_code_replayed_on_the_cpu_equals_the_reference() {
         use kiln_core::ops::quantize::{int8_code, int8_inverse};
-        let mut seed = 0x9E37_79B9_7F4A_7C15u64;
-        let mut next = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed
-        };
+        let mut next = xorshift(0x9E37_79B9_7F4A_7C15);
         let mut checked = 0usize;
         // 2^-100 .. 2^100, and powers of two times 127 (exact ties).
         let random: Vec<f32> =
