@@ -77,10 +77,13 @@ pub const DECODE_BATCHES: [usize; 3] = [1, 8, 64];
 /// Context of the short decode class's timed instance ([`DecodeClass::Short`]).
 pub const DECODE_CONTEXT: usize = 4096;
 /// The longest context of decode attention's short class; longer ones are its long class
-/// ([`DecodeClass`]). The engine takes its boundary from `GpuOptions`, this one by default.
-pub const DECODE_SHORT_MAX: usize = 16_384;
+/// ([`DecodeClass`]). The engine takes its boundary from `GpuOptions`, this one by default. On the
+/// H200 the long class's configurations lead from 16k positions on at every batch class
+/// (`bench/results/2026-11-30-h200-final/f1`: batch 8 at 16k, 124.7 us against the short class's
+/// 143.6), and both classes are even at 4k.
+pub const DECODE_SHORT_MAX: usize = 8_192;
 /// Context of the long decode class's timed instance ([`DecodeClass::Long`]) at batches up to 8:
-/// the geometric middle of 16k to 256k positions (Llama-3-8B's K and V: 0.27 GB at batch 1, 2.1 GB
+/// the geometric middle of 16k and 256k positions (Llama-3-8B's K and V: 0.27 GB at batch 1, 2.1 GB
 /// at batch 8).
 pub const DECODE_LONG_CONTEXT: usize = 65_536;
 /// Context of the long decode class's timed instance past 8 sequences: at batch 64, 8.6 GB of K and
