@@ -138,6 +138,52 @@ static_assert(STAGES >= 2 || (STAGES == 1 && WARPS_M == 1), "at least two stages
 #else
 #define TILED_GATHERED_COMBINE 0
 #endif
+// The cluster combine (sm_90 and later, decode variants: one row tile): launched as clusters of
+// the `splits` blocks of one (sequence, kv head) (`kiln_cuda::ops::attention`, up to 8), each
+// block leaves its partial rows and log-sums in its own shared memory, and after a cluster barrier
+// split 0 reads every split's through distributed shared memory, in split order, with the
+// arithmetic of the gathered combine below (the same bits), and stores the output: no partials
+// through L2, no fence, ticket or second round trip. A launch without clusters (the cluster is
+// one block) takes the ticket.
+#if TILED_GATHERED_COMBINE && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define TILED_CLUSTER_COMBINE 1
+#else
+#define TILED_CLUSTER_COMBINE 0
+#endif
+#if TILED_CLUSTER_COMBINE
+static_assert(WARPS_M * WARPS_N * 16 * (HEAD_DIM + 4) * 4 <= STAGES * BLOCK_N * ROW * 2,
+              "the merge stays in the K stages, so the cluster partials can take the V stages");
+static_assert(16 * (HEAD_DIM + 1) * 4 <= STAGES * BLOCK_N * ROW * 2, "the cluster partials fit in the V stages");
+KILN_DEVICE kiln_u32 kiln_cluster_blocks() {
+    kiln_u32 n;
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+    return n;
+}
+// Every thread of every block of the cluster: shared-memory writes before it are seen by the
+// cluster's reads after it.
+KILN_DEVICE void kiln_cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// The shared::cluster address of `address` (this block's shared memory) in block `rank`.
+KILN_DEVICE kiln_u32 kiln_cluster_map(kiln_u32 address, kiln_u32 rank) {
+    kiln_u32 mapped;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(mapped) : "r"(address), "r"(rank));
+    return mapped;
+}
+KILN_DEVICE float kiln_cluster_load_f32(kiln_u32 address) {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(address) : "memory");
+    return v;
+}
+KILN_DEVICE float4 kiln_cluster_load_f32x4(kiln_u32 address) {
+    float4 v;
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(address)
+                 : "memory");
+    return v;
+}
+#endif
 // The decode variants run two blocks a multiprocessor (decode_splits counts on it); saying so
 // lets the compiler give them the registers of the combine's batch (up to 255) instead of
 // spilling under its own occupancy target.
@@ -436,11 +482,25 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
     }
 
     // Stores two adjacent elements of a row: bf16 to out, or f32 with the lse to the partials.
+#if TILED_CLUSTER_COMBINE
+    // The block's partial rows [16][HEAD_DIM] and log-sums [16] for the cluster combine, in the V
+    // stages (free past the last tile; the warps' merge uses the K stages and Q's rows).
+    const bool cluster = splits > 1 && kiln_cluster_blocks() == (kiln_u32)splits;
+    float* cluster_part = reinterpret_cast<float*>(v_smem);
+    float* cluster_lse = cluster_part + 16 * HEAD_DIM;
+#endif
     auto store = [&](int row, int d, float v0, float v1, float sum, float max) {
         if (row >= rows) return;
         const int token = q_begin + row / heads_per_group;
         const int head = kv_head * heads_per_group + row % heads_per_group;
         const float inverse = sum > 0.0f ? 1.0f / sum : 0.0f;
+#if TILED_CLUSTER_COMBINE
+        if (cluster) {
+            *reinterpret_cast<float2*>(cluster_part + (row - row0) * HEAD_DIM + d) = make_float2(v0 * inverse, v1 * inverse);
+            if (d == 0) cluster_lse[row - row0] = sum > 0.0f ? max + __log2f(sum) : KILN_NEG_INF;
+            return;
+        }
+#endif
         if (splits == 1) {
             *reinterpret_cast<kiln_u32*>(out + ((kiln_u64)token * q_heads + head) * HEAD_DIM + d) =
                 kiln_pack_bf16x2(v0 * inverse, v1 * inverse);
@@ -519,6 +579,46 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
         }
     }
     if (splits == 1) return;
+
+#if TILED_CLUSTER_COMBINE
+    if (cluster) {
+        kiln_cluster_sync();  // every split's partial rows are in its shared memory
+        if (split == 0) {
+            const int block_rows = min(rows - row0, BLOCK_M);
+            const kiln_u32 part_base = kiln_smem_address(cluster_part);
+            const kiln_u32 lse_base = kiln_smem_address(cluster_lse);
+            for (int item = tid; item < block_rows * (HEAD_DIM / 4); item += THREADS) {
+                const int r = item / (HEAD_DIM / 4), d = (item % (HEAD_DIM / 4)) * 4;
+                const int row = row0 + r;
+                const kiln_u64 query_row = (kiln_u64)(q_begin + row / heads_per_group) * q_heads +
+                                           kv_head * heads_per_group + row % heads_per_group;
+                float m = KILN_NEG_INF;
+                for (int s = 0; s < splits; ++s) m = fmaxf(m, kiln_cluster_load_f32(kiln_cluster_map(lse_base + r * 4, s)));
+                float denominator = 0.0f;
+                float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                for (int s = 0; s < splits; ++s) {
+                    const float split_lse = kiln_cluster_load_f32(kiln_cluster_map(lse_base + r * 4, s));
+                    if (split_lse != KILN_NEG_INF) {
+                        const float4 part =
+                            kiln_cluster_load_f32x4(kiln_cluster_map(part_base + (r * HEAD_DIM + d) * 4, s));
+                        const float w = kiln_exp2_approx(split_lse - m);
+                        denominator += w;
+                        sum.x = fmaf(part.x, w, sum.x);
+                        sum.y = fmaf(part.y, w, sum.y);
+                        sum.z = fmaf(part.z, w, sum.z);
+                        sum.w = fmaf(part.w, w, sum.w);
+                    }
+                }
+                const float inverse = denominator > 0.0f ? 1.0f / denominator : 0.0f;
+                *reinterpret_cast<uint2*>(out + query_row * HEAD_DIM + d) =
+                    make_uint2(kiln_pack_bf16x2(sum.x * inverse, sum.y * inverse),
+                               kiln_pack_bf16x2(sum.z * inverse, sum.w * inverse));
+            }
+        }
+        kiln_cluster_sync();  // split 0 has read every partial before any block leaves
+        return;
+    }
+#endif
 
     // The combine: the last block of this group to finish (a ticket) combines the splits.
     // Every thread fences its own partial stores before the ticket is taken.

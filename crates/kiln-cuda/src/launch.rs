@@ -47,6 +47,15 @@ pub(crate) fn handoff_define() -> Option<&'static str> {
     }
 }
 
+/// The environment variable that turns the cluster combine of split decode attention off (`0`).
+pub const CLUSTER_COMBINE_ENV: &str = "KILN_CLUSTER_COMBINE";
+
+/// Whether a device of compute capability `major`.x has thread block clusters, and the
+/// environment does not turn the cluster combine off.
+pub(crate) fn cluster_combine_default(major: u32) -> bool {
+    major >= 9 && std::env::var(CLUSTER_COMBINE_ENV).map_or(true, |v| v.trim() != "0")
+}
+
 /// Whether a device of compute capability `major`.x can overlap launches, and the environment
 /// does not turn it off.
 pub(crate) fn overlap_default(major: u32) -> bool {
@@ -59,12 +68,20 @@ pub struct Launch<'a> {
     gpu: &'a Gpu,
     function: &'a CudaFunction,
     args: Vec<*mut c_void>,
+    cluster: Option<(u32, u32, u32)>,
     _values: PhantomData<&'a ()>,
 }
 
 impl<'a> Launch<'a> {
     pub(crate) fn new(gpu: &'a Gpu, function: &'a CudaFunction) -> Launch<'a> {
-        Launch { gpu, function, args: Vec::with_capacity(16), _values: PhantomData }
+        Launch { gpu, function, args: Vec::with_capacity(16), cluster: None, _values: PhantomData }
+    }
+
+    /// Launches the grid as thread block clusters of `dims` blocks (sm_90 and later; each grid
+    /// dimension a multiple of the cluster's).
+    pub fn cluster(&mut self, dims: (u32, u32, u32)) -> &mut Self {
+        self.cluster = Some(dims);
+        self
     }
 
     /// The next kernel parameter: a plain value (a device pointer is a `u64`).
@@ -84,11 +101,22 @@ impl<'a> Launch<'a> {
     /// thread before it touches memory an earlier kernel may write.
     pub unsafe fn launch(&mut self, config: LaunchConfig) -> Result<(), DriverError> {
         self.gpu.context().bind_to_thread()?;
-        // SAFETY: the union's other members are unused for this attribute id; zeroed is valid.
-        let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attribute.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attribute.value.programmaticStreamSerializationAllowed = 1;
-        let overlap = self.gpu.overlaps_launches();
+        // SAFETY: the union's other members are unused for these attribute ids; zeroed is valid.
+        let mut attributes: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
+        let mut count = 0usize;
+        if self.gpu.overlaps_launches() {
+            attributes[count].id =
+                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attributes[count].value.programmaticStreamSerializationAllowed = 1;
+            count += 1;
+        }
+        if let Some((x, y, z)) = self.cluster {
+            attributes[count].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+            attributes[count].value.clusterDim.x = x;
+            attributes[count].value.clusterDim.y = y;
+            attributes[count].value.clusterDim.z = z;
+            count += 1;
+        }
         let launch_config = sys::CUlaunchConfig {
             gridDimX: config.grid_dim.0,
             gridDimY: config.grid_dim.1,
@@ -98,8 +126,8 @@ impl<'a> Launch<'a> {
             blockDimZ: config.block_dim.2,
             sharedMemBytes: config.shared_mem_bytes,
             hStream: self.gpu.stream().cu_stream(),
-            attrs: &mut attribute,
-            numAttrs: u32::from(overlap),
+            attrs: attributes.as_mut_ptr(),
+            numAttrs: count as u32,
         };
         // SAFETY: the configuration and attribute outlive the call; the function belongs to the
         // GPU's context; the caller vouches for the arguments (see above).

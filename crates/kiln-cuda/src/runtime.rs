@@ -223,6 +223,7 @@ pub struct Gpu {
     modules: Mutex<HashMap<FunctionKey, (Arc<CudaModule>, CudaFunction)>>,
     stats: Mutex<CompileStats>,
     overlap: AtomicBool,
+    cluster_combine: AtomicBool,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -256,6 +257,8 @@ impl Gpu {
         let pool = MemoryPool::new(context.clone(), stream.clone(), ordinal);
         tracing::debug!(ordinal, name = %facts.name, arch = %facts.arch, "opened GPU");
         let overlap = AtomicBool::new(crate::launch::overlap_default(facts.compute_capability.0));
+        let cluster_combine =
+            AtomicBool::new(crate::launch::cluster_combine_default(facts.compute_capability.0));
         Ok(Arc::new(Gpu {
             context,
             stream,
@@ -265,6 +268,7 @@ impl Gpu {
             modules: Mutex::new(HashMap::new()),
             stats: Mutex::new(CompileStats::default()),
             overlap,
+            cluster_combine,
         }))
     }
 
@@ -289,6 +293,20 @@ impl Gpu {
     /// Results are the same bits either way; only the time between kernels changes.
     pub fn set_overlap_launches(&self, on: bool) {
         self.overlap.store(on && self.facts.compute_capability.0 >= 9, Ordering::Relaxed);
+    }
+
+    /// Whether split decode attention on the tiled kernel combines its splits through a thread
+    /// block cluster's distributed shared memory ([`crate::ops::attention`]): on by default on
+    /// sm_90 and later unless `KILN_CLUSTER_COMBINE=0`.
+    pub fn cluster_combine(&self) -> bool {
+        self.cluster_combine.load(Ordering::Relaxed)
+    }
+
+    /// Turns the cluster combine on or off (on is ignored before sm_90). Results are the same
+    /// bits either way: the combine's arithmetic and order are the same; only where the partials
+    /// travel changes.
+    pub fn set_cluster_combine(&self, on: bool) {
+        self.cluster_combine.store(on && self.facts.compute_capability.0 >= 9, Ordering::Relaxed);
     }
 
     /// The device's (primary) context.

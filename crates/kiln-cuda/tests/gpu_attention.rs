@@ -11,7 +11,7 @@ use kiln_core::ops::primitives::{bf16_bits_to_f32, f32_to_bf16_bits};
 use kiln_core::Error;
 use kiln_cuda::ops::attention::{
     attention, decode_splits, decode_stream_splits_for, kv_append, scratch_bytes, AttentionKernel,
-    AttentionVariant, KvBuffers, PagedBatch, DECODE_L2_HINT_ENV, HYBRID_STREAM_CHUNK,
+    AttentionVariant, KvBuffers, PagedBatch, DECODE_L2_HINT_ENV, HYBRID_STREAM_CHUNK, MAX_CLUSTER_SPLITS,
 };
 use kiln_cuda::{DeviceMemory, Gpu};
 
@@ -419,6 +419,59 @@ fn tiled_decode_combine_over_many_splits_matches_float64_and_repeats_bit_for_bit
                 assert!(
                     outputs[0] == outputs[1] && outputs[1] == outputs[2],
                     "tiled decode combine differs between runs: {sequences:?} {splits} {variant:?}"
+                );
+            }
+        }
+    }
+}
+
+/// The tiled kernel's split decode combined through a thread block cluster (2 to
+/// MAX_CLUSTER_SPLITS splits, the default on sm_90) against the ticket combine: the same bits,
+/// both against the reference, over GQA groups of 1 to 16 query heads, a sequence of 3 query
+/// tokens, contexts shorter than the splits (splits that see no key) and empty sequences.
+#[test]
+fn tiled_decode_cluster_combine_gives_the_ticket_combines_bits() {
+    let (gpu, mut rng) = (gpu(), Rng::fresh());
+    assert!(gpu.arch().0 < 90 || gpu.cluster_combine(), "the cluster combine is on by default on sm_90");
+    for &(q_heads, kv_heads) in &[(32, 8), (16, 1), (8, 8), (12, 4)] {
+        let mut sequences: Vec<(usize, usize)> = (0..4).map(|_| (1, 1 + rng.below(3000))).collect();
+        sequences.push((1, 1 + rng.below(5)));
+        sequences.insert(rng.below(sequences.len() + 1), (0, 1 + rng.below(300)));
+        if q_heads / kv_heads <= 4 {
+            sequences.insert(rng.below(sequences.len() + 1), (3, 3 + rng.below(700)));
+        }
+        for variant in [
+            AttentionVariant::DECODE_TILED,
+            AttentionVariant::DECODE_WIDE,
+            AttentionVariant::DECODE_DEEP,
+            AttentionVariant::DECODE_WIDE_DEEP,
+            AttentionVariant::DECODE_ALT_WIDE,
+        ] {
+            let mut case = Case {
+                q_heads,
+                kv_heads,
+                head_dim: [64, 128][rng.below(2)],
+                page_tokens: [16, 64][rng.below(2)],
+                sequences: sequences.clone(),
+                splits: None,
+                variant,
+            };
+            let inputs = inputs(&mut rng, &case);
+            let want = reference(&case, &inputs);
+            for splits in 2..=MAX_CLUSTER_SPLITS {
+                case.splits = Some(splits);
+                gpu.set_cluster_combine(true);
+                let cluster = check_on(&gpu, &case, &inputs, &want, 2);
+                gpu.set_cluster_combine(false);
+                let ticket = check_on(&gpu, &case, &inputs, &want, 1);
+                gpu.set_cluster_combine(true);
+                assert!(
+                    cluster[0] == cluster[1],
+                    "cluster combine differs between runs: {splits} {variant:?}"
+                );
+                assert!(
+                    cluster[0] == ticket[0],
+                    "cluster and ticket combines differ: {sequences:?} {q_heads}/{kv_heads} {splits} {variant:?}"
                 );
             }
         }

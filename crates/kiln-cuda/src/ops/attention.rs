@@ -10,7 +10,9 @@
 //!
 //! A call with `splits > 1` writes partials and combines them in split order in the same launch
 //! (the last split block of each group to finish, by a ticket counter that every launch leaves at
-//! zero); `splits` is chosen from the batch and the heads only ([`decode_splits`]), never from the context length,
+//! zero; the tiled kernel's decode at 2 to [`MAX_CLUSTER_SPLITS`] splits on sm_90 launches each
+//! group's splits as one thread block cluster instead, and its split 0 combines them from the
+//! others' shared memory with the same arithmetic, [`cluster_combines`]); `splits` is chosen from the batch and the heads only ([`decode_splits`]), never from the context length,
 //! so the grid of a decode step is the same at every step.
 //!
 //! Two kernels ([`AttentionKernel`]): the tiled kernel serves every call (prefill, chunked
@@ -766,13 +768,19 @@ pub fn attention(
         launch.arg(pointer);
     }
     launch.arg(&q_heads).arg(&kv_heads).arg(&page_shift).arg(&scale_log2).arg(&splits_arg);
+    if cluster_combines(gpu, variant, row_tiles, splits) {
+        launch.cluster((1, splits, 1));
+    }
     // SAFETY: the arguments match the signature of `kiln_attention`, `kiln_attention_decode` and
     // `kiln_attention_decode_hybrid` (10 pointers, 3 i32, f32, i32); the streaming and hybrid
     // kernels are given one query token a sequence and at most MAX_STREAMING_SPLITS splits
     // (checked above), and the hybrid kernel the larger shared memory of its two paths.
     // With splits > 1, the grid's (sequence, row tile, kv head) groups index the kernel's
     // `TICKETS` counters in bounds (checked above); launches of this module run in this stream's
-    // order, so no two share a counter at once.
+    // order, so no two share a counter at once. A cluster launch (`cluster_combines`) has one row
+    // tile and grid y = kv_heads * splits, so each cluster of (1, splits, 1) blocks is exactly the
+    // splits of one (sequence, kv head): the blocks whose partials its split 0 reads; every block
+    // of a cluster reaches its barriers (a sequence without query rows leaves them all early).
     // `batch` was validated against the shape and the cache's page count when uploaded, so every
     // page id and offset the kernel reads is in bounds; q, out, the caches and (for splits > 1)
     // the scratch were checked above to hold what the kernel touches; the dynamic shared memory
@@ -781,6 +789,25 @@ pub fn attention(
     unsafe { launch.launch(config) }.map_err(|e| driver_error("cuLaunchKernel(attention)", e))?;
 
     Ok(())
+}
+
+/// Most splits the tiled kernel's decode combines through a thread block cluster (the portable
+/// cluster size).
+pub const MAX_CLUSTER_SPLITS: u32 = 8;
+
+/// Whether a tiled split call launches as clusters of its splits, one cluster per (sequence, kv
+/// head), so that the splits combine through distributed shared memory (`kernels/attention.cu`,
+/// the cluster combine): the tiled kernel's decode variants (one row tile), 2 to
+/// [`MAX_CLUSTER_SPLITS`] splits, on sm_90 and later while [`Gpu::cluster_combine`] is on. Its
+/// arithmetic and order are the ticket combine's, so the output is the same bits either way.
+pub fn cluster_combines(gpu: &Gpu, variant: AttentionVariant, row_tiles: usize, splits: u32) -> bool {
+    variant.kernel == AttentionKernel::Tiled
+        && !variant.hybrid
+        && variant.warps_m == 1
+        && row_tiles == 1
+        && (2..=MAX_CLUSTER_SPLITS).contains(&splits)
+        && gpu.arch().0 >= 90
+        && gpu.cluster_combine()
 }
 
 /// The launch of `kiln_attention_prefill` or `kiln_attention_prefill_pingpong` (checked by
