@@ -768,7 +768,7 @@ pub fn attention(
         launch.arg(pointer);
     }
     launch.arg(&q_heads).arg(&kv_heads).arg(&page_shift).arg(&scale_log2).arg(&splits_arg);
-    if cluster_combines(gpu, variant, row_tiles, splits) {
+    if cluster_combines(gpu, variant, row_tiles, row_tiles * grid_y * batch.batch, splits) {
         launch.cluster((1, splits, 1));
     }
     // SAFETY: the arguments match the signature of `kiln_attention`, `kiln_attention_decode` and
@@ -798,14 +798,28 @@ pub const MAX_CLUSTER_SPLITS: u32 = 8;
 /// Whether a tiled split call launches as clusters of its splits, one cluster per (sequence, kv
 /// head), so that the splits combine through distributed shared memory (`kernels/attention.cu`,
 /// the cluster combine): the tiled kernel's decode variants (one row tile), 2 to
-/// [`MAX_CLUSTER_SPLITS`] splits, on sm_90 and later while [`Gpu::cluster_combine`] is on. Its
-/// arithmetic and order are the ticket combine's, so the output is the same bits either way.
-pub fn cluster_combines(gpu: &Gpu, variant: AttentionVariant, row_tiles: usize, splits: u32) -> bool {
+/// [`MAX_CLUSTER_SPLITS`] splits, a grid of at most one block a multiprocessor, on sm_90 and
+/// later while [`Gpu::cluster_combine`] is on. Its arithmetic and order are the ticket combine's,
+/// so the output is the same bits either way.
+///
+/// On the H200 (`bench/results/2026-11-30-h200-final/f6`) the clusters took 2-7 us off every
+/// launch of one block a multiprocessor or fewer (batch 8 at 4096 positions, `1x4x32.s2`: 38.8
+/// against 41.2 us; batch 1 at 1024, `1x4x32.s8`: 10.3 against 12.4) and made the grids of more
+/// blocks than multiprocessors slower (batch 8, 4 splits: 60.9 against 49.6 us), where a cluster's
+/// blocks wait for room on one GPC together.
+pub fn cluster_combines(
+    gpu: &Gpu,
+    variant: AttentionVariant,
+    row_tiles: usize,
+    blocks: usize,
+    splits: u32,
+) -> bool {
     variant.kernel == AttentionKernel::Tiled
         && !variant.hybrid
         && variant.warps_m == 1
         && row_tiles == 1
         && (2..=MAX_CLUSTER_SPLITS).contains(&splits)
+        && blocks <= gpu.facts().multiprocessors as usize
         && gpu.arch().0 >= 90
         && gpu.cluster_combine()
 }
