@@ -39,7 +39,9 @@
 // the splits are combined in the same launch (no second kernel): each split block writes its
 // partial, then takes a ticket (an atomic counter per (sequence, row tile, kv head), a module
 // global that every launch leaves at zero); the block that takes the last ticket combines all the
-// partials in split order.
+// partials in split order (on sm_90, the decode variants' grids of at most one block a
+// multiprocessor at 2 to 8 splits run as clusters of a group's splits instead, and split 0
+// combines from the others' shared memory: see TILED_CLUSTER_COMBINE).
 // The combine reads every partial from memory in a fixed order, whichever block runs it, so the
 // output is the same bits run to run. Decode variants (WARPS_M = 1) gather every split's log-sum
 // in shared memory first, then read the partials TILED_COMBINE_BATCH at a time (a few round trips
