@@ -355,7 +355,7 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
             let cache_bytes = total_pages * KV_HEADS * page_tokens * HEAD_DIM * 2;
             let (k, v) =
                 (random_device(&gpu, cache_bytes, &mut seed)?, random_device(&gpu, cache_bytes, &mut seed)?);
-            let cache = KvBuffers { k: &k, v: &v, pages: total_pages };
+            let cache = KvBuffers { k: &k, v: &v, pages: total_pages, scales: None };
             let tables: Vec<Vec<u32>> = (0..batch_size * rotations)
                 .map(|s| {
                     let first = (s * pages_per_sequence) as u32;
@@ -485,7 +485,7 @@ impl PrefillRun<'_> {
             let (k, v) =
                 (random_device(gpu, cache_bytes, self.seed)?, random_device(gpu, cache_bytes, self.seed)?);
             let out = gpu.alloc(len * Q_HEADS * HEAD_DIM * 2)?;
-            let cache = KvBuffers { k: &k, v: &v, pages: pages.len() };
+            let cache = KvBuffers { k: &k, v: &v, pages: pages.len(), scales: None };
             let flops = 4.0 * (Q_HEADS * HEAD_DIM) as f64 * (len * (len + 1) / 2) as f64;
             for &config in configs {
                 let scratch = gpu.alloc(scratch_bytes(&shape, len, config.splits).max(16))?;

@@ -79,6 +79,18 @@
 #ifndef STREAMING
 #define STREAMING 0
 #endif
+// 1 (the tiled kernel, STAGES >= 2): the cache holds FP8 E4M3 rows with one fp32 scale each
+// (`kiln_core::ops::attention::kv_fp8_row`): k_cache / v_cache are [page][kv_head][slot][HEAD_DIM]
+// bytes and k_scales / v_scales [page][kv_head][slot]. Each tile's codes and scales are copied by
+// cp.async into staging buffers beside the bf16 stages, then widened to bf16 (E4M3 values are
+// bf16 values: exact) into the stage the products read; a key's K scale multiplies its scores,
+// its V scale its probabilities (after the softmax sum, before they are rounded for O += P V).
+#ifndef KV_FP8
+#define KV_FP8 0
+#endif
+#if KV_FP8 && (STREAMING || HYBRID || STAGES < 2)
+#error "KV_FP8 is the tiled kernel's, two stages or more"
+#endif
 // 1 (with STREAMING 0, WARPS_M 1, WARPS_N 4, WARP_KEYS 16): compile the hybrid decode kernel
 // (kiln_attention_decode_hybrid) instead of kiln_attention: the streaming kernel's path where a
 // split holds at most HYBRID_STREAM_CHUNK keys, the tiled kernel's (STAGES deep) past that.
@@ -102,6 +114,14 @@
 #define CHUNKS_PER_ROW (HEAD_DIM / 8)
 // 16-byte chunks of one K (or V) tile each thread copies.
 #define TILE_CHUNKS_PER_THREAD (BLOCK_N * CHUNKS_PER_ROW / THREADS)
+// With KV_FP8: 16-byte chunks of a row of codes, and of one K (or V) tile each thread copies.
+#define FP8_CHUNKS_PER_ROW (HEAD_DIM / 16)
+#define FP8_TILE_CHUNKS (BLOCK_N * FP8_CHUNKS_PER_ROW / THREADS)
+// The chunks each thread copies a tile (their page ids read one tile ahead), and with KV_FP8 one
+// more id: the page of the tile's row `tid`, whose two scales this thread copies.
+#define KV_CHUNKS (KV_FP8 ? FP8_TILE_CHUNKS : TILE_CHUNKS_PER_THREAD)
+#define KV_CHUNKS_PER_ROW (KV_FP8 ? FP8_CHUNKS_PER_ROW : CHUNKS_PER_ROW)
+#define KV_IDS (KV_CHUNKS + (KV_FP8 ? 1 : 0))
 #define KILN_NEG_INF (-__int_as_float(0x7f800000))
 
 static_assert(HEAD_DIM % 32 == 0, "HEAD_DIM is a multiple of 32");
@@ -109,16 +129,50 @@ static_assert(WARP_KEYS % 16 == 0, "WARP_KEYS is a multiple of 16");
 
 struct alignas(16) kiln_chunk16 { kiln_u32 x, y, z, w; };
 
+#if KV_FP8
+static_assert((BLOCK_N * FP8_CHUNKS_PER_ROW) % THREADS == 0 && BLOCK_N <= THREADS,
+              "an FP8 tile's chunks split evenly over the threads, and a thread copies a row's scales");
+// 4 bytes by cp.async (through L1: the 16-byte .cg form has no 4-byte size); zeros when !valid.
+KILN_DEVICE void kiln_cp_async_4(kiln_u32 shared_address, const void* global, bool valid) {
+    int source_bytes = valid ? 4 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(shared_address), "l"(global), "r"(source_bytes)
+                 : "memory");
+}
+// Two E4M3 codes (the low one in the low byte) as two bf16 values: every E4M3 value is a bf16
+// value, so the widening is exact (sm_89 and later through fp16 in hardware).
+KILN_DEVICE kiln_u32 kiln_e4m3x2_bf16x2(kiln_u32 codes) {
+#if __CUDA_ARCH__ >= 890
+    kiln_u32 h2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"((kiln_u16)codes));
+    return kiln_pack_bf16x2(kiln_f16_to_f32((kiln_u16)(h2 & 0xFFFFu)), kiln_f16_to_f32((kiln_u16)(h2 >> 16)));
+#else
+    return kiln_pack_bf16x2(kiln_e4m3_to_f32((kiln_u8)(codes & 0xFFu)), kiln_e4m3_to_f32((kiln_u8)((codes >> 8) & 0xFFu)));
+#endif
+}
+// The E4M3 code of `value` (to nearest even, saturating to 448, NaN 0x7F: the prelude's
+// kiln_f32_to_e4m3), in hardware on sm_89 and later.
+KILN_DEVICE kiln_u32 kiln_e4m3_code(float value) {
+#if __CUDA_ARCH__ >= 890
+    kiln_u16 d;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(0.0f), "f"(value));
+    return d & 0xFFu;
+#else
+    return kiln_f32_to_e4m3(value);
+#endif
+}
+#endif
+
 // The parameters of every attention kernel of this file (but the append), and their names.
 #define KILN_ATTENTION_PARAMS                                                                                    \
     const kiln_u16 *__restrict__ q, const kiln_u16 *__restrict__ k_cache, const kiln_u16 *__restrict__ v_cache, \
         const kiln_i32 *__restrict__ query_offsets, const kiln_i32 *__restrict__ context_lens,                   \
         const kiln_i32 *__restrict__ page_offsets, const kiln_u32 *__restrict__ page_ids,                        \
         kiln_u16 *__restrict__ out, float *__restrict__ partial_out, float *__restrict__ partial_lse, int q_heads, \
-        int kv_heads, int page_shift, float scale_log2, int splits
+        int kv_heads, int page_shift, float scale_log2, int splits, const float *__restrict__ k_scales,           \
+        const float *__restrict__ v_scales
 #define KILN_ATTENTION_ARGS                                                                                   \
     q, k_cache, v_cache, query_offsets, context_lens, page_offsets, page_ids, out, partial_out, partial_lse, \
-        q_heads, kv_heads, page_shift, scale_log2, splits
+        q_heads, kv_heads, page_shift, scale_log2, splits, k_scales, v_scales
 
 // Zero at module load; each launch's last block of a group puts its counter back to zero.
 __device__ kiln_u32 kiln_attention_tickets[KILN_ATTENTION_TICKETS];
@@ -212,6 +266,15 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
     kiln_u16* q_smem = reinterpret_cast<kiln_u16*>(shared_tiles);
     kiln_u16* k_smem = q_smem + BLOCK_M * ROW;
     kiln_u16* v_smem = k_smem + STAGES * BLOCK_N * ROW;
+#if KV_FP8
+    // [stage][row][HEAD_DIM] codes, then [stage][row] scales, past the bf16 stages.
+    kiln_u8* k8_smem = reinterpret_cast<kiln_u8*>(v_smem + STAGES * BLOCK_N * ROW);
+    kiln_u8* v8_smem = k8_smem + STAGES * BLOCK_N * HEAD_DIM;
+    float* ks_smem = reinterpret_cast<float*>(v8_smem + STAGES * BLOCK_N * HEAD_DIM);
+    float* vs_smem = ks_smem + STAGES * BLOCK_N;
+    const kiln_u8* k_codes = reinterpret_cast<const kiln_u8*>(k_cache);
+    const kiln_u8* v_codes = reinterpret_cast<const kiln_u8*>(v_cache);
+#endif
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int warp_m = warp / WARPS_N, warp_n = warp % WARPS_N;
@@ -254,18 +317,48 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
 
     // The page of each K/V row this thread copies in tile `t` (0 past kv_end, not read). Read one
     // tile ahead of the copies, so the page-table load does not stall the copy it feeds.
-    auto tile_pages = [&](int t, kiln_u32 (&ids)[TILE_CHUNKS_PER_THREAD]) {
+    auto tile_pages = [&](int t, kiln_u32 (&ids)[KV_IDS]) {
         const int tile_start = kv_begin + t * BLOCK_N;
 #pragma unroll
-        for (int i = 0; i < TILE_CHUNKS_PER_THREAD; ++i) {
-            const int position = tile_start + (tid + i * THREADS) / CHUNKS_PER_ROW;
+        for (int i = 0; i < KV_CHUNKS; ++i) {
+            const int position = tile_start + (tid + i * THREADS) / KV_CHUNKS_PER_ROW;
             ids[i] = (t < tiles && position < kv_end) ? pages[position >> page_shift] : 0u;
         }
+#if KV_FP8
+        const int position = tile_start + tid;
+        ids[KV_CHUNKS] = (t < tiles && tid < BLOCK_N && position < kv_end) ? pages[position >> page_shift] : 0u;
+#endif
     };
 #if STAGES > 1
     // K and V of tile `t` into buffer `stage`: 16-byte chunks, positions past kv_end zeroed.
-    auto load_tile = [&](int t, int stage, const kiln_u32 (&ids)[TILE_CHUNKS_PER_THREAD]) {
+    auto load_tile = [&](int t, int stage, const kiln_u32 (&ids)[KV_IDS]) {
         const int tile_start = kv_begin + t * BLOCK_N;
+#if KV_FP8
+        // Codes into the staging rows (plain [row][HEAD_DIM] bytes), scales beside them; rows
+        // past kv_end zeroed (scores masked, probabilities 0).
+#pragma unroll
+        for (int i = 0; i < FP8_TILE_CHUNKS; ++i) {
+            const int index = tid + i * THREADS;
+            const int r = index / FP8_CHUNKS_PER_ROW, c = index % FP8_CHUNKS_PER_ROW;
+            const int position = tile_start + r;
+            const bool valid = position < kv_end;
+            const kiln_u64 offset =
+                (((kiln_u64)ids[i] * kv_heads + kv_head) << page_shift | (kiln_u64)(position & ((1 << page_shift) - 1))) *
+                    HEAD_DIM +
+                c * 16;
+            const int smem_offset = (stage * BLOCK_N + r) * HEAD_DIM + c * 16;
+            kiln_cp_async_16_line(kiln_smem_address(k8_smem + smem_offset), valid ? k_codes + offset : k_codes, valid);
+            kiln_cp_async_16_line(kiln_smem_address(v8_smem + smem_offset), valid ? v_codes + offset : v_codes, valid);
+        }
+        if (tid < BLOCK_N) {
+            const int position = tile_start + tid;
+            const bool valid = position < kv_end;
+            const kiln_u64 row = ((kiln_u64)ids[KV_CHUNKS] * kv_heads + kv_head) << page_shift |
+                                 (kiln_u64)(position & ((1 << page_shift) - 1));
+            kiln_cp_async_4(kiln_smem_address(ks_smem + stage * BLOCK_N + tid), valid ? k_scales + row : k_scales, valid);
+            kiln_cp_async_4(kiln_smem_address(vs_smem + stage * BLOCK_N + tid), valid ? v_scales + row : v_scales, valid);
+        }
+#else
 #pragma unroll
         for (int i = 0; i < TILE_CHUNKS_PER_THREAD; ++i) {
             const int index = tid + i * THREADS;
@@ -280,7 +373,32 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
             kiln_cp_async_16_line(kiln_smem_address(k_smem + smem_offset), valid ? k_cache + offset : k_cache, valid);
             kiln_cp_async_16_line(kiln_smem_address(v_smem + smem_offset), valid ? v_cache + offset : v_cache, valid);
         }
+#endif
     };
+#if KV_FP8
+    // The codes of tile `stage` widened to bf16 into its bf16 stage (E4M3 -> f16 -> f32 -> bf16,
+    // each step exact), in the swizzled layout the products read. Between two barriers.
+    auto widen_tile = [&](int stage) {
+#pragma unroll
+        for (int i = 0; i < FP8_TILE_CHUNKS; ++i) {
+            const int index = tid + i * THREADS;
+            const int r = index / FP8_CHUNKS_PER_ROW, c = index % FP8_CHUNKS_PER_ROW;
+            const int from = (stage * BLOCK_N + r) * HEAD_DIM + c * 16;
+            const uint4 kc = *reinterpret_cast<const uint4*>(k8_smem + from);
+            const uint4 vc = *reinterpret_cast<const uint4*>(v8_smem + from);
+            const int to0 = stage * BLOCK_N * ROW + kiln_kv_offset(r, 2 * c);
+            const int to1 = stage * BLOCK_N * ROW + kiln_kv_offset(r, 2 * c + 1);
+            *reinterpret_cast<uint4*>(k_smem + to0) = make_uint4(kiln_e4m3x2_bf16x2(kc.x & 0xFFFFu), kiln_e4m3x2_bf16x2(kc.x >> 16),
+                                                                 kiln_e4m3x2_bf16x2(kc.y & 0xFFFFu), kiln_e4m3x2_bf16x2(kc.y >> 16));
+            *reinterpret_cast<uint4*>(k_smem + to1) = make_uint4(kiln_e4m3x2_bf16x2(kc.z & 0xFFFFu), kiln_e4m3x2_bf16x2(kc.z >> 16),
+                                                                 kiln_e4m3x2_bf16x2(kc.w & 0xFFFFu), kiln_e4m3x2_bf16x2(kc.w >> 16));
+            *reinterpret_cast<uint4*>(v_smem + to0) = make_uint4(kiln_e4m3x2_bf16x2(vc.x & 0xFFFFu), kiln_e4m3x2_bf16x2(vc.x >> 16),
+                                                                 kiln_e4m3x2_bf16x2(vc.y & 0xFFFFu), kiln_e4m3x2_bf16x2(vc.y >> 16));
+            *reinterpret_cast<uint4*>(v_smem + to1) = make_uint4(kiln_e4m3x2_bf16x2(vc.z & 0xFFFFu), kiln_e4m3x2_bf16x2(vc.z >> 16),
+                                                                 kiln_e4m3x2_bf16x2(vc.w & 0xFFFFu), kiln_e4m3x2_bf16x2(vc.w >> 16));
+        }
+    };
+#endif
 #endif
 
 #if STAGES == 1
@@ -314,10 +432,10 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
 #else
     // Tiles 0 .. STAGES - 2 in flight, one commit group each (empty groups past the last tile),
     // and the pages of tile STAGES - 1 read.
-    kiln_u32 next_pages[TILE_CHUNKS_PER_THREAD];
+    kiln_u32 next_pages[KV_IDS];
     {
         // Every page id read before the first copy is issued (a copy's asm is a compiler barrier).
-        kiln_u32 first_pages[STAGES - 1][TILE_CHUNKS_PER_THREAD];
+        kiln_u32 first_pages[STAGES - 1][KV_IDS];
 #pragma unroll
         for (int t = 0; t < STAGES - 1; ++t) tile_pages(t, first_pages[t]);
         tile_pages(STAGES - 1, next_pages);
@@ -373,6 +491,10 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
         tile_pages(t + STAGES, next_pages);
         kiln_cp_async_wait<STAGES - 1>();
         __syncthreads();
+#if KV_FP8
+        widen_tile(t % STAGES);
+        __syncthreads();
+#endif
 #endif
 
         const int stage = t % STAGES;
@@ -395,6 +517,14 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
             }
         }
 
+#if KV_FP8
+        // Each key's K scale on its scores.
+#pragma unroll
+        for (int j = 0; j < WARP_KEYS / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[j][e] *= ks_smem[stage * BLOCK_N + warp_key0 + j * 8 + 2 * thread_in_group + (e & 1)];
+        }
+#endif
         // Mask keys past a row's position or past kv_end, only where the tile reaches them.
         const int tile_start = kv_begin + t * BLOCK_N;
         if (tile_start + BLOCK_N > kv_end || tile_start + BLOCK_N - 1 > min_position) {
@@ -447,6 +577,14 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
             }
         }
 
+#if KV_FP8
+        // Each key's V scale on its probabilities (the softmax sums above are of the plain ones).
+#pragma unroll
+        for (int j = 0; j < WARP_KEYS / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[j][e] *= vs_smem[stage * BLOCK_N + warp_key0 + j * 8 + 2 * thread_in_group + (e & 1)];
+        }
+#endif
         // O += P V: P from the S accumulators as A fragments, V by transposed ldmatrix.
 #pragma unroll
         for (int kk = 0; kk < WARP_KEYS / 16; ++kk) {
@@ -1222,3 +1360,52 @@ extern "C" __global__ void kiln_kv_append(const kiln_chunk16* __restrict__ k_new
         v_cache[destination] = v_new[i];
     }
 }
+
+#if KV_FP8
+// Writes new tokens' K and V into their slots as FP8 rows (`kiln_core::ops::attention::kv_fp8_row`,
+// bit for bit): k_new, v_new [token][kv_head][HEAD_DIM] bf16, slots[token] = page * page_tokens +
+// slot; codes into k_cache / v_cache [page][kv_head][slot][HEAD_DIM] bytes, scales into k_scales /
+// v_scales [page][kv_head][slot]. One warp a row (HEAD_DIM / 32 values a lane), grid-stride:
+// amax by a warp maximum (NaN ignored, from 0, as block_amax), scale = amax / 448 and each code
+// the E4M3 code of x / scale (IEEE divisions), or of x itself for a zero row.
+static_assert(HEAD_DIM % 32 == 0, "a warp a row");
+extern "C" __global__ void kiln_kv_append_fp8(const kiln_u16* __restrict__ k_new, const kiln_u16* __restrict__ v_new,
+                                              const kiln_u32* __restrict__ slots, kiln_u8* __restrict__ k_cache,
+                                              kiln_u8* __restrict__ v_cache, float* __restrict__ k_scales,
+                                              float* __restrict__ v_scales, kiln_u64 tokens, int kv_heads,
+                                              int page_shift) {
+    kiln_wait_prior();
+    constexpr int PER_LANE = HEAD_DIM / 32;
+    const int lane = threadIdx.x & 31;
+    const kiln_u64 rows = tokens * kv_heads;
+    const kiln_u64 warps = (kiln_u64)gridDim.x * (blockDim.x >> 5);
+    for (kiln_u64 row = kiln_global_index() >> 5; row < rows; row += warps) {
+        const kiln_u64 head = row % kv_heads, token = row / kv_heads;
+        const kiln_u64 slot = slots[token];
+        const kiln_u64 page = slot >> page_shift, in_page = slot & ((1ull << page_shift) - 1);
+        const kiln_u64 destination = ((page * kv_heads + head) << page_shift) | in_page;
+#pragma unroll
+        for (int which = 0; which < 2; ++which) {
+            const kiln_u16* source = (which == 0 ? k_new : v_new) + row * HEAD_DIM + lane * PER_LANE;
+            float x[PER_LANE];
+            float amax = 0.0f;
+#pragma unroll
+            for (int i = 0; i < PER_LANE; ++i) {
+                x[i] = kiln_bf16_to_f32(source[i]);
+                amax = fmaxf(amax, fabsf(x[i]));
+            }
+#pragma unroll
+            for (int offset = 16; offset > 0; offset >>= 1) {
+                amax = fmaxf(amax, __shfl_xor_sync(KILN_FULL_MASK, amax, offset));
+            }
+            const float scale = __fdiv_rn(amax, 448.0f);
+            kiln_u8* codes = (which == 0 ? k_cache : v_cache) + destination * HEAD_DIM + lane * PER_LANE;
+#pragma unroll
+            for (int i = 0; i < PER_LANE; ++i) {
+                codes[i] = (kiln_u8)kiln_e4m3_code(scale > 0.0f ? __fdiv_rn(x[i], scale) : x[i]);
+            }
+            if (lane == 0) (which == 0 ? k_scales : v_scales)[destination] = scale;
+        }
+    }
+}
+#endif

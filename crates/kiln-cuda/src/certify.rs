@@ -1767,7 +1767,7 @@ fn run_attention(
     turn: usize,
     config: AttentionConfig,
 ) -> Result<()> {
-    let cache = KvBuffers { k: &case.k, v: &case.v, pages: case.pages };
+    let cache = KvBuffers { k: &case.k, v: &case.v, pages: case.pages, scales: None };
     attention(
         gpu,
         shape,

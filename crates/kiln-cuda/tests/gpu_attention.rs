@@ -6,13 +6,15 @@
 //! checked; decode repeated, bit for bit; the K/V append byte for byte. Needs an NVIDIA GPU: `cargo test -p kiln-cuda --features gpu-tests --test
 //! gpu_attention -- --test-threads 1`.
 
-use kiln_core::ops::attention::{paged_attention, AttentionSequence, AttentionShape};
+use kiln_core::ops::attention::{
+    kv_fp8_cache, kv_fp8_row, paged_attention, AttentionSequence, AttentionShape,
+};
 use kiln_core::ops::primitives::{bf16_bits_to_f32, f32_to_bf16_bits};
 use kiln_core::Error;
 use kiln_cuda::ops::attention::{
     attention, cluster_combines, decode_splits, decode_stream_splits_for, kv_append, scratch_bytes,
-    AttentionKernel, AttentionVariant, KvBuffers, PagedBatch, DECODE_L2_HINT_ENV, HYBRID_STREAM_CHUNK,
-    MAX_CLUSTER_SPLITS,
+    AttentionKernel, AttentionVariant, KvBuffers, KvScales, PagedBatch, DECODE_L2_HINT_ENV,
+    HYBRID_STREAM_CHUNK, MAX_CLUSTER_SPLITS,
 };
 use kiln_cuda::{DeviceMemory, Gpu};
 
@@ -68,6 +70,8 @@ struct Inputs {
     v: Vec<f32>,
     pages: usize,
     tables: Vec<Vec<u32>>,
+    /// FP8 pages: K and V codes and scales (`k` and `v` then hold the values they read back).
+    fp8: Option<[(Vec<u8>, Vec<f32>); 2]>,
 }
 
 fn inputs(rng: &mut Rng, case: &Case) -> Inputs {
@@ -101,7 +105,20 @@ fn inputs(rng: &mut Rng, case: &Case) -> Inputs {
         v: rng.bf16(cache, 1.0),
         pages,
         tables,
+        fp8: None,
     }
+}
+
+/// `inputs` with FP8 pages: each K and V row quantized (`kv_fp8_cache`), the reference reading
+/// back the FP8 values.
+fn fp8_inputs(rng: &mut Rng, case: &Case) -> Inputs {
+    let mut inputs = inputs(rng, case);
+    let (k_codes, k_scales, k_back) = kv_fp8_cache(&inputs.k, case.head_dim).expect("fp8 k");
+    let (v_codes, v_scales, v_back) = kv_fp8_cache(&inputs.v, case.head_dim).expect("fp8 v");
+    inputs.k = k_back;
+    inputs.v = v_back;
+    inputs.fp8 = Some([(k_codes, k_scales), (v_codes, v_scales)]);
+    inputs
 }
 
 /// Runs `case` on the GPU (twice when `twice`), returns the output bytes of each run.
@@ -118,8 +135,16 @@ fn run_gpu(gpu: &Gpu, case: &Case, inputs: &Inputs, runs: usize) -> Vec<Vec<u8>>
         .collect();
     let batch = PagedBatch::upload(gpu, &inputs.shape, &sequences, inputs.pages).expect("batch upload");
     let q = upload(gpu, &bytes(&inputs.q));
-    let (k, v) = (upload(gpu, &bytes(&inputs.k)), upload(gpu, &bytes(&inputs.v)));
-    let cache = KvBuffers { k: &k, v: &v, pages: inputs.pages };
+    let (k, v, scales) = match &inputs.fp8 {
+        Some([(k_codes, k_scales), (v_codes, v_scales)]) => (
+            upload(gpu, k_codes),
+            upload(gpu, v_codes),
+            Some((upload(gpu, &bytes(k_scales)), upload(gpu, &bytes(v_scales)))),
+        ),
+        None => (upload(gpu, &bytes(&inputs.k)), upload(gpu, &bytes(&inputs.v)), None),
+    };
+    let scales = scales.as_ref().map(|(k, v)| KvScales { k, v });
+    let cache = KvBuffers { k: &k, v: &v, pages: inputs.pages, scales };
     let splits = case.splits.unwrap_or_else(|| decode_splits(gpu, case.sequences.len(), case.kv_heads));
     let scratch = poisoned(gpu, scratch_bytes(&inputs.shape, batch.total_queries, splits));
     (0..runs)
@@ -587,7 +612,7 @@ fn streaming_decode_refuses_what_it_does_not_serve() {
     let out = gpu.alloc(2 * 8 * 64 * 2).expect("device allocation");
     let cache_bytes = 4 * 2 * 16 * 64 * 2;
     let (k, v) = (gpu.alloc(cache_bytes).expect("k"), gpu.alloc(cache_bytes).expect("v"));
-    let cache = KvBuffers { k: &k, v: &v, pages: 4 };
+    let cache = KvBuffers { k: &k, v: &v, pages: 4, scales: None };
     let scratch = gpu.alloc(scratch_bytes(&shape, 2, 65)).expect("scratch");
     let prefill = [AttentionSequence { query_tokens: 2, context_tokens: 40, pages: &pages }];
     let prefill = PagedBatch::upload(&gpu, &shape, &prefill, 4).expect("batch upload");
@@ -725,6 +750,120 @@ fn split_combine_in_the_launch_matches_float64_and_repeats_bit_for_bit() {
     }
 }
 
+/// FP8 E4M3 pages (one scale a row) through every tiled variant that reads them: prefill over a
+/// ragged batch with a chunk after cached positions, and split decode (1 to 64 splits, the
+/// cluster combine at 2 to 8 where the grid allows), against the float64 reference over the
+/// values the FP8 rows read back, two runs bit for bit; the variants that read bf16 pages only
+/// refuse FP8 pages by name.
+#[test]
+fn fp8_pages_match_float64_and_repeat_bit_for_bit() {
+    let (gpu, mut rng) = (gpu(), Rng::fresh());
+    for &(q_heads, kv_heads, head_dim, page_tokens) in &[(32, 8, 128, 64), (12, 4, 64, 16), (16, 1, 128, 32)]
+    {
+        let decode: Vec<(usize, usize)> = (0..3).map(|_| (1, 1 + rng.below(3000))).collect();
+        let mut prefill: Vec<(usize, usize)> = vec![(1 + rng.below(300), 0), (1 + rng.below(200), 0)];
+        prefill[1].1 = 150 + rng.below(400);
+        let prefill: Vec<(usize, usize)> = prefill.into_iter().map(|(q, c)| (q, q + c)).collect();
+        let mut cases = vec![
+            (AttentionVariant::PREFILL, prefill.clone(), Some(1)),
+            (AttentionVariant::DECODE_TILED, decode.clone(), None),
+            (AttentionVariant::DECODE_TILED, decode.clone(), Some(2)),
+            (AttentionVariant::DECODE_TILED, decode.clone(), Some(64)),
+        ];
+        if head_dim == 128 {
+            cases.push((AttentionVariant::DECODE_DEEP, decode.clone(), Some(5)));
+            cases.push((AttentionVariant::PREFILL_WIDE, prefill.clone(), Some(3)));
+            cases.push((AttentionVariant::DECODE_WIDE, decode.clone(), Some(2)));
+            cases.push((AttentionVariant::DECODE_WIDE, decode.clone(), Some(16)));
+        }
+        for (variant, sequences, splits) in cases {
+            let case = Case { q_heads, kv_heads, head_dim, page_tokens, sequences, splits, variant };
+            let inputs = fp8_inputs(&mut rng, &case);
+            let want = reference(&case, &inputs);
+            let outputs = check_on(&gpu, &case, &inputs, &want, 2);
+            assert!(outputs[0] == outputs[1], "fp8 attention differs between runs: {variant:?} {splits:?}");
+        }
+    }
+    // Variants without an FP8 path say so.
+    let case = Case {
+        q_heads: 32,
+        kv_heads: 8,
+        head_dim: 128,
+        page_tokens: 64,
+        sequences: vec![(1, 100)],
+        splits: Some(2),
+        variant: AttentionVariant::DECODE,
+    };
+    let inputs = fp8_inputs(&mut rng, &case);
+    let sequences = [AttentionSequence { query_tokens: 1, context_tokens: 100, pages: &inputs.tables[0] }];
+    let batch = PagedBatch::upload(&gpu, &inputs.shape, &sequences, inputs.pages).expect("batch upload");
+    let q = upload(&gpu, &bytes(&inputs.q));
+    let Some([(k_codes, k_scales), (v_codes, v_scales)]) = &inputs.fp8 else { unreachable!() };
+    let (k, v) = (upload(&gpu, k_codes), upload(&gpu, v_codes));
+    let (ks, vs) = (upload(&gpu, &bytes(k_scales)), upload(&gpu, &bytes(v_scales)));
+    let cache = KvBuffers { k: &k, v: &v, pages: inputs.pages, scales: Some(KvScales { k: &ks, v: &vs }) };
+    let scratch = poisoned(&gpu, scratch_bytes(&inputs.shape, 1, 2));
+    let out = poisoned(&gpu, inputs.q.len() * 2);
+    for variant in
+        [AttentionVariant::DECODE, AttentionVariant::DECODE_HYBRID, AttentionVariant::DECODE_ALT_WIDE]
+    {
+        let result =
+            attention(&gpu, &inputs.shape, &batch, &q, cache, &out, Some(&scratch), 2, Some(variant));
+        assert!(matches!(result, Err(Error::NotServed { .. })), "{variant:?} took FP8 pages: {result:?}");
+    }
+}
+
+/// The FP8 append: each new token's K and V rows quantized at their slots, codes and scales
+/// byte for byte the CPU's (`kv_fp8_row`, a zero row among them), every other row untouched.
+#[test]
+fn fp8_kv_append_writes_the_cpu_codes_and_scales_at_each_slot() {
+    let (gpu, mut rng) = (gpu(), Rng::fresh());
+    for (head_dim, kv_heads, page_tokens) in [(128, 8, 16), (64, 2, 1), (128, 1, 64)] {
+        let shape = AttentionShape { q_heads: kv_heads, kv_heads, head_dim, page_tokens, scale: 1.0 };
+        let pages = 9;
+        let row = kv_heads * head_dim;
+        let mut all: Vec<u32> = (0..(pages * page_tokens) as u32).collect();
+        for i in (1..all.len()).rev() {
+            all.swap(i, rng.below(i + 1));
+        }
+        let tokens = 1 + rng.below(all.len().min(40));
+        let slots = &all[..tokens];
+        let (mut k_new, v_new) = (rng.bf16(tokens * row, 40.0), rng.bf16(tokens * row, 0.01));
+        k_new[..head_dim].iter_mut().for_each(|x| *x = 0.0);
+        let rows = pages * page_tokens * kv_heads;
+        let old_codes: Vec<u8> = (0..rows * head_dim).map(|_| rng.below(256) as u8).collect();
+        let old_scales: Vec<f32> = rng.bf16(rows, 1.0);
+        let (dk, dv) = (upload(&gpu, &old_codes), upload(&gpu, &old_codes));
+        let (sk, sv) = (upload(&gpu, &bytes(&old_scales)), upload(&gpu, &bytes(&old_scales)));
+        let (nk, nv) = (upload(&gpu, &bytes(&k_new)), upload(&gpu, &bytes(&v_new)));
+        let cache = KvBuffers { k: &dk, v: &dv, pages, scales: Some(KvScales { k: &sk, v: &sv }) };
+        kv_append(&gpu, &shape, &nk, &nv, slots, cache).expect("kv_append");
+        gpu.synchronize().expect("kv_append run");
+        for (new, codes, scales) in [(&k_new, &dk, &sk), (&v_new, &dv, &sv)] {
+            let (mut want_codes, mut want_scales) = (old_codes.clone(), old_scales.clone());
+            for (t, &slot) in slots.iter().enumerate() {
+                let (page, in_page) = (slot as usize / page_tokens, slot as usize % page_tokens);
+                for h in 0..kv_heads {
+                    let to = (page * kv_heads + h) * page_tokens + in_page;
+                    let from = &new[(t * kv_heads + h) * head_dim..][..head_dim];
+                    want_scales[to] =
+                        kv_fp8_row(from, &mut want_codes[to * head_dim..][..head_dim]).expect("fp8 row");
+                }
+            }
+            let got = codes.to_host_bytes().expect("device to host copy");
+            assert!(
+                got[..rows * head_dim] == want_codes[..],
+                "fp8 codes {head_dim} {kv_heads} {page_tokens}"
+            );
+            let got = scales.to_host_bytes().expect("device to host copy");
+            assert!(
+                got[..rows * 4] == bytes(&want_scales)[..],
+                "fp8 scales {head_dim} {kv_heads} {page_tokens}"
+            );
+        }
+    }
+}
+
 #[test]
 fn kv_append_writes_each_token_at_its_slot_and_nothing_else() {
     let (gpu, mut rng) = (gpu(), Rng::fresh());
@@ -744,7 +883,8 @@ fn kv_append_writes_each_token_at_its_slot_and_nothing_else() {
         let (k_old, v_old) = (rng.bf16(cache_len, 1.0), rng.bf16(cache_len, 1.0));
         let (dk, dv) = (upload(&gpu, &bytes(&k_old)), upload(&gpu, &bytes(&v_old)));
         let (nk, nv) = (upload(&gpu, &bytes(&k_new)), upload(&gpu, &bytes(&v_new)));
-        kv_append(&gpu, &shape, &nk, &nv, slots, KvBuffers { k: &dk, v: &dv, pages }).expect("kv_append");
+        kv_append(&gpu, &shape, &nk, &nv, slots, KvBuffers { k: &dk, v: &dv, pages, scales: None })
+            .expect("kv_append");
         gpu.synchronize().expect("kv_append run");
         for (old, new, device) in [(&k_old, &k_new, &dk), (&v_old, &v_new, &dv)] {
             let mut want = old.clone();
@@ -798,7 +938,7 @@ fn check_wgmma_prefill(gpu: &Gpu, variant: AttentionVariant) {
         let q = upload(gpu, &bytes(&inputs.q));
         let (k, v) = (upload(gpu, &bytes(&inputs.k)), upload(gpu, &bytes(&inputs.v)));
         let out = poisoned(gpu, inputs.q.len() * 2);
-        let cache = KvBuffers { k: &k, v: &v, pages: inputs.pages };
+        let cache = KvBuffers { k: &k, v: &v, pages: inputs.pages, scales: None };
         let refused = attention(gpu, &inputs.shape, &batch, &q, cache, &out, None, 1, Some(variant));
         assert!(
             matches!(refused, Err(Error::NotServed { .. })),
@@ -862,7 +1002,7 @@ fn wgmma_prefill_refuses_what_it_does_not_serve() {
         let out = gpu.alloc(40 * 8 * head_dim * 2).expect("device allocation");
         let cache_bytes = 4 * 2 * 16 * head_dim * 2;
         let (k, v) = (gpu.alloc(cache_bytes).expect("k"), gpu.alloc(cache_bytes).expect("v"));
-        let cache = KvBuffers { k: &k, v: &v, pages: 4 };
+        let cache = KvBuffers { k: &k, v: &v, pages: 4, scales: None };
         let scratch = gpu.alloc(scratch_bytes(&shape, 40, 3).max(16)).expect("scratch");
         let prefill = [AttentionSequence { query_tokens: 40, context_tokens: 40, pages: &pages }];
         let batch = PagedBatch::upload(&gpu, &shape, &prefill, 4).expect("batch upload");

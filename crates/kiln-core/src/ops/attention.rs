@@ -161,6 +161,55 @@ pub fn paged_attention(
     Ok(out)
 }
 
+/// KV cache rows in FP8 E4M3 with a scale per row: each (page, kv head, slot) row of `head_dim`
+/// values is stored as E4M3 codes of `x / scale` (to nearest even, saturating, as
+/// [`f32_to_e4m3`](crate::ops::quantize::f32_to_e4m3)) beside one fp32 `scale = amax / 448`
+/// (`amax` the row's largest `|x|`, NaN ignored), half the bytes of bf16 rows plus 4 bytes a row.
+/// A row of zeros has scale 0 and zero codes (the codes of `x` itself, with its signs). Appending
+/// a token writes its own rows only, so no earlier row is ever quantized again.
+pub fn kv_fp8_row(row: &[f32], codes: &mut [u8]) -> Result<f32> {
+    if codes.len() != row.len() {
+        return Err(Error::ShapeMismatch {
+            op: "kv_fp8_row codes",
+            expected: vec![row.len()],
+            got: vec![codes.len()],
+        });
+    }
+    let scale = crate::ops::quantize::block_amax(row) / crate::ops::quantize::E4M3_MAX;
+    for (code, &x) in codes.iter_mut().zip(row) {
+        *code = crate::ops::quantize::f32_to_e4m3(if scale > 0.0 { x / scale } else { x });
+    }
+    Ok(scale)
+}
+
+/// The value of an FP8 KV code with its row's scale, as the attention reference reads it: the
+/// exact E4M3 value times the scale, rounded once to fp32.
+pub fn kv_fp8_value(code: u8, scale: f32) -> f32 {
+    crate::ops::quantize::e4m3_to_f32(code) * scale
+}
+
+/// A whole cache in FP8 rows (`[page][kv_head][slot][head_dim]` values in, codes of the same
+/// layout and one scale per row out, `[page][kv_head][slot]`), and the values the reference reads
+/// back ([`kv_fp8_value`]).
+pub fn kv_fp8_cache(values: &[f32], head_dim: usize) -> Result<(Vec<u8>, Vec<f32>, Vec<f32>)> {
+    if head_dim == 0 || !values.len().is_multiple_of(head_dim) {
+        return Err(Error::InvalidArgument {
+            name: "head_dim",
+            value: head_dim.to_string(),
+            reason: format!("does not divide the cache's {} values", values.len()),
+        });
+    }
+    let mut codes = vec![0u8; values.len()];
+    let mut scales = Vec::with_capacity(values.len() / head_dim);
+    let mut read_back = Vec::with_capacity(values.len());
+    for (row, out) in values.chunks_exact(head_dim).zip(codes.chunks_exact_mut(head_dim)) {
+        let scale = kv_fp8_row(row, out)?;
+        scales.push(scale);
+        read_back.extend(out.iter().map(|&c| kv_fp8_value(c, scale)));
+    }
+    Ok((codes, scales, read_back))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -194,6 +243,48 @@ mod tests {
         let out = paged_attention(&s, &[1.0], &k, &v, &seqs).unwrap();
         let w = 1f64.exp();
         assert!((out[0] - (1.0 + 3.0 * w) / (1.0 + w)).abs() < 1e-15);
+    }
+
+    #[test]
+    fn fp8_rows_keep_the_largest_value_and_round_the_rest_to_e4m3() {
+        let row = [0.0f32, -3.0, 1.5, 0.001, 2.9, -0.0, 0.75, 100.0];
+        let mut codes = [0u8; 8];
+        let scale = kv_fp8_row(&row, &mut codes).unwrap();
+        assert_eq!(scale, 100.0 / 448.0);
+        // The largest value is 448 times the scale: its code is E4M3's largest.
+        assert_eq!(codes[7], 0x7E);
+        for (&x, &c) in row.iter().zip(&codes) {
+            let back = kv_fp8_value(c, scale);
+            // E4M3 keeps 3 bits: within 1/16 relative, or the subnormal step 2^-9 times the scale.
+            assert!((back - x).abs() <= x.abs() / 16.0 + scale / 512.0, "{x} came back as {back}");
+            assert_eq!(back.is_sign_negative(), x.is_sign_negative(), "{x} lost its sign");
+        }
+        // A row of zeros: scale 0, codes of the values themselves (signed zeros).
+        let zeros = [0.0f32, -0.0, 0.0];
+        let mut codes = [9u8; 3];
+        assert_eq!(kv_fp8_row(&zeros, &mut codes).unwrap(), 0.0);
+        assert_eq!(codes, [0x00, 0x80, 0x00]);
+        // NaN is ignored by the maximum and stays NaN.
+        let mut codes = [0u8; 2];
+        let scale = kv_fp8_row(&[f32::NAN, 2.0], &mut codes).unwrap();
+        assert_eq!(scale, 2.0 / 448.0);
+        assert!(kv_fp8_value(codes[0], scale).is_nan());
+        assert_eq!(kv_fp8_value(codes[1], scale), 2.0);
+        assert!(matches!(kv_fp8_row(&[1.0], &mut [0u8; 2]), Err(Error::ShapeMismatch { .. })));
+        assert!(matches!(kv_fp8_cache(&[1.0; 6], 4), Err(Error::InvalidArgument { .. })));
+    }
+
+    #[test]
+    fn fp8_cache_rows_are_quantized_one_by_one() {
+        let values: Vec<f32> = (0..24).map(|i| ((i * 7919) % 23) as f32 - 11.0).collect();
+        let (codes, scales, back) = kv_fp8_cache(&values, 8).unwrap();
+        assert_eq!((codes.len(), scales.len(), back.len()), (24, 3, 24));
+        for r in 0..3 {
+            let mut row_codes = [0u8; 8];
+            let scale = kv_fp8_row(&values[r * 8..][..8], &mut row_codes).unwrap();
+            assert_eq!(scales[r], scale);
+            assert_eq!(&codes[r * 8..][..8], &row_codes);
+        }
     }
 
     #[test]

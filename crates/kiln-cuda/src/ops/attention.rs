@@ -467,12 +467,63 @@ impl PagedBatch {
     }
 }
 
-/// One layer's K and V page buffers, `pages` pages each.
+/// One layer's K and V page buffers, `pages` pages each: bf16 rows, or with `scales` FP8 E4M3
+/// rows (`kiln_core::ops::attention::kv_fp8_row`: one byte a value) and their scales.
 #[derive(Debug, Clone, Copy)]
 pub struct KvBuffers<'a> {
     pub k: &'a DeviceMemory,
     pub v: &'a DeviceMemory,
     pub pages: usize,
+    pub scales: Option<KvScales<'a>>,
+}
+
+/// The fp32 scales of FP8 K and V rows, `[page][kv_head][slot]` each.
+#[derive(Debug, Clone, Copy)]
+pub struct KvScales<'a> {
+    pub k: &'a DeviceMemory,
+    pub v: &'a DeviceMemory,
+}
+
+impl KvBuffers<'_> {
+    /// Bytes of one value in the pages: 2 (bf16) or 1 (FP8).
+    pub fn value_bytes(&self) -> usize {
+        if self.scales.is_some() {
+            1
+        } else {
+            2
+        }
+    }
+
+    /// Checks the buffers hold `pages` pages of `shape` (and their scales); `op` names the call.
+    fn check(&self, op: &'static str, shape: &AttentionShape) -> Result<()> {
+        let rows = self.pages * shape.kv_heads * shape.page_tokens;
+        let bytes = rows * shape.head_dim * self.value_bytes();
+        check_len(
+            if op == "kv_append" { "kv_append k_cache" } else { "attention k_cache" },
+            self.k.len_bytes(),
+            bytes,
+        )?;
+        check_len(
+            if op == "kv_append" { "kv_append v_cache" } else { "attention v_cache" },
+            self.v.len_bytes(),
+            bytes,
+        )?;
+        if let Some(scales) = self.scales {
+            check_len("kv k_scales", scales.k.len_bytes(), rows * 4)?;
+            check_len("kv v_scales", scales.v.len_bytes(), rows * 4)?;
+        }
+        Ok(())
+    }
+}
+
+/// Whether `variant` reads FP8 K/V rows: the tiled kernel (not the hybrid one), two stages or more.
+pub fn serves_fp8_kv(variant: AttentionVariant) -> bool {
+    variant.kernel == AttentionKernel::Tiled && !variant.hybrid && variant.stages() >= 2
+}
+
+/// Shared memory an FP8 cache adds to `variant` at `head_dim`: each stage's codes and scales.
+pub fn fp8_shared_bytes(variant: AttentionVariant, head_dim: usize) -> usize {
+    variant.stages() as usize * variant.keys() as usize * (2 * head_dim + 8)
 }
 
 /// Splits of the context for a call over `batch` sequences, from the batch and the heads alone
@@ -558,7 +609,15 @@ fn check_shape(shape: &AttentionShape) -> Result<u32> {
 
 /// The defines of a variant, in the order of `kernels::ATTENTION`'s define sets (`STREAMING`
 /// only for the streaming kernel, so the tiled kernel's modules keep their names).
-fn defines(head_dim: usize, variant: AttentionVariant) -> Vec<(&'static str, String)> {
+fn defines(head_dim: usize, variant: AttentionVariant, fp8: bool) -> Vec<(&'static str, String)> {
+    let mut defines = plain_defines(head_dim, variant);
+    if fp8 {
+        defines.push(("KV_FP8", "1".to_owned()));
+    }
+    defines
+}
+
+fn plain_defines(head_dim: usize, variant: AttentionVariant) -> Vec<(&'static str, String)> {
     if variant.is_wgmma() {
         return vec![("HEAD_DIM", head_dim.to_string())];
     }
@@ -590,9 +649,10 @@ fn function(
     gpu: &Gpu,
     head_dim: usize,
     variant: AttentionVariant,
+    fp8: bool,
     entry: &str,
 ) -> Result<cudarc::driver::CudaFunction> {
-    let defines = defines(head_dim, variant);
+    let defines = defines(head_dim, variant, fp8);
     let refs: Vec<(&str, &str)> = defines.iter().map(|(k, v)| (*k, v.as_str())).collect();
     let source = if variant.is_wgmma() { &ATTENTION_PREFILL } else { &ATTENTION };
     gpu.function(source, entry, &refs)
@@ -605,9 +665,10 @@ fn raise_shared_memory(
     kernel: &cudarc::driver::CudaFunction,
     head_dim: usize,
     variant: AttentionVariant,
+    fp8: bool,
     call: &'static str,
 ) -> Result<usize> {
-    let shared = variant.shared_bytes(head_dim);
+    let shared = variant.shared_bytes(head_dim) + if fp8 { fp8_shared_bytes(variant, head_dim) } else { 0 };
     let optin = gpu.facts().shared_memory_per_block_optin_bytes as usize;
     if shared > optin {
         return Err(Error::NotServed {
@@ -673,12 +734,19 @@ pub fn attention(
             });
         }
     }
+    let fp8 = cache.scales.is_some();
+    if fp8 && !serves_fp8_kv(variant) {
+        return Err(Error::NotServed {
+            op: "attention kernel",
+            reason: format!(
+                "{variant:?} reads bf16 K/V pages only; FP8 pages take the tiled kernel's variants"
+            ),
+        });
+    }
     let q_bytes = batch.total_queries * shape.q_heads * shape.head_dim * 2;
-    let cache_bytes = cache.pages * shape.kv_heads * shape.page_tokens * shape.head_dim * 2;
     check_len("attention q", q.len_bytes(), q_bytes)?;
     check_len("attention out", out.len_bytes(), q_bytes)?;
-    check_len("attention k_cache", cache.k.len_bytes(), cache_bytes)?;
-    check_len("attention v_cache", cache.v.len_bytes(), cache_bytes)?;
+    cache.check("attention", shape)?;
     let scratch_needed = scratch_bytes(shape, batch.total_queries, splits);
     let (partial_out, partial_lse) = match scratch {
         Some(s) if splits > 1 => {
@@ -722,8 +790,9 @@ pub fn attention(
         AttentionKernel::Warpgroup => "kiln_attention_prefill",
         AttentionKernel::WarpgroupPingpong => "kiln_attention_prefill_pingpong",
     };
-    let kernel = function(gpu, shape.head_dim, variant, entry)?;
-    let shared = raise_shared_memory(gpu, &kernel, shape.head_dim, variant, "cuFuncSetAttribute(attention)")?;
+    let kernel = function(gpu, shape.head_dim, variant, fp8, entry)?;
+    let shared =
+        raise_shared_memory(gpu, &kernel, shape.head_dim, variant, fp8, "cuFuncSetAttribute(attention)")?;
     let group = shape.group();
     let row_tiles = (batch.max_query_tokens * group).div_ceil(variant.rows() as usize);
     let grid_y = shape.kv_heads * splits as usize;
@@ -767,12 +836,16 @@ pub fn attention(
     for pointer in &pointers {
         launch.arg(pointer);
     }
+    let (k_scales, v_scales) = cache.scales.map_or((0, 0), |s| (s.k.device_ptr(), s.v.device_ptr()));
     launch.arg(&q_heads).arg(&kv_heads).arg(&page_shift).arg(&scale_log2).arg(&splits_arg);
+    launch.arg(&k_scales).arg(&v_scales);
     if cluster_combines(gpu, variant, row_tiles, row_tiles * grid_y * batch.batch, splits) {
         launch.cluster((1, splits, 1));
     }
     // SAFETY: the arguments match the signature of `kiln_attention`, `kiln_attention_decode` and
-    // `kiln_attention_decode_hybrid` (10 pointers, 3 i32, f32, i32); the streaming and hybrid
+    // `kiln_attention_decode_hybrid` (10 pointers, 3 i32, f32, i32, 2 pointers: the FP8 scales,
+    // null and unread for bf16 pages; with FP8 pages the module is compiled with KV_FP8 and the
+    // pages and scales were checked to hold `cache.pages` pages); the streaming and hybrid
     // kernels are given one query token a sequence and at most MAX_STREAMING_SPLITS splits
     // (checked above), and the hybrid kernel the larger shared memory of its two paths.
     // With splits > 1, the grid's (sequence, row tile, kv head) groups index the kernel's
@@ -842,9 +915,15 @@ fn prefill_wgmma(
     } else {
         "kiln_attention_prefill"
     };
-    let kernel = function(gpu, shape.head_dim, variant, entry)?;
-    let shared =
-        raise_shared_memory(gpu, &kernel, shape.head_dim, variant, "cuFuncSetAttribute(attention_prefill)")?;
+    let kernel = function(gpu, shape.head_dim, variant, false, entry)?;
+    let shared = raise_shared_memory(
+        gpu,
+        &kernel,
+        shape.head_dim,
+        variant,
+        false,
+        "cuFuncSetAttribute(attention_prefill)",
+    )?;
     let row_tiles = (batch.max_query_tokens * shape.group()).div_ceil(variant.rows() as usize);
     if row_tiles > i32::MAX as usize || shape.kv_heads > 65_535 || batch.batch > 65_535 {
         return Err(Error::NotServed {
@@ -908,18 +987,47 @@ pub fn kv_append(
         });
     }
     let new_bytes = tokens * shape.kv_heads * shape.head_dim * 2;
-    let cache_bytes = cache.pages * shape.kv_heads * shape.page_tokens * shape.head_dim * 2;
     check_len("kv_append k_new", k_new.len_bytes(), new_bytes)?;
     check_len("kv_append v_new", v_new.len_bytes(), new_bytes)?;
-    check_len("kv_append k_cache", cache.k.len_bytes(), cache_bytes)?;
-    check_len("kv_append v_cache", cache.v.len_bytes(), cache_bytes)?;
+    cache.check("kv_append", shape)?;
     if tokens == 0 {
         return Ok(());
     }
     let slot_bytes: Vec<u8> = slots.iter().flat_map(|s| s.to_le_bytes()).collect();
     let device_slots = gpu.alloc(slot_bytes.len())?;
     device_slots.copy_from_host(0, &slot_bytes)?;
-    let kernel = function(gpu, shape.head_dim, AttentionVariant::PREFILL, "kiln_kv_append")?;
+    if let Some(scales) = cache.scales {
+        // FP8 rows: one warp a (token, kv head) row, 8 warps a block.
+        let kernel =
+            function(gpu, shape.head_dim, AttentionVariant::DECODE_TILED, true, "kiln_kv_append_fp8")?;
+        let rows = (tokens * shape.kv_heads) as u64;
+        let blocks = rows.div_ceil(8).min(65_536) as u32;
+        let config = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let (tokens_arg, kv_heads, page_shift) =
+            (tokens as u64, as_i32("kv_heads", shape.kv_heads)?, page_shift as i32);
+        let pointers = [
+            k_new.device_ptr(),
+            v_new.device_ptr(),
+            device_slots.device_ptr(),
+            cache.k.device_ptr(),
+            cache.v.device_ptr(),
+            scales.k.device_ptr(),
+            scales.v.device_ptr(),
+        ];
+        let mut launch = gpu.launch_builder(&kernel);
+        for pointer in &pointers {
+            launch.arg(pointer);
+        }
+        launch.arg(&tokens_arg).arg(&kv_heads).arg(&page_shift);
+        // SAFETY: matches `kiln_kv_append_fp8` (7 pointers, u64, 2 i32); k_new and v_new hold
+        // `tokens` bf16 rows, every slot was checked to lie inside the caches, whose codes and
+        // scales hold `cache.pages` pages (checked above); the slot buffer is kept alive by the
+        // pool's stream-ordered reuse until the kernel has run.
+        unsafe { launch.launch(config) }
+            .map_err(|e| driver_error("cuLaunchKernel(kiln_kv_append_fp8)", e))?;
+        return Ok(());
+    }
+    let kernel = function(gpu, shape.head_dim, AttentionVariant::PREFILL, false, "kiln_kv_append")?;
     let chunks = (new_bytes / 16) as u64;
     let blocks = chunks.div_ceil(256).min(65_536) as u32;
     let config = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
@@ -968,13 +1076,16 @@ mod tests {
         assert!(2 * (AttentionVariant::DECODE_DEEP.shared_bytes(128) + 1024 + 16) <= 228 * 1024);
         assert_eq!(AttentionVariant::DECODE_WIDE_DEEP.shared_bytes(128), (16 + 768) * 272);
         assert!(AttentionVariant::DECODE_WIDE_DEEP.shared_bytes(128) + 16 <= 227 * 1024);
-        assert_eq!(defines(128, AttentionVariant::DECODE_DEEP).last(), Some(&("STAGES", "3".to_owned())));
+        assert_eq!(
+            plain_defines(128, AttentionVariant::DECODE_DEEP).last(),
+            Some(&("STAGES", "3".to_owned()))
+        );
         // The alternating decode variants: one stage of 64 (128) keys, K and V, beside 16 Q rows;
         // two blocks a multiprocessor even with 128-key tiles. One stage only for one row tile.
         for alt in [AttentionVariant::DECODE_ALT, AttentionVariant::DECODE_ALT_WIDE] {
             alt.validate(128).unwrap();
             alt.validate(64).unwrap();
-            assert_eq!(defines(128, alt).last(), Some(&("STAGES", "1".to_owned())));
+            assert_eq!(plain_defines(128, alt).last(), Some(&("STAGES", "1".to_owned())));
         }
         assert_eq!(AttentionVariant::DECODE_ALT.shared_bytes(128), (16 + 128) * 272);
         assert_eq!(AttentionVariant::DECODE_ALT_WIDE.shared_bytes(128), (16 + 256) * 272);
@@ -983,7 +1094,7 @@ mod tests {
             AttentionVariant { stages: 1, ..AttentionVariant::PREFILL }.validate(128),
             Err(Error::NotServed { .. })
         ));
-        assert!(!defines(128, AttentionVariant::DECODE_TILED).iter().any(|(k, _)| *k == "STAGES"));
+        assert!(!plain_defines(128, AttentionVariant::DECODE_TILED).iter().any(|(k, _)| *k == "STAGES"));
         // The hybrid kernel: DECODE_DEEP's shape and stages, its shared memory the larger of the
         // tiled path's and the streaming one's, at both head dims; nothing else passes as hybrid.
         let hybrid = AttentionVariant::DECODE_HYBRID;
@@ -992,7 +1103,7 @@ mod tests {
         assert_eq!(hybrid.shared_bytes(128), AttentionVariant::DECODE_DEEP.shared_bytes(128));
         assert_eq!(hybrid.shared_bytes(64), AttentionVariant::DECODE_DEEP.shared_bytes(64).max(48 * 1024));
         assert!(2 * (hybrid.shared_bytes(128) + 1024 + 600) <= 228 * 1024);
-        assert_eq!(defines(128, hybrid).last(), Some(&("HYBRID", "1".to_owned())));
+        assert_eq!(plain_defines(128, hybrid).last(), Some(&("HYBRID", "1".to_owned())));
         for bad in [
             AttentionVariant { hybrid: true, ..AttentionVariant::DECODE_WIDE_DEEP },
             AttentionVariant { hybrid: true, ..AttentionVariant::DECODE_TILED },
@@ -1046,7 +1157,7 @@ mod tests {
         ];
         for variant in AttentionVariant::ALL.into_iter().chain(others) {
             for head_dim in HEAD_DIMS {
-                let defines = defines(head_dim, variant);
+                let defines = plain_defines(head_dim, variant);
                 let declared = ATTENTION.define_sets.iter().any(|set| {
                     set.len() == defines.len()
                         && set.iter().zip(&defines).all(|((k, v), (dk, dv))| k == dk && v == dv)
@@ -1069,6 +1180,40 @@ mod tests {
     }
 
     #[test]
+    fn the_fp8_cache_variants_are_compiled_define_sets() {
+        // Every tiled variant of two stages or more reads FP8 pages; its KV_FP8 module (and the
+        // FP8 append's, DECODE_TILED's) is one of kernels::ATTENTION's sets.
+        let tiled = [
+            (AttentionVariant::PREFILL, &HEAD_DIMS[..]),
+            (AttentionVariant::PREFILL_WIDE, &[128][..]),
+            (AttentionVariant::DECODE_TILED, &HEAD_DIMS[..]),
+            (AttentionVariant::DECODE_WIDE, &[128][..]),
+            (AttentionVariant::DECODE_DEEP, &[128][..]),
+            (AttentionVariant::DECODE_WIDE_DEEP, &[128][..]),
+        ];
+        for (variant, head_dims) in tiled {
+            assert!(serves_fp8_kv(variant), "{variant:?}");
+            for &head_dim in head_dims {
+                let defines = defines(head_dim, variant, true);
+                let declared = ATTENTION.define_sets.iter().any(|set| {
+                    set.len() == defines.len()
+                        && set.iter().zip(&defines).all(|((k, v), (dk, dv))| k == dk && v == dv)
+                });
+                assert!(declared, "{variant:?} at head dim {head_dim}: {defines:?}");
+            }
+        }
+        for variant in [
+            AttentionVariant::DECODE,
+            AttentionVariant::DECODE_HYBRID,
+            AttentionVariant::DECODE_ALT,
+            AttentionVariant::DECODE_ALT_WIDE,
+            AttentionVariant::PREFILL_WGMMA,
+        ] {
+            assert!(!serves_fp8_kv(variant), "{variant:?}");
+        }
+    }
+
+    #[test]
     fn the_wgmma_prefill_variant_is_compiled_and_served_at_head_dim_128() {
         let variant = AttentionVariant::PREFILL_WGMMA;
         variant.validate(128).unwrap();
@@ -1077,7 +1222,7 @@ mod tests {
         assert_eq!(variant.shared_bytes(128), 1024 + (128 + 512) * 256);
         assert!(variant.shared_bytes(128) <= 227 * 1024);
         assert_eq!((variant.threads(), variant.rows(), variant.keys()), (256, 128, 128));
-        let defines = defines(128, variant);
+        let defines = plain_defines(128, variant);
         assert!(ATTENTION_PREFILL.define_sets.iter().any(|set| {
             set.len() == defines.len()
                 && set.iter().zip(&defines).all(|((k, v), (dk, dv))| k == dk && v == dv)
@@ -1093,7 +1238,7 @@ mod tests {
         assert_eq!(pingpong.threads(), 384);
         assert_eq!(pingpong.shared_bytes(128), 1024 + (128 + 768) * 256);
         assert!(pingpong.shared_bytes(128) + 1024 <= 227 * 1024);
-        assert_eq!(super::defines(128, pingpong), super::defines(128, variant));
+        assert_eq!(super::plain_defines(128, pingpong), super::plain_defines(128, variant));
         assert!(variant.is_wgmma() && pingpong.is_wgmma() && !AttentionVariant::PREFILL.is_wgmma());
         // Their configurations have names of their own, which the tuning store reads back.
         use crate::certify::AttentionConfig;
@@ -1127,13 +1272,13 @@ mod tests {
         assert_eq!(AttentionVariant::DECODE_STREAM_WIDE.threads(), 256);
         assert_eq!(AttentionVariant::DECODE_STREAM_DEEP.threads(), 128);
         // Their defines: WARPS_N 8, or STREAM_STAGES 6 after STREAMING; DECODE's are unchanged.
-        let wide = defines(128, AttentionVariant::DECODE_STREAM_WIDE);
+        let wide = plain_defines(128, AttentionVariant::DECODE_STREAM_WIDE);
         assert!(wide.contains(&("WARPS_N", "8".to_owned())));
         assert!(!wide.iter().any(|(k, _)| *k == "STREAM_STAGES"));
-        let deep = defines(128, AttentionVariant::DECODE_STREAM_DEEP);
+        let deep = plain_defines(128, AttentionVariant::DECODE_STREAM_DEEP);
         assert_eq!(&deep[4..], &[("STREAMING", "1".to_owned()), ("STREAM_STAGES", "6".to_owned())]);
         assert_eq!(
-            defines(128, AttentionVariant::DECODE).iter().map(|(k, _)| *k).collect::<Vec<_>>(),
+            plain_defines(128, AttentionVariant::DECODE).iter().map(|(k, _)| *k).collect::<Vec<_>>(),
             ["HEAD_DIM", "WARPS_M", "WARPS_N", "WARP_KEYS", "STREAMING"]
         );
         // The kernel's default stages are the launcher's; the one-block threshold is 12.

@@ -13,6 +13,11 @@
 //! element offset = ((page * kv_heads + kv_head) * page_tokens + slot) * head_dim + d
 //! ```
 //!
+//! With [`KvFormat::Fp8E4m3`] each element is one byte, an E4M3 code, and every row (one
+//! `(page, kv_head, slot)`, `head_dim` codes) has one fp32 scale in a buffer of its own per layer
+//! and per `K` / `V` (`kiln_core::ops::attention::kv_fp8_row`), at row offset
+//! `(page * kv_heads + kv_head) * page_tokens + slot`.
+//!
 //! A token's *slot index* (the unit [`AppendPlan::slots`](super::AppendPlan) speaks in) is
 //! `page * page_tokens + slot`. A page id names the same page in every layer, so one page table
 //! serves the whole model. Head-major pages keep one head's `page_tokens x head_dim` block
@@ -25,6 +30,8 @@ use kiln_core::{Error, Result};
 pub enum KvFormat {
     /// bf16 values, 2 bytes per element.
     Bf16,
+    /// FP8 E4M3 codes, 1 byte per element, and one fp32 scale per row of `head_dim` codes.
+    Fp8E4m3,
 }
 
 impl KvFormat {
@@ -32,6 +39,15 @@ impl KvFormat {
     pub fn bytes(self) -> usize {
         match self {
             KvFormat::Bf16 => 2,
+            KvFormat::Fp8E4m3 => 1,
+        }
+    }
+
+    /// Bytes of scale per row of `head_dim` elements (0 for bf16).
+    pub fn scale_bytes(self) -> usize {
+        match self {
+            KvFormat::Bf16 => 0,
+            KvFormat::Fp8E4m3 => 4,
         }
     }
 }
@@ -89,10 +105,16 @@ impl KvLayout {
         ((page as usize * self.kv_heads + kv_head) * self.page_tokens + slot) * self.head_dim + d
     }
 
-    /// Bytes of one page over all layers, `K` and `V`.
+    /// The row offset of `(page, kv_head, slot)`: the index of its scale with FP8 pages.
+    pub fn row_offset(&self, page: u32, kv_head: usize, slot: usize) -> usize {
+        (page as usize * self.kv_heads + kv_head) * self.page_tokens + slot
+    }
+
+    /// Bytes of one page over all layers, `K` and `V` (with their scales).
     pub fn bytes_per_page(&self) -> Result<usize> {
         self.page_elements()
             .checked_mul(self.format.bytes())
+            .and_then(|b| b.checked_add(self.kv_heads * self.page_tokens * self.format.scale_bytes()))
             .and_then(|b| b.checked_mul(2 * self.layers))
             .ok_or_else(|| Error::SizeOverflow {
                 shape: vec![self.layers as u64, 2, self.kv_heads as u64, self.page_tokens as u64],
@@ -120,6 +142,20 @@ mod tests {
         assert_eq!(l.element_offset(2, 1, 3, 7), 2 * 96 + 32 + 24 + 7);
         assert_eq!(l.bytes_per_page().unwrap(), 96 * 2 * 2 * 2);
         assert_eq!(l.pages_in(96 * 8 * 10 + 5).unwrap(), 10);
+    }
+
+    #[test]
+    fn fp8_pages_take_a_byte_an_element_and_a_scale_a_row() {
+        let bf16 = KvLayout::new(32, 8, 128, 64, KvFormat::Bf16).unwrap();
+        let fp8 = KvLayout::new(32, 8, 128, 64, KvFormat::Fp8E4m3).unwrap();
+        // Llama-3-8B's page of 64 positions: 4 MiB in bf16, 2 MiB + 128 KiB of scales in FP8.
+        assert_eq!(bf16.bytes_per_page().unwrap(), 8 * 64 * 128 * 2 * 2 * 32);
+        assert_eq!(fp8.bytes_per_page().unwrap(), (8 * 64 * 128 + 8 * 64 * 4) * 2 * 32);
+        assert_eq!(fp8.row_offset(3, 2, 5), (3 * 8 + 2) * 64 + 5);
+        assert_eq!(fp8.element_offset(3, 2, 5, 7), fp8.row_offset(3, 2, 5) * 128 + 7);
+        // Nearly twice the pages in the same memory.
+        let bytes = 1usize << 34;
+        assert!(fp8.pages_in(bytes).unwrap() * 100 >= bf16.pages_in(bytes).unwrap() * 190);
     }
 
     #[test]

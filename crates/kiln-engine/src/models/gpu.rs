@@ -1247,7 +1247,7 @@ impl GpuEngine {
                 &shape,
                 &batch,
                 &ws.q16,
-                KvBuffers { k: k_cache, v: v_cache, pages: self.plan.kv_pages as usize },
+                KvBuffers { k: k_cache, v: v_cache, pages: self.plan.kv_pages as usize, scales: None },
                 &ws.attn16,
                 Some(&ws.attn_scratch),
                 splits,
