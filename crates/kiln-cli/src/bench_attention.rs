@@ -54,8 +54,8 @@ use kiln_cuda::certify::{
     DECODE_SHORT_MAX,
 };
 use kiln_cuda::ops::attention::{
-    attention, decode_splits_resident, decode_stream_splits_for, scratch_bytes, AttentionVariant, KvBuffers,
-    PagedBatch, DECODE_L2_HINT_ENV,
+    attention, decode_splits_resident, decode_stream_splits_for, scratch_bytes, serves_fp8_kv,
+    AttentionVariant, KvBuffers, KvScales, PagedBatch, DECODE_L2_HINT_ENV,
 };
 use kiln_cuda::{DeviceMemory, Gpu};
 
@@ -99,6 +99,12 @@ pub struct BenchAttentionArgs {
     /// runs its kernel's default configuration unless certified for that size.
     #[arg(long, default_value_t = DEFAULT_PAGE_TOKENS)]
     pub page_tokens: usize,
+    /// Decode over FP8 E4M3 K/V pages (one fp32 scale a row) instead of bf16 ones: only the
+    /// configurations that read them (the tiled kernel's, two stages or more), the certified
+    /// one's splits on the tiled wide and three-deep variants; bandwidth counts the codes and the
+    /// scales. PyTorch's figures stay its bf16 SDPA's.
+    #[arg(long)]
+    pub kv_fp8: bool,
 }
 
 /// The tag of the decode row whose streaming kernel reads K/V without the evict-first hint.
@@ -137,6 +143,51 @@ fn random_device(gpu: &Gpu, bytes: usize, seed: &mut u64) -> Result<DeviceMemory
     let mut offset = 0;
     while offset < bytes {
         let n = block_len.min(bytes - offset);
+        memory.copy_from_host(offset, &block[..n])?;
+        offset += n;
+    }
+    Ok(memory)
+}
+
+/// `len` random FP8 E4M3 codes on the device (a random block tiled over it), NaN codes left out.
+fn random_fp8(gpu: &Gpu, len: usize, seed: &mut u64) -> Result<DeviceMemory> {
+    let block_len = len.min(64 << 20);
+    let block: Vec<u8> = (0..block_len)
+        .map(|_| {
+            *seed ^= *seed << 13;
+            *seed ^= *seed >> 7;
+            *seed ^= *seed << 17;
+            let code = (*seed >> 56) as u8;
+            if code & 0x7F == 0x7F {
+                code ^ 1
+            } else {
+                code
+            }
+        })
+        .collect();
+    tiled_upload(gpu, len, &block)
+}
+
+/// `rows` random positive fp32 scales on the device, in [1/128, 1/64).
+fn random_scales(gpu: &Gpu, rows: usize, seed: &mut u64) -> Result<DeviceMemory> {
+    let block: Vec<u8> = (0..rows.min(1 << 20))
+        .flat_map(|_| {
+            *seed ^= *seed << 13;
+            *seed ^= *seed >> 7;
+            *seed ^= *seed << 17;
+            let u = (*seed >> 40) as f32 / (1u64 << 24) as f32;
+            ((1.0 + u) / 128.0).to_le_bytes()
+        })
+        .collect();
+    tiled_upload(gpu, rows * 4, &block)
+}
+
+/// `bytes` on the device, `block` repeated over them.
+fn tiled_upload(gpu: &Gpu, bytes: usize, block: &[u8]) -> Result<DeviceMemory> {
+    let memory = gpu.alloc(bytes.max(16))?;
+    let mut offset = 0;
+    while offset < bytes {
+        let n = block.len().min(bytes - offset);
         memory.copy_from_host(offset, &block[..n])?;
         offset += n;
     }
@@ -271,7 +322,8 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
     println!("{header}");
     let _ = writeln!(report, "{header}");
     let l2 = gpu.facts().l2_cache_bytes as usize;
-    let token_bytes = KV_HEADS * HEAD_DIM * 2 * 2;
+    // K and V of one position: bf16 rows, or FP8 codes and one fp32 scale a row.
+    let token_bytes = if args.kv_fp8 { KV_HEADS * (HEAD_DIM + 4) * 2 } else { KV_HEADS * HEAD_DIM * 2 * 2 };
     for (&batch_size, (task, &by_class)) in
         DECODE_BATCHES.iter().zip(decode_tasks.iter().zip(&decode_configs))
     {
@@ -352,10 +404,24 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
             }
             let pages_per_sequence = context.div_ceil(page_tokens);
             let total_pages = pages_per_sequence * batch_size * rotations;
-            let cache_bytes = total_pages * KV_HEADS * page_tokens * HEAD_DIM * 2;
-            let (k, v) =
-                (random_device(&gpu, cache_bytes, &mut seed)?, random_device(&gpu, cache_bytes, &mut seed)?);
-            let cache = KvBuffers { k: &k, v: &v, pages: total_pages, scales: None };
+            let rows = total_pages * KV_HEADS * page_tokens;
+            let (k, v, scales) = if args.kv_fp8 {
+                let (k, v) = (
+                    random_fp8(&gpu, rows * HEAD_DIM, &mut seed)?,
+                    random_fp8(&gpu, rows * HEAD_DIM, &mut seed)?,
+                );
+                let scale = |seed: &mut u64| random_scales(&gpu, rows, seed);
+                (k, v, Some((scale(&mut seed)?, scale(&mut seed)?)))
+            } else {
+                let cache_bytes = rows * HEAD_DIM * 2;
+                (
+                    random_device(&gpu, cache_bytes, &mut seed)?,
+                    random_device(&gpu, cache_bytes, &mut seed)?,
+                    None,
+                )
+            };
+            let scales = scales.as_ref().map(|(k, v)| KvScales { k, v });
+            let cache = KvBuffers { k: &k, v: &v, pages: total_pages, scales };
             let tables: Vec<Vec<u32>> = (0..batch_size * rotations)
                 .map(|s| {
                     let first = (s * pages_per_sequence) as u32;
@@ -383,12 +449,28 @@ pub fn run(args: &BenchAttentionArgs) -> Result<()> {
                 (false, DecodeClass::Short) => "certified short",
                 (false, DecodeClass::Long) => "certified long",
             };
-            let rows: Vec<(&str, AttentionConfig)> =
+            let mut rows: Vec<(&str, AttentionConfig)> =
                 std::iter::once((tag, certified))
                     .chain(configs.iter().copied().filter(|&(row, config)| {
                         !(config == certified && (row == "default" || row == "wide"))
                     }))
                     .collect();
+            if args.kv_fp8 {
+                // The tiled wide and three-deep variants at the certified splits, then every
+                // other row that reads FP8 pages.
+                let at = |variant| AttentionConfig { variant, splits: certified.splits };
+                let mut fp8 = vec![
+                    ("fp8 wide", at(AttentionVariant::DECODE_WIDE)),
+                    ("fp8 deep", at(AttentionVariant::DECODE_DEEP)),
+                ];
+                let others: Vec<(&str, AttentionConfig)> = rows
+                    .iter()
+                    .copied()
+                    .filter(|&(_, c)| serves_fp8_kv(c.variant) && !fp8.iter().any(|f| f.1 == c))
+                    .collect();
+                fp8.extend(others);
+                rows = fp8;
+            }
             for &(tag, config) in &rows {
                 let splits = config.splits;
                 let scratch = gpu.alloc(scratch_bytes(&shape, batch_size, splits).max(16))?;
