@@ -27,6 +27,9 @@ pub struct PlanArgs {
     /// Tokens one prefill step runs.
     #[arg(long, default_value_t = 512)]
     chunk: usize,
+    /// The KV cache's pages, `bf16` or `fp8` (E4M3 with a scale a row).
+    #[arg(long, value_enum, default_value_t = crate::generate::KvCache::Bf16)]
+    kv_cache: crate::generate::KvCache,
     /// Build the engine on the GPU, run a full-context prefill and decode steps on every sequence,
     /// and print the measured peak beside the plan.
     #[arg(long)]
@@ -51,6 +54,7 @@ pub fn run(args: &PlanArgs) -> Result<ExitCode> {
         max_batch: args.batch,
         max_step_tokens: args.chunk.max(args.batch),
         max_context: args.context.min(model.config().context_length),
+        kv_format: args.kv_cache.format(),
         ..GpuOptions::default()
     };
     let plan = GpuPlan::new(&model, &options)?;

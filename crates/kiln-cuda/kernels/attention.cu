@@ -91,6 +91,14 @@
 #if KV_FP8 && (STREAMING || HYBRID || STAGES < 2)
 #error "KV_FP8 is the tiled kernel's, two stages or more"
 #endif
+// With KV_FP8 the cp.async pipeline runs FP8_STAGES tiles of codes deep (FP8 tiles are half the
+// bytes: more of them keep as many bytes in flight), and one bf16 stage holds the tile being
+// computed, widened from its codes; without it, STAGES bf16 stages do both.
+#ifndef FP8_STAGES
+#define FP8_STAGES 4
+#endif
+#define PIPE (KV_FP8 ? FP8_STAGES : STAGES)
+#define BF16_STAGES (KV_FP8 ? 1 : STAGES)
 // 1 (with STREAMING 0, WARPS_M 1, WARPS_N 4, WARP_KEYS 16): compile the hybrid decode kernel
 // (kiln_attention_decode_hybrid) instead of kiln_attention: the streaming kernel's path where a
 // split holds at most HYBRID_STREAM_CHUNK keys, the tiled kernel's (STAGES deep) past that.
@@ -181,13 +189,14 @@ __device__ kiln_u32 kiln_attention_tickets[KILN_ATTENTION_TICKETS];
 static_assert((BLOCK_N * CHUNKS_PER_ROW) % THREADS == 0, "a K/V tile splits evenly over the threads");
 static_assert((BLOCK_M * CHUNKS_PER_ROW) % THREADS == 0, "a Q tile splits evenly over the threads");
 // The merge of WARPS_N > 1 reuses the K/V buffers: WARPS_M * WARPS_N * 16 rows of HEAD_DIM + 4 f32.
-static_assert(WARPS_M * WARPS_N * 16 * (HEAD_DIM + 4) * 4 <= 2 * STAGES * BLOCK_N * ROW * 2, "merge fits in K/V");
+static_assert(WARPS_N == 1 || WARPS_M * WARPS_N * 16 * (HEAD_DIM + 4) * 4 <= 2 * BF16_STAGES * BLOCK_N * ROW * 2,
+              "merge fits in K/V");
 static_assert(STAGES >= 2 || (STAGES == 1 && WARPS_M == 1), "at least two stages, or one (decode: K and V alternate)");
 // The decode variants (one row tile of 16 rows) combine by gathering every split's log-sums into
 // the K/V stages first, where the launcher's most splits (MAX_TILED_SPLITS) x 16 rows of f32 fit;
 // the other variants combine in one online pass over the splits.
 #define MAX_TILED_SPLITS 1024
-#if WARPS_M == 1 && MAX_TILED_SPLITS * 16 * 4 <= 2 * STAGES * BLOCK_N * ROW * 2
+#if WARPS_M == 1 && MAX_TILED_SPLITS * 16 * 4 <= 2 * BF16_STAGES * BLOCK_N * ROW * 2
 #define TILED_GATHERED_COMBINE 1
 // Partials in flight per thread there.
 #define TILED_COMBINE_BATCH 24
@@ -206,10 +215,14 @@ static_assert(STAGES >= 2 || (STAGES == 1 && WARPS_M == 1), "at least two stages
 #else
 #define TILED_CLUSTER_COMBINE 0
 #endif
-#if TILED_CLUSTER_COMBINE
+#if TILED_CLUSTER_COMBINE && KV_FP8
+static_assert(16 * (HEAD_DIM + 1) * 4 <= 2 * FP8_STAGES * BLOCK_N * HEAD_DIM, "the cluster partials fit in the FP8 staging");
+#elif TILED_CLUSTER_COMBINE
 static_assert(WARPS_M * WARPS_N * 16 * (HEAD_DIM + 4) * 4 <= STAGES * BLOCK_N * ROW * 2,
               "the merge stays in the K stages, so the cluster partials can take the V stages");
 static_assert(16 * (HEAD_DIM + 1) * 4 <= STAGES * BLOCK_N * ROW * 2, "the cluster partials fit in the V stages");
+#endif
+#if TILED_CLUSTER_COMBINE
 KILN_DEVICE kiln_u32 kiln_cluster_blocks() {
     kiln_u32 n;
     asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
@@ -265,13 +278,13 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
     __shared__ int is_last_block;
     kiln_u16* q_smem = reinterpret_cast<kiln_u16*>(shared_tiles);
     kiln_u16* k_smem = q_smem + BLOCK_M * ROW;
-    kiln_u16* v_smem = k_smem + STAGES * BLOCK_N * ROW;
+    kiln_u16* v_smem = k_smem + BF16_STAGES * BLOCK_N * ROW;
 #if KV_FP8
-    // [stage][row][HEAD_DIM] codes, then [stage][row] scales, past the bf16 stages.
-    kiln_u8* k8_smem = reinterpret_cast<kiln_u8*>(v_smem + STAGES * BLOCK_N * ROW);
-    kiln_u8* v8_smem = k8_smem + STAGES * BLOCK_N * HEAD_DIM;
-    float* ks_smem = reinterpret_cast<float*>(v8_smem + STAGES * BLOCK_N * HEAD_DIM);
-    float* vs_smem = ks_smem + STAGES * BLOCK_N;
+    // [pipe stage][row][HEAD_DIM] codes, then [pipe stage][row] scales, past the bf16 stage.
+    kiln_u8* k8_smem = reinterpret_cast<kiln_u8*>(v_smem + BF16_STAGES * BLOCK_N * ROW);
+    kiln_u8* v8_smem = k8_smem + PIPE * BLOCK_N * HEAD_DIM;
+    float* ks_smem = reinterpret_cast<float*>(v8_smem + PIPE * BLOCK_N * HEAD_DIM);
+    float* vs_smem = ks_smem + PIPE * BLOCK_N;
     const kiln_u8* k_codes = reinterpret_cast<const kiln_u8*>(k_cache);
     const kiln_u8* v_codes = reinterpret_cast<const kiln_u8*>(v_cache);
 #endif
@@ -376,8 +389,8 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
 #endif
     };
 #if KV_FP8
-    // The codes of tile `stage` widened to bf16 into its bf16 stage (E4M3 -> f16 -> f32 -> bf16,
-    // each step exact), in the swizzled layout the products read. Between two barriers.
+    // The codes of pipe stage `stage` widened to bf16 into the bf16 stage (E4M3 -> f16 -> f32 ->
+    // bf16, each step exact), in the swizzled layout the products read. Between two barriers.
     auto widen_tile = [&](int stage) {
 #pragma unroll
         for (int i = 0; i < FP8_TILE_CHUNKS; ++i) {
@@ -386,8 +399,8 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
             const int from = (stage * BLOCK_N + r) * HEAD_DIM + c * 16;
             const uint4 kc = *reinterpret_cast<const uint4*>(k8_smem + from);
             const uint4 vc = *reinterpret_cast<const uint4*>(v8_smem + from);
-            const int to0 = stage * BLOCK_N * ROW + kiln_kv_offset(r, 2 * c);
-            const int to1 = stage * BLOCK_N * ROW + kiln_kv_offset(r, 2 * c + 1);
+            const int to0 = kiln_kv_offset(r, 2 * c);
+            const int to1 = kiln_kv_offset(r, 2 * c + 1);
             *reinterpret_cast<uint4*>(k_smem + to0) = make_uint4(kiln_e4m3x2_bf16x2(kc.x & 0xFFFFu), kiln_e4m3x2_bf16x2(kc.x >> 16),
                                                                  kiln_e4m3x2_bf16x2(kc.y & 0xFFFFu), kiln_e4m3x2_bf16x2(kc.y >> 16));
             *reinterpret_cast<uint4*>(k_smem + to1) = make_uint4(kiln_e4m3x2_bf16x2(kc.z & 0xFFFFu), kiln_e4m3x2_bf16x2(kc.z >> 16),
@@ -430,25 +443,25 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
     kiln_cp_async_wait<2>();
     __syncthreads();
 #else
-    // Tiles 0 .. STAGES - 2 in flight, one commit group each (empty groups past the last tile),
-    // and the pages of tile STAGES - 1 read.
+    // Tiles 0 .. PIPE - 2 in flight, one commit group each (empty groups past the last tile),
+    // and the pages of tile PIPE - 1 read.
     kiln_u32 next_pages[KV_IDS];
     {
         // Every page id read before the first copy is issued (a copy's asm is a compiler barrier).
-        kiln_u32 first_pages[STAGES - 1][KV_IDS];
+        kiln_u32 first_pages[PIPE - 1][KV_IDS];
 #pragma unroll
-        for (int t = 0; t < STAGES - 1; ++t) tile_pages(t, first_pages[t]);
-        tile_pages(STAGES - 1, next_pages);
+        for (int t = 0; t < PIPE - 1; ++t) tile_pages(t, first_pages[t]);
+        tile_pages(PIPE - 1, next_pages);
 #pragma unroll
-        for (int t = 0; t < STAGES - 1; ++t) {
+        for (int t = 0; t < PIPE - 1; ++t) {
             if (t < tiles) load_tile(t, t, first_pages[t]);
             kiln_cp_async_commit();
         }
     }
 
     // This warp's 16 rows of Q as A fragments, one per 16 columns (the Q group is complete when
-    // at most the STAGES - 1 tile groups are pending).
-    kiln_cp_async_wait<STAGES - 1>();
+    // at most the PIPE - 1 tile groups are pending).
+    kiln_cp_async_wait<PIPE - 1>();
     __syncthreads();
 #endif
     kiln_u32 q_fragments[HEAD_DIM / 16][4];
@@ -486,18 +499,21 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
 #else
         // Tile t + STAGES - 1 into the stage tile t - 1 used (every warp is past it: the barrier
         // at the end of the previous iteration), then the pages of the tile after it.
-        if (t + STAGES - 1 < tiles) load_tile(t + STAGES - 1, (t + STAGES - 1) % STAGES, next_pages);
+        if (t + PIPE - 1 < tiles) load_tile(t + PIPE - 1, (t + PIPE - 1) % PIPE, next_pages);
         kiln_cp_async_commit();
-        tile_pages(t + STAGES, next_pages);
-        kiln_cp_async_wait<STAGES - 1>();
+        tile_pages(t + PIPE, next_pages);
+        kiln_cp_async_wait<PIPE - 1>();
         __syncthreads();
 #if KV_FP8
-        widen_tile(t % STAGES);
+        widen_tile(t % PIPE);
         __syncthreads();
 #endif
 #endif
 
-        const int stage = t % STAGES;
+        // The bf16 stage the products read, and (FP8) the pipe stage of the tile's scales.
+        const int stage = KV_FP8 ? 0 : t % STAGES;
+        const int pipe_stage = t % PIPE;
+        (void)pipe_stage;
         const int warp_key0 = warp_n * WARP_KEYS;  // within the tile
         const kiln_u16* k_tile = k_smem + stage * BLOCK_N * ROW;
         const kiln_u16* v_tile = v_smem + stage * BLOCK_N * ROW;
@@ -522,7 +538,7 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
 #pragma unroll
         for (int j = 0; j < WARP_KEYS / 8; ++j) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) s[j][e] *= ks_smem[stage * BLOCK_N + warp_key0 + j * 8 + 2 * thread_in_group + (e & 1)];
+            for (int e = 0; e < 4; ++e) s[j][e] *= ks_smem[pipe_stage * BLOCK_N + warp_key0 + j * 8 + 2 * thread_in_group + (e & 1)];
         }
 #endif
         // Mask keys past a row's position or past kv_end, only where the tile reaches them.
@@ -582,7 +598,7 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
 #pragma unroll
         for (int j = 0; j < WARP_KEYS / 8; ++j) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) s[j][e] *= vs_smem[stage * BLOCK_N + warp_key0 + j * 8 + 2 * thread_in_group + (e & 1)];
+            for (int e = 0; e < 4; ++e) s[j][e] *= vs_smem[pipe_stage * BLOCK_N + warp_key0 + j * 8 + 2 * thread_in_group + (e & 1)];
         }
 #endif
         // O += P V: P from the S accumulators as A fragments, V by transposed ldmatrix.
@@ -626,7 +642,11 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
     // The block's partial rows [16][HEAD_DIM] and log-sums [16] for the cluster combine, in the V
     // stages (free past the last tile; the warps' merge uses the K stages and Q's rows).
     const bool cluster = splits > 1 && kiln_cluster_blocks() == (kiln_u32)splits;
+#if KV_FP8
+    float* cluster_part = reinterpret_cast<float*>(k8_smem);  // the FP8 staging, free past the last tile
+#else
     float* cluster_part = reinterpret_cast<float*>(v_smem);
+#endif
     float* cluster_lse = cluster_part + 16 * HEAD_DIM;
 #endif
     auto store = [&](int row, int d, float v0, float v1, float sum, float max) {
@@ -1367,13 +1387,14 @@ extern "C" __global__ void kiln_kv_append(const kiln_chunk16* __restrict__ k_new
 // slot; codes into k_cache / v_cache [page][kv_head][slot][HEAD_DIM] bytes, scales into k_scales /
 // v_scales [page][kv_head][slot]. One warp a row (HEAD_DIM / 32 values a lane), grid-stride:
 // amax by a warp maximum (NaN ignored, from 0, as block_amax), scale = amax / 448 and each code
-// the E4M3 code of x / scale (IEEE divisions), or of x itself for a zero row.
+// the E4M3 code of x / scale (IEEE divisions), or of x itself for a zero row. A slot at or past
+// `slot_limit` (the caches' pages times page_tokens) writes nothing.
 static_assert(HEAD_DIM % 32 == 0, "a warp a row");
 extern "C" __global__ void kiln_kv_append_fp8(const kiln_u16* __restrict__ k_new, const kiln_u16* __restrict__ v_new,
                                               const kiln_u32* __restrict__ slots, kiln_u8* __restrict__ k_cache,
                                               kiln_u8* __restrict__ v_cache, float* __restrict__ k_scales,
                                               float* __restrict__ v_scales, kiln_u64 tokens, int kv_heads,
-                                              int page_shift) {
+                                              int page_shift, kiln_u64 slot_limit) {
     kiln_wait_prior();
     constexpr int PER_LANE = HEAD_DIM / 32;
     const int lane = threadIdx.x & 31;
@@ -1382,6 +1403,7 @@ extern "C" __global__ void kiln_kv_append_fp8(const kiln_u16* __restrict__ k_new
     for (kiln_u64 row = kiln_global_index() >> 5; row < rows; row += warps) {
         const kiln_u64 head = row % kv_heads, token = row / kv_heads;
         const kiln_u64 slot = slots[token];
+        if (slot >= slot_limit) continue;  // past the caches (the host checks its slots first)
         const kiln_u64 page = slot >> page_shift, in_page = slot & ((1ull << page_shift) - 1);
         const kiln_u64 destination = ((page * kv_heads + head) << page_shift) | in_page;
 #pragma unroll

@@ -40,6 +40,11 @@ fn bytes(values: &[f32]) -> Vec<u8> {
     values.iter().flat_map(|&v| f32_to_bf16_bits(v).to_le_bytes()).collect()
 }
 
+/// fp32 values as their bytes (the FP8 pages' scales).
+fn f32_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
 fn upload(gpu: &Gpu, host: &[u8]) -> DeviceMemory {
     let memory = gpu.alloc(host.len().max(16)).expect("device allocation");
     memory.copy_from_host(0, host).expect("host to device copy");
@@ -139,7 +144,7 @@ fn run_gpu(gpu: &Gpu, case: &Case, inputs: &Inputs, runs: usize) -> Vec<Vec<u8>>
         Some([(k_codes, k_scales), (v_codes, v_scales)]) => (
             upload(gpu, k_codes),
             upload(gpu, v_codes),
-            Some((upload(gpu, &bytes(k_scales)), upload(gpu, &bytes(v_scales)))),
+            Some((upload(gpu, &f32_bytes(k_scales)), upload(gpu, &f32_bytes(v_scales)))),
         ),
         None => (upload(gpu, &bytes(&inputs.k)), upload(gpu, &bytes(&inputs.v)), None),
     };
@@ -800,7 +805,7 @@ fn fp8_pages_match_float64_and_repeat_bit_for_bit() {
     let q = upload(&gpu, &bytes(&inputs.q));
     let Some([(k_codes, k_scales), (v_codes, v_scales)]) = &inputs.fp8 else { unreachable!() };
     let (k, v) = (upload(&gpu, k_codes), upload(&gpu, v_codes));
-    let (ks, vs) = (upload(&gpu, &bytes(k_scales)), upload(&gpu, &bytes(v_scales)));
+    let (ks, vs) = (upload(&gpu, &f32_bytes(k_scales)), upload(&gpu, &f32_bytes(v_scales)));
     let cache = KvBuffers { k: &k, v: &v, pages: inputs.pages, scales: Some(KvScales { k: &ks, v: &vs }) };
     let scratch = poisoned(&gpu, scratch_bytes(&inputs.shape, 1, 2));
     let out = poisoned(&gpu, inputs.q.len() * 2);
@@ -834,7 +839,7 @@ fn fp8_kv_append_writes_the_cpu_codes_and_scales_at_each_slot() {
         let old_codes: Vec<u8> = (0..rows * head_dim).map(|_| rng.below(256) as u8).collect();
         let old_scales: Vec<f32> = rng.bf16(rows, 1.0);
         let (dk, dv) = (upload(&gpu, &old_codes), upload(&gpu, &old_codes));
-        let (sk, sv) = (upload(&gpu, &bytes(&old_scales)), upload(&gpu, &bytes(&old_scales)));
+        let (sk, sv) = (upload(&gpu, &f32_bytes(&old_scales)), upload(&gpu, &f32_bytes(&old_scales)));
         let (nk, nv) = (upload(&gpu, &bytes(&k_new)), upload(&gpu, &bytes(&v_new)));
         let cache = KvBuffers { k: &dk, v: &dv, pages, scales: Some(KvScales { k: &sk, v: &sv }) };
         kv_append(&gpu, &shape, &nk, &nv, slots, cache).expect("kv_append");
@@ -857,7 +862,7 @@ fn fp8_kv_append_writes_the_cpu_codes_and_scales_at_each_slot() {
             );
             let got = scales.to_host_bytes().expect("device to host copy");
             assert!(
-                got[..rows * 4] == bytes(&want_scales)[..],
+                got[..rows * 4] == f32_bytes(&want_scales)[..],
                 "fp8 scales {head_dim} {kv_heads} {page_tokens}"
             );
         }

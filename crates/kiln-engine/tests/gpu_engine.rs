@@ -80,6 +80,63 @@ fn gpu_logits_follow_the_cpu_forward_for_each_family() {
     }
 }
 
+/// FP8 E4M3 KV pages (`KvFormat::Fp8E4m3`): prefill and decode logits within twice E4M3's relative
+/// step (1/8 of the largest CPU logit) of the CPU forward (its cache in fp32), different from the
+/// bf16 pages' logits (the FP8 path runs), and captured decode steps equal to plain launches bit
+/// for bit; the same pages take fewer bytes.
+#[test]
+fn fp8_kv_pages_follow_the_cpu_forward_and_replay_bit_for_bit() {
+    use kiln_engine::kv::KvFormat;
+    let model = model("LlamaForCausalLM", false, 17);
+    let prompt = random_ids(4, 29, 300);
+    let fp8 = |graphs: bool| {
+        let gpu = kiln_cuda::Gpu::open(0).expect("a CUDA GPU");
+        let options =
+            GpuOptions { max_context: 256, graphs, kv_format: KvFormat::Fp8E4m3, ..GpuOptions::default() };
+        GpuEngine::new(gpu, &model, options).expect("fp8 engine")
+    };
+    let mut fp8_engine = fp8(true);
+    let mut bf16 = engine(&model, true, 1);
+    let fp8_steps = both(&model, &mut fp8_engine, &prompt, 10);
+    let bf16_steps = both(&model, &mut bf16, &prompt, 10);
+    let mut differs = false;
+    for (step, ((gpu, cpu), (plain, _))) in fp8_steps.iter().zip(&bf16_steps).enumerate() {
+        let r = relative(gpu, cpu);
+        println!("fp8 step {step}: {r:.3e} of the largest logit (bf16 pages: {:.3e})", relative(plain, cpu));
+        assert!(r <= 0.125, "fp8 step {step}: {r:.3e}");
+        differs |= gpu != plain;
+    }
+    assert!(differs, "the FP8 pages gave the bf16 pages' logits: the FP8 path did not run");
+    let run = |graphs: bool| -> Vec<Vec<u32>> {
+        let mut e = fp8(graphs);
+        let mut seq = e.new_sequence(greedy()).expect("sequence");
+        let (mut tokens, _) = e.step_with_logits(&mut [(&mut seq, &prompt)]).expect("prefill");
+        let mut rows = Vec::new();
+        for _ in 0..6 {
+            let (next, logits) = e.step_with_logits(&mut [(&mut seq, &[tokens[0]])]).expect("decode");
+            rows.push(logits[0].iter().map(|v| v.to_bits()).collect());
+            tokens = next;
+        }
+        rows
+    };
+    assert!(run(false) == run(true), "fp8 decode: replayed logits differ from plain launches");
+    let bf16_pages = bf16.plan().kv_pages;
+    let options = GpuOptions { max_context: 256, kv_format: KvFormat::Fp8E4m3, ..GpuOptions::default() };
+    let plan = kiln_engine::models::gpu::GpuPlan::new(&model, &options).expect("plan");
+    assert_eq!(plan.kv_pages, bf16_pages, "the same pages asked for");
+    let bf16_plan = kiln_engine::models::gpu::GpuPlan::new(
+        &model,
+        &GpuOptions { max_context: 256, ..GpuOptions::default() },
+    )
+    .expect("plan");
+    assert!(
+        plan.kv_bytes < bf16_plan.kv_bytes,
+        "fp8 pages take {} bytes against bf16's {}",
+        plan.kv_bytes,
+        bf16_plan.kv_bytes
+    );
+}
+
 #[test]
 fn captured_decode_steps_equal_plain_launches_bit_for_bit() {
     let model = model("LlamaForCausalLM", false, 5);

@@ -521,9 +521,16 @@ pub fn serves_fp8_kv(variant: AttentionVariant) -> bool {
     variant.kernel == AttentionKernel::Tiled && !variant.hybrid && variant.stages() >= 2
 }
 
-/// Shared memory an FP8 cache adds to `variant` at `head_dim`: each stage's codes and scales.
+/// Tiles of FP8 codes in the tiled kernel's pipeline (`FP8_STAGES` in `kernels/attention.cu`).
+pub const FP8_STAGES: usize = 4;
+
+/// Shared memory of `variant` at `head_dim` over FP8 pages: Q's rows, one bf16 stage of K and V
+/// (the tile being computed, widened from its codes), and [`FP8_STAGES`] stages of codes and
+/// scales.
 pub fn fp8_shared_bytes(variant: AttentionVariant, head_dim: usize) -> usize {
-    variant.stages() as usize * variant.keys() as usize * (2 * head_dim + 8)
+    let row = (head_dim + 8) * 2;
+    let keys = variant.keys() as usize;
+    (variant.rows() as usize + 2 * keys) * row + FP8_STAGES * keys * (2 * head_dim + 8)
 }
 
 /// Splits of the context for a call over `batch` sequences, from the batch and the heads alone
@@ -668,7 +675,7 @@ fn raise_shared_memory(
     fp8: bool,
     call: &'static str,
 ) -> Result<usize> {
-    let shared = variant.shared_bytes(head_dim) + if fp8 { fp8_shared_bytes(variant, head_dim) } else { 0 };
+    let shared = if fp8 { fp8_shared_bytes(variant, head_dim) } else { variant.shared_bytes(head_dim) };
     let optin = gpu.facts().shared_memory_per_block_optin_bytes as usize;
     if shared > optin {
         return Err(Error::NotServed {
@@ -996,36 +1003,8 @@ pub fn kv_append(
     let slot_bytes: Vec<u8> = slots.iter().flat_map(|s| s.to_le_bytes()).collect();
     let device_slots = gpu.alloc(slot_bytes.len())?;
     device_slots.copy_from_host(0, &slot_bytes)?;
-    if let Some(scales) = cache.scales {
-        // FP8 rows: one warp a (token, kv head) row, 8 warps a block.
-        let kernel =
-            function(gpu, shape.head_dim, AttentionVariant::DECODE_TILED, true, "kiln_kv_append_fp8")?;
-        let rows = (tokens * shape.kv_heads) as u64;
-        let blocks = rows.div_ceil(8).min(65_536) as u32;
-        let config = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        let (tokens_arg, kv_heads, page_shift) =
-            (tokens as u64, as_i32("kv_heads", shape.kv_heads)?, page_shift as i32);
-        let pointers = [
-            k_new.device_ptr(),
-            v_new.device_ptr(),
-            device_slots.device_ptr(),
-            cache.k.device_ptr(),
-            cache.v.device_ptr(),
-            scales.k.device_ptr(),
-            scales.v.device_ptr(),
-        ];
-        let mut launch = gpu.launch_builder(&kernel);
-        for pointer in &pointers {
-            launch.arg(pointer);
-        }
-        launch.arg(&tokens_arg).arg(&kv_heads).arg(&page_shift);
-        // SAFETY: matches `kiln_kv_append_fp8` (7 pointers, u64, 2 i32); k_new and v_new hold
-        // `tokens` bf16 rows, every slot was checked to lie inside the caches, whose codes and
-        // scales hold `cache.pages` pages (checked above); the slot buffer is kept alive by the
-        // pool's stream-ordered reuse until the kernel has run.
-        unsafe { launch.launch(config) }
-            .map_err(|e| driver_error("cuLaunchKernel(kiln_kv_append_fp8)", e))?;
-        return Ok(());
+    if cache.scales.is_some() {
+        return kv_append_fp8(gpu, shape, k_new.view(), v_new.view(), device_slots.view(), tokens, cache);
     }
     let kernel = function(gpu, shape.head_dim, AttentionVariant::PREFILL, false, "kiln_kv_append")?;
     let chunks = (new_bytes / 16) as u64;
@@ -1049,6 +1028,66 @@ pub fn kv_append(
     // rows, every slot was checked to lie inside the caches, which hold `cache.pages` pages; the
     // slot buffer is kept alive by the pool's stream-ordered reuse until the kernel has run.
     unsafe { launch.launch(config) }.map_err(|e| driver_error("cuLaunchKernel(kiln_kv_append)", e))?;
+    Ok(())
+}
+
+/// Writes `tokens` new tokens' K and V rows (bf16 `[token][kv_head][head_dim]` in `k_new`,
+/// `v_new`) into FP8 pages at the slots in device memory (`u32` each, `page * page_tokens + slot`):
+/// each row's codes and scale as `kiln_core::ops::attention::kv_fp8_row`. A slot past the caches
+/// writes nothing. For a step whose slots already live on the device (the engine's); `kv_append`
+/// with FP8 buffers comes here with its checked slots.
+pub fn kv_append_fp8(
+    gpu: &Gpu,
+    shape: &AttentionShape,
+    k_new: DeviceView,
+    v_new: DeviceView,
+    slots: DeviceView,
+    tokens: usize,
+    cache: KvBuffers<'_>,
+) -> Result<()> {
+    let page_shift = check_shape(shape)?;
+    let Some(scales) = cache.scales else {
+        return Err(Error::InvalidArgument {
+            name: "cache",
+            value: "bf16 pages".into(),
+            reason: "kv_append_fp8 writes FP8 pages (buffers with scales)".into(),
+        });
+    };
+    let new_bytes = tokens * shape.kv_heads * shape.head_dim * 2;
+    check_len("kv_append k_new", k_new.len_bytes, new_bytes)?;
+    check_len("kv_append v_new", v_new.len_bytes, new_bytes)?;
+    check_len("kv_append slots", slots.len_bytes, tokens * 4)?;
+    cache.check("kv_append", shape)?;
+    if tokens == 0 {
+        return Ok(());
+    }
+    // One warp a (token, kv head) row, 8 warps a block.
+    let kernel = function(gpu, shape.head_dim, AttentionVariant::DECODE_TILED, true, "kiln_kv_append_fp8")?;
+    let rows = (tokens * shape.kv_heads) as u64;
+    let blocks = rows.div_ceil(8).min(65_536) as u32;
+    let config = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let (tokens_arg, kv_heads, page_shift) =
+        (tokens as u64, as_i32("kv_heads", shape.kv_heads)?, page_shift as i32);
+    let slot_limit = (cache.pages * shape.page_tokens) as u64;
+    let pointers = [
+        k_new.ptr,
+        v_new.ptr,
+        slots.ptr,
+        cache.k.device_ptr(),
+        cache.v.device_ptr(),
+        scales.k.device_ptr(),
+        scales.v.device_ptr(),
+    ];
+    let mut launch = gpu.launch_builder(&kernel);
+    for pointer in &pointers {
+        launch.arg(pointer);
+    }
+    launch.arg(&tokens_arg).arg(&kv_heads).arg(&page_shift).arg(&slot_limit);
+    // SAFETY: matches `kiln_kv_append_fp8` (7 pointers, u64, 2 i32, u64); k_new, v_new and slots
+    // hold `tokens` rows and slots (checked above), the kernel skips a slot at or past
+    // `slot_limit`, and the codes and scales hold `cache.pages` pages (checked above); the
+    // buffers outlive the kernel in the pool's stream order.
+    unsafe { launch.launch(config) }.map_err(|e| driver_error("cuLaunchKernel(kiln_kv_append_fp8)", e))?;
     Ok(())
 }
 

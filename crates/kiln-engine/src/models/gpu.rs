@@ -32,7 +32,7 @@ use kiln_cuda::blas::Blas;
 use kiln_cuda::certify;
 use kiln_cuda::cudarc::driver::{sys as cu, CudaGraph};
 use kiln_cuda::memory::size_class;
-use kiln_cuda::ops::attention::{self, decode_splits, scratch_bytes, KvBuffers, PagedBatch};
+use kiln_cuda::ops::attention::{self, decode_splits, scratch_bytes, KvBuffers, KvScales, PagedBatch};
 use kiln_cuda::ops::forward::{self, QkvBuffers, QkvShape};
 use kiln_cuda::ops::linear::{self, Epilogue, LinearCall};
 use kiln_cuda::ops::norm::{self as norm_op, NormBuffers, NormCall};
@@ -85,6 +85,11 @@ pub struct GpuOptions {
     /// class's certified configuration, and is captured apart. `certify::DECODE_SHORT_MAX` by
     /// default, the boundary the certificates were measured for.
     pub decode_short_max: usize,
+    /// The KV pages' format: bf16, or FP8 E4M3 with a scale a row (`KvFormat::Fp8E4m3`: about
+    /// half the bytes, so nearly twice the positions in the same memory). FP8 pages are read by
+    /// the tiled attention kernel's variants: where the certificate names another kernel, decode
+    /// runs the tiled wide variant at the certified splits and prefill the tiled prefill.
+    pub kv_format: KvFormat,
 }
 
 impl Default for GpuOptions {
@@ -101,8 +106,15 @@ impl Default for GpuOptions {
             norm_rounds_x: true,
             matvec_tokens: MATVEC_TOKENS,
             decode_short_max: certify::DECODE_SHORT_MAX,
+            kv_format: KvFormat::Bf16,
         }
     }
+}
+
+/// Bytes of one page's codes (or values) and of its scales in one layer's K (or V) buffer.
+fn kv_page_bytes(c: &ModelConfig, o: &GpuOptions) -> (usize, usize) {
+    let rows = c.kv_heads * o.page_tokens;
+    (rows * c.head_dim * o.kv_format.bytes(), rows * o.kv_format.scale_bytes())
 }
 
 /// One matrix in the arena.
@@ -183,6 +195,10 @@ fn activation_sizes(c: &ModelConfig, o: &GpuOptions) -> Vec<(&'static str, usize
         ("steps", b * 8),
         ("history_offsets", (b + 1) * 4),
         ("tokens", b * 4),
+        // With FP8 pages: the step's new K and V rows in bf16 before they are quantized into
+        // their slots, and the slots 0..t they are written at there.
+        ("kv_new", if o.kv_format == KvFormat::Bf16 { 4 } else { 2 * t * c.kv_heads * c.head_dim * 2 }),
+        ("kv_rows", if o.kv_format == KvFormat::Bf16 { 4 } else { t * 4 }),
     ]
 }
 
@@ -314,8 +330,9 @@ impl GpuPlan {
             + size_class(int8_scratch_bytes(model));
         let kv_pages =
             options.kv_pages.unwrap_or(options.max_batch * options.max_context.div_ceil(options.page_tokens));
-        let page_bytes = c.kv_heads * options.page_tokens * c.head_dim * 2;
-        let kv_block = size_class(kv_pages * page_bytes);
+        let (page_bytes, scale_bytes) = kv_page_bytes(c, options);
+        let kv_block = size_class(kv_pages * page_bytes)
+            + if scale_bytes > 0 { size_class(kv_pages * scale_bytes) } else { 0 };
         let kv_bytes = (2 * c.layers * kv_block) as u64;
         let total = weight_bytes + (small + activations + scratch) as u64 + kv_bytes;
         Ok(GpuPlan {
@@ -425,6 +442,10 @@ struct Workspace {
     sample_scratch: sample_op::SampleScratch,
     /// x as int8 planes for the integer-path products.
     int8: DeviceMemory,
+    /// FP8 pages: the new K rows then the new V rows, bf16 `[token][kv_head][head_dim]` each.
+    kv_new: DeviceMemory,
+    /// FP8 pages: 0, 1, .., max_step_tokens - 1 (u32), the rows of `kv_new`.
+    kv_rows: DeviceMemory,
 }
 
 /// A sequence the engine serves: its pages, sampling parameters and sample counter.
@@ -463,6 +484,8 @@ pub struct GpuEngine {
     rope_cos: DeviceMemory,
     rope_sin: DeviceMemory,
     kv: Vec<(DeviceMemory, DeviceMemory)>,
+    /// With FP8 pages, each layer's K and V row scales (empty for bf16 pages).
+    kv_scales: Vec<(DeviceMemory, DeviceMemory)>,
     pool: PagePool,
     ws: Workspace,
     blas: Option<Blas>,
@@ -689,6 +712,8 @@ impl GpuEngine {
             steps: next()?,
             history_offsets: next()?,
             tokens: next()?,
+            kv_new: next()?,
+            kv_rows: next()?,
             history: gpu.alloc(4)?,
             attn_scratch: gpu.alloc(scratch_bytes(&shape, options.max_batch, 64).max(4))?,
             expand: if expand > 0 { Some(gpu.alloc(expand)?) } else { None },
@@ -696,19 +721,23 @@ impl GpuEngine {
             int8: gpu.alloc(int8_scratch_bytes(model))?,
         };
         ws.history_offsets.fill_bytes(0)?;
+        if options.kv_format != KvFormat::Bf16 {
+            let rows: Vec<u8> = (0..options.max_step_tokens as u32).flat_map(u32::to_le_bytes).collect();
+            ws.kv_rows.copy_from_host(0, &rows)?;
+        }
 
         // The KV pages: as planned, or what is left of the device's memory.
         let mut plan = plan;
-        let page_bytes = c.kv_heads * options.page_tokens * c.head_dim * 2;
+        let (page_bytes, scale_bytes) = kv_page_bytes(&c, &options);
         if let Some(share) = options.kv_fill {
             let free = gpu.pool().device_free_bytes()? as f64;
             let reserve = plan.cublas_workspace_bytes as f64;
             let budget = ((free * f64::from(share) - reserve) / 1.125).max(0.0);
-            let pages = (budget / (2 * c.layers * page_bytes) as f64) as usize;
+            let pages = (budget / (2 * c.layers * (page_bytes + scale_bytes)) as f64) as usize;
             let needed = options.max_context.div_ceil(options.page_tokens);
             if pages < needed {
                 return Err(Error::OutOfMemory {
-                    requested_bytes: (2 * c.layers * page_bytes * needed) as u64,
+                    requested_bytes: (2 * c.layers * (page_bytes + scale_bytes) * needed) as u64,
                     live_bytes: gpu.pool().stats().live_bytes,
                     pooled_bytes: gpu.pool().stats().pooled_bytes,
                     driver_free_bytes: free as u64,
@@ -716,14 +745,19 @@ impl GpuEngine {
             }
             plan.total_bytes -= plan.kv_bytes;
             plan.kv_pages = pages as u64;
-            plan.kv_bytes = (2 * c.layers * size_class(pages * page_bytes)) as u64;
+            let scales = if scale_bytes > 0 { size_class(pages * scale_bytes) } else { 0 };
+            plan.kv_bytes = (2 * c.layers * (size_class(pages * page_bytes) + scales)) as u64;
             plan.total_bytes += plan.kv_bytes;
         }
         let kv_pages = plan.kv_pages as usize;
-        let layout = KvLayout::new(c.layers, c.kv_heads, c.head_dim, options.page_tokens, KvFormat::Bf16)?;
+        let layout = KvLayout::new(c.layers, c.kv_heads, c.head_dim, options.page_tokens, options.kv_format)?;
         let mut kv = Vec::with_capacity(c.layers);
+        let mut kv_scales = Vec::with_capacity(if scale_bytes > 0 { c.layers } else { 0 });
         for _ in 0..c.layers {
             kv.push((gpu.alloc(kv_pages * page_bytes)?, gpu.alloc(kv_pages * page_bytes)?));
+            if scale_bytes > 0 {
+                kv_scales.push((gpu.alloc(kv_pages * scale_bytes)?, gpu.alloc(kv_pages * scale_bytes)?));
+            }
         }
         let pool = PagePool::new(layout, kv_pages)?;
         let blas = if Blas::available() { Some(Blas::new(&gpu)?) } else { None };
@@ -740,6 +774,7 @@ impl GpuEngine {
             rope_cos,
             rope_sin,
             kv,
+            kv_scales,
             pool,
             ws,
             blas,
@@ -924,6 +959,27 @@ impl GpuEngine {
         let config =
             certify::attention_config(store, &task, self.gpu.arch(), self.gpu.facts().multiprocessors)?;
         Ok((Some(config.variant), config.splits))
+    }
+
+    /// The attention variant for the pages' format: with FP8 pages, a chosen (or default)
+    /// variant that reads bf16 pages only gives way to the tiled kernel's (decode: the wide
+    /// variant at the same splits; prefill: the tiled prefill).
+    fn kv_variant(
+        &self,
+        chosen: Option<attention::AttentionVariant>,
+        max_query: usize,
+    ) -> Option<attention::AttentionVariant> {
+        if self.options.kv_format == KvFormat::Bf16 {
+            return chosen;
+        }
+        let variant = chosen.unwrap_or_else(|| attention::AttentionVariant::default_for(max_query));
+        if attention::serves_fp8_kv(variant) {
+            Some(variant)
+        } else if max_query == 1 {
+            Some(attention::AttentionVariant::DECODE_WIDE)
+        } else {
+            Some(attention::AttentionVariant::PREFILL)
+        }
     }
 
     /// A new, empty sequence.
@@ -1182,6 +1238,7 @@ impl GpuEngine {
         )?;
         let shape = attention_shape(c, o.page_tokens);
         let (attention_variant, splits) = self.attention_config(&shape, b, max_query, key.class)?;
+        let attention_variant = self.kv_variant(attention_variant, max_query);
         let norm_t = self.norm_variant(t, if t <= o.matvec_tokens { DType::F32 } else { DType::BF16 })?;
         let matvec = t <= o.matvec_tokens || self.blas.is_none();
 
@@ -1214,6 +1271,23 @@ impl GpuEngine {
                     self.linear_group(&layer.qkv, h.view(), half, t, ws.qkv.view(), Epilogue::Store, matvec)?;
             }
             let (k_cache, v_cache) = &self.kv[index];
+            let fp8 = self.kv_scales.get(index).map(|(k, v)| KvScales { k, v });
+            // With FP8 pages the new K and V rows go to `kv_new` in bf16 first (as a cache of
+            // one-position pages, at rows 0..t), then are quantized into their slots.
+            let kv_rows = t * c.kv_heads * c.head_dim * 2;
+            let (new_pages, new_tokens, new_slots, k_into, v_into) = match fp8 {
+                Some(_) => (
+                    o.max_step_tokens,
+                    1,
+                    ws.kv_rows.slice(0, t * 4)?,
+                    ws.kv_new.slice(0, o.max_step_tokens * c.kv_heads * c.head_dim * 2)?,
+                    ws.kv_new.slice(
+                        o.max_step_tokens * c.kv_heads * c.head_dim * 2,
+                        o.max_step_tokens * c.kv_heads * c.head_dim * 2,
+                    )?,
+                ),
+                None => (self.plan.kv_pages as usize, o.page_tokens, slots, k_cache.view(), v_cache.view()),
+            };
             forward::qkv_prepare(
                 gpu,
                 &QkvShape {
@@ -1224,8 +1298,8 @@ impl GpuEngine {
                     rotary_dim: c.rope.rotary_dim,
                     interleaved: c.rope.layout == RopeLayout::Interleaved,
                     table_positions: o.max_context,
-                    page_tokens: o.page_tokens,
-                    cache_pages: self.plan.kv_pages as usize,
+                    page_tokens: new_tokens,
+                    cache_pages: new_pages,
                     eps: c.rms_eps,
                 },
                 QkvBuffers {
@@ -1235,19 +1309,32 @@ impl GpuEngine {
                     cos: self.rope_cos.view(),
                     sin: self.rope_sin.view(),
                     positions,
-                    slots,
+                    slots: new_slots,
                     q_out: ws.q16.view(),
-                    k_cache: k_cache.view(),
-                    v_cache: v_cache.view(),
+                    k_cache: k_into,
+                    v_cache: v_into,
                 },
             )?;
             launches += 1;
+            let cache = KvBuffers { k: k_cache, v: v_cache, pages: self.plan.kv_pages as usize, scales: fp8 };
+            if fp8.is_some() {
+                attention::kv_append_fp8(
+                    gpu,
+                    &shape,
+                    k_into.slice(0, kv_rows)?,
+                    v_into.slice(0, kv_rows)?,
+                    slots,
+                    t,
+                    cache,
+                )?;
+                launches += 1;
+            }
             attention::attention(
                 gpu,
                 &shape,
                 &batch,
                 &ws.q16,
-                KvBuffers { k: k_cache, v: v_cache, pages: self.plan.kv_pages as usize, scales: None },
+                cache,
                 &ws.attn16,
                 Some(&ws.attn_scratch),
                 splits,
