@@ -818,6 +818,16 @@ fn fp8_pages_match_float64_and_repeat_bit_for_bit() {
     }
 }
 
+/// 1 to 40 distinct random slots of `limit`, in a random order.
+fn distinct_slots(rng: &mut Rng, limit: usize) -> Vec<u32> {
+    let mut all: Vec<u32> = (0..limit as u32).collect();
+    for i in (1..all.len()).rev() {
+        all.swap(i, rng.below(i + 1));
+    }
+    all.truncate(1 + rng.below(limit.min(40)));
+    all
+}
+
 /// The FP8 append: each new token's K and V rows quantized at their slots, codes and scales
 /// byte for byte the CPU's (`kv_fp8_row`, a zero row among them), every other row untouched.
 #[test]
@@ -827,12 +837,8 @@ fn fp8_kv_append_writes_the_cpu_codes_and_scales_at_each_slot() {
         let shape = AttentionShape { q_heads: kv_heads, kv_heads, head_dim, page_tokens, scale: 1.0 };
         let pages = 9;
         let row = kv_heads * head_dim;
-        let mut all: Vec<u32> = (0..(pages * page_tokens) as u32).collect();
-        for i in (1..all.len()).rev() {
-            all.swap(i, rng.below(i + 1));
-        }
-        let tokens = 1 + rng.below(all.len().min(40));
-        let slots = &all[..tokens];
+        let slots = &distinct_slots(&mut rng, pages * page_tokens)[..];
+        let tokens = slots.len();
         let (mut k_new, v_new) = (rng.bf16(tokens * row, 40.0), rng.bf16(tokens * row, 0.01));
         k_new[..head_dim].iter_mut().for_each(|x| *x = 0.0);
         let rows = pages * page_tokens * kv_heads;
@@ -876,13 +882,8 @@ fn kv_append_writes_each_token_at_its_slot_and_nothing_else() {
         let shape = AttentionShape { q_heads: kv_heads, kv_heads, head_dim, page_tokens, scale: 1.0 };
         let pages = 9;
         let row = kv_heads * head_dim;
-        // Distinct random slots.
-        let mut all: Vec<u32> = (0..(pages * page_tokens) as u32).collect();
-        for i in (1..all.len()).rev() {
-            all.swap(i, rng.below(i + 1));
-        }
-        let tokens = 1 + rng.below(all.len().min(40));
-        let slots = &all[..tokens];
+        let slots = &distinct_slots(&mut rng, pages * page_tokens)[..];
+        let tokens = slots.len();
         let (k_new, v_new) = (rng.bf16(tokens * row, 2.0), rng.bf16(tokens * row, 2.0));
         let cache_len = pages * page_tokens * row;
         let (k_old, v_old) = (rng.bf16(cache_len, 1.0), rng.bf16(cache_len, 1.0));
