@@ -157,6 +157,29 @@ KILN_DEVICE kiln_u32 kiln_e4m3x2_bf16x2(kiln_u32 codes) {
     return kiln_pack_bf16x2(kiln_e4m3_to_f32((kiln_u8)(codes & 0xFFu)), kiln_e4m3_to_f32((kiln_u8)((codes >> 8) & 0xFFu)));
 #endif
 }
+// Two E4M3 codes (the low one in the low byte) as two fp16 values (exact; one conversion on
+// sm_89 and later).
+KILN_DEVICE kiln_u32 kiln_e4m3x2_f16x2(kiln_u32 codes) {
+#if __CUDA_ARCH__ >= 890
+    kiln_u32 h2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"((kiln_u16)codes));
+    return h2;
+#else
+    kiln_u32 h2;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;"
+        : "=r"(h2)
+        : "f"(kiln_e4m3_to_f32((kiln_u8)((codes >> 8) & 0xFFu))), "f"(kiln_e4m3_to_f32((kiln_u8)(codes & 0xFFu))));
+    return h2;
+#endif
+}
+// d += a b on fp16 tensor cores (m16n8k16, fp32 accumulators): Q (prescaled) against K codes.
+KILN_DEVICE void kiln_mma_f16_16816(float (&d)[4], const kiln_u32 (&a)[4], kiln_u32 b0, kiln_u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
 // The E4M3 code of `value` (to nearest even, saturating to 448, NaN 0x7F: the prelude's
 // kiln_f32_to_e4m3), in hardware on sm_89 and later.
 KILN_DEVICE kiln_u32 kiln_e4m3_code(float value) {
@@ -389,8 +412,9 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
 #endif
     };
 #if KV_FP8
-    // The codes of pipe stage `stage` widened to bf16 into the bf16 stage (E4M3 -> f16 -> f32 ->
-    // bf16, each step exact), in the swizzled layout the products read. Between two barriers.
+    // The codes of pipe stage `stage` widened into the bf16 stage, in the swizzled layout the
+    // products read: K to fp16 (one conversion for two codes; Q is fp16 too, see below), V to bf16
+    // (E4M3 -> f16 -> f32 -> bf16), every step exact. Between two barriers.
     auto widen_tile = [&](int stage) {
 #pragma unroll
         for (int i = 0; i < FP8_TILE_CHUNKS; ++i) {
@@ -401,10 +425,10 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
             const uint4 vc = *reinterpret_cast<const uint4*>(v8_smem + from);
             const int to0 = kiln_kv_offset(r, 2 * c);
             const int to1 = kiln_kv_offset(r, 2 * c + 1);
-            *reinterpret_cast<uint4*>(k_smem + to0) = make_uint4(kiln_e4m3x2_bf16x2(kc.x & 0xFFFFu), kiln_e4m3x2_bf16x2(kc.x >> 16),
-                                                                 kiln_e4m3x2_bf16x2(kc.y & 0xFFFFu), kiln_e4m3x2_bf16x2(kc.y >> 16));
-            *reinterpret_cast<uint4*>(k_smem + to1) = make_uint4(kiln_e4m3x2_bf16x2(kc.z & 0xFFFFu), kiln_e4m3x2_bf16x2(kc.z >> 16),
-                                                                 kiln_e4m3x2_bf16x2(kc.w & 0xFFFFu), kiln_e4m3x2_bf16x2(kc.w >> 16));
+            *reinterpret_cast<uint4*>(k_smem + to0) = make_uint4(kiln_e4m3x2_f16x2(kc.x & 0xFFFFu), kiln_e4m3x2_f16x2(kc.x >> 16),
+                                                                 kiln_e4m3x2_f16x2(kc.y & 0xFFFFu), kiln_e4m3x2_f16x2(kc.y >> 16));
+            *reinterpret_cast<uint4*>(k_smem + to1) = make_uint4(kiln_e4m3x2_f16x2(kc.z & 0xFFFFu), kiln_e4m3x2_f16x2(kc.z >> 16),
+                                                                 kiln_e4m3x2_f16x2(kc.w & 0xFFFFu), kiln_e4m3x2_f16x2(kc.w >> 16));
             *reinterpret_cast<uint4*>(v_smem + to0) = make_uint4(kiln_e4m3x2_bf16x2(vc.x & 0xFFFFu), kiln_e4m3x2_bf16x2(vc.x >> 16),
                                                                  kiln_e4m3x2_bf16x2(vc.y & 0xFFFFu), kiln_e4m3x2_bf16x2(vc.y >> 16));
             *reinterpret_cast<uint4*>(v_smem + to1) = make_uint4(kiln_e4m3x2_bf16x2(vc.z & 0xFFFFu), kiln_e4m3x2_bf16x2(vc.z >> 16),
@@ -463,6 +487,51 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
     // at most the PIPE - 1 tile groups are pending).
     kiln_cp_async_wait<PIPE - 1>();
     __syncthreads();
+#endif
+#if KV_FP8
+    // Q to fp16 for the fp16 products with K's codes: each row scaled by a power of two that
+    // brings its largest |q| under 2^15 (exact: bf16 values are fp16 values in fp16's range), the
+    // power put back on the row's scores with the K scale. Only values under 2^-24 in the scaled
+    // row (2^-38 of its largest) lose bits (fp16 subnormals and zero).
+    __shared__ float q_unscale[BLOCK_M];
+    if (tid < BLOCK_M) {
+        float amax = 0.0f;
+#pragma unroll
+        for (int c = 0; c < CHUNKS_PER_ROW; ++c) {
+            const uint4 w = *reinterpret_cast<const uint4*>(q_smem + tid * ROW + c * 8);
+            const kiln_u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                amax = fmaxf(amax, fabsf(__uint_as_float(words[i] << 16)));
+                amax = fmaxf(amax, fabsf(__uint_as_float(words[i] & 0xFFFF0000u)));
+            }
+        }
+        // 2^k with k = max(0, exponent(amax) - 14): the scaled row stays under 2^15.
+        const int exponent = (int)((__float_as_uint(amax) >> 23) & 0xFFu) - 127;
+        const int k = (amax <= 3.0e38f && exponent > 14) ? exponent - 14 : 0;
+        q_unscale[tid] = __uint_as_float((kiln_u32)(127 + k) << 23);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < BLOCK_M * CHUNKS_PER_ROW / THREADS; ++i) {
+        const int index = tid + i * THREADS;
+        const int r = index / CHUNKS_PER_ROW, c = index % CHUNKS_PER_ROW;
+        uint4* at = reinterpret_cast<uint4*>(q_smem + r * ROW + c * 8);
+        const uint4 w = *at;
+        const float scale = 1.0f / q_unscale[r];  // a power of two: exact
+        const kiln_u32 words[4] = {w.x, w.y, w.z, w.w};
+        kiln_u32 out[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            asm("cvt.rn.f16x2.f32 %0, %1, %2;"
+                : "=r"(out[j])
+                : "f"(__uint_as_float(words[j] & 0xFFFF0000u) * scale), "f"(__uint_as_float(words[j] << 16) * scale));
+        }
+        *at = make_uint4(out[0], out[1], out[2], out[3]);
+    }
+    __syncthreads();
+    // This thread's two rows' powers (rows g and g + 8 of its warp's 16).
+    const float q_power[2] = {q_unscale[warp_m * 16 + group], q_unscale[warp_m * 16 + group + 8]};
 #endif
     kiln_u32 q_fragments[HEAD_DIM / 16][4];
     {
@@ -528,17 +597,24 @@ KILN_DEVICE void kiln_attention_tiled(KILN_ATTENTION_PARAMS) {
             for (int kd = 0; kd < HEAD_DIM / 16; kd += 2) {
                 kiln_u32 b[4];
                 kiln_ldmatrix_x4(b, kiln_smem_address(k_tile + kiln_kv_offset(key, kd * 2 + (lane >> 3))));
+#if KV_FP8
+                kiln_mma_f16_16816(s[j], q_fragments[kd], b[0], b[1]);
+                kiln_mma_f16_16816(s[j], q_fragments[kd + 1], b[2], b[3]);
+#else
                 kiln_mma_bf16_16816(s[j], q_fragments[kd], b[0], b[1]);
                 kiln_mma_bf16_16816(s[j], q_fragments[kd + 1], b[2], b[3]);
+#endif
             }
         }
 
 #if KV_FP8
-        // Each key's K scale on its scores.
+        // Each key's K scale and each row's power of two on the scores.
 #pragma unroll
         for (int j = 0; j < WARP_KEYS / 8; ++j) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) s[j][e] *= ks_smem[pipe_stage * BLOCK_N + warp_key0 + j * 8 + 2 * thread_in_group + (e & 1)];
+            for (int e = 0; e < 4; ++e) {
+                s[j][e] *= ks_smem[pipe_stage * BLOCK_N + warp_key0 + j * 8 + 2 * thread_in_group + (e & 1)] * q_power[e >> 1];
+            }
         }
 #endif
         // Mask keys past a row's position or past kv_end, only where the tile reaches them.
