@@ -82,9 +82,10 @@
 // 1 (the tiled kernel, STAGES >= 2): the cache holds FP8 E4M3 rows with one fp32 scale each
 // (`kiln_core::ops::attention::kv_fp8_row`): k_cache / v_cache are [page][kv_head][slot][HEAD_DIM]
 // bytes and k_scales / v_scales [page][kv_head][slot]. Each tile's codes and scales are copied by
-// cp.async into staging buffers beside the bf16 stages, then widened to bf16 (E4M3 values are
-// bf16 values: exact) into the stage the products read; a key's K scale multiplies its scores,
-// its V scale its probabilities (after the softmax sum, before they are rounded for O += P V).
+// cp.async into FP8_STAGES staging buffers, then widened exactly into the one 16-bit stage the
+// products read: K to fp16 (against Q in fp16, each row scaled by a power of two), V to bf16
+// (E4M3 values are fp16 and bf16 values); a key's K scale multiplies its scores, its V scale its
+// probabilities (after the softmax sum, before they are rounded for O += P V).
 #ifndef KV_FP8
 #define KV_FP8 0
 #endif
