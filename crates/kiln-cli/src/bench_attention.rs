@@ -139,14 +139,7 @@ fn random_device(gpu: &Gpu, bytes: usize, seed: &mut u64) -> Result<DeviceMemory
         block.extend_from_slice(&f32_to_bf16_bits(v).to_le_bytes());
     }
     block.truncate(block_len);
-    let memory = gpu.alloc(bytes.max(16))?;
-    let mut offset = 0;
-    while offset < bytes {
-        let n = block_len.min(bytes - offset);
-        memory.copy_from_host(offset, &block[..n])?;
-        offset += n;
-    }
-    Ok(memory)
+    tiled_upload(gpu, bytes, &block)
 }
 
 /// `len` random FP8 E4M3 codes on the device (a random block tiled over it), NaN codes left out.

@@ -494,20 +494,13 @@ impl KvBuffers<'_> {
         }
     }
 
-    /// Checks the buffers hold `pages` pages of `shape` (and their scales); `op` names the call.
-    fn check(&self, op: &'static str, shape: &AttentionShape) -> Result<()> {
+    /// Checks the buffers hold `pages` pages of `shape` (and their scales); `names` name the K and
+    /// V buffers in the error.
+    fn check(&self, names: [&'static str; 2], shape: &AttentionShape) -> Result<()> {
         let rows = self.pages * shape.kv_heads * shape.page_tokens;
         let bytes = rows * shape.head_dim * self.value_bytes();
-        check_len(
-            if op == "kv_append" { "kv_append k_cache" } else { "attention k_cache" },
-            self.k.len_bytes(),
-            bytes,
-        )?;
-        check_len(
-            if op == "kv_append" { "kv_append v_cache" } else { "attention v_cache" },
-            self.v.len_bytes(),
-            bytes,
-        )?;
+        check_len(names[0], self.k.len_bytes(), bytes)?;
+        check_len(names[1], self.v.len_bytes(), bytes)?;
         if let Some(scales) = self.scales {
             check_len("kv k_scales", scales.k.len_bytes(), rows * 4)?;
             check_len("kv v_scales", scales.v.len_bytes(), rows * 4)?;
@@ -753,7 +746,7 @@ pub fn attention(
     let q_bytes = batch.total_queries * shape.q_heads * shape.head_dim * 2;
     check_len("attention q", q.len_bytes(), q_bytes)?;
     check_len("attention out", out.len_bytes(), q_bytes)?;
-    cache.check("attention", shape)?;
+    cache.check(["attention k_cache", "attention v_cache"], shape)?;
     let scratch_needed = scratch_bytes(shape, batch.total_queries, splits);
     let (partial_out, partial_lse) = match scratch {
         Some(s) if splits > 1 => {
@@ -996,7 +989,7 @@ pub fn kv_append(
     let new_bytes = tokens * shape.kv_heads * shape.head_dim * 2;
     check_len("kv_append k_new", k_new.len_bytes(), new_bytes)?;
     check_len("kv_append v_new", v_new.len_bytes(), new_bytes)?;
-    cache.check("kv_append", shape)?;
+    cache.check(["kv_append k_cache", "kv_append v_cache"], shape)?;
     if tokens == 0 {
         return Ok(());
     }
@@ -1057,7 +1050,7 @@ pub fn kv_append_fp8(
     check_len("kv_append k_new", k_new.len_bytes, new_bytes)?;
     check_len("kv_append v_new", v_new.len_bytes, new_bytes)?;
     check_len("kv_append slots", slots.len_bytes, tokens * 4)?;
-    cache.check("kv_append", shape)?;
+    cache.check(["kv_append k_cache", "kv_append v_cache"], shape)?;
     if tokens == 0 {
         return Ok(());
     }

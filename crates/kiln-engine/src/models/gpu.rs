@@ -1275,16 +1275,14 @@ impl GpuEngine {
             // With FP8 pages the new K and V rows go to `kv_new` in bf16 first (as a cache of
             // one-position pages, at rows 0..t), then are quantized into their slots.
             let kv_rows = t * c.kv_heads * c.head_dim * 2;
+            let kv_half = o.max_step_tokens * c.kv_heads * c.head_dim * 2;
             let (new_pages, new_tokens, new_slots, k_into, v_into) = match fp8 {
                 Some(_) => (
                     o.max_step_tokens,
                     1,
                     ws.kv_rows.slice(0, t * 4)?,
-                    ws.kv_new.slice(0, o.max_step_tokens * c.kv_heads * c.head_dim * 2)?,
-                    ws.kv_new.slice(
-                        o.max_step_tokens * c.kv_heads * c.head_dim * 2,
-                        o.max_step_tokens * c.kv_heads * c.head_dim * 2,
-                    )?,
+                    ws.kv_new.slice(0, kv_half)?,
+                    ws.kv_new.slice(kv_half, kv_half)?,
                 ),
                 None => (self.plan.kv_pages as usize, o.page_tokens, slots, k_cache.view(), v_cache.view()),
             };
