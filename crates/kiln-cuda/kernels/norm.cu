@@ -70,6 +70,7 @@
 //                 few blocks a multiprocessor, so that each block walks many groups and the reads
 //                 of later groups overlap the stores of earlier ones over the whole launch.
 //                 Dynamic shared memory: STAGES * KILN_NORM_SLOTS * KILN_NORM_THREADS * 16 bytes.
+//   SEGMENT_N     (optional) the segment length `n` as a constant, equal to the argument.
 //   BLOCK_LANE    (optional, 0 by default) 1: a lane holds 16 consecutive elements, one block of
 //                 the INT8 / NVFP4 outputs (see its definition below): unit sums by the same
 //                 tree, each block's maximum, scale, checks and stores one lane's.
@@ -1217,6 +1218,12 @@ extern "C" __global__ void KILN_NORM_BOUNDS
 kiln_norm(const void* __restrict__ x, void* residual, const void* __restrict__ weight,
           const void* __restrict__ bias, const void* __restrict__ gate, void* __restrict__ out,
           void* __restrict__ scales, float eps, float qscale, long long segments, int n, int groups) {
+#ifdef SEGMENT_N
+    // The segment length as a compile-time constant (the launcher passes the same value as `n`,
+    // see NormVariant::fixed_n): the bound checks, the units' count and the totals' loops over
+    // a partial row fold away.
+    n = SEGMENT_N;
+#endif
     kiln_wait_prior();
     // [group parity][mean, squares][segment of the block][unit]
     __shared__ __align__(16) float shared_sums[PERSISTENT || STAGES ? 2 : 1][2][ROWS_PER_BLOCK]

@@ -618,7 +618,7 @@ impl AttentionTask {
 /// first warp alone finishes the total.
 pub fn norm_label(v: NormVariant) -> String {
     format!(
-        "{}w{}r{}{}{}{}{}{}",
+        "{}w{}r{}{}{}{}{}{}{}",
         v.warps_per_row,
         v.rows_per_block,
         if v.early_weight { "+e" } else { "" },
@@ -626,7 +626,8 @@ pub fn norm_label(v: NormVariant) -> String {
         if v.stages > 0 { format!("+s{}", v.stages) } else { String::new() },
         if v.block_lane { "+b" } else { "" },
         if v.weight_ahead { "+w" } else { "" },
-        if v.row_total { "+t" } else { "" }
+        if v.row_total { "+t" } else { "" },
+        if v.fixed_n { "+n" } else { "" }
     )
 }
 

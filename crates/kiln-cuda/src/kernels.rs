@@ -453,6 +453,44 @@ pub const NORM: KernelSource = KernelSource {
             ("EARLY_WEIGHT", "1"),
             ("PERSISTENT", "1"),
         ],
+        // The segment length compiled in (SEGMENT_N): the benchmark's NVFP4 RMSNorm at 8192, its
+        // default of 4 warps a row, one lane a block, and its INT8 RMSNorm at 4096, 8 warps a row.
+        &[
+            ("KIND", "0"),
+            ("X_T", "2"),
+            ("W_T", "2"),
+            ("OUT_T", "4"),
+            ("WEIGHT", "0"),
+            ("HAS_BIAS", "0"),
+            ("HAS_RESIDUAL", "0"),
+            ("HF_ROUNDING", "1"),
+            ("GATE", "0"),
+            ("WARPS_PER_ROW", "4"),
+            ("ROWS_PER_BLOCK", "1"),
+            ("UNITS_PER_WARP", "8"),
+            ("EARLY_WEIGHT", "0"),
+            ("PERSISTENT", "0"),
+            ("BLOCK_LANE", "1"),
+            ("SEGMENT_N", "8192"),
+        ],
+        &[
+            ("KIND", "0"),
+            ("X_T", "2"),
+            ("W_T", "2"),
+            ("OUT_T", "3"),
+            ("WEIGHT", "0"),
+            ("HAS_BIAS", "0"),
+            ("HAS_RESIDUAL", "0"),
+            ("HF_ROUNDING", "1"),
+            ("GATE", "0"),
+            ("WARPS_PER_ROW", "8"),
+            ("ROWS_PER_BLOCK", "1"),
+            ("UNITS_PER_WARP", "2"),
+            ("EARLY_WEIGHT", "0"),
+            ("PERSISTENT", "0"),
+            ("BLOCK_LANE", "1"),
+            ("SEGMENT_N", "4096"),
+        ],
         // The row's first warp alone finishes the total (ROW_TOTAL_WARP): the benchmark's NVFP4
         // RMSNorm at 8192 one lane a block, and a persistent LayerNorm of two rows a block (both
         // totals, alternate shared rows).
@@ -557,7 +595,7 @@ pub const NORM: KernelSource = KernelSource {
             ("PERSISTENT", "1"),
         ],
         // The declared defaults of the benchmark's LayerNorm at 8192 x 8192 (bf16, 8 units a warp)
-        // and RMSNorm after the residual add at 2048 x 4096, and the certified Llama-3-8B decode
+        // and RMSNorm after the residual add at 2048 x 4096 (its length compiled in), and the certified Llama-3-8B decode
         // norm after the residual add (16w1r+e+p); `ops::norm`'s tests check that the launcher
         // builds exactly these. (The LayerNorm default at 2048 x 4096, 2w1r, spills 12 bytes on
         // sm_90 by choice: see KILN_NORM_BOUNDS in norm.cu.)
@@ -592,6 +630,7 @@ pub const NORM: KernelSource = KernelSource {
             ("UNITS_PER_WARP", "8"),
             ("EARLY_WEIGHT", "0"),
             ("PERSISTENT", "0"),
+            ("SEGMENT_N", "4096"),
         ],
         &[
             ("KIND", "0"),

@@ -238,6 +238,7 @@ fn every_configuration_name_parses_back() {
             block_lane: false,
             weight_ahead: false,
             row_total: false,
+            fixed_n: false,
         }),
         "4w2r+e"
     );
@@ -310,6 +311,7 @@ fn lookups_answer_the_winner_the_default_or_a_named_error() {
         block_lane: false,
         weight_ahead: false,
         row_total: false,
+        fixed_n: false,
     };
     assert_eq!(norm_variant(&open(TuningMode::Strict), &task, SM90).unwrap(), want);
 

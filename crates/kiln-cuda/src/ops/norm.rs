@@ -51,6 +51,10 @@ pub struct NormVariant {
     /// the result after a second barrier (the kernel's `ROW_TOTAL_WARP`; label `+t`): the same
     /// operations in the same order, issued once a row instead of once a warp.
     pub row_total: bool,
+    /// The segment length compiled in as a constant (the kernel's `SEGMENT_N`; label `+n`): one
+    /// kernel per length, without the bound checks and the partial-row loops a length known only
+    /// at run time needs. The same operations on the same values.
+    pub fixed_n: bool,
 }
 
 const fn variant(warps_per_row: u32, rows_per_block: u32, early_weight: bool) -> NormVariant {
@@ -63,6 +67,7 @@ const fn variant(warps_per_row: u32, rows_per_block: u32, early_weight: bool) ->
         block_lane: false,
         weight_ahead: false,
         row_total: false,
+        fixed_n: false,
     }
 }
 
@@ -77,6 +82,7 @@ const fn block_lane(warps_per_row: u32, rows_per_block: u32) -> NormVariant {
         block_lane: true,
         weight_ahead: false,
         row_total: false,
+        fixed_n: false,
     }
 }
 
@@ -109,6 +115,11 @@ const fn block_lane_ahead(warps_per_row: u32, rows_per_block: u32) -> NormVarian
     NormVariant { weight_ahead: true, ..block_lane(warps_per_row, rows_per_block) }
 }
 
+/// `v` with the segment length compiled in ([`NormVariant::fixed_n`], label `+n`).
+const fn fixed(v: NormVariant) -> NormVariant {
+    NormVariant { fixed_n: true, ..v }
+}
+
 const fn persistent(warps_per_row: u32, rows_per_block: u32, early_weight: bool) -> NormVariant {
     NormVariant {
         warps_per_row,
@@ -119,6 +130,7 @@ const fn persistent(warps_per_row: u32, rows_per_block: u32, early_weight: bool)
         block_lane: false,
         weight_ahead: false,
         row_total: false,
+        fixed_n: false,
     }
 }
 
@@ -132,6 +144,7 @@ const fn staged(warps_per_row: u32, rows_per_block: u32, early_weight: bool, sta
         block_lane: false,
         weight_ahead: false,
         row_total: false,
+        fixed_n: false,
     }
 }
 
@@ -224,6 +237,11 @@ pub const NORM_VARIANTS: &[NormVariant] = &[
     row_total(4, 1),
     block_lane_total(4, 1),
     block_lane_total(8, 1),
+    fixed(variant(2, 1, false)),
+    fixed(variant(4, 1, false)),
+    fixed(block_lane(4, 1)),
+    fixed(block_lane(8, 1)),
+    fixed(block_lane_total(4, 1)),
 ];
 
 /// Most units of 256 elements one warp holds in registers (16: 128 fp32 values per lane).
@@ -278,9 +296,17 @@ impl NormVariant {
     ///   warps): each segment has a multiprocessor to itself and its time is one row's chain of
     ///   loads, sums and stores;
     /// - INT8, NVFP4 and FP8 outputs, or fp32 x: 4 units a warp (8 warps at 8192: 64% and 41% of
-    ///   the copy ceiling for INT8 and NVFP4 against 62% and 31% with 4 warps);
+    ///   the copy ceiling for INT8 and NVFP4 against 62% and 31% with 4 warps), except NVFP4 of
+    ///   2-byte x from 32 units (8192: 8 units a warp, 4 warps; 49.5 us against 52.0 with 8
+    ///   warps) and INT8 of 2-byte x at 9 to 16 units (4096: 2 units a warp, 8 warps; 9.20 us
+    ///   against 9.49 with 4 warps);
     /// - float outputs of 2-byte x: 8 units a warp (2 warps at 4096, 4 at 8192: 78-90% for
-    ///   RMSNorm, 66-87% for LayerNorm, whose two reductions cost more with more warps).
+    ///   RMSNorm, 66-87% for LayerNorm, whose two reductions cost more with more warps);
+    /// - RMSNorm and the INT8 / NVFP4 outputs of 2-byte x with the segment length compiled in
+    ///   ([`NormVariant::fixed_n`]) where that variant is listed (2048 x 4096 RMSNorm with the
+    ///   residual 18.30 us against 19.79, NVFP4 at 8192 49.5 against 51.8; LayerNorm ran slower
+    ///   with it at 2048 x 4096, 12.8 us against 11.1, and keeps the run-time length;
+    ///   `bench/results/2026-12-01-h200`).
     pub fn default_for(call: &NormCall) -> NormVariant {
         let n = call.segment_len();
         let units = n.div_ceil(UNIT).max(1);
@@ -296,10 +322,16 @@ impl NormVariant {
                 block_lane: false,
                 weight_ahead: false,
                 row_total: false,
+                fixed_n: false,
             };
         }
         let two_byte_x = matches!(call.x_type, DType::BF16 | DType::F16);
-        let per_warp = if two_byte_x && matches!(call.spec.out, NormOutput::Float(_)) { 8 } else { 4 };
+        let per_warp = match call.spec.out {
+            NormOutput::Float(_) if two_byte_x => 8,
+            NormOutput::Quantized(Quantizer::Nvfp4 { .. }) if two_byte_x && units >= 32 => 8,
+            NormOutput::Quantized(Quantizer::Int8) if two_byte_x && (9..=16).contains(&units) => 2,
+            _ => 4,
+        };
         let warps = units.div_ceil(per_warp).next_power_of_two().clamp(1, 16) as u32;
         // One warp a row: 4 rows a block; more: one (2w1r ran 1-3% ahead of 2w2r in all five
         // cases at 2048 x 4096).
@@ -309,7 +341,7 @@ impl NormVariant {
         // 13.42 and 77.8 against 83.2).
         let block_lane =
             matches!(call.spec.out, NormOutput::Quantized(Quantizer::Int8 | Quantizer::Nvfp4 { .. }));
-        NormVariant {
+        let plain = NormVariant {
             warps_per_row: warps,
             rows_per_block,
             early_weight: false,
@@ -318,6 +350,16 @@ impl NormVariant {
             block_lane,
             weight_ahead: false,
             row_total: false,
+            fixed_n: false,
+        };
+        let fixed = NormVariant { fixed_n: true, ..plain };
+        let wants_fixed = two_byte_x
+            && (block_lane
+                || (call.spec.kind == NormKind::Rms && matches!(call.spec.out, NormOutput::Float(_))));
+        if wants_fixed && NORM_VARIANTS.contains(&fixed) {
+            fixed
+        } else {
+            plain
         }
     }
 }
@@ -511,6 +553,9 @@ impl NormCall {
         }
         if variant.row_total {
             defines.push(("ROW_TOTAL_WARP", "1".to_owned()));
+        }
+        if variant.fixed_n {
+            defines.push(("SEGMENT_N", self.segment_len().to_string()));
         }
         Ok(defines)
     }
@@ -761,12 +806,15 @@ mod tests {
             x_type: DType::BF16,
             weight_type: DType::BF16,
         };
-        assert_eq!(NormVariant::default_for(&call(rms, 2048, 4096)), variant(2, 1, false));
-        assert_eq!(NormVariant::default_for(&call(rms, 8192, 8192)), variant(4, 1, false));
-        assert_eq!(NormVariant::default_for(&call(int8, 2048, 4096)), block_lane(4, 1));
-        assert_eq!(NormVariant::default_for(&call(int8, 8192, 8192)), block_lane(8, 1));
+        assert_eq!(NormVariant::default_for(&call(rms, 2048, 4096)), fixed(variant(2, 1, false)));
+        assert_eq!(NormVariant::default_for(&call(rms, 8192, 8192)), fixed(variant(4, 1, false)));
+        assert_eq!(NormVariant::default_for(&call(int8, 2048, 4096)), fixed(block_lane(8, 1)));
+        assert_eq!(NormVariant::default_for(&call(int8, 8192, 8192)), fixed(block_lane(8, 1)));
         let nvfp4 = NormSpec { out: NormOutput::Quantized(Quantizer::Nvfp4 { global_scale: 1.0 }), ..rms };
-        assert_eq!(NormVariant::default_for(&call(nvfp4, 8192, 8192)), block_lane(8, 1));
+        assert_eq!(NormVariant::default_for(&call(nvfp4, 2048, 4096)), fixed(block_lane(4, 1)));
+        assert_eq!(NormVariant::default_for(&call(nvfp4, 8192, 8192)), fixed(block_lane(4, 1)));
+        // Widths without a listed fixed-length variant keep the run-time length.
+        assert_eq!(NormVariant::default_for(&call(rms, 8192, 16_384)), variant(8, 1, false));
         let fp8 = NormSpec { out: NormOutput::Quantized(Quantizer::Fp8E4m3 { scale: 1.0 }), ..rms };
         assert_eq!(NormVariant::default_for(&call(fp8, 8192, 8192)), variant(8, 1, false));
         assert_eq!(NormVariant::default_for(&call(rms, 1, 4096)), variant(16, 1, true));
