@@ -454,7 +454,8 @@ pub const NORM: KernelSource = KernelSource {
             ("PERSISTENT", "1"),
         ],
         // The segment length compiled in (SEGMENT_N): the benchmark's NVFP4 RMSNorm at 8192, its
-        // default of 4 warps a row, one lane a block, and its INT8 RMSNorm at 4096, 8 warps a row.
+        // default of 4 warps a row, one lane a block, and its INT8 RMSNorm at 4096 on 8 warps a
+        // row (listed, not the default).
         &[
             ("KIND", "0"),
             ("X_T", "2"),
@@ -595,10 +596,10 @@ pub const NORM: KernelSource = KernelSource {
             ("PERSISTENT", "1"),
         ],
         // The declared defaults of the benchmark's LayerNorm at 8192 x 8192 (bf16, 8 units a warp)
-        // and RMSNorm after the residual add at 2048 x 4096 (its length compiled in), and the certified Llama-3-8B decode
-        // norm after the residual add (16w1r+e+p); `ops::norm`'s tests check that the launcher
-        // builds exactly these. (The LayerNorm default at 2048 x 4096, 2w1r, spills 12 bytes on
-        // sm_90 by choice: see KILN_NORM_BOUNDS in norm.cu.)
+        // and RMSNorm after the residual add at 2048 x 4096 (both with their length compiled in),
+        // and the certified Llama-3-8B decode norm after the residual add (16w1r+e+p); `ops::norm`'s
+        // tests check that the launcher builds exactly these. (The LayerNorm default at 2048 x
+        // 4096, 2 warps a row, may spill on sm_90 by choice: see KILN_NORM_BOUNDS in norm.cu.)
         &[
             ("KIND", "1"),
             ("X_T", "2"),
@@ -614,6 +615,7 @@ pub const NORM: KernelSource = KernelSource {
             ("UNITS_PER_WARP", "8"),
             ("EARLY_WEIGHT", "0"),
             ("PERSISTENT", "0"),
+            ("SEGMENT_N", "8192"),
         ],
         &[
             ("KIND", "0"),

@@ -566,6 +566,17 @@ fn row_total_variants_match_the_reference() {
     assert!(checked >= 200, "only {checked} checks served");
 }
 
+/// The variants with the segment length compiled in (`NormVariant::fixed_n`, labels `+n`) alone
+/// (a quick check: `cargo test ... --test gpu_norm fixed_n`): the cases of
+/// [`block_lane_variants_match_the_reference`], every one a kernel of its own length.
+#[test]
+fn fixed_n_variants_match_the_reference() {
+    let listed: Vec<NormVariant> = NORM_VARIANTS.iter().copied().filter(|v| v.fixed_n).collect();
+    assert!(listed.len() >= 4 && listed.iter().any(|v| v.block_lane) && listed.iter().any(|v| !v.block_lane));
+    let checked = check_variants_over_flavors_and_edges(&listed);
+    assert!(checked >= 200, "only {checked} checks served");
+}
+
 /// Every flavor (INT8 and NVFP4 outputs among them, and LayerNorm into INT8; those in every x
 /// dtype) over ragged shapes (one block, rows of a unit and a block, fewer units than a warp's
 /// pair, rows that leave lanes past the end), with and without the residual; the benchmark's INT8

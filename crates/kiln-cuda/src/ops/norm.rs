@@ -298,15 +298,13 @@ impl NormVariant {
     /// - INT8, NVFP4 and FP8 outputs, or fp32 x: 4 units a warp (8 warps at 8192: 64% and 41% of
     ///   the copy ceiling for INT8 and NVFP4 against 62% and 31% with 4 warps), except NVFP4 of
     ///   2-byte x from 32 units (8192: 8 units a warp, 4 warps; 49.5 us against 52.0 with 8
-    ///   warps) and INT8 of 2-byte x at 9 to 16 units (4096: 2 units a warp, 8 warps; 9.20 us
-    ///   against 9.49 with 4 warps);
+    ///   warps);
     /// - float outputs of 2-byte x: 8 units a warp (2 warps at 4096, 4 at 8192: 78-90% for
     ///   RMSNorm, 66-87% for LayerNorm, whose two reductions cost more with more warps);
-    /// - RMSNorm and the INT8 / NVFP4 outputs of 2-byte x with the segment length compiled in
-    ///   ([`NormVariant::fixed_n`]) where that variant is listed (2048 x 4096 RMSNorm with the
-    ///   residual 18.30 us against 19.79, NVFP4 at 8192 49.5 against 51.8; LayerNorm ran slower
-    ///   with it at 2048 x 4096, 12.8 us against 11.1, and keeps the run-time length;
-    ///   `bench/results/2026-12-01-h200`).
+    /// - float, INT8 and NVFP4 outputs of 2-byte x with the segment length compiled in
+    ///   ([`NormVariant::fixed_n`]) where that variant is listed (2048 x 4096: RMSNorm with the
+    ///   residual 18.3 us against 19.8, LayerNorm 10.6-10.7 against 13.4-13.5; NVFP4 at 8192
+    ///   50.1 against 51.8; `bench/results/2026-12-01-h200`, f3 and f4).
     pub fn default_for(call: &NormCall) -> NormVariant {
         let n = call.segment_len();
         let units = n.div_ceil(UNIT).max(1);
@@ -329,7 +327,6 @@ impl NormVariant {
         let per_warp = match call.spec.out {
             NormOutput::Float(_) if two_byte_x => 8,
             NormOutput::Quantized(Quantizer::Nvfp4 { .. }) if two_byte_x && units >= 32 => 8,
-            NormOutput::Quantized(Quantizer::Int8) if two_byte_x && (9..=16).contains(&units) => 2,
             _ => 4,
         };
         let warps = units.div_ceil(per_warp).next_power_of_two().clamp(1, 16) as u32;
@@ -353,9 +350,7 @@ impl NormVariant {
             fixed_n: false,
         };
         let fixed = NormVariant { fixed_n: true, ..plain };
-        let wants_fixed = two_byte_x
-            && (block_lane
-                || (call.spec.kind == NormKind::Rms && matches!(call.spec.out, NormOutput::Float(_))));
+        let wants_fixed = two_byte_x && (block_lane || matches!(call.spec.out, NormOutput::Float(_)));
         if wants_fixed && NORM_VARIANTS.contains(&fixed) {
             fixed
         } else {
@@ -808,7 +803,7 @@ mod tests {
         };
         assert_eq!(NormVariant::default_for(&call(rms, 2048, 4096)), fixed(variant(2, 1, false)));
         assert_eq!(NormVariant::default_for(&call(rms, 8192, 8192)), fixed(variant(4, 1, false)));
-        assert_eq!(NormVariant::default_for(&call(int8, 2048, 4096)), fixed(block_lane(8, 1)));
+        assert_eq!(NormVariant::default_for(&call(int8, 2048, 4096)), fixed(block_lane(4, 1)));
         assert_eq!(NormVariant::default_for(&call(int8, 8192, 8192)), fixed(block_lane(8, 1)));
         let nvfp4 = NormSpec { out: NormOutput::Quantized(Quantizer::Nvfp4 { global_scale: 1.0 }), ..rms };
         assert_eq!(NormVariant::default_for(&call(nvfp4, 2048, 4096)), fixed(block_lane(4, 1)));
@@ -826,8 +821,8 @@ mod tests {
             out: NormOutput::Float(DType::BF16),
         }
         .into();
-        assert_eq!(NormVariant::default_for(&call(layer, 2048, 4096)), variant(2, 1, false));
-        assert_eq!(NormVariant::default_for(&call(layer, 8192, 8192)), variant(4, 1, false));
+        assert_eq!(NormVariant::default_for(&call(layer, 2048, 4096)), fixed(variant(2, 1, false)));
+        assert_eq!(NormVariant::default_for(&call(layer, 8192, 8192)), fixed(variant(4, 1, false)));
         assert_eq!(NormVariant::default_for(&call(layer, 1, 4096)), variant(16, 1, true));
         assert_eq!(NormVariant::default_for(&call(layer, 8192, 16_384)), variant(8, 1, false));
         assert_eq!(NormVariant::default_for(&call(rms, 8192, 576)), variant(1, 4, false));
