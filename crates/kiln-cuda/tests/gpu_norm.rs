@@ -515,8 +515,9 @@ fn weight_ahead_and_early_block_lane_variants_match_the_reference() {
 
 /// LayerNorm of 2-byte x at 8 units a warp (the kernel's launch bounds of one block a
 /// multiprocessor, where the thread count alone left it 64 registers and spills): the benchmark's
-/// defaults at 4096 and 8192 (2w1r, 4w1r) and their `+t` forms, with and without the bias, the
-/// residual and a 2-byte output (a quick check: `cargo test ... --test gpu_norm layer_norm_at`).
+/// defaults at 4096 and 8192 (2w1r+n, 4w1r+n) and the `+t` forms of their shapes, with and
+/// without the bias, the residual and a 2-byte output (a quick check: `cargo test ... --test
+/// gpu_norm layer_norm_at`).
 #[test]
 fn layer_norm_at_8_units_a_warp_matches_the_reference() {
     let gpu = gpu();
@@ -542,7 +543,8 @@ fn layer_norm_at_8_units_a_warp_matches_the_reference() {
             let call = NormCall { spec: spec.into(), rows, hidden, x_type, weight_type };
             let default = NormVariant::default_for(&call);
             assert_eq!(default.units_per_warp(hidden), Some(8), "{call:?}");
-            let total = NormVariant { row_total: true, ..default };
+            // The default has its length compiled in (+n); its +t form is listed without it.
+            let total = NormVariant { row_total: true, fixed_n: false, ..default };
             assert!(NORM_VARIANTS.contains(&total), "{total:?}");
             let xt = FloatType::of(x_type, "test").unwrap();
             let x = rng.values(rows * hidden, -2.0, 2.0, xt);
