@@ -454,8 +454,8 @@ pub const NORM: KernelSource = KernelSource {
             ("PERSISTENT", "1"),
         ],
         // The segment length compiled in (SEGMENT_N): the benchmark's NVFP4 RMSNorm at 8192, its
-        // default of 4 warps a row, one lane a block, and its INT8 RMSNorm at 4096 on 8 warps a
-        // row (listed, not the default).
+        // default of 4 warps a row, one lane a block, and its INT8 RMSNorm default at 4096 (4
+        // warps a row, one lane a block).
         &[
             ("KIND", "0"),
             ("X_T", "2"),
@@ -484,9 +484,9 @@ pub const NORM: KernelSource = KernelSource {
             ("HAS_RESIDUAL", "0"),
             ("HF_ROUNDING", "1"),
             ("GATE", "0"),
-            ("WARPS_PER_ROW", "8"),
+            ("WARPS_PER_ROW", "4"),
             ("ROWS_PER_BLOCK", "1"),
-            ("UNITS_PER_WARP", "2"),
+            ("UNITS_PER_WARP", "4"),
             ("EARLY_WEIGHT", "0"),
             ("PERSISTENT", "0"),
             ("BLOCK_LANE", "1"),
