@@ -144,13 +144,19 @@ __device__ __forceinline__ int kiln_norm_col(int warp_in_row, int u, int lane) {
 #define KILN_NORM_PACKED_BF16                                                                      \
     (KIND == 0 && HF_ROUNDING && X_T == KILN_BF16 && W_T == KILN_BF16 && OUT_T == KILN_BF16 &&      \
      WEIGHT == 0 && !HAS_BIAS && GATE != 2 && !I8_PLANES)
+// The same product for a quantized output with Hugging Face's rounding, which quantizes exactly
+// those bf16 values (ops::norm): 2.5 instructions a value with the widening for the quantizer,
+// where unpacking the weight, the fp32 product, the rounding and its widening take 4.5.
+#define KILN_NORM_PACKED_Q                                                                         \
+    (KIND == 0 && HF_ROUNDING && X_T == KILN_BF16 && W_T == KILN_BF16 && OUT_T > KILN_BF16 &&       \
+     WEIGHT == 0 && !HAS_BIAS && GATE != 2 && !I8_PLANES)
 // A staged grid with the weight loaded early keeps it (and the bias) as fp32 values, 1 + w for
 // WEIGHT 1, across the segments it walks: no conversion a value and segment (up to 4 units a
 // warp: 32 registers for the weight, 32 for the bias).
 #ifndef STAGES
 #define STAGES 0
 #endif
-#define KILN_NORM_WF (STAGES && EARLY_WEIGHT && !KILN_NORM_PACKED_BF16 && UNITS_PER_WARP <= 4)
+#define KILN_NORM_WF (STAGES && EARLY_WEIGHT && !KILN_NORM_PACKED_BF16 && !KILN_NORM_PACKED_Q && UNITS_PER_WARP <= 4)
 
 // x rounded to bf16 and widened back, in one conversion where kiln_round2 takes one for two
 // values and two to widen them: cvt.rn.bf16x2.f32 puts bf16(x) in the upper half and bf16(0) = 0
@@ -802,15 +808,43 @@ __device__ __forceinline__ void kiln_norm_i8_planes(const float (&p)[8], void* p
 // at `codes_at` (16 bytes of INT8 or 8 of E2M1) and `scale_at` (an fp32 or E4M3 scale): the fast
 // paths and checks of the two-lane blocks (kiln_norm_segment), with the block maximum, the scale
 // and its store once for 16 values, and the codes in one store.
-__device__ __forceinline__ void kiln_norm_block16(const float (&y)[16], unsigned char* codes_at, unsigned char* scale_at,
-                                                  float qscale) {
-    // NaN when any value is (the reference's maximum skips NaN: the slow path takes it again).
+// The largest |y| of a block of 16 values, NaN when any value is (the reference's maximum skips
+// NaN: the slow path takes it again).
+__device__ __forceinline__ float kiln_block16_amax(const float (&y)[16]) {
     float m8[8];
 #pragma unroll
     for (int k = 0; k < 8; ++k) m8[k] = kiln_max_nan(fabsf(y[k]), fabsf(y[k + 8]));
 #pragma unroll
     for (int k = 0; k < 4; ++k) m8[k] = kiln_max_nan(m8[k], m8[k + 4]);
-    const float amax = kiln_max_nan(kiln_max_nan(m8[0], m8[2]), kiln_max_nan(m8[1], m8[3]));
+    return kiln_max_nan(kiln_max_nan(m8[0], m8[2]), kiln_max_nan(m8[1], m8[3]));
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 860
+// The same maximum from the block's 16 values as 8 packed pairs of bf16 (the values y holds,
+// exactly): `max.NaN.xorsign.abs.bf16x2` takes the larger magnitude of each pair of pairs (a
+// canonical NaN when either is NaN; the sign it gives is dropped at the end), 7 of them and 3 to
+// finish where the fp32 values take 15 (sm_86 and later). NVFP4 with 8 units a warp or more (the
+// 8192 default): elsewhere the packed pairs held beside the fp32 values spilled (INT8 at 8 units
+// a warp, NVFP4 at 4 under the 64-register bound).
+__device__ __forceinline__ unsigned int kiln_bf16x2_max_abs(unsigned int a, unsigned int b) {
+    unsigned int d;
+    asm("max.NaN.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+__device__ __forceinline__ float kiln_bf16x16_amax(const unsigned int (&q)[8]) {
+    const unsigned int m = kiln_bf16x2_max_abs(
+        kiln_bf16x2_max_abs(kiln_bf16x2_max_abs(q[0], q[4]), kiln_bf16x2_max_abs(q[2], q[6])),
+        kiln_bf16x2_max_abs(kiln_bf16x2_max_abs(q[1], q[5]), kiln_bf16x2_max_abs(q[3], q[7])));
+    return kiln_max_nan(fabsf(__uint_as_float(m << 16)), fabsf(__uint_as_float(m & 0xFFFF0000u)));
+}
+#define KILN_NORM_PACKED_AMAX (OUT_T == KILN_OUT_NVFP4 && UNITS_PER_WARP >= 8)
+#else
+#define KILN_NORM_PACKED_AMAX 0
+#endif
+
+// `amax`: kiln_block16_amax(y).
+__device__ __forceinline__ void kiln_norm_block16(const float (&y)[16], float amax, unsigned char* codes_at,
+                                                  unsigned char* scale_at, float qscale) {
     // The maximum without NaN values, as the reference takes it (slow paths only).
     auto reference_amax = [&]() {
         float m = 0.0f;
@@ -967,6 +1001,10 @@ __device__ __forceinline__ void kiln_norm_segment(
     // BLOCK_LANE with a block-quantized output: the lane's 16 values of register units 2P, 2P + 1.
 #if BLOCK_LANE && KILN_NORM_BLOCKED
     float p16[16];
+#if KILN_NORM_PACKED_AMAX && KILN_NORM_PACKED_Q
+    // The same values as packed bf16 pairs, for the block maximum.
+    unsigned int yq16[8];
+#endif
     // The codes and scale of this lane's first block of the segment; every later block's are
     // constant offsets from them (kiln_norm_off is a multiple of 16). With 8 warps a row or more
     // they are computed here once (the empty asm keeps ptxas from computing both again for each
@@ -1020,7 +1058,24 @@ __device__ __forceinline__ void kiln_norm_segment(
             }
         } else {
         float p[8];
-        if (valid) {
+        if (KILN_NORM_PACKED_Q && valid) {
+            // round(round(x * r) * w) as the packed float output's (KILN_NORM_PACKED_BF16), then
+            // widened for the quantizer: no unpacked weight, no fp32 product, no second rounding.
+            const KilnRaw8<W_T> wraw = EARLY_WEIGHT ? wr[EARLY_WEIGHT && WEIGHT != 2 ? u : 0] : KILN_NORM_W_UNIT(u);
+            KILN_NORM_VALUES(u, a);
+            KilnRaw8<KILN_BF16> y;
+            y.q[0].x = kiln_bf16x2_mul(kiln_pack_bf16x2(a[0] * r, a[1] * r), wraw.q[0].x);
+            y.q[0].y = kiln_bf16x2_mul(kiln_pack_bf16x2(a[2] * r, a[3] * r), wraw.q[0].y);
+            y.q[0].z = kiln_bf16x2_mul(kiln_pack_bf16x2(a[4] * r, a[5] * r), wraw.q[0].z);
+            y.q[0].w = kiln_bf16x2_mul(kiln_pack_bf16x2(a[6] * r, a[7] * r), wraw.q[0].w);
+            kiln_raw8_unpack<KILN_BF16>(y, p);
+#if BLOCK_LANE && KILN_NORM_BLOCKED && KILN_NORM_PACKED_AMAX && KILN_NORM_PACKED_Q
+            yq16[(u & 1) * 4 + 0] = y.q[0].x;
+            yq16[(u & 1) * 4 + 1] = y.q[0].y;
+            yq16[(u & 1) * 4 + 2] = y.q[0].z;
+            yq16[(u & 1) * 4 + 3] = y.q[0].w;
+#endif
+        } else if (valid) {
             // w: the weight's factor (w, or 1 + w); b: the bias.
             float w[8], b[8], z[8];
             if (WEIGHT != 2) {
@@ -1066,6 +1121,11 @@ __device__ __forceinline__ void kiln_norm_segment(
                 if (GATE == 2) q = q * kiln_silu(z[k]);
                 p[k] = q;
             }
+            // A quantized output with Hugging Face's rounding quantizes v rounded to x's type.
+            if (HF_ROUNDING && OUT_T > KILN_BF16) {
+#pragma unroll
+                for (int k = 0; k < 8; k += 2) kiln_round2<X_T>(p[k], p[k + 1]);
+            }
         } else {
 #pragma unroll
             for (int k = 0; k < 8; ++k) p[k] = 0.0f;
@@ -1093,7 +1153,12 @@ __device__ __forceinline__ void kiln_norm_segment(
 #pragma unroll
             for (int k = 0; k < 8; ++k) p16[(u & 1) * 8 + k] = p[k];
             if ((u & 1) == 0) continue;
-            kiln_norm_block16(p16, codes_first + kiln_norm_off(u - 1) / (OUT_T == KILN_OUT_INT8 ? 1 : 2),
+#if KILN_NORM_PACKED_AMAX && KILN_NORM_PACKED_Q
+            const float amax = kiln_bf16x16_amax(yq16);
+#else
+            const float amax = kiln_block16_amax(p16);
+#endif
+            kiln_norm_block16(p16, amax, codes_first + kiln_norm_off(u - 1) / (OUT_T == KILN_OUT_INT8 ? 1 : 2),
                               scales_first + kiln_norm_off(u - 1) / 16 * (OUT_T == KILN_OUT_INT8 ? 4 : 1), qscale);
 #endif
         } else {

@@ -13,8 +13,13 @@
 //! Layer: m = sum(g) / n;  d = g - m;  r = 1 / sqrt(sum(d*d) / n + eps);  p = d * r
 //! p   = round_to_x_type(p)                      only with RmsNormRounding::HuggingFace
 //! v   = p * w  (w, or 1 + w, or nothing);  v = v + b  (with a bias);  v = v * silu(z) (gate after)
-//! out = v rounded once to the output type, or quantized from v (see `ops::quantize`)
+//! out = v rounded once to the output type, or quantized from q (see `ops::quantize`), where
+//!       q = round_to_x_type(v) with RmsNormRounding::HuggingFace, else q = v
 //! ```
+//!
+//! With Hugging Face's rounding a quantized output quantizes exactly the values its float output
+//! in x's type would hold (`round(round(x * r) * w)`, what the model hands the next layer's
+//! quantizer), so the fused norm and quantizer equals the norm followed by the quantizer.
 //!
 //! Every product and sum is rounded on its own (no fused multiply-add), the sums are the
 //! fixed-order [`unit_sum`] over the group, and `sqrt` and `/` are correctly rounded.
@@ -58,7 +63,8 @@ pub enum Gate {
 pub enum NormOutput {
     /// Values rounded to a float dtype (F32, F16 or BF16).
     Float(DType),
-    /// Values quantized from the same fp32 `v`.
+    /// Values quantized from the same `v` (rounded to x's type first with Hugging Face's
+    /// rounding, as its float output in that type would be).
     Quantized(Quantizer),
 }
 
@@ -299,7 +305,14 @@ impl NormSpec {
                 let out = FloatType::of(dtype, "norm")?;
                 (v.iter().map(|&p| out.round(p)).collect(), None)
             }
-            NormOutput::Quantized(q) => (Vec::new(), Some(q.quantize(&v, hidden)?)),
+            NormOutput::Quantized(q) => {
+                if self.rounding == RmsNormRounding::HuggingFace {
+                    for value in v.iter_mut() {
+                        *value = x_type.round(*value);
+                    }
+                }
+                (Vec::new(), Some(q.quantize(&v, hidden)?))
+            }
         };
         Ok(NormResult { y, quantized, residual: residual_out })
     }
@@ -397,6 +410,32 @@ mod tests {
             assert_eq!(single[j], FloatType::BF16.round(x[j] * r * w[j]));
         }
         assert_ne!(hf, single, "the two orders differ somewhere on this input");
+    }
+
+    #[test]
+    fn quantized_outputs_quantize_the_float_output_of_x_type() {
+        use crate::ops::quantize::Quantizer;
+        let mut r = lcg(7);
+        let hidden = 256;
+        let x: Vec<f32> = (0..2 * hidden).map(|_| FloatType::BF16.round(r() * 3.0)).collect();
+        let w: Vec<f32> = (0..hidden).map(|_| FloatType::BF16.round(r())).collect();
+        let ins = NormInputs { x_type: DType::BF16, ..inputs(&x, &w) };
+        for q in [Quantizer::Int8, Quantizer::Nvfp4 { global_scale: 448.0 }, Quantizer::Fp8E4m3 { scale: 0.01 }] {
+            for rounding in [RmsNormRounding::HuggingFace, RmsNormRounding::Single] {
+                let float = RmsNorm { rounding, out: NormOutput::Float(DType::F32), ..RmsNorm::llama(1e-6, DType::BF16) };
+                let v = float.run(hidden, &ins).unwrap().y;
+                let quantized = RmsNorm { rounding, out: NormOutput::Quantized(q), ..float };
+                let got = quantized.run(hidden, &ins).unwrap().quantized.unwrap();
+                let from: Vec<f32> = match rounding {
+                    RmsNormRounding::HuggingFace => v.iter().map(|&t| FloatType::BF16.round(t)).collect(),
+                    RmsNormRounding::Single => v.clone(),
+                };
+                assert_eq!(got, q.quantize(&from, hidden).unwrap(), "{q:?} {rounding:?}");
+                if rounding == RmsNormRounding::HuggingFace {
+                    assert_ne!(from, v, "the rounding to bf16 changes some value of this input");
+                }
+            }
+        }
     }
 
     #[test]
