@@ -39,7 +39,13 @@
 // INT8 (3.25 bytes, about 26) needs 16.6 (531 a lane at 8192 x 8192; 16.2 at 2048 x 4096, 4
 // warps a row; of which the codes 1 and their packing 0.75). Hugging Face's rounding with bf16 x,
 // weight and output takes the weight's product packed (`kiln_bf16x2_mul`, see
-// KILN_NORM_PACKED_BF16): about 6 a value for the whole norm.
+// KILN_NORM_PACKED_BF16): about 6 a value for the whole norm. The INT8 / NVFP4 / FP8 outputs of
+// that rounding quantize those same bf16 values (ops::norm) and take the same packed product
+// (KILN_NORM_PACKED_Q: 2.5 a value with the widening, where the fp32 product and its rounding
+// took 4.5 before the reference quantized the bf16 values); NVFP4 at 8 units a warp takes each
+// block's maximum from the packed pairs on sm_86 and later (10 instructions a block, not 15).
+// The default NVFP4 kernel at 8192 x 8192 (4 warps a row, 8 units a warp, +n) then runs 48.0 us
+// on the H200, 84% of the copy ceiling (bench/results/2026-12-01-h200-g, g2).
 //
 // A segment is one norm: a row, or one group of a row (`n` elements, `groups` per row). Unit `u`
 // of a segment (elements 256u .. 256u + 256) belongs to warp `u % WARPS_PER_ROW` of the row's
