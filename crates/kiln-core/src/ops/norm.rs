@@ -420,9 +420,15 @@ mod tests {
         let x: Vec<f32> = (0..2 * hidden).map(|_| FloatType::BF16.round(r() * 3.0)).collect();
         let w: Vec<f32> = (0..hidden).map(|_| FloatType::BF16.round(r())).collect();
         let ins = NormInputs { x_type: DType::BF16, ..inputs(&x, &w) };
-        for q in [Quantizer::Int8, Quantizer::Nvfp4 { global_scale: 448.0 }, Quantizer::Fp8E4m3 { scale: 0.01 }] {
+        for q in
+            [Quantizer::Int8, Quantizer::Nvfp4 { global_scale: 448.0 }, Quantizer::Fp8E4m3 { scale: 0.01 }]
+        {
             for rounding in [RmsNormRounding::HuggingFace, RmsNormRounding::Single] {
-                let float = RmsNorm { rounding, out: NormOutput::Float(DType::F32), ..RmsNorm::llama(1e-6, DType::BF16) };
+                let float = RmsNorm {
+                    rounding,
+                    out: NormOutput::Float(DType::F32),
+                    ..RmsNorm::llama(1e-6, DType::BF16)
+                };
                 let v = float.run(hidden, &ins).unwrap().y;
                 let quantized = RmsNorm { rounding, out: NormOutput::Quantized(q), ..float };
                 let got = quantized.run(hidden, &ins).unwrap().quantized.unwrap();
