@@ -848,9 +848,15 @@ __device__ __forceinline__ float kiln_bf16x16_amax(const unsigned int (&q)[8]) {
 #define KILN_NORM_PACKED_AMAX 0
 #endif
 
-// `amax`: kiln_block16_amax(y).
+// qscale where it is in the NVFP4 fast path's range, NaN otherwise: once a segment, so that each
+// block checks only its scaled maximum.
+__device__ __forceinline__ float kiln_nvfp4_qscale_fast(float qscale) {
+    return qscale >= KILN_NVFP4_QSCALE_LO && qscale <= KILN_NVFP4_QSCALE_HI ? qscale : __int_as_float(0x7FC00000);
+}
+
+// `amax`: kiln_block16_amax(y); `qscale_fast`: kiln_nvfp4_qscale_fast(qscale) (NVFP4).
 __device__ __forceinline__ void kiln_norm_block16(const float (&y)[16], float amax, unsigned char* codes_at,
-                                                  unsigned char* scale_at, float qscale) {
+                                                  unsigned char* scale_at, float qscale, float qscale_fast) {
     // The maximum without NaN values, as the reference takes it (slow paths only).
     auto reference_amax = [&]() {
         float m = 0.0f;
@@ -883,14 +889,15 @@ __device__ __forceinline__ void kiln_norm_block16(const float (&y)[16], float am
         *reinterpret_cast<uint4*>(codes_at) = make_uint4(w[0], w[1], w[2], w[3]);
         *reinterpret_cast<float*>(scale_at) = scale;
     } else {
-        // The fast path's conditions: see KILN_NVFP4_SCALED_LO (1 / 6 is 0x3E2AAAAB).
-        const float scaled = kiln_div_const(amax, 6.0f, __uint_as_float(0x3E2AAAABu)) * qscale;
+        // The fast path's conditions: see KILN_NVFP4_SCALED_LO (1 / 6 is 0x3E2AAAAB). qscale_fast
+        // is qscale where it is in the fast path's range, NaN otherwise (kiln_nvfp4_qscale_fast),
+        // so that its check is the scaled value's (NaN fails both comparisons).
+        const float scaled = kiln_div_const(amax, 6.0f, __uint_as_float(0x3E2AAAABu)) * qscale_fast;
         // Each path stores its own results (no merge of the two paths' registers before a
         // shared store).
-        if (qscale >= KILN_NVFP4_QSCALE_LO && qscale <= KILN_NVFP4_QSCALE_HI && scaled >= KILN_NVFP4_SCALED_LO &&
-            scaled <= 448.0f) {
+        if (scaled >= KILN_NVFP4_SCALED_LO && scaled <= 448.0f) {
             const unsigned int s = kiln_e4m3x2(scaled, 0.0f);  // e4m3(0) = 0 above the code: no mask
-            const float inverse = kiln_nvfp4_inverse(qscale, kiln_e4m3_value(s));
+            const float inverse = kiln_nvfp4_inverse(qscale_fast, kiln_e4m3_value(s));
             const float twice = inverse * 2.0f;
             unsigned int c[2][8];
 #pragma unroll
@@ -1007,6 +1014,10 @@ __device__ __forceinline__ void kiln_norm_segment(
     // BLOCK_LANE with a block-quantized output: the lane's 16 values of register units 2P, 2P + 1.
 #if BLOCK_LANE && KILN_NORM_BLOCKED
     float p16[16];
+    // Held in a register (the empty asm hides where it comes from: ptxas would otherwise load
+    // qscale and check it again for each block).
+    float qscale_fast = kiln_nvfp4_qscale_fast(qscale);
+    if (OUT_T == KILN_OUT_NVFP4) asm volatile("" : "+f"(qscale_fast));
 #if KILN_NORM_PACKED_AMAX && KILN_NORM_PACKED_Q
     // The same values as packed bf16 pairs, for the block maximum.
     unsigned int yq16[8];
@@ -1165,7 +1176,8 @@ __device__ __forceinline__ void kiln_norm_segment(
             const float amax = kiln_block16_amax(p16);
 #endif
             kiln_norm_block16(p16, amax, codes_first + kiln_norm_off(u - 1) / (OUT_T == KILN_OUT_INT8 ? 1 : 2),
-                              scales_first + kiln_norm_off(u - 1) / 16 * (OUT_T == KILN_OUT_INT8 ? 4 : 1), qscale);
+                              scales_first + kiln_norm_off(u - 1) / 16 * (OUT_T == KILN_OUT_INT8 ? 4 : 1), qscale,
+                              qscale_fast);
 #endif
         } else {
             // INT8 / NVFP4: lanes 2i and 2i + 1 hold one block of 16 values.
