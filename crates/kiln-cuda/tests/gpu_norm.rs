@@ -354,6 +354,44 @@ fn quantized_outputs_of_nan_and_infinite_values_match_the_reference() {
     }
 }
 
+/// NVFP4 outputs with global scales outside the fast path's range (2^-80 to 2^80: the kernel
+/// then takes the reference's way for every block), and at its two ends, on every variant.
+#[test]
+fn nvfp4_outputs_of_extreme_global_scales_match_the_reference() {
+    let gpu = gpu();
+    let mut rng = Rng::fresh();
+    let (rows, hidden) = (70usize, 4096usize);
+    let mut checked = 0;
+    // (global scale, weight factor): the weight scaled so that the blocks' scaled maxima stay in
+    // range where the global scale alone is out of it (or just in it).
+    for (global_scale, factor) in [
+        (1e30f32, 1.0f32),
+        (1e-30, 1.0),
+        (2f32.powi(80), 2f32.powi(-82)),
+        (2f32.powi(81), 2f32.powi(-82)),
+        (2f32.powi(-80), 2f32.powi(82)),
+        (2f32.powi(-81), 2f32.powi(82)),
+    ] {
+        let spec: NormSpec = RmsNorm {
+            out: NormOutput::Quantized(Quantizer::Nvfp4 { global_scale }),
+            ..RmsNorm::llama(1e-5, DType::BF16)
+        }
+        .into();
+        let call = NormCall { spec, rows, hidden, x_type: DType::BF16, weight_type: DType::BF16 };
+        let x = rng.values(rows * hidden, -2.0, 2.0, FloatType::BF16);
+        let weight: Vec<f32> = rng
+            .values(hidden, 0.25, 1.75, FloatType::BF16)
+            .iter()
+            .map(|w| FloatType::BF16.round(w * factor))
+            .collect();
+        for &variant in NORM_VARIANTS.iter().filter(|v| call.validate(**v).is_ok()) {
+            check_on_weight(&gpu, &mut rng, call, variant, &x, checked % 2 == 1, Some(&weight));
+            checked += 1;
+        }
+    }
+    assert!(checked >= 60, "only {checked} checks served");
+}
+
 /// bf16 outputs of Hugging Face's rounding (the kernel's packed `fma.rn.bf16x2` product) with
 /// weights over bf16's whole range: subnormal, tiny and huge magnitudes, so that round(x_r * w)
 /// underflows to subnormals and zero and overflows to infinity, every variant, with and without
