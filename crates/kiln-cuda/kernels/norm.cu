@@ -147,15 +147,14 @@ __device__ __forceinline__ int kiln_norm_col(int warp_in_row, int u, int lane) {
 // `fma.rn.bf16x2` with a -0 addend gives for two values in one instruction, from the packed
 // rounding of x * r and the weight's raw bits: 1 instruction a value where unpacking, the fp32
 // product and the second rounding take 4.
-#define KILN_NORM_PACKED_BF16                                                                      \
-    (KIND == 0 && HF_ROUNDING && X_T == KILN_BF16 && W_T == KILN_BF16 && OUT_T == KILN_BF16 &&      \
-     WEIGHT == 0 && !HAS_BIAS && GATE != 2 && !I8_PLANES)
+#define KILN_NORM_PACKED_PRODUCT                                                                   \
+    (KIND == 0 && HF_ROUNDING && X_T == KILN_BF16 && W_T == KILN_BF16 && WEIGHT == 0 && !HAS_BIAS &&  \
+     GATE != 2 && !I8_PLANES)
+#define KILN_NORM_PACKED_BF16 (KILN_NORM_PACKED_PRODUCT && OUT_T == KILN_BF16)
 // The same product for a quantized output with Hugging Face's rounding, which quantizes exactly
 // those bf16 values (ops::norm): 2.5 instructions a value with the widening for the quantizer,
 // where unpacking the weight, the fp32 product, the rounding and its widening take 4.5.
-#define KILN_NORM_PACKED_Q                                                                         \
-    (KIND == 0 && HF_ROUNDING && X_T == KILN_BF16 && W_T == KILN_BF16 && OUT_T > KILN_BF16 &&       \
-     WEIGHT == 0 && !HAS_BIAS && GATE != 2 && !I8_PLANES)
+#define KILN_NORM_PACKED_Q (KILN_NORM_PACKED_PRODUCT && OUT_T > KILN_BF16)
 // A staged grid with the weight loaded early keeps it (and the bias) as fp32 values, 1 + w for
 // WEIGHT 1, across the segments it walks: no conversion a value and segment (up to 4 units a
 // warp: 32 registers for the weight, 32 for the bias).
@@ -181,6 +180,15 @@ __device__ __forceinline__ unsigned int kiln_bf16x2_mul(unsigned int a, unsigned
     unsigned int d;
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
     return d;
+}
+
+// round(round(a * r) * w) for 8 values a (x as fp32) and the weight's raw bf16 bits, packed:
+// KILN_NORM_PACKED_BF16's and KILN_NORM_PACKED_Q's product.
+__device__ __forceinline__ uint4 kiln_norm_packed_product(const float (&a)[8], float r, uint4 w) {
+    return make_uint4(kiln_bf16x2_mul(kiln_pack_bf16x2(a[0] * r, a[1] * r), w.x),
+                      kiln_bf16x2_mul(kiln_pack_bf16x2(a[2] * r, a[3] * r), w.y),
+                      kiln_bf16x2_mul(kiln_pack_bf16x2(a[4] * r, a[5] * r), w.z),
+                      kiln_bf16x2_mul(kiln_pack_bf16x2(a[6] * r, a[7] * r), w.w));
 }
 
 // max(a, b), NaN when either is (PTX max.NaN, sm_80 and later): a NaN reaching a fast-path
@@ -1018,8 +1026,9 @@ __device__ __forceinline__ void kiln_norm_segment(
     // qscale and check it again for each block).
     float qscale_fast = kiln_nvfp4_qscale_fast(qscale);
     if (OUT_T == KILN_OUT_NVFP4) asm volatile("" : "+f"(qscale_fast));
-#if KILN_NORM_PACKED_AMAX && KILN_NORM_PACKED_Q
     // The same values as packed bf16 pairs, for the block maximum.
+#define KILN_NORM_YQ16 (KILN_NORM_PACKED_AMAX && KILN_NORM_PACKED_Q)
+#if KILN_NORM_YQ16
     unsigned int yq16[8];
 #endif
     // The codes and scale of this lane's first block of the segment; every later block's are
@@ -1067,10 +1076,7 @@ __device__ __forceinline__ void kiln_norm_segment(
                                                         : KILN_NORM_W_UNIT(u);
                 KILN_NORM_VALUES(u, a);
                 KilnRaw8<W_T> y;
-                y.q[0].x = kiln_bf16x2_mul(kiln_pack_bf16x2(a[0] * r, a[1] * r), wraw.q[0].x);
-                y.q[0].y = kiln_bf16x2_mul(kiln_pack_bf16x2(a[2] * r, a[3] * r), wraw.q[0].y);
-                y.q[0].z = kiln_bf16x2_mul(kiln_pack_bf16x2(a[4] * r, a[5] * r), wraw.q[0].z);
-                y.q[0].w = kiln_bf16x2_mul(kiln_pack_bf16x2(a[6] * r, a[7] * r), wraw.q[0].w);
+                y.q[0] = kiln_norm_packed_product(a, r, wraw.q[0]);
                 kiln_raw8_store<W_T>(out, KILN_NORM_AT(base, u), y);
             }
         } else {
@@ -1081,12 +1087,9 @@ __device__ __forceinline__ void kiln_norm_segment(
             const KilnRaw8<W_T> wraw = EARLY_WEIGHT ? wr[EARLY_WEIGHT && WEIGHT != 2 ? u : 0] : KILN_NORM_W_UNIT(u);
             KILN_NORM_VALUES(u, a);
             KilnRaw8<KILN_BF16> y;
-            y.q[0].x = kiln_bf16x2_mul(kiln_pack_bf16x2(a[0] * r, a[1] * r), wraw.q[0].x);
-            y.q[0].y = kiln_bf16x2_mul(kiln_pack_bf16x2(a[2] * r, a[3] * r), wraw.q[0].y);
-            y.q[0].z = kiln_bf16x2_mul(kiln_pack_bf16x2(a[4] * r, a[5] * r), wraw.q[0].z);
-            y.q[0].w = kiln_bf16x2_mul(kiln_pack_bf16x2(a[6] * r, a[7] * r), wraw.q[0].w);
+            y.q[0] = kiln_norm_packed_product(a, r, wraw.q[0]);
             kiln_raw8_unpack<KILN_BF16>(y, p);
-#if BLOCK_LANE && KILN_NORM_BLOCKED && KILN_NORM_PACKED_AMAX && KILN_NORM_PACKED_Q
+#if KILN_NORM_YQ16
             yq16[(u & 1) * 4 + 0] = y.q[0].x;
             yq16[(u & 1) * 4 + 1] = y.q[0].y;
             yq16[(u & 1) * 4 + 2] = y.q[0].z;
@@ -1170,7 +1173,7 @@ __device__ __forceinline__ void kiln_norm_segment(
 #pragma unroll
             for (int k = 0; k < 8; ++k) p16[(u & 1) * 8 + k] = p[k];
             if ((u & 1) == 0) continue;
-#if KILN_NORM_PACKED_AMAX && KILN_NORM_PACKED_Q
+#if KILN_NORM_YQ16
             const float amax = kiln_bf16x16_amax(yq16);
 #else
             const float amax = kiln_block16_amax(p16);
