@@ -95,6 +95,20 @@
 #ifndef STATS
 #define STATS 0
 #endif
+// PBUF (1 or 2): buffers of unit sums. With 2 (persistent grids), tile k's sums go to buffer
+// k % 2, so a block needs one barrier a tile (before the sums are added up), not two: its warps
+// go on to the next tile's steps while the slowest threads still add up the last one.
+#ifndef PBUF
+#define PBUF 1
+#endif
+static_assert(PBUF == 1 || (PBUF == 2 && STAGES > 0), "PBUF is 1, or 2 on the persistent ring (STAGES)");
+// SPLIT (0 or 1, 1 by default; the cooperative ring): a (tile, unit)'s steps but its last STAGES
+// run in a loop of their own whose copies stay in that tile and unit, so its producer keeps no
+// count and tests nothing a step (whether the copies need checks is known for the whole loop);
+// the last STAGES steps take the general producer, which moves on to the next tile or unit.
+#ifndef SPLIT
+#define SPLIT 1
+#endif
 
 #define ROWS_P2 (ROWS <= 1 ? 1 : (ROWS <= 2 ? 2 : (ROWS <= 4 ? 4 : 8)))
 // A step's VROWS rows are reduced VSUB at a time: at most 32 sums per transposed reduction.
@@ -385,8 +399,19 @@ __device__ __forceinline__ void lm_finish_tile(const float* partial, const float
         const int r = p / tile, i = p - r * tile;
         const long long v = v0 + i;
         if (v < vocab) {
+            // Left to right; eight loads issued before their additions.
+            const float* col = partial + r * stride + i;
+            const int step = ROWS * stride;
             float acc = 0.0f;
-            for (int u = 0; u < units; ++u) acc = acc + partial[(u * ROWS + r) * stride + i];
+            int u = 0;
+            for (; u + 8 <= units; u += 8) {
+                float s[8];
+#pragma unroll
+                for (int k = 0; k < 8; ++k) s[k] = col[(u + k) * step];
+#pragma unroll
+                for (int k = 0; k < 8; ++k) acc = acc + s[k];
+            }
+            for (; u < units; ++u) acc = acc + col[u * step];
             float y = acc;
 #if ROW_SCALE
             y = y * row_scale[r];
@@ -406,7 +431,11 @@ __device__ __forceinline__ void lm_finish_tile(const float* partial, const float
     __syncthreads();
     if (threadIdx.x < ROWS) stats[(long long)threadIdx.x * tiles + t] = tile_max[threadIdx.x];
 #endif
-    __syncthreads();
+    // With one buffer, the next tile's sums overwrite these: every thread must be done. With two
+    // (PBUF), they go to the other buffer, and this one is written again only after the next
+    // tile's first barrier, which every thread passes after finishing here (and a thread that
+    // writes a row's statistics is the one that resets it at the next tile's start).
+    if (PBUF == 1) __syncthreads();
 }
 
 #if RING
@@ -530,12 +559,14 @@ __device__ __forceinline__ void lm_produce(const kiln_u8* __restrict__ weights, 
 // Copies the producer's step into ring slot `slot` (`dst`: this lane's first chunk in slot 0),
 // commits the group and moves on by one step. Past the vocabulary or `hidden` it copies zeros,
 // past the last tile nothing (a group is committed either way).
-__device__ __forceinline__ void lm_coop_produce(const kiln_u8* __restrict__ weights, kiln_u32 row_bytes,
-                                                kiln_u32 vocab, int hidden, int tile, long long tiles, int units,
-                                                int groups, int warp, int lane, kiln_u32 dst, int slot,
-                                                kiln_u32 step_bytes, LmProducer& p) {
+// FAST: 1 when the step is known to need no checks, 0 when it is known to need them, -1 to test
+// the producer's flag. Copies only: no commit, no move.
+template <int FAST>
+__device__ __forceinline__ void lm_coop_copy(const kiln_u8* __restrict__ weights, kiln_u32 row_bytes,
+                                             kiln_u32 vocab, int hidden, int tile, long long tiles, int lane,
+                                             kiln_u32 dst, int slot, const LmProducer& p) {
     const kiln_u32 d = dst + slot * (VROWS * 512);
-    if (p.fast) {
+    if (FAST < 0 ? p.fast : FAST == 1) {
 #pragma unroll
         for (int j = 0; j < VROWS; ++j) lm_cp_async_16_full(d + j * (LPR * 16), p.src + j * (LPR * 16));
     } else if (p.t < tiles) {
@@ -550,6 +581,13 @@ __device__ __forceinline__ void lm_coop_produce(const kiln_u8* __restrict__ weig
             kiln_cp_async_16(d + j * (LPR * 16), reinterpret_cast<const void*>(source), valid);
         }
     }
+}
+
+__device__ __forceinline__ void lm_coop_produce(const kiln_u8* __restrict__ weights, kiln_u32 row_bytes,
+                                                kiln_u32 vocab, int hidden, int tile, long long tiles, int units,
+                                                int groups, int warp, int lane, kiln_u32 dst, int slot,
+                                                kiln_u32 step_bytes, LmProducer& p) {
+    lm_coop_copy<-1>(weights, row_bytes, vocab, hidden, tile, tiles, lane, dst, slot, p);
     lm_advance<true>(weights, row_bytes, vocab, hidden, tile, tiles, units, groups, warp, lane, step_bytes, p);
 }
 #endif
@@ -572,6 +610,10 @@ kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, c
     const int units = (hidden + 255) >> 8;
     const int stride = tile + 1;
     const long long tiles = (vocab + tile - 1) / tile;
+#if STAGES
+    // Floats of one buffer of unit sums (16-byte aligned); PBUF buffers, then the ring.
+    const int pstride = (units * ROWS * stride + 3) & ~3;
+#endif
 
     // This lane's slot permutation (XSLOT): its registers of step row i and row r hold vocabulary
     // row i ^ xi of the step and h row r ^ xr.
@@ -581,7 +623,7 @@ kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, c
 #if RING_COOP
     // As the ring below, with cooperative copies (COOP, see the header).
     const int groups = tile / VROWS;
-    const int ring_offset = (units * ROWS * stride + 3) & ~3;
+    const int ring_offset = PBUF * pstride;
     const uint4* ring_warp = reinterpret_cast<const uint4*>(partial + ring_offset) + warp * (STAGES * VROWS * 32);
     const kiln_u32 copy_dst = kiln_smem_address(ring_warp + (lane / LPR) * 32 + lane % LPR);
     // Where this lane reads step row i (vocabulary row i ^ xi) in slot 0, in 16-byte units.
@@ -599,15 +641,46 @@ kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, c
     }
     float hv[ROWS_P2][8];
     int hu = -1;
+    // This tile's buffer of unit sums (PBUF: tile k of the block in buffer k % 2).
+    float* sums = partial;
     for (long long t = blockIdx.x; t < tiles; t += gridDim.x) {
         for (int u = warp; u < units; u += WARPS) {
             if (u != hu) {
                 lm_load_h(h, hidden, u, lane, xr, hv);
                 hu = u;
             }
-            float* out = partial + (long long)u * ROWS * stride;
+            float* out = sums + (long long)u * ROWS * stride;
             // Every (tile, unit) starts at slot 0: its `groups` steps are a multiple of STAGES.
-            for (int g = 0; g < groups; g += STAGES) {
+            int g = 0;
+#if SPLIT
+            // The steps whose copies stay in this (tile, unit): the producer only moves its
+            // source on, and whether they need checks is known for all of them (the producer is
+            // at step STAGES - 1 of this tile and unit, located at its start).
+#define LM_COOP_RUN(FASTV)                                                                                   \
+    for (; g < groups - STAGES; g += STAGES) {                                                               \
+        _Pragma("unroll") for (int s = 0; s < STAGES; ++s) {                                                 \
+            kiln_cp_async_wait<STAGES - 2>();                                                                \
+            __syncwarp();                                                                                    \
+            if (FASTV == 0) producer.g = g + s + STAGES - 1;                                                 \
+            lm_coop_copy<FASTV>(weights, ring_row_bytes, ring_vocab, hidden, tile, tiles, lane, copy_dst,    \
+                                (s + STAGES - 1) % STAGES, producer);                                        \
+            kiln_cp_async_commit();                                                                          \
+            producer.src += step_bytes;                                                                      \
+            LmW cur[VROWS];                                                                                  \
+            _Pragma("unroll") for (int i = 0; i < VROWS; ++i) cur[i].q = ring_warp[s * (VROWS * 32) + read_at[i]]; \
+            lm_step(cur, hv, lane, out + (g + s) * VROWS, stride);                                           \
+        }                                                                                                    \
+    }
+            if (producer.fast) {
+                LM_COOP_RUN(1)
+            } else {
+                LM_COOP_RUN(0)
+            }
+#undef LM_COOP_RUN
+            // The last STAGES steps, whose copies run on into the next (tile, unit).
+            producer.g = groups - 1;
+#endif
+            for (; g < groups; g += STAGES) {
 #pragma unroll
                 for (int s = 0; s < STAGES; ++s) {
                     kiln_cp_async_wait<STAGES - 2>();
@@ -621,14 +694,15 @@ kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, c
                 }
             }
         }
-        lm_finish_tile(partial, row_scale, logits, stats, tile_max, vocab, units, tile, tiles, t, logit_scale, cap);
+        lm_finish_tile(sums, row_scale, logits, stats, tile_max, vocab, units, tile, tiles, t, logit_scale, cap);
+        if (PBUF == 2) sums = sums == partial ? partial + pstride : partial;
     }
 #elif STAGES
     // Steps run over (tile, unit, group of VROWS tokens), tile-major then unit-major; the ring's
     // producer runs STAGES - 1 steps ahead of the products, across tile ends.
     const int groups = tile / VROWS;
 #if RING
-    const int ring_offset = (units * ROWS * stride + 3) & ~3;
+    const int ring_offset = PBUF * pstride;
     const uint4* ring_lane =
         reinterpret_cast<const uint4*>(partial + ring_offset) + warp * (STAGES * VROWS * 32) + lane;
     const kiln_u32 ring = kiln_smem_address(ring_lane);
@@ -648,13 +722,15 @@ kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, c
 #endif
     float hv[ROWS_P2][8];
     int hu = -1;
+    // This tile's buffer of unit sums (PBUF: tile k of the block in buffer k % 2).
+    float* sums = partial;
     for (long long t = blockIdx.x; t < tiles; t += gridDim.x) {
         for (int u = warp; u < units; u += WARPS) {
             if (u != hu) {
                 lm_load_h(h, hidden, u, lane, xr, hv);
                 hu = u;
             }
-            float* out = partial + (long long)u * ROWS * stride;
+            float* out = sums + (long long)u * ROWS * stride;
             for (int g = 0; g < groups; ++g) {
                 LmW cur[VROWS];
 #if RING
@@ -671,7 +747,8 @@ kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, c
                 lm_step(cur, hv, lane, out + g * VROWS, stride);
             }
         }
-        lm_finish_tile(partial, row_scale, logits, stats, tile_max, vocab, units, tile, tiles, t, logit_scale, cap);
+        lm_finish_tile(sums, row_scale, logits, stats, tile_max, vocab, units, tile, tiles, t, logit_scale, cap);
+        if (PBUF == 2) sums = sums == partial ? partial + pstride : partial;
     }
 #else
 #if PIPE

@@ -181,6 +181,9 @@ pub const LM_HEAD_VARIANTS: &[LmHeadVariant] = &[
     LmHeadVariant::coop(8, 4, 64, 2, 2),
     LmHeadVariant::coop(8, 4, 64, 4, 2),
     LmHeadVariant::coop(8, 8, 64, 2, 1),
+    // Tiles of 128: half the tile ends (barriers and adding up) a weight.
+    LmHeadVariant::coop(16, 4, 128, 2, 1),
+    LmHeadVariant::coop(16, 4, 128, 4, 1),
 ];
 
 impl LmHeadVariant {
@@ -257,6 +260,22 @@ pub struct LmHeadPlan {
     pub threads: u32,
     /// One block per resident slot, each looping over tiles (the ring runs on across them).
     pub persistent: bool,
+    /// Bytes of one buffer of unit sums (`shared_bytes` holds one, or two after
+    /// [`LmHeadPlan::two_buffers`]).
+    pub sums_bytes: usize,
+}
+
+impl LmHeadPlan {
+    /// On a persistent grid, two buffers of unit sums (the kernel's `PBUF`: one barrier a tile
+    /// instead of two) where they fit in `max_shared` bytes of shared memory a block; otherwise
+    /// the plan as it is. The logits are the same bits either way.
+    pub fn two_buffers(mut self, max_shared: usize) -> LmHeadPlan {
+        if self.persistent && self.shared_bytes + self.sums_bytes + 64 <= max_shared {
+            self.shared_bytes += self.sums_bytes;
+            self.defines.iter_mut().filter(|(k, _)| *k == "PBUF").for_each(|(_, v)| *v = "2".to_owned());
+        }
+        self
+    }
 }
 
 /// Checks what the kernel serves for `rows` rows on `variant` and plans the launch.
@@ -303,7 +322,8 @@ pub fn plan(head: &LmHead, rows: usize, variant: LmHeadVariant) -> Result<LmHead
     }
     let units = head.hidden.div_ceil(256);
     // The unit sums, then (16-byte aligned) the ring.
-    let shared_bytes = (units * rows * (tile + 1)).next_multiple_of(4) * 4 + variant.ring_bytes(head.weight);
+    let sums_bytes = (units * rows * (tile + 1)).next_multiple_of(4) * 4;
+    let shared_bytes = sums_bytes + variant.ring_bytes(head.weight);
     let flag = |b: bool| if b { "1" } else { "0" }.to_owned();
     let defines = vec![
         ("ROWS", rows.to_string()),
@@ -318,6 +338,7 @@ pub fn plan(head: &LmHead, rows: usize, variant: LmHeadVariant) -> Result<LmHead
         ("ROW_SCALE", flag(false)),
         ("SOFT_CAP", flag(head.soft_cap.is_some())),
         ("STATS", flag(head.stats_block.is_some())),
+        ("PBUF", "1".to_owned()),
     ];
     Ok(LmHeadPlan {
         defines,
@@ -326,7 +347,37 @@ pub fn plan(head: &LmHead, rows: usize, variant: LmHeadVariant) -> Result<LmHead
         shared_bytes,
         threads: variant.warps * 32,
         persistent: variant.stages > 0,
+        sums_bytes,
     })
+}
+
+/// The environment variable that, for measurement, turns off the kernel's split cooperative loop
+/// (`SPLIT=0`) or its second buffer of unit sums (`PBUF=1`), comma-separated:
+/// `KILN_LM_HEAD_OFF=SPLIT,PBUF kiln bench lm-head --rows 8`. The logits are the same bits.
+pub const LM_HEAD_OFF_ENV: &str = "KILN_LM_HEAD_OFF";
+
+/// Applies [`LM_HEAD_OFF_ENV`] to `plan`.
+fn measurement_overrides(plan: &mut LmHeadPlan) -> Result<()> {
+    let Ok(value) = std::env::var(LM_HEAD_OFF_ENV) else { return Ok(()) };
+    for name in value.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+        match name {
+            "SPLIT" => plan.defines.push(("SPLIT", "0".to_owned())),
+            "PBUF" => {
+                if plan.defines.contains(&("PBUF", "2".to_owned())) {
+                    plan.shared_bytes -= plan.sums_bytes;
+                }
+                plan.defines.iter_mut().filter(|(k, _)| *k == "PBUF").for_each(|(_, v)| *v = "1".to_owned());
+            }
+            other => {
+                return Err(Error::InvalidArgument {
+                    name: LM_HEAD_OFF_ENV,
+                    value: value.clone(),
+                    reason: format!("`{other}` is not SPLIT or PBUF"),
+                })
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Runs `head` over `rows` rows on `gpu`'s stream with `variant` (or the default).
@@ -340,7 +391,9 @@ pub fn lm_head(
     let variant = variant.unwrap_or_else(|| {
         LmHeadVariant::default_for_call(head, rows, gpu.facts().shared_memory_per_block_optin_bytes)
     });
-    let mut plan = plan(head, rows, variant)?;
+    let max_shared = gpu.facts().shared_memory_per_block_optin_bytes as usize;
+    let mut plan = plan(head, rows, variant)?.two_buffers(max_shared);
+    measurement_overrides(&mut plan)?;
     let row = row_bytes(head.weight, head.hidden)?;
     super::check_buffer("lm_head", "h", buffers.h.len_bytes(), rows * head.hidden * 4)?;
     super::check_buffer("lm_head", "weights", buffers.weights.len_bytes(), head.vocab * row)?;
@@ -362,7 +415,6 @@ pub fn lm_head(
             })
         }
     }
-    let max_shared = gpu.facts().shared_memory_per_block_optin_bytes as usize;
     if plan.shared_bytes + 64 > max_shared {
         return Err(not_served(format!(
             "{} bytes of shared memory for tile {} x {} rows x hidden {} (the device gives {max_shared})",
@@ -462,6 +514,22 @@ mod tests {
 
     /// The H200's opt-in shared memory per block.
     const H200_OPTIN: u64 = 232_448;
+
+    #[test]
+    fn persistent_plans_take_two_buffers_of_unit_sums_where_they_fit() {
+        let bf16 = head(4096, DType::BF16);
+        let one = plan(&bf16, 8, LmHeadVariant::default_for(8)).unwrap();
+        assert!(one.defines.contains(&("PBUF", "1".to_owned())));
+        let two = one.clone().two_buffers(H200_OPTIN as usize);
+        assert_eq!(two.shared_bytes, one.shared_bytes + one.sums_bytes);
+        assert_eq!(one.sums_bytes, (16 * 8 * 65usize).next_multiple_of(4) * 4);
+        assert!(two.defines.contains(&("PBUF", "2".to_owned())));
+        // Too little shared memory: one buffer, as planned.
+        assert_eq!(one.clone().two_buffers(one.shared_bytes + 64), one);
+        // No persistent grid: one buffer.
+        let plain = plan(&bf16, 8, LmHeadVariant::plain(16, 4, 32)).unwrap();
+        assert_eq!(plain.clone().two_buffers(H200_OPTIN as usize), plain);
+    }
 
     #[test]
     fn ring_variants_plan_their_ring_and_a_persistent_grid() {
