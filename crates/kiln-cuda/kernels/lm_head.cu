@@ -102,10 +102,11 @@
 #define PBUF 1
 #endif
 static_assert(PBUF == 1 || (PBUF == 2 && STAGES > 0), "PBUF is 1, or 2 on the persistent ring (STAGES)");
-// SPLIT (0 or 1, 1 by default; the cooperative ring): a (tile, unit)'s steps but its last STAGES
-// run in a loop of their own whose copies stay in that tile and unit, so its producer keeps no
-// count and tests nothing a step (whether the copies need checks is known for the whole loop);
-// the last STAGES steps take the general producer, which moves on to the next tile or unit.
+// SPLIT (0 or 1, 1 by default; the cooperative ring): where a (tile, unit) needs no checked
+// copies (all but the last tile and a partial unit), its steps but the last STAGES run in a loop
+// of their own whose copies stay in that tile and unit, so its producer keeps no count and tests
+// nothing a step; the other steps take the general producer, which moves on to the next tile or
+// unit.
 #ifndef SPLIT
 #define SPLIT 1
 #endif
@@ -653,32 +654,28 @@ kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, c
             // Every (tile, unit) starts at slot 0: its `groups` steps are a multiple of STAGES.
             int g = 0;
 #if SPLIT
-            // The steps whose copies stay in this (tile, unit): the producer only moves its
-            // source on, and whether they need checks is known for all of them (the producer is
-            // at step STAGES - 1 of this tile and unit, located at its start).
-#define LM_COOP_RUN(FASTV)                                                                                   \
-    for (; g < groups - STAGES; g += STAGES) {                                                               \
-        _Pragma("unroll") for (int s = 0; s < STAGES; ++s) {                                                 \
-            kiln_cp_async_wait<STAGES - 2>();                                                                \
-            __syncwarp();                                                                                    \
-            if (FASTV == 0) producer.g = g + s + STAGES - 1;                                                 \
-            lm_coop_copy<FASTV>(weights, ring_row_bytes, ring_vocab, hidden, tile, tiles, lane, copy_dst,    \
-                                (s + STAGES - 1) % STAGES, producer);                                        \
-            kiln_cp_async_commit();                                                                          \
-            producer.src += step_bytes;                                                                      \
-            LmW cur[VROWS];                                                                                  \
-            _Pragma("unroll") for (int i = 0; i < VROWS; ++i) cur[i].q = ring_warp[s * (VROWS * 32) + read_at[i]]; \
-            lm_step(cur, hv, lane, out + (g + s) * VROWS, stride);                                           \
-        }                                                                                                    \
-    }
             if (producer.fast) {
-                LM_COOP_RUN(1)
-            } else {
-                LM_COOP_RUN(0)
+                // The steps whose copies stay in this (tile, unit), none of which needs checks
+                // (the producer is at step STAGES - 1 of this tile and unit, located at its
+                // start): the producer only moves its source on.
+                for (; g < groups - STAGES; g += STAGES) {
+#pragma unroll
+                    for (int s = 0; s < STAGES; ++s) {
+                        kiln_cp_async_wait<STAGES - 2>();
+                        __syncwarp();
+                        lm_coop_copy<1>(weights, ring_row_bytes, ring_vocab, hidden, tile, tiles, lane, copy_dst,
+                                        (s + STAGES - 1) % STAGES, producer);
+                        kiln_cp_async_commit();
+                        producer.src += step_bytes;
+                        LmW cur[VROWS];
+#pragma unroll
+                        for (int i = 0; i < VROWS; ++i) cur[i].q = ring_warp[s * (VROWS * 32) + read_at[i]];
+                        lm_step(cur, hv, lane, out + (g + s) * VROWS, stride);
+                    }
+                }
+                // The last STAGES steps, whose copies run on into the next (tile, unit).
+                producer.g = groups - 1;
             }
-#undef LM_COOP_RUN
-            // The last STAGES steps, whose copies run on into the next (tile, unit).
-            producer.g = groups - 1;
 #endif
             for (; g < groups; g += STAGES) {
 #pragma unroll

@@ -601,15 +601,8 @@ __device__ __forceinline__ float kiln_norm_total(float (&lane_sums)[UNITS_PER_WA
     return finish(total);
 }
 
-// x holds its raw bits unless a gate before the norm changes the values (or KEEP_X).
-// KEEP_X (optional, 0 by default) 1: x is converted to fp32 once, after its loads, and those
-// values stay in registers (the empty asm keeps ptxas from converting the raw bits again at each
-// use) through the reductions to the output: one instruction a value fewer for 2-byte x, 8 more
-// registers a unit.
-#ifndef KEEP_X
-#define KEEP_X 0
-#endif
-#define KILN_NORM_RAW (GATE != 1 && !KEEP_X)
+// x holds its raw bits unless a gate before the norm changes the values.
+#define KILN_NORM_RAW (GATE != 1)
 
 // One group's inputs as loaded, for this warp: its units of x, the residual and the gate.
 struct KilnNormLoads {
@@ -956,13 +949,6 @@ __device__ __forceinline__ void kiln_norm_segment(
     if (!KILN_NORM_RAW) {
 #pragma unroll
         for (int u = 0; u < UNITS_PER_WARP; ++u) kiln_raw8_unpack<X_T>(xr[u], KILN_NORM_XV(u));
-        if (KEEP_X) {
-#pragma unroll
-            for (int u = 0; u < UNITS_PER_WARP; ++u) {
-#pragma unroll
-                for (int k = 0; k < 8; ++k) asm volatile("" : "+f"(KILN_NORM_XV(u)[k]));
-            }
-        }
     }
 #pragma unroll
     for (int u = 0; u < UNITS_PER_WARP; ++u) {

@@ -181,9 +181,6 @@ pub const LM_HEAD_VARIANTS: &[LmHeadVariant] = &[
     LmHeadVariant::coop(8, 4, 64, 2, 2),
     LmHeadVariant::coop(8, 4, 64, 4, 2),
     LmHeadVariant::coop(8, 8, 64, 2, 1),
-    // Tiles of 128: half the tile ends (barriers and adding up) a weight.
-    LmHeadVariant::coop(16, 4, 128, 2, 1),
-    LmHeadVariant::coop(16, 4, 128, 4, 1),
 ];
 
 impl LmHeadVariant {

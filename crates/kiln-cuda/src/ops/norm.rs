@@ -55,11 +55,6 @@ pub struct NormVariant {
     /// kernel per length, without the bound checks and the partial-row loops a length known only
     /// at run time needs. The same operations on the same values.
     pub fixed_n: bool,
-    /// x's values kept as fp32 in registers from the sum of squares to the output (the kernel's
-    /// `KEEP_X`; label `+k`), instead of its raw bits converted again for the output: one
-    /// instruction a value fewer for 2-byte x, at 32 registers a lane more with 8 units a warp.
-    /// The same operations on the same values.
-    pub keep_x: bool,
 }
 
 const fn variant(warps_per_row: u32, rows_per_block: u32, early_weight: bool) -> NormVariant {
@@ -73,7 +68,6 @@ const fn variant(warps_per_row: u32, rows_per_block: u32, early_weight: bool) ->
         weight_ahead: false,
         row_total: false,
         fixed_n: false,
-        keep_x: false,
     }
 }
 
@@ -89,7 +83,6 @@ const fn block_lane(warps_per_row: u32, rows_per_block: u32) -> NormVariant {
         weight_ahead: false,
         row_total: false,
         fixed_n: false,
-        keep_x: false,
     }
 }
 
@@ -127,12 +120,6 @@ const fn fixed(v: NormVariant) -> NormVariant {
     NormVariant { fixed_n: true, ..v }
 }
 
-/// `v` with x kept as fp32 values from the sum of squares to the output
-/// ([`NormVariant::keep_x`], label `+k`).
-const fn keep(v: NormVariant) -> NormVariant {
-    NormVariant { keep_x: true, ..v }
-}
-
 const fn persistent(warps_per_row: u32, rows_per_block: u32, early_weight: bool) -> NormVariant {
     NormVariant {
         warps_per_row,
@@ -144,7 +131,6 @@ const fn persistent(warps_per_row: u32, rows_per_block: u32, early_weight: bool)
         weight_ahead: false,
         row_total: false,
         fixed_n: false,
-        keep_x: false,
     }
 }
 
@@ -159,7 +145,6 @@ const fn staged(warps_per_row: u32, rows_per_block: u32, early_weight: bool, sta
         weight_ahead: false,
         row_total: false,
         fixed_n: false,
-        keep_x: false,
     }
 }
 
@@ -257,15 +242,10 @@ pub const NORM_VARIANTS: &[NormVariant] = &[
     fixed(block_lane(4, 1)),
     fixed(block_lane(8, 1)),
     fixed(block_lane_total(4, 1)),
-    fixed(keep(block_lane(4, 1))),
-    fixed(keep(block_lane_total(4, 1))),
 ];
 
 /// Most units of 256 elements one warp holds in registers (16: 128 fp32 values per lane).
 pub const MAX_UNITS_PER_WARP: usize = 16;
-
-/// Most units per warp of a [`NormVariant::keep_x`] variant (64 fp32 values of x per lane).
-pub const MAX_UNITS_PER_WARP_KEEP: usize = 8;
 
 /// Most units per warp of a variant that loads the weight early (it holds the weight's units too).
 pub const MAX_UNITS_PER_WARP_EARLY: usize = 8;
@@ -341,7 +321,6 @@ impl NormVariant {
                 weight_ahead: false,
                 row_total: false,
                 fixed_n: false,
-                keep_x: false,
             };
         }
         let two_byte_x = matches!(call.x_type, DType::BF16 | DType::F16);
@@ -369,7 +348,6 @@ impl NormVariant {
             weight_ahead: false,
             row_total: false,
             fixed_n: false,
-            keep_x: false,
         };
         let fixed = NormVariant { fixed_n: true, ..plain };
         let wants_fixed = two_byte_x && (block_lane || matches!(call.spec.out, NormOutput::Float(_)));
@@ -504,15 +482,6 @@ impl NormCall {
                 reason: "`row_total` shares the total of several warps of a row".into(),
             });
         }
-        if variant.keep_x && units > MAX_UNITS_PER_WARP_KEEP {
-            return Err(Error::NotServed {
-                op: "norm kernel",
-                reason: format!(
-                    "`keep_x` holds x as fp32 values: at most {MAX_UNITS_PER_WARP_KEEP} units a warp, {} warps per row take {units}",
-                    variant.warps_per_row
-                ),
-            });
-        }
         if variant.weight_ahead && variant.early_weight {
             return Err(Error::InvalidArgument {
                 name: "norm variant",
@@ -582,9 +551,6 @@ impl NormCall {
         }
         if variant.fixed_n {
             defines.push(("SEGMENT_N", self.segment_len().to_string()));
-        }
-        if variant.keep_x {
-            defines.push(("KEEP_X", "1".to_owned()));
         }
         Ok(defines)
     }
