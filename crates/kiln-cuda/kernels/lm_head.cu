@@ -666,11 +666,11 @@ kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, c
     // The warps' exchange areas follow the ring: per warp SLOTS / 8 rows of 32 lanes' 16 bytes.
     float4* const xchg_warp = reinterpret_cast<float4*>(partial + ring_offset) + WARPS * (STAGES * VROWS * 32) +
                               warp * (SLOTS / 8 * 32);
-    float4* const xw = xchg_warp + lane;
-    const float4* const xr = xchg_warp + (lane ^ 16);
+    float4* const xchg_put = xchg_warp + lane;
+    const float4* const xchg_get = xchg_warp + (lane ^ 16);
 #else
-    float4* const xw = nullptr;
-    const float4* const xr = nullptr;
+    float4* const xchg_put = nullptr;
+    const float4* const xchg_get = nullptr;
 #endif
     // Where this lane reads step row i (vocabulary row i ^ xi) in slot 0, in 16-byte units.
     int read_at[VROWS];
@@ -715,7 +715,7 @@ kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, c
                         LmW cur[VROWS];
 #pragma unroll
                         for (int i = 0; i < VROWS; ++i) cur[i].q = ring_warp[s * (VROWS * 32) + read_at[i]];
-                        lm_step(cur, hv, lane, out + (g + s) * VROWS, stride, xw, xr);
+                        lm_step(cur, hv, lane, out + (g + s) * VROWS, stride, xchg_put, xchg_get);
                     }
                 }
                 // The last STAGES steps, whose copies run on into the next (tile, unit).
@@ -732,7 +732,7 @@ kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, c
                     LmW cur[VROWS];
 #pragma unroll
                     for (int i = 0; i < VROWS; ++i) cur[i].q = ring_warp[s * (VROWS * 32) + read_at[i]];
-                    lm_step(cur, hv, lane, out + (g + s) * VROWS, stride, xw, xr);
+                    lm_step(cur, hv, lane, out + (g + s) * VROWS, stride, xchg_put, xchg_get);
                 }
             }
         }
