@@ -55,7 +55,7 @@
 // VROWS (a power of two <= 16; reduced VSUB = min(VROWS, 32 / next_pow2(ROWS)) rows at a time),
 // XSLOT, PIPE, STAGES (0, 2, 4, 8), MIN_BLOCKS (blocks a multiprocessor the registers must
 // allow: 1, 2 or 4; two 8-warp blocks keep 16 warps resident while one of them adds up a tile),
-// COOP (0 / 1), ROW_SCALE, SOFT_CAP, STATS (0 / 1); optional: PBUF, SPLIT, XCHG (below).
+// COOP (0 / 1), ROW_SCALE, SOFT_CAP, STATS (0 / 1).
 // Compiled with --fmad=false; the fused operations (the chains, Q4_1's d * q + m) are explicit
 // __fmaf_rn.
 
@@ -110,16 +110,6 @@ static_assert(PBUF == 1 || (PBUF == 2 && STAGES > 0), "PBUF is 1, or 2 on the pe
 #ifndef SPLIT
 #define SPLIT 1
 #endif
-// XCHG (0 or 1; the cooperative ring with 32 sums a reduction): the first step of the transposed
-// reduction (distance 16, 16 sums a lane) goes through shared memory, a warp's 2 KiB after the
-// ring: each lane stores the 16 sums it sends with four 16-byte stores, and after __syncwarp()
-// loads its partner's with four 16-byte loads (8 instructions and a barrier instead of 16
-// shuffles; the layout [k][lane] of 16 bytes has no bank conflicts). The additions are the same.
-// The next step's __syncwarp() (after cp.async.wait_group) orders the loads before the next
-// stores; a second reduction in the same step waits at its own.
-#ifndef XCHG
-#define XCHG 0
-#endif
 
 #define ROWS_P2 (ROWS <= 1 ? 1 : (ROWS <= 2 ? 2 : (ROWS <= 4 ? 4 : 8)))
 // A step's VROWS rows are reduced VSUB at a time: at most 32 sums per transposed reduction.
@@ -139,7 +129,6 @@ static_assert(COOP == 0 || (STAGES > 0 && XSLOT == 1), "COOP runs on the ring wi
 #define RING_COOP (RING && COOP)
 // Lanes that copy one row of a step (each copies VROWS of the row's 32 chunks of 16 bytes).
 #define LPR (32 / VROWS)
-static_assert(XCHG == 0 || (RING_COOP && SLOTS == 32), "XCHG serves the cooperative ring with 32 sums a reduction");
 
 // 16 bytes streamed past L1 (W is read once).
 __device__ __forceinline__ uint4 lm_load_stream16(const void* p) {
@@ -288,31 +277,9 @@ struct LmTransposedStep<1, O> {
 // and adds the partner's half to the half it keeps, so after them each lane carries one sum,
 // number lane / (32 / N) (with XSLOT, the lanes' registers start permuted so that no select is
 // needed; the slot each lane ends with is the same); the remaining distances are a plain butterfly. Returns that sum.
-// With XCHG, `xw` is this lane's first 16 bytes of the warp's exchange area and `xr` its
-// partner's (lane ^ 16); the first step goes through them (see XCHG).
 template <int N>
-__device__ __forceinline__ float lm_reduce_slots(float (&s)[N], int lane, float4* xw, const float4* xr) {
-#if XCHG
-    static_assert(N == 32, "the exchange serves 32 sums");
-#pragma unroll
-    for (int j = 0; j < N / 8; ++j) {
-        xw[j * 32] = make_float4(s[N / 2 + 4 * j], s[N / 2 + 4 * j + 1], s[N / 2 + 4 * j + 2], s[N / 2 + 4 * j + 3]);
-    }
-    __syncwarp();
-#pragma unroll
-    for (int j = 0; j < N / 8; ++j) {
-        const float4 p = xr[j * 32];
-        s[4 * j] = s[4 * j] + p.x;
-        s[4 * j + 1] = s[4 * j + 1] + p.y;
-        s[4 * j + 2] = s[4 * j + 2] + p.z;
-        s[4 * j + 3] = s[4 * j + 3] + p.w;
-    }
-    LmTransposedStep<N / 2, 8>::run(s, lane);
-#else
-    (void)xw;
-    (void)xr;
+__device__ __forceinline__ float lm_reduce_slots(float (&s)[N], int lane) {
     LmTransposedStep<N, 16>::run(s, lane);
-#endif
     float v = s[0];
 #pragma unroll
     for (int o = 16 / N; o > 0; o >>= 1) {
@@ -394,11 +361,9 @@ __device__ __forceinline__ float lm_chain8(const float (&x)[8], const float (&w)
 // to out[r * stride + i] for the step's token i and row r; VSUB rows per reduction. (Every step
 // lies inside its tile: the tile is a multiple of VROWS, which the launcher checks.)
 __device__ __forceinline__ void lm_step(const LmW (&cur)[VROWS], const float (&hv)[ROWS_P2][8], int lane,
-                                        float* out, int stride, float4* xw = nullptr, const float4* xr = nullptr) {
+                                        float* out, int stride) {
 #pragma unroll
     for (int c = 0; c < VROWS / VSUB; ++c) {
-        // A second reduction's exchange stores wait for the first one's loads (XCHG).
-        if (XCHG && c > 0) __syncwarp();
         float s[SLOTS];
 #pragma unroll
         for (int i = 0; i < VSUB; ++i) {
@@ -409,7 +374,7 @@ __device__ __forceinline__ void lm_step(const LmW (&cur)[VROWS], const float (&h
                 s[i * ROWS_P2 + r] = (XSLOT || r < ROWS) ? lm_chain8(hv[r], wv) : 0.0f;
             }
         }
-        const float sum = lm_reduce_slots<SLOTS>(s, lane, xw, xr);
+        const float sum = lm_reduce_slots<SLOTS>(s, lane);
         if ((lane & (GROUP - 1)) == 0) {
             const int j = lane / GROUP;
             const int i = c * VSUB + j / ROWS_P2, r = j % ROWS_P2;
@@ -662,16 +627,6 @@ kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, c
     const int ring_offset = PBUF * pstride;
     const uint4* ring_warp = reinterpret_cast<const uint4*>(partial + ring_offset) + warp * (STAGES * VROWS * 32);
     const kiln_u32 copy_dst = kiln_smem_address(ring_warp + (lane / LPR) * 32 + lane % LPR);
-#if XCHG
-    // The warps' exchange areas follow the ring: per warp SLOTS / 8 rows of 32 lanes' 16 bytes.
-    float4* const xchg_warp = reinterpret_cast<float4*>(partial + ring_offset) + WARPS * (STAGES * VROWS * 32) +
-                              warp * (SLOTS / 8 * 32);
-    float4* const xchg_put = xchg_warp + lane;
-    const float4* const xchg_get = xchg_warp + (lane ^ 16);
-#else
-    float4* const xchg_put = nullptr;
-    const float4* const xchg_get = nullptr;
-#endif
     // Where this lane reads step row i (vocabulary row i ^ xi) in slot 0, in 16-byte units.
     int read_at[VROWS];
 #pragma unroll
@@ -715,7 +670,7 @@ kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, c
                         LmW cur[VROWS];
 #pragma unroll
                         for (int i = 0; i < VROWS; ++i) cur[i].q = ring_warp[s * (VROWS * 32) + read_at[i]];
-                        lm_step(cur, hv, lane, out + (g + s) * VROWS, stride, xchg_put, xchg_get);
+                        lm_step(cur, hv, lane, out + (g + s) * VROWS, stride);
                     }
                 }
                 // The last STAGES steps, whose copies run on into the next (tile, unit).
@@ -732,7 +687,7 @@ kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, c
                     LmW cur[VROWS];
 #pragma unroll
                     for (int i = 0; i < VROWS; ++i) cur[i].q = ring_warp[s * (VROWS * 32) + read_at[i]];
-                    lm_step(cur, hv, lane, out + (g + s) * VROWS, stride, xchg_put, xchg_get);
+                    lm_step(cur, hv, lane, out + (g + s) * VROWS, stride);
                 }
             }
         }

@@ -260,9 +260,6 @@ pub struct LmHeadPlan {
     /// Bytes of one buffer of unit sums (`shared_bytes` holds one, or two after
     /// [`LmHeadPlan::two_buffers`]).
     pub sums_bytes: usize,
-    /// Bytes of the warps' exchange areas (the kernel's `XCHG`), held in `shared_bytes` after
-    /// [`LmHeadPlan::shared_exchange`] where it applies; 0 otherwise.
-    pub exchange_bytes: usize,
 }
 
 impl LmHeadPlan {
@@ -273,31 +270,6 @@ impl LmHeadPlan {
         if self.persistent && self.shared_bytes + self.sums_bytes + 64 <= max_shared {
             self.shared_bytes += self.sums_bytes;
             self.defines.iter_mut().filter(|(k, _)| *k == "PBUF").for_each(|(_, v)| *v = "2".to_owned());
-        }
-        self
-    }
-
-    /// On the cooperative ring with 32 sums a reduction, the first step of each reduction through
-    /// shared memory (the kernel's `XCHG`: a warp's 2 KiB after the ring; 8 loads and stores
-    /// instead of 16 shuffles) where it fits in `max_shared` bytes; otherwise the plan as it is.
-    /// The logits are the same bits either way.
-    pub fn shared_exchange(mut self, max_shared: usize) -> LmHeadPlan {
-        let define = |plan: &LmHeadPlan, name: &str| {
-            plan.defines
-                .iter()
-                .find(|(k, _)| *k == name)
-                .map(|(_, v)| v.parse::<usize>().unwrap_or(0))
-                .unwrap_or(0)
-        };
-        let (rows, vrows, warps) = (define(&self, "ROWS"), define(&self, "VROWS"), define(&self, "WARPS"));
-        let rows_p2 = rows.next_power_of_two();
-        let slots = vrows.min(32 / rows_p2.max(1)) * rows_p2;
-        let ring = define(&self, "COOP") == 1 && define(&self, "STAGES") > 0 && define(&self, "W_T") <= 1;
-        let bytes = warps * 2048;
-        if ring && slots == 32 && self.exchange_bytes == 0 && self.shared_bytes + bytes + 64 <= max_shared {
-            self.shared_bytes += bytes;
-            self.exchange_bytes = bytes;
-            self.defines.push(("XCHG", "1".to_owned()));
         }
         self
     }
@@ -373,14 +345,12 @@ pub fn plan(head: &LmHead, rows: usize, variant: LmHeadVariant) -> Result<LmHead
         threads: variant.warps * 32,
         persistent: variant.stages > 0,
         sums_bytes,
-        exchange_bytes: 0,
     })
 }
 
 /// The environment variable that, for measurement, turns off the kernel's split cooperative loop
-/// (`SPLIT=0`), its second buffer of unit sums (`PBUF=1`) or its exchange through shared memory
-/// (`XCHG=0`), comma-separated: `KILN_LM_HEAD_OFF=SPLIT,PBUF,XCHG kiln bench lm-head --rows 8`.
-/// The logits are the same bits.
+/// (`SPLIT=0`) or its second buffer of unit sums (`PBUF=1`), comma-separated:
+/// `KILN_LM_HEAD_OFF=SPLIT,PBUF kiln bench lm-head --rows 8`. The logits are the same bits.
 pub const LM_HEAD_OFF_ENV: &str = "KILN_LM_HEAD_OFF";
 
 /// Applies [`LM_HEAD_OFF_ENV`] to `plan`.
@@ -395,18 +365,11 @@ fn measurement_overrides(plan: &mut LmHeadPlan) -> Result<()> {
                 }
                 plan.defines.iter_mut().filter(|(k, _)| *k == "PBUF").for_each(|(_, v)| *v = "1".to_owned());
             }
-            "XCHG" => {
-                if plan.exchange_bytes > 0 {
-                    plan.shared_bytes -= plan.exchange_bytes;
-                    plan.exchange_bytes = 0;
-                    plan.defines.retain(|(k, _)| *k != "XCHG");
-                }
-            }
             other => {
                 return Err(Error::InvalidArgument {
                     name: LM_HEAD_OFF_ENV,
                     value: value.clone(),
-                    reason: format!("`{other}` is not SPLIT, PBUF or XCHG"),
+                    reason: format!("`{other}` is not SPLIT or PBUF"),
                 })
             }
         }
@@ -426,7 +389,7 @@ pub fn lm_head(
         LmHeadVariant::default_for_call(head, rows, gpu.facts().shared_memory_per_block_optin_bytes)
     });
     let max_shared = gpu.facts().shared_memory_per_block_optin_bytes as usize;
-    let mut plan = plan(head, rows, variant)?.two_buffers(max_shared).shared_exchange(max_shared);
+    let mut plan = plan(head, rows, variant)?.two_buffers(max_shared);
     measurement_overrides(&mut plan)?;
     let row = row_bytes(head.weight, head.hidden)?;
     super::check_buffer("lm_head", "h", buffers.h.len_bytes(), rows * head.hidden * 4)?;
@@ -563,41 +526,6 @@ mod tests {
         // No persistent grid: one buffer.
         let plain = plan(&bf16, 8, LmHeadVariant::plain(16, 4, 32)).unwrap();
         assert_eq!(plain.clone().two_buffers(H200_OPTIN as usize), plain);
-    }
-
-    #[test]
-    fn cooperative_rings_of_32_sums_a_reduction_take_the_exchange_where_it_fits() {
-        let bf16 = head(4096, DType::BF16);
-        let xchg = |plan: &LmHeadPlan| plan.defines.contains(&("XCHG", "1".to_owned()));
-        // The 8-row default (16 warps, 4 rows a step: 32 sums), two buffers and the exchange.
-        let one = plan(&bf16, 8, LmHeadVariant::default_for(8)).unwrap();
-        assert_eq!(one.exchange_bytes, 0);
-        let both = one.clone().two_buffers(H200_OPTIN as usize).shared_exchange(H200_OPTIN as usize);
-        assert!(xchg(&both));
-        assert_eq!(both.exchange_bytes, 16 * 2048);
-        assert_eq!(both.shared_bytes, one.shared_bytes + one.sums_bytes + 16 * 2048);
-        // Applied once.
-        assert_eq!(both.clone().shared_exchange(H200_OPTIN as usize), both);
-        // 4 stages at 8 rows still fit the H200 with both.
-        let deep = plan(&bf16, 8, LmHeadVariant::coop(16, 4, 64, 4, 1)).unwrap();
-        let deep = deep.two_buffers(H200_OPTIN as usize).shared_exchange(H200_OPTIN as usize);
-        assert!(xchg(&deep) && deep.defines.contains(&("PBUF", "2".to_owned())));
-        assert!(deep.shared_bytes as u64 + 64 <= H200_OPTIN);
-        // Too little shared memory: as planned.
-        assert_eq!(one.clone().shared_exchange(one.shared_bytes + 64), one);
-        // 4 rows of 4 a step (16 sums), a ring without cooperative copies, quantized weights
-        // (no ring), a plain kernel: no exchange.
-        let sixteen = plan(&bf16, 4, LmHeadVariant::coop(16, 4, 64, 4, 1)).unwrap();
-        assert!(!xchg(&sixteen.shared_exchange(H200_OPTIN as usize)));
-        let lone = plan(&bf16, 8, LmHeadVariant::ring(16, 4, 64, 2)).unwrap();
-        assert!(!xchg(&lone.shared_exchange(H200_OPTIN as usize)));
-        let q8 = plan(&head(4096, DType::Q8_0), 8, LmHeadVariant::default_for(8)).unwrap();
-        assert!(!xchg(&q8.shared_exchange(H200_OPTIN as usize)));
-        let plain = plan(&bf16, 8, LmHeadVariant::plain(16, 4, 32)).unwrap();
-        assert!(!xchg(&plain.shared_exchange(H200_OPTIN as usize)));
-        // 8 rows a step at 4 rows: 32 sums a reduction.
-        let wide = plan(&bf16, 4, LmHeadVariant::coop(8, 8, 64, 2, 1)).unwrap();
-        assert!(xchg(&wide.shared_exchange(H200_OPTIN as usize)));
     }
 
     #[test]
