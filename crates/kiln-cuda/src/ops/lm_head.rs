@@ -185,11 +185,13 @@ pub const LM_HEAD_VARIANTS: &[LmHeadVariant] = &[
 
 impl LmHeadVariant {
     /// The default variant for `rows`, the fastest measured on the H200 at 151936 x 4096 bf16
-    /// (`bench/results/2026-11-30-h200-kernels/step3`): 16 warps of 4 rows a step, tiles of 32,
-    /// for 1 row (273.5 us); the cooperative ring of 16 warps, 4 rows a step, tiles of 64, 4
-    /// stages for 2 to 4 rows (272.1 and 277.0 us) and 2 stages for 5 to 8 rows (324.5 us). A
-    /// call the ring does not serve (a statistics block that is not a multiple of its steps)
-    /// runs [`LmHeadVariant::fallback_for`]: see [`LmHeadVariant::default_for_call`].
+    /// (`bench/results/2026-11-30-h200-kernels/step3`, measured again in
+    /// `bench/results/2026-12-04-h200`): 16 warps of 4 rows a step, tiles of 32, for 1 row
+    /// (279.0 us); the cooperative ring of 16 warps, 4 rows a step, tiles of 64, 4 stages for 2 to
+    /// 4 rows (278.6 and 283.9 us) and 2 stages for 5 to 8 rows (313.5-315.9 us at 8 rows on a
+    /// cool GPU, where 4 stages ran anywhere from 308.4 to 340.6 us from one process to the
+    /// next). A call the ring does not serve (a statistics block that is not a multiple of its
+    /// steps) runs [`LmHeadVariant::fallback_for`]: see [`LmHeadVariant::default_for_call`].
     pub fn default_for(rows: usize) -> LmHeadVariant {
         match rows {
             0 | 1 => LmHeadVariant::plain(16, 4, 32),
