@@ -189,7 +189,7 @@ impl LmHeadVariant {
     /// `bench/results/2026-12-04-h200`): 16 warps of 4 rows a step, tiles of 32, for 1 row
     /// (279.0 us); the cooperative ring of 16 warps, 4 rows a step, tiles of 64, 4 stages for 2 to
     /// 4 rows (278.6 and 283.9 us) and 2 stages for 5 to 8 rows (313.5-315.9 us at 8 rows on a
-    /// cool GPU, where 4 stages ran anywhere from 308.4 to 340.6 us from one process to the
+    /// cool GPU, where 4 stages ran anywhere from 298.6 to 326.6 us from one process to the
     /// next). A call the ring does not serve (a statistics block that is not a multiple of its
     /// steps) runs [`LmHeadVariant::fallback_for`]: see [`LmHeadVariant::default_for_call`].
     pub fn default_for(rows: usize) -> LmHeadVariant {
