@@ -52,7 +52,7 @@
 // reads of a slot before the next copies into it. The products and sums are those of the ring.
 //
 // Compile-time constants: ROWS (1..8), W_T (0 bf16, 1 fp16, 2 Q8_0, 3 Q4_0, 4 Q4_1), WARPS,
-// VROWS (a power of two <= 16; reduced VSUB = min(VROWS, 32 / next_pow2(ROWS)) rows at a time),
+// VROWS (a power of two <= 16; reduced VSUB = min(VROWS, 32 / next_pow2(ROWS), VSUB_MAX) rows at a time),
 // XSLOT, PIPE, STAGES (0, 2, 4, 8), MIN_BLOCKS (blocks a multiprocessor the registers must
 // allow: 1, 2 or 4; two 8-warp blocks keep 16 warps resident while one of them adds up a tile),
 // COOP (0 / 1), ROW_SCALE, SOFT_CAP, STATS (0 / 1).
@@ -95,6 +95,13 @@
 #ifndef STATS
 #define STATS 0
 #endif
+// TCDEC (0 or 1): 2-byte weights decoded by the matrix units (lm_decode); quantized weights as
+// without it.
+#ifndef TCDEC
+#define TCDEC 0
+#endif
+// The matrix-unit decode's NaN check and its way back (lm_fix_nan).
+#define LM_TC_FIX (TCDEC && (W_T == 0 || W_T == 1))
 // PBUF (1 or 2): buffers of unit sums. With 2 (persistent grids), tile k's sums go to buffer
 // k % 2, so a block needs one barrier a tile (before the sums are added up), not two: its warps
 // go on to the next tile's steps while the slowest threads still add up the last one.
@@ -113,7 +120,12 @@ static_assert(PBUF == 1 || (PBUF == 2 && STAGES > 0), "PBUF is 1, or 2 on the pe
 
 #define ROWS_P2 (ROWS <= 1 ? 1 : (ROWS <= 2 ? 2 : (ROWS <= 4 ? 4 : 8)))
 // A step's VROWS rows are reduced VSUB at a time: at most 32 sums per transposed reduction.
-#define VSUB (VROWS * ROWS_P2 <= 32 ? VROWS : 32 / ROWS_P2)
+// VSUB_MAX (a power of two, 16 by default): at most this many of a step's rows reduced at once.
+#ifndef VSUB_MAX
+#define VSUB_MAX 16
+#endif
+#define VSUB_FIT (VROWS * ROWS_P2 <= 32 ? VROWS : 32 / ROWS_P2)
+#define VSUB (VSUB_FIT < VSUB_MAX ? VSUB_FIT : VSUB_MAX)
 #define SLOTS (VSUB * ROWS_P2)
 #define GROUP (32 / SLOTS)
 static_assert(ROWS >= 1 && ROWS <= 8, "ROWS must be 1..8");
@@ -224,10 +236,48 @@ __device__ __forceinline__ void lm_zero(LmW& out) {
 #endif
 }
 
+#if TCDEC
+// The matrix-unit decode (TCDEC, 2-byte weights): one mma.m16n8k8 (fp32 accumulate, zero C)
+// with two of this lane's words as its A fragment and the identity as B returns those four
+// weights in fp32: lane l = 4g + t supplies A[g][2t..2t+1] (the first word) and A[g + 8][2t..2t+1]
+// (the second) and receives D[g][2t..2t+1] and D[g + 8][2t..2t+1], and with B[k][n] = (k == n)
+// D = A. Each output is one exact product w x 1 plus seven products with 0 (exact zeros while
+// the other weights of its A row are finite), so it is w itself: two instructions for a lane's
+// eight weights instead of eight shifts and masks. A non-finite weight makes the 0 products of
+// its A row NaN, so neighbours' weights can decode as NaN; a logit that comes out NaN is
+// computed again the reference's way at the tile's end (lm_exact_sum), so the logits stay the
+// reference's for every input. `sel`: this lane's word of B (lm_tc_select).
+#if W_T == 0
+#define LM_TC_ONE 0x3F80u  // 1.0 in bf16
+#define LM_TC_TYPE "bf16"
+#else
+#define LM_TC_ONE 0x3C00u  // 1.0 in fp16
+#define LM_TC_TYPE "f16"
+#endif
+// B[2t][g] in the low half, B[2t + 1][g] in the high half (B's fragment of lane 4g + t).
+__device__ __forceinline__ kiln_u32 lm_tc_select(int lane) {
+    const int g = lane >> 2, t = lane & 3;
+    return (2 * t == g ? LM_TC_ONE : 0u) | (2 * t + 1 == g ? LM_TC_ONE << 16 : 0u);
+}
+
+__device__ __forceinline__ void lm_tc_mma(kiln_u32 a0, kiln_u32 a1, kiln_u32 b, float& d0, float& d1, float& d2,
+                                          float& d3) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32." LM_TC_TYPE "." LM_TC_TYPE ".f32 {%0, %1, %2, %3}, {%4, %5}, "
+        "{%6}, {%7, %7, %7, %7};"
+        : "=f"(d0), "=f"(d1), "=f"(d2), "=f"(d3)
+        : "r"(a0), "r"(a1), "r"(b), "f"(0.0f));
+}
+#endif
+
 // Elements e0 .. e0 + 8 in fp32, as `weight_element` in Rust (bf16: one shift or one mask per
-// element, done once per step and shared by every row).
-__device__ __forceinline__ void lm_decode(const LmW& in, float w[8]) {
-#if W_T == 0 || W_T == 1
+// element, done once per step and shared by every row; TCDEC: two mma for the eight).
+__device__ __forceinline__ void lm_decode(const LmW& in, float w[8], kiln_u32 sel) {
+#if TCDEC && (W_T == 0 || W_T == 1)
+    lm_tc_mma(in.q.x, in.q.y, sel, w[0], w[1], w[2], w[3]);
+    lm_tc_mma(in.q.z, in.q.w, sel, w[4], w[5], w[6], w[7]);
+#elif W_T == 0 || W_T == 1
+    (void)sel;
     const kiln_u32 words[4] = {in.q.x, in.q.y, in.q.z, in.q.w};
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
@@ -240,6 +290,7 @@ __device__ __forceinline__ void lm_decode(const LmW& in, float w[8]) {
 #endif
     }
 #else
+    (void)sel;
 #pragma unroll
     for (int k = 0; k < 8; ++k) w[k] = in.w[k];
 #endif
@@ -361,14 +412,14 @@ __device__ __forceinline__ float lm_chain8(const float (&x)[8], const float (&w)
 // to out[r * stride + i] for the step's token i and row r; VSUB rows per reduction. (Every step
 // lies inside its tile: the tile is a multiple of VROWS, which the launcher checks.)
 __device__ __forceinline__ void lm_step(const LmW (&cur)[VROWS], const float (&hv)[ROWS_P2][8], int lane,
-                                        float* out, int stride) {
+                                        float* out, int stride, kiln_u32 sel) {
 #pragma unroll
     for (int c = 0; c < VROWS / VSUB; ++c) {
         float s[SLOTS];
 #pragma unroll
         for (int i = 0; i < VSUB; ++i) {
             float wv[8];
-            lm_decode(cur[c * VSUB + i], wv);
+            lm_decode(cur[c * VSUB + i], wv, sel);
 #pragma unroll
             for (int r = 0; r < ROWS_P2; ++r) {
                 s[i * ROWS_P2 + r] = (XSLOT || r < ROWS) ? lm_chain8(hv[r], wv) : 0.0f;
@@ -383,13 +434,105 @@ __device__ __forceinline__ void lm_step(const LmW (&cur)[VROWS], const float (&h
     }
 }
 
+#if LM_TC_FIX
+// One lane position's chain of unit u the reference's way (zeros past `hidden`): the first
+// product rounded, then seven fused multiply-adds, as lm_chain8.
+__device__ __forceinline__ float lm_exact_chain(const float* __restrict__ x, const kiln_u16* __restrict__ w,
+                                                int hidden, int e0) {
+    float acc = 0.0f;
+#pragma unroll 1
+    for (int k = 0; k < 8; ++k) {
+        const bool inside = e0 + k < hidden;
+        const float xk = inside ? x[e0 + k] : 0.0f;
+#if W_T == 0
+        const float wk = inside ? __uint_as_float((kiln_u32)w[e0 + k] << 16) : 0.0f;
+#else
+        const float wk = inside ? kiln_f16_to_f32(w[e0 + k]) : 0.0f;
+#endif
+        acc = k == 0 ? __fmul_rn(xk, wk) : __fmaf_rn(xk, wk, acc);
+    }
+    return acc;
+}
+
+// The dot product of h row `hr` with vocabulary row `v` the reference's way, in one thread (the
+// matrix-unit decode's way back when a logit comes out NaN, see lm_decode): per unit the 32
+// chains of eight and the prelude's butterfly tree, then the unit sums left to right from +0.
+// The tree's sum at distance d adds slots p and p + d (which the lanes p and p ^ d both
+// compute), so the sum over the positions = q mod S is the sum over q mod 2S plus the sum over
+// q + S mod 2S: with p = i0 + 2 i1 + 4 i2 + 8 i3 + 16 i4, the innermost loop adds over i4
+// first. Rolled loops keep the registers few (this is not the fast path).
+__device__ __forceinline__ float lm_exact_sum(const float* __restrict__ h, const kiln_u8* __restrict__ weights,
+                                              long long row_bytes, int hidden, int hr, long long v) {
+    const float* x = h + (long long)hr * hidden;
+    const kiln_u16* w = reinterpret_cast<const kiln_u16*>(weights + v * row_bytes);
+    float acc = 0.0f;
+#pragma unroll 1
+    for (int u = 0; u * 256 < hidden; ++u) {
+        float s1 = 0.0f;
+#pragma unroll 1
+        for (int i0 = 0; i0 < 2; ++i0) {
+            float s2 = 0.0f;
+#pragma unroll 1
+            for (int i1 = 0; i1 < 2; ++i1) {
+                float s4 = 0.0f;
+#pragma unroll 1
+                for (int i2 = 0; i2 < 2; ++i2) {
+                    float s8 = 0.0f;
+#pragma unroll 1
+                    for (int i3 = 0; i3 < 2; ++i3) {
+                        float s16 = 0.0f;
+#pragma unroll 1
+                        for (int i4 = 0; i4 < 2; ++i4) {
+                            const float c = lm_exact_chain(x, w, hidden, u * 256 + 8 * (i0 + 2 * i1 + 4 * i2 + 8 * i3 + 16 * i4));
+                            s16 = i4 ? s16 + c : c;
+                        }
+                        s8 = i3 ? s8 + s16 : s16;
+                    }
+                    s4 = i2 ? s4 + s8 : s8;
+                }
+                s2 = i1 ? s2 + s4 : s4;
+            }
+            s1 = i0 ? s1 + s2 : s2;
+        }
+        acc = acc + s1;
+    }
+    return acc;
+}
+#endif
+
+// A logit from its sum: the deferred row scale, the logit scale and the soft cap, as
+// `LmHead::epilogue` in Rust.
+__device__ __forceinline__ float lm_epilogue(float acc, int r, const float* __restrict__ row_scale,
+                                             float logit_scale, float cap) {
+    float y = acc;
+#if ROW_SCALE
+    y = y * row_scale[r];
+#else
+    (void)r; (void)row_scale;
+#endif
+    y = y * logit_scale;
+#if SOFT_CAP
+    y = cap * lm_tanh_poly(y / cap);
+#else
+    (void)cap;
+#endif
+    return y;
+}
+
+// A (logit, token) pair as `pack_argmax` in Rust: the larger the logit, then the lower the
+// token, the larger the key.
+__device__ __forceinline__ kiln_u64 lm_pack_stat(float y, long long v) {
+    return ((kiln_u64)lm_order_key(y) << 32) | (kiln_u64)(0xFFFFFFFFu - (kiln_u32)v);
+}
+
 // The end of a tile: after every warp's unit sums are in `partial`, one thread per (row, token)
 // adds them left to right, applies the epilogue and writes the logit (and, with STATS, the
 // tile's largest logit per row). Every thread of the block calls it.
 __device__ __forceinline__ void lm_finish_tile(const float* partial, const float* __restrict__ row_scale,
                                                float* __restrict__ logits, kiln_u64* __restrict__ stats,
                                                kiln_u64* tile_max, long long vocab, int units, int tile,
-                                               long long tiles, long long t, float logit_scale, float cap) {
+                                               long long tiles, long long t, float logit_scale, float cap,
+                                               int* nan_seen) {
     const int stride = tile + 1;
     const long long v0 = t * tile;
 #if STATS
@@ -413,18 +556,15 @@ __device__ __forceinline__ void lm_finish_tile(const float* partial, const float
                 for (int k = 0; k < 8; ++k) acc = acc + s[k];
             }
             for (; u < units; ++u) acc = acc + col[u * step];
-            float y = acc;
-#if ROW_SCALE
-            y = y * row_scale[r];
-#endif
-            y = y * logit_scale;
-#if SOFT_CAP
-            y = cap * lm_tanh_poly(y / cap);
-#endif
+            const float y = lm_epilogue(acc, r, row_scale, logit_scale, cap);
             logits[(long long)r * vocab + v] = y;
+#if LM_TC_FIX
+            if (y != y) *nan_seen = 1;
+#else
+            (void)nan_seen;
+#endif
 #if STATS
-            const kiln_u64 packed = ((kiln_u64)lm_order_key(y) << 32) | (kiln_u64)(0xFFFFFFFFu - (kiln_u32)v);
-            atomicMax(&tile_max[r], packed);
+            atomicMax(&tile_max[r], lm_pack_stat(y, v));
 #endif
         }
     }
@@ -438,6 +578,55 @@ __device__ __forceinline__ void lm_finish_tile(const float* partial, const float
     // writes a row's statistics is the one that resets it at the next tile's start).
     if (PBUF == 1) __syncthreads();
 }
+
+#if LM_TC_FIX
+// The end of the kernel with the matrix-unit decode (see lm_decode): where a logit of this block
+// came out NaN (`nan_seen`), every NaN logit of its tiles is computed again the reference's way
+// and each tile's statistics are taken again. This runs after the block's last tile, when the
+// streaming loop's registers are free, and only in a block that saw a NaN.
+__device__ __forceinline__ void lm_fix_nan(const float* const* h_at, const kiln_u8* __restrict__ weights,
+                                           long long row_bytes, const int* hidden_at,
+                                           const float* __restrict__ row_scale,
+                                           float* __restrict__ logits, kiln_u64* __restrict__ stats,
+                                           kiln_u64* tile_max, long long vocab, int tile, float logit_scale,
+                                           float cap, const int* nan_seen) {
+    __syncthreads();
+    if (*nan_seen == 0) return;
+    // Computed again here, so that nothing of the streaming loop stays live for this.
+    const long long tiles = (vocab + tile - 1) / tile;
+    const float* h = *h_at;
+    const int hidden = *hidden_at;
+    for (long long t = blockIdx.x; t < tiles; t += gridDim.x) {
+#if STATS
+        if (threadIdx.x < ROWS) tile_max[threadIdx.x] = 0ull;
+        __syncthreads();
+#endif
+        for (int p = threadIdx.x; p < ROWS * tile; p += blockDim.x) {
+            const int r = p / tile;
+            const long long v = t * tile + (p - r * tile);
+            if (v < vocab) {
+                float* out = logits + (long long)r * vocab + v;
+                float y = *out;
+                if (y != y) {
+                    y = lm_epilogue(lm_exact_sum(h, weights, row_bytes, hidden, r, v), r, row_scale, logit_scale,
+                                    cap);
+                    *out = y;
+                }
+#if STATS
+                atomicMax(&tile_max[r], lm_pack_stat(y, v));
+#endif
+            }
+        }
+#if STATS
+        __syncthreads();
+        if (threadIdx.x < ROWS) stats[(long long)threadIdx.x * tiles + t] = tile_max[threadIdx.x];
+        __syncthreads();
+#else
+        (void)stats; (void)tile_max;
+#endif
+    }
+}
+#endif
 
 #if RING
 // Copies one step of weights (vocabulary rows t * tile + g * VROWS + (i ^ xi), unit u, this
@@ -608,6 +797,23 @@ kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, c
 #endif
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
+#if LM_TC_FIX
+    const kiln_u32 sel = lm_tc_select(lane);
+    // Set where a logit of this block comes out NaN (lm_finish_tile), read by lm_fix_nan, which
+    // takes h and hidden from shared memory too: read from the parameters at the end, they
+    // stayed live through the streaming loop in registers it needs.
+    __shared__ int nan_seen;
+    __shared__ const float* fix_h;
+    __shared__ int fix_hidden;
+    if (threadIdx.x == 0) {
+        nan_seen = 0;
+        fix_h = h;
+        fix_hidden = hidden;
+    }
+#else
+    const kiln_u32 sel = 0u;
+    int nan_seen = 0;
+#endif
     const int units = (hidden + 255) >> 8;
     const int stride = tile + 1;
     const long long tiles = (vocab + tile - 1) / tile;
@@ -670,7 +876,7 @@ kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, c
                         LmW cur[VROWS];
 #pragma unroll
                         for (int i = 0; i < VROWS; ++i) cur[i].q = ring_warp[s * (VROWS * 32) + read_at[i]];
-                        lm_step(cur, hv, lane, out + (g + s) * VROWS, stride);
+                        lm_step(cur, hv, lane, out + (g + s) * VROWS, stride, sel);
                     }
                 }
                 // The last STAGES steps, whose copies run on into the next (tile, unit).
@@ -687,11 +893,12 @@ kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, c
                     LmW cur[VROWS];
 #pragma unroll
                     for (int i = 0; i < VROWS; ++i) cur[i].q = ring_warp[s * (VROWS * 32) + read_at[i]];
-                    lm_step(cur, hv, lane, out + (g + s) * VROWS, stride);
+                    lm_step(cur, hv, lane, out + (g + s) * VROWS, stride, sel);
                 }
             }
         }
-        lm_finish_tile(sums, row_scale, logits, stats, tile_max, vocab, units, tile, tiles, t, logit_scale, cap);
+        lm_finish_tile(sums, row_scale, logits, stats, tile_max, vocab, units, tile, tiles, t, logit_scale, cap,
+                       &nan_seen);
         if (PBUF == 2) sums = sums == partial ? partial + pstride : partial;
     }
 #elif STAGES
@@ -741,10 +948,11 @@ kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, c
 #else
                 lm_fetch_step(weights, row_bytes, vocab, hidden, t * tile, u, g * VROWS, lane, xi, cur);
 #endif
-                lm_step(cur, hv, lane, out + g * VROWS, stride);
+                lm_step(cur, hv, lane, out + g * VROWS, stride, sel);
             }
         }
-        lm_finish_tile(sums, row_scale, logits, stats, tile_max, vocab, units, tile, tiles, t, logit_scale, cap);
+        lm_finish_tile(sums, row_scale, logits, stats, tile_max, vocab, units, tile, tiles, t, logit_scale, cap,
+                       &nan_seen);
         if (PBUF == 2) sums = sums == partial ? partial + pstride : partial;
     }
 #else
@@ -774,7 +982,7 @@ kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, c
 #pragma unroll
                 for (int i = 0; i < VROWS; ++i) lm_zero(nxt[i]);
             }
-            lm_step(cur, hv, lane, partial + (long long)u * ROWS * stride + i0, stride);
+            lm_step(cur, hv, lane, partial + (long long)u * ROWS * stride + i0, stride, sel);
 #pragma unroll
             for (int i = 0; i < VROWS; ++i) cur[i] = nxt[i];
             if (nu != u && step + 1 < steps) lm_load_h(h, hidden, nu, lane, xr, hv);
@@ -787,11 +995,16 @@ kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, c
             for (int i0 = 0; i0 < tile; i0 += VROWS) {
                 LmW cur[VROWS];
                 lm_fetch_step(weights, row_bytes, vocab, hidden, v0, u, i0, lane, xi, cur);
-                lm_step(cur, hv, lane, partial + (long long)u * ROWS * stride + i0, stride);
+                lm_step(cur, hv, lane, partial + (long long)u * ROWS * stride + i0, stride, sel);
             }
         }
 #endif
-        lm_finish_tile(partial, row_scale, logits, stats, tile_max, vocab, units, tile, tiles, t, logit_scale, cap);
+        lm_finish_tile(partial, row_scale, logits, stats, tile_max, vocab, units, tile, tiles, t, logit_scale, cap,
+                       &nan_seen);
     }
+#endif
+#if LM_TC_FIX
+    lm_fix_nan(&fix_h, weights, row_bytes, &fix_hidden, row_scale, logits, stats, tile_max, vocab, tile, logit_scale, cap,
+               &nan_seen);
 #endif
 }

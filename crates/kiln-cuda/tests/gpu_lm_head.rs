@@ -267,3 +267,110 @@ fn the_default_and_ring_variants_serve_the_benchmark_shape() {
         }
     }
 }
+
+/// A weight of one of the special classes, as 2-byte bits: a subnormal or a signed zero, a
+/// finite value of any exponent from 2^-133 up to 2^40, or an infinity or NaN.
+fn special_bits(rng: &mut Rng, dtype: DType, class: usize) -> u16 {
+    let sign = if rng.below(2) == 0 { 0u16 } else { 0x8000 };
+    let (mantissa_bits, exponent_max) = if dtype == DType::BF16 { (7, 0xFFu16) } else { (10, 0x1F) };
+    let mantissa = (rng.next() as u16) & ((1 << mantissa_bits) - 1);
+    match class {
+        // Subnormal, or a signed zero one time in eight.
+        0 => sign | if rng.below(8) == 0 { 0 } else { mantissa.max(1) },
+        // Finite, any exponent (bf16: up to 2^40; fp16: all of them).
+        1 => {
+            let top = if dtype == DType::BF16 { 127 + 40 } else { exponent_max - 1 };
+            sign | ((rng.below(top as usize) as u16 + 1) << mantissa_bits) | mantissa
+        }
+        // Infinity or NaN (any payload).
+        _ => sign | (exponent_max << mantissa_bits) | if rng.below(2) == 0 { 0 } else { mantissa.max(1) },
+    }
+}
+
+#[test]
+fn special_weights_give_the_reference_logits_on_the_matrix_decode_and_its_twins() {
+    // Subnormal, zero, huge and non-finite bf16 / fp16 weights with h of about 2^50..2^70 (so
+    // that products of subnormals are normal floats): the matrix-unit decode (TCDEC) must return
+    // each weight exactly, and where a non-finite weight makes its neighbours NaN, the logits it
+    // computes again must be the reference's. Each matrix variant runs beside its shift twin.
+    let gpu = Gpu::open(0).expect("the GPU tests need CUDA device 0");
+    let mut rng = Rng::fresh();
+    let matrix: Vec<LmHeadVariant> = LM_HEAD_VARIANTS.iter().copied().filter(|v| v.matrix_decode).collect();
+    assert!(!matrix.is_empty(), "no matrix-decode variant is listed");
+    let mut checked = 0usize;
+    let mut nan_logits = 0usize;
+    let mut failures = Vec::new();
+    for variant in matrix.iter().flat_map(|v| [*v, LmHeadVariant { matrix_decode: false, ..*v }]) {
+        for dtype in [DType::BF16, DType::F16] {
+            for rows in [1, 8, 1 + rng.below(MAX_ROWS)] {
+                let (vocab, hidden) = [(1021usize, 4096usize), (20_011, 896), (515, 576)][rng.below(3)];
+                let head = LmHead {
+                    hidden,
+                    vocab,
+                    weight: dtype,
+                    logit_scale: 1.0,
+                    soft_cap: None,
+                    stats_block: (rng.below(2) == 0).then_some(variant.tile as usize),
+                };
+                if plan(&head, rows, variant).is_err() {
+                    continue;
+                }
+                // Each vocabulary row: plain (-1, 1) weights, or mostly plain with one weight in
+                // eight of a special class, or (one row in 64) a single non-finite weight.
+                let mut w = Vec::with_capacity(vocab * hidden * 2);
+                for _ in 0..vocab {
+                    let kind = rng.below(64);
+                    let lone = rng.below(hidden);
+                    for j in 0..hidden {
+                        let bits = match kind {
+                            0 if j == lone => special_bits(&mut rng, dtype, 2),
+                            1..=40 if rng.below(8) == 0 => {
+                                let class = rng.below(2);
+                                special_bits(&mut rng, dtype, class)
+                            }
+                            _ if dtype == DType::BF16 => f32_to_bf16_bits(rng.uniform(-1.0, 1.0)),
+                            _ => f32_to_f16_bits(rng.uniform(-1.0, 1.0)),
+                        };
+                        w.extend_from_slice(&bits.to_le_bytes());
+                    }
+                }
+                let h: Vec<f32> = (0..rows * hidden)
+                    .map(|_| rng.uniform(-2.0, 2.0) * 2f32.powi(50 + rng.below(21) as i32))
+                    .collect();
+                let want = head.run(&h, &w, None).expect("CPU reference");
+                let h_dev = upload(&gpu, &h.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<_>>());
+                let w_dev = upload(&gpu, &w);
+                let logits_dev = poisoned(&gpu, rows * vocab * 4);
+                let stats_dev = poisoned(&gpu, rows * vocab.div_ceil(variant.tile as usize) * 8);
+                let buffers = LmHeadBuffers {
+                    h: &h_dev,
+                    weights: &w_dev,
+                    row_scale: None,
+                    logits: &logits_dev,
+                    stats: head.stats_block.map(|_| &stats_dev),
+                };
+                lm_head(&gpu, &head, rows, buffers, Some(variant)).expect("launch");
+                let got = f32s(&logits_dev.to_host_bytes().expect("copy back"));
+                let bad: Vec<usize> =
+                    (0..rows * vocab).filter(|&i| !same_bits(got[i], want.logits[i])).collect();
+                nan_logits += want.logits.iter().filter(|y| y.is_nan()).count();
+                checked += 1;
+                if let Some(&i) = bad.first() {
+                    failures.push(format!(
+                        "{dtype} rows {rows} {vocab}x{hidden} {}: {} logits differ; first [{}][{}] gpu {:#x} cpu {:#x}",
+                        variant.label(),
+                        bad.len(),
+                        i / vocab,
+                        i % vocab,
+                        got[i].to_bits(),
+                        want.logits[i].to_bits()
+                    ));
+                }
+            }
+        }
+    }
+    println!("{checked} cases checked, {nan_logits} reference logits NaN");
+    assert!(failures.is_empty(), "{} of {checked} cases failed:\n{}", failures.len(), failures.join("\n"));
+    assert!(checked >= 4 * matrix.len(), "only {checked} cases ran");
+    assert!(nan_logits > 0, "no case had a non-finite weight");
+}

@@ -24,7 +24,12 @@ use crate::runtime::{driver_error, Gpu};
 /// 0 for none), the blocks a multiprocessor the compile keeps registers for (`MIN_BLOCKS`:
 /// 1, 2 or 4), and whether the lanes copy each ring step cooperatively (`COOP`: one source
 /// address a lane and constant ring slots, the step loop unrolled by `stages`, so `tile /
-/// vocab_rows` must be a multiple of `stages`). Every variant computes the same bits.
+/// vocab_rows` must be a multiple of `stages`), and whether 2-byte weights are decoded by the
+/// matrix units (`TCDEC`: two `mma` for a lane's eight weights instead of eight shifts; a logit
+/// that comes out NaN, which a non-finite weight can make of its neighbours, is computed again
+/// the reference's way), and at most how many vocabulary rows' sums one reduction takes
+/// (`VSUB_MAX`, 0 for as many as 32 lanes hold: fewer sums held at once, more reductions).
+/// Every variant computes the same bits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct LmHeadVariant {
     pub warps: u32,
@@ -35,6 +40,8 @@ pub struct LmHeadVariant {
     pub stages: u32,
     pub blocks: u32,
     pub coop: bool,
+    pub matrix_decode: bool,
+    pub reduce_rows: u32,
 }
 
 impl LmHeadVariant {
@@ -48,6 +55,8 @@ impl LmHeadVariant {
             stages: 0,
             blocks: 1,
             coop: false,
+            matrix_decode: false,
+            reduce_rows: 0,
         }
     }
 
@@ -61,6 +70,8 @@ impl LmHeadVariant {
             stages: 0,
             blocks: 1,
             coop: false,
+            matrix_decode: false,
+            reduce_rows: 0,
         }
     }
 
@@ -81,6 +92,8 @@ impl LmHeadVariant {
             stages,
             blocks,
             coop: false,
+            matrix_decode: false,
+            reduce_rows: 0,
         }
     }
 
@@ -90,12 +103,22 @@ impl LmHeadVariant {
         LmHeadVariant { coop: true, ..LmHeadVariant::ring_blocks(warps, vocab_rows, tile, stages, blocks) }
     }
 
+    /// The same variant with 2-byte weights decoded by the matrix units (`TCDEC`).
+    const fn matrix(self) -> LmHeadVariant {
+        LmHeadVariant { matrix_decode: true, ..self }
+    }
+
+    /// The same variant reducing the sums of at most `rows` vocabulary rows at a time (`VSUB_MAX`).
+    const fn reduce(self, rows: u32) -> LmHeadVariant {
+        LmHeadVariant { reduce_rows: rows, ..self }
+    }
+
     /// A short label: `8w/4v/64t`, with `x` for permuted slots, `p` for pipelined loads, `s4`
-    /// for a ring of 4 stages, `c` for cooperative ring copies and `b2` for two blocks a
-    /// multiprocessor.
+    /// for a ring of 4 stages, `c` for cooperative ring copies, `b2` for two blocks a
+    /// multiprocessor, `m` for the matrix-unit decode and `r2` for reductions of 2 rows' sums.
     pub fn label(&self) -> String {
         format!(
-            "{}w/{}v/{}t{}{}{}{}{}",
+            "{}w/{}v/{}t{}{}{}{}{}{}{}",
             self.warps,
             self.vocab_rows,
             self.tile,
@@ -103,7 +126,9 @@ impl LmHeadVariant {
             if self.pipelined { "p" } else { "" },
             if self.stages > 0 { format!("s{}", self.stages) } else { String::new() },
             if self.coop { "c" } else { "" },
-            if self.blocks > 1 { format!("b{}", self.blocks) } else { String::new() }
+            if self.blocks > 1 { format!("b{}", self.blocks) } else { String::new() },
+            if self.matrix_decode { "m" } else { "" },
+            if self.reduce_rows > 0 { format!("r{}", self.reduce_rows) } else { String::new() }
         )
     }
 
@@ -141,6 +166,8 @@ pub const LM_HEAD_VARIANTS: &[LmHeadVariant] = &[
         stages: 0,
         blocks: 1,
         coop: false,
+        matrix_decode: false,
+        reduce_rows: 0,
     },
     // The ring (cp.async ahead of the products, persistent grid), for 4 and 8 rows first. With
     // 16 warps each warp keeps one unit of 4096 for the whole launch (h loaded once).
@@ -181,6 +208,16 @@ pub const LM_HEAD_VARIANTS: &[LmHeadVariant] = &[
     LmHeadVariant::coop(8, 4, 64, 2, 2),
     LmHeadVariant::coop(8, 4, 64, 4, 2),
     LmHeadVariant::coop(8, 8, 64, 2, 1),
+    // The matrix-unit decode (TCDEC): 8 mma.m16n8k8 instead of 32 shifts and masks a step of 4
+    // rows of bf16. SASS of the split loop a step at 8 rows (sm_90): 2 stages 373.5 without, 361
+    // with it (the registers it frees go to the NaN check's way back), 351.5 with it and
+    // reductions of 2 rows (16 sums: 32 SHFL a step, not 31, and 16 sums fewer held); 4 stages
+    // 371.5 without, 348.75 with it.
+    LmHeadVariant::coop(16, 4, 64, 2, 1).matrix(),
+    LmHeadVariant::coop(16, 4, 64, 2, 1).matrix().reduce(2),
+    LmHeadVariant::coop(16, 4, 64, 2, 1).reduce(2),
+    LmHeadVariant::coop(16, 4, 64, 4, 1).matrix(),
+    LmHeadVariant::plain(16, 4, 32).matrix(),
 ];
 
 impl LmHeadVariant {
@@ -293,6 +330,7 @@ pub fn plan(head: &LmHead, rows: usize, variant: LmHeadVariant) -> Result<LmHead
         || ![1, 2, 4].contains(&variant.blocks)
         || (variant.stages > 0 && variant.pipelined)
         || (variant.coop && (variant.stages == 0 || !variant.permuted))
+        || !(variant.reduce_rows == 0 || variant.reduce_rows.is_power_of_two() && variant.reduce_rows <= 16)
     {
         return Err(not_served(format!("variant {variant:?} for {rows} rows")));
     }
@@ -338,6 +376,8 @@ pub fn plan(head: &LmHead, rows: usize, variant: LmHeadVariant) -> Result<LmHead
         ("SOFT_CAP", flag(head.soft_cap.is_some())),
         ("STATS", flag(head.stats_block.is_some())),
         ("PBUF", "1".to_owned()),
+        ("TCDEC", flag(variant.matrix_decode)),
+        ("VSUB_MAX", if variant.reduce_rows == 0 { 16 } else { variant.reduce_rows }.to_string()),
     ];
     Ok(LmHeadPlan {
         defines,
@@ -588,5 +628,27 @@ mod tests {
         assert!(plan(&huge, 8, LmHeadVariant::plain(8, 4, 64)).is_ok());
         let odd_stats = LmHead { stats_block: Some(30), ..head(4096, DType::BF16) };
         assert!(matches!(plan(&odd_stats, 1, v), Err(Error::NotServed { .. })));
+        let three = LmHeadVariant::coop(16, 4, 64, 2, 1).reduce(3);
+        assert!(matches!(plan(&head(4096, DType::BF16), 8, three), Err(Error::NotServed { .. })));
+    }
+
+    #[test]
+    fn the_matrix_decode_and_smaller_reductions_reach_the_kernel_and_the_label() {
+        let base = LmHeadVariant::coop(16, 4, 64, 2, 1);
+        let both = base.matrix().reduce(2);
+        assert_eq!(both.label(), "16w/4v/64txs2cmr2");
+        assert_eq!(base.label(), "16w/4v/64txs2c");
+        let defines = plan(&head(4096, DType::BF16), 8, both).unwrap().defines;
+        assert!(defines.contains(&("TCDEC", "1".to_owned())));
+        assert!(defines.contains(&("VSUB_MAX", "2".to_owned())));
+        let defines = plan(&head(4096, DType::BF16), 8, base).unwrap().defines;
+        assert!(defines.contains(&("TCDEC", "0".to_owned())));
+        assert!(defines.contains(&("VSUB_MAX", "16".to_owned())));
+        // Every label names one variant, so `--variants` picks exactly what it says.
+        let mut labels: Vec<String> = LM_HEAD_VARIANTS.iter().map(LmHeadVariant::label).collect();
+        let listed = labels.len();
+        labels.sort();
+        labels.dedup();
+        assert_eq!(labels.len(), listed);
     }
 }

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The LM head's 8-row variants on one GPU, from a bundle (scripts/gpu-bundle): the shift decode
+# against the matrix-unit decode (`m`) and reductions of 2 rows' sums (`r2`), in alternating
+# processes with PyTorch's torch.matmul measured once; 1, 2 and 4 rows for the same pairs; an
+# ncu count of instructions and issue of each 8-row variant; the GPU tests of the LM head
+# (bit for bit against the CPU reference, special weights included).
+#   cd bundle && ../bench/gpu_lm_head_variants.sh RESULTS_DIR
+set -u
+out=${1:?usage: $0 RESULTS_DIR (run inside the bundle directory)}
+mkdir -p "$out"
+t0=$SECONDS
+T() { local limit=$1 name=$2; shift 2; timeout "$limit" "$@" > "$out/$name.txt" 2>&1; echo "exit $? at $((SECONDS - t0)) s" >> "$out/$name.txt"; }
+nvidia-smi > "$out/nvidia-smi.txt" 2>&1
+[ -f COMMIT ] && cp COMMIT "$out/commit.txt"
+nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,clocks_event_reasons.active --format=csv -lms 100 > "$out/smi.csv" 2>&1 &
+smi=$!
+eight=16w/4v/64txs2c,16w/4v/64txs2cm,16w/4v/64txs2cmr2,16w/4v/64txs2cr2,16w/4v/64txs4c,16w/4v/64txs4cm
+T 60 peer-lm_head python3 bench/peers/lm_head.py --out "$out/lm_head_torch.json"
+for i in 1 2 3; do
+  T 120 bench8-$i ./kiln bench lm-head --rows 8 --variants $eight --peer "$out/lm_head_torch.json"
+done
+T 180 bench-1248 ./kiln bench lm-head --variants 16w/4v/32t,16w/4v/32tm,16w/4v/64txs4c,16w/4v/64txs4cm,16w/4v/64txs2c,16w/4v/64txs2cmr2 --peer "$out/lm_head_torch.json"
+kill $smi
+M=sm__cycles_elapsed.avg.per_second,smsp__issue_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum,smsp__inst_executed_pipe_tensor.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,gpu__time_duration.sum,smsp__average_warps_issue_stalled_dispatch_stall_per_issue_active.ratio,smsp__average_warps_issue_stalled_no_instruction_per_issue_active.ratio,smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio
+for v in ${eight//,/ }; do
+  T 90 "ncu-${v//\//_}" ncu --clock-control none -k regex:kiln_lm_head -s 7 -c 1 --metrics $M ./kiln bench lm-head --rows 8 --variants "$v" --batches 1 --launches 2
+done
+T 420 test-gpu_lm_head tests/gpu_lm_head --test-threads=4
+grep -h -E "^\| 151936|^exit" "$out"/bench8-*.txt "$out"/bench-1248.txt
+grep -h -E "inst_executed.sum|issue_active|duration" "$out"/ncu-*.txt | awk '{print $1, $NF}'
+grep -E "^test |test result|cases" "$out/test-gpu_lm_head.txt"
+echo "total $((SECONDS - t0)) s"
