@@ -52,10 +52,11 @@
 // reads of a slot before the next copies into it. The products and sums are those of the ring.
 //
 // Compile-time constants: ROWS (1..8), W_T (0 bf16, 1 fp16, 2 Q8_0, 3 Q4_0, 4 Q4_1), WARPS,
-// VROWS (a power of two <= 16; reduced VSUB = min(VROWS, 32 / next_pow2(ROWS), VSUB_MAX) rows at a time),
-// XSLOT, PIPE, STAGES (0, 2, 4, 8), MIN_BLOCKS (blocks a multiprocessor the registers must
-// allow: 1, 2 or 4; two 8-warp blocks keep 16 warps resident while one of them adds up a tile),
-// COOP (0 / 1), ROW_SCALE, SOFT_CAP, STATS (0 / 1).
+// VROWS (a power of two <= 16; reduced VSUB = min(VROWS, 32 / next_pow2(ROWS), VSUB_MAX) rows
+// at a time), XSLOT, PIPE, STAGES (0, 2, 4, 8), MIN_BLOCKS (blocks a multiprocessor the registers
+// must allow: 1, 2 or 4; two 8-warp blocks keep 16 warps resident while one of them adds up a
+// tile), COOP (0 / 1), ROW_SCALE, SOFT_CAP, STATS (0 / 1), PBUF (1 / 2), SPLIT (0 / 1), TCDEC
+// (0 / 1: the matrix-unit decode, see lm_decode), VSUB_MAX (a power of two, 16 by default).
 // Compiled with --fmad=false; the fused operations (the chains, Q4_1's d * q + m) are explicit
 // __fmaf_rn.
 

@@ -89,8 +89,8 @@
 #if STAGES == 1 || (STAGES && PERSISTENT)
 #error "STAGES is 0 or at least 2, and replaces PERSISTENT"
 #endif
-#if defined(BLOCK_LANE) && BLOCK_LANE && ((defined(STAGES) && STAGES) || (UNITS_PER_WARP % 2) || (defined(I8_PLANES) && I8_PLANES))
-#error "BLOCK_LANE needs an even UNITS_PER_WARP, no STAGES and no I8_PLANES"
+#if defined(BLOCK_LANE) && BLOCK_LANE && ((UNITS_PER_WARP % 2) || (defined(I8_PLANES) && I8_PLANES))
+#error "BLOCK_LANE needs an even UNITS_PER_WARP and no I8_PLANES"
 #endif
 
 #define KILN_OUT_INT8 3
@@ -109,7 +109,9 @@
 // the 512 elements (warp_in_row + P WARPS_PER_ROW) * 512 ...; lanes 0-15 hold the segment's unit
 // 2 (warp_in_row + P WARPS_PER_ROW) and lanes 16-31 the one after it, lane l holding what the
 // 8-element layout gives lanes 2 (l & 15) and 2 (l & 15) + 1. The unit sums are the same tree of
-// the same additions (kiln_norm_pairs_reduce). UNITS_PER_WARP even; not staged, not I8_PLANES.
+// the same additions (kiln_norm_pairs_reduce). UNITS_PER_WARP even; not I8_PLANES. Staged
+// (STAGES), each lane copies the pieces of its own columns, which kiln_norm_col gives for
+// either layout.
 #ifndef BLOCK_LANE
 #define BLOCK_LANE 0
 #endif
@@ -656,13 +658,15 @@ __device__ __forceinline__ void kiln_norm_load(KilnNormLoads& in, const void* x,
 __device__ __forceinline__ void kiln_norm_stage_issue(kiln_u32 stage, const void* x, const void* residual,
                                                       const void* gate, long long base, bool active, int n,
                                                       int warp_in_row, int lane) {
-    const long long first = (base + warp_in_row * 256 + lane * 8) * (X_T == KILN_F32 ? 4 : 2);
-    const int first_col = warp_in_row * 256 + lane * 8;
+    // The lane's first column and each unit's constant offset from it (kiln_norm_col: the
+    // 8-element layout or BLOCK_LANE's).
+    const int first_col = kiln_norm_col(warp_in_row, 0, lane);
+    const long long first = (base + first_col) * (X_T == KILN_F32 ? 4 : 2);
 #pragma unroll
     for (int u = 0; u < UNITS_PER_WARP; ++u) {
-        const bool valid = active && first_col + u * WARPS_PER_ROW * 256 < n;
+        const bool valid = active && first_col + kiln_norm_off(u) < n;
         // Past the segment nothing is read: the address is never dereferenced.
-        const long long offset = first + (long long)u * WARPS_PER_ROW * 256 * (X_T == KILN_F32 ? 4 : 2);
+        const long long offset = first + (long long)kiln_norm_off(u) * (X_T == KILN_F32 ? 4 : 2);
 #pragma unroll
         for (int stream = 0; stream < KILN_NORM_STREAMS; ++stream) {
             // Stream 1 is the residual when there is one, else the gate; the last is the gate.

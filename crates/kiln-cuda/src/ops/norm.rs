@@ -39,7 +39,7 @@ pub struct NormVariant {
     /// One lane a block of 16 consecutive elements (the kernel's `BLOCK_LANE`; label `+b`): the
     /// INT8 and NVFP4 outputs take each block's maximum, scale and checks once for 16 values, in
     /// one lane, and store 16 INT8 codes at once; units go to the warps in pairs (at least 2 a
-    /// warp). Serves every flavor; not with `stages` nor the int8 planes.
+    /// warp). Serves every flavor, staged or not; not the int8 planes.
     pub block_lane: bool,
     /// Without `early_weight`: the output loop loads the weight and bias of a warp's next unit
     /// before it computes the current one (the kernel's `WEIGHT_AHEAD`; label `+w`), so that the
@@ -148,6 +148,14 @@ const fn staged(warps_per_row: u32, rows_per_block: u32, early_weight: bool, sta
     }
 }
 
+/// A staged [`NormVariant::block_lane`] variant with the segment length compiled in (label
+/// `+s2+b+n` and the like): the quantized outputs' one-lane blocks with the loads of the next
+/// groups in flight, so that at 2048 x 4096 the reads of later rows overlap the issue-bound
+/// quantization of earlier ones instead of a wave of reads, then a wave of quantization.
+const fn staged_block_lane(warps_per_row: u32, stages: u32) -> NormVariant {
+    NormVariant { block_lane: true, fixed_n: true, ..staged(warps_per_row, 1, false, stages) }
+}
+
 /// Warps a multiprocessor a staged grid ([`NormVariant::stages`]) aims for: its blocks a
 /// multiprocessor are this over the warps of a block (at least one, at most the resident ones).
 /// With the stage count this sets the bytes in flight: at 2048 x 4096 bf16, 16 warps a row and 2
@@ -242,6 +250,9 @@ pub const NORM_VARIANTS: &[NormVariant] = &[
     fixed(block_lane(4, 1)),
     fixed(block_lane(8, 1)),
     fixed(block_lane_total(4, 1)),
+    staged_block_lane(4, 2),
+    staged_block_lane(4, 3),
+    staged_block_lane(8, 2),
 ];
 
 /// Most units of 256 elements one warp holds in registers (16: 128 fp32 values per lane).
@@ -468,11 +479,11 @@ impl NormCall {
                 variant.warps_per_row as usize * variant.max_units_per_warp() * UNIT
             ),
         })?;
-        if variant.stages == 1 || (variant.stages > 0 && (variant.persistent || variant.block_lane)) {
+        if variant.stages == 1 || (variant.stages > 0 && variant.persistent) {
             return Err(Error::InvalidArgument {
                 name: "norm variant",
                 value: format!("{variant:?}"),
-                reason: "stages are 0 or at least 2, and exclude `persistent` and `block_lane`".into(),
+                reason: "stages are 0 or at least 2, and exclude `persistent`".into(),
             });
         }
         if variant.row_total && variant.warps_per_row < 2 {
@@ -954,6 +965,24 @@ mod tests {
         assert_eq!(staged_blocks_per_multiprocessor(staged(4, 1, false, 2), w, 0), 1);
         assert_eq!(staged_blocks_per_multiprocessor(staged(4, 1, false, 2), 16, 8), 4);
         assert_eq!(staged_blocks_per_multiprocessor(staged(16, 1, false, 2), 8, 8), 1);
+        // One lane a quantization block, staged: the same stages, the kernel's BLOCK_LANE with its
+        // STAGES and the segment length.
+        let nvfp4: NormSpec = RmsNorm {
+            out: NormOutput::Quantized(Quantizer::Nvfp4 { global_scale: 448.0 }),
+            ..RmsNorm::llama(1e-5, DType::BF16)
+        }
+        .into();
+        let q = call(nvfp4, 2048, 4096, DType::BF16);
+        let lane_blocks = staged_block_lane(4, 3);
+        assert_eq!(lane_blocks.staged_shared_bytes(&q, false).unwrap(), 3 * 4 * 128 * 16);
+        let defines = q.defines(lane_blocks).unwrap();
+        for want in [("BLOCK_LANE", "1"), ("SEGMENT_N", "4096"), ("UNITS_PER_WARP", "4")] {
+            assert!(defines.contains(&(want.0, want.1.to_owned())), "{want:?} in {defines:?}");
+        }
+        assert_eq!(
+            launch_defines(&q, lane_blocks, false).iter().filter(|(k, v)| k == "STAGES" && v == "3").count(),
+            1
+        );
         // One stage, or stages with the register-pipelined grid, are refused.
         for bad in [staged(4, 1, false, 1), NormVariant { persistent: true, ..staged(4, 1, false, 2) }] {
             assert!(matches!(c.validate(bad), Err(Error::InvalidArgument { .. })), "{bad:?}");

@@ -1,17 +1,35 @@
 #!/usr/bin/env bash
-# The LM head's 8-row variants on one GPU, from a bundle (scripts/gpu-bundle): the shift decode
-# against the matrix-unit decode (`m`) and reductions of 2 rows' sums (`r2`), in alternating
-# processes with PyTorch's torch.matmul measured once; 1, 2 and 4 rows for the same pairs; an
-# ncu count of instructions and issue of each 8-row variant; the GPU tests of the LM head
-# (bit for bit against the CPU reference, special weights included).
-#   cd bundle && ../bench/gpu_lm_head_variants.sh RESULTS_DIR
+# The candidate variants against the defaults on one GPU, from a bundle (scripts/gpu-bundle),
+# each part under 10 minutes:
+#   lm-head  the LM head at 8 rows: the shift decode against the matrix-unit decode (`m`) and
+#            reductions of 2 rows' sums (`r2`), in alternating processes, PyTorch's torch.matmul
+#            measured once; 1, 2 and 4 rows for the same pairs; an ncu count of instructions and
+#            issue of each 8-row variant; the GPU tests of the LM head (special weights included).
+#   norm     the INT8 and NVFP4 norm outputs at 2048 x 4096 and 8192 x 8192: the staged grids
+#            of one lane a quantization block (`+s2+b+n`, `+s3+b+n`) at 16, 32 and 48 warps a
+#            multiprocessor against the defaults, PyTorch measured once; the GPU tests of the norms.
+#   cd bundle && ../bench/gpu_candidates.sh lm-head|norm RESULTS_DIR
 set -u
-out=${1:?usage: $0 RESULTS_DIR (run inside the bundle directory)}
+part=${1:?usage: $0 lm-head|norm RESULTS_DIR (run inside the bundle directory)}
+out=${2:?usage: $0 lm-head|norm RESULTS_DIR (run inside the bundle directory)}
 mkdir -p "$out"
 t0=$SECONDS
 T() { local limit=$1 name=$2; shift 2; timeout "$limit" "$@" > "$out/$name.txt" 2>&1; echo "exit $? at $((SECONDS - t0)) s" >> "$out/$name.txt"; }
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1
 [ -f COMMIT ] && cp COMMIT "$out/commit.txt"
+if [ "$part" = norm ]; then
+  T 60 peer-norm python3 bench/peers/norm.py --out "$out/norm_torch.json"
+  for w in 32 16 48; do
+    KILN_NORM_STAGED_WARPS=$w T 150 bench-norm-w$w ./kiln bench norm --cases rms_norm_nvfp4,rms_norm_int8 \
+      --sizes 2048x4096,8192x8192 --variants 4w1r+s2+b+n,4w1r+s3+b+n,8w1r+s2+b+n --peer "$out/norm_torch.json"
+  done
+  T 420 test-gpu_norm tests/gpu_norm --test-threads=8
+  grep -h -E "^rms_norm[a-z_0-9]* +[0-9]|^exit" "$out"/bench-norm-w*.txt | cut -c1-150
+  grep -E "^test |test result" "$out/test-gpu_norm.txt"
+  echo "total $((SECONDS - t0)) s"
+  exit 0
+fi
+[ "$part" = lm-head ] || { echo "unknown part $part (lm-head or norm)"; exit 2; }
 nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,clocks_event_reasons.active --format=csv -lms 100 > "$out/smi.csv" 2>&1 &
 smi=$!
 eight=16w/4v/64txs2c,16w/4v/64txs2cm,16w/4v/64txs2cmr2,16w/4v/64txs2cr2,16w/4v/64txs4c,16w/4v/64txs4cm
