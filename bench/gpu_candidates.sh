@@ -7,7 +7,8 @@
 #            issue of each 8-row variant; the GPU tests of the LM head (special weights included).
 #   norm     the INT8 and NVFP4 norm outputs at 2048 x 4096 and 8192 x 8192: the staged grids
 #            of one lane a quantization block (`+s2+b+n`, `+s3+b+n`) at 16, 32 and 48 warps a
-#            multiprocessor against the defaults, PyTorch measured once; the GPU tests of the norms.
+#            multiprocessor and the squares widened by the matrix units (`+m`) against the
+#            defaults, PyTorch measured once; the GPU tests of the norms.
 #   cd bundle && ../bench/gpu_candidates.sh lm-head|norm RESULTS_DIR
 set -u
 part=${1:?usage: $0 lm-head|norm RESULTS_DIR (run inside the bundle directory)}
@@ -21,7 +22,7 @@ if [ "$part" = norm ]; then
   T 60 peer-norm python3 bench/peers/norm.py --out "$out/norm_torch.json"
   for w in 32 16 48; do
     KILN_NORM_STAGED_WARPS=$w T 150 bench-norm-w$w ./kiln bench norm --cases rms_norm_nvfp4,rms_norm_int8 \
-      --sizes 2048x4096,8192x8192 --variants 4w1r+s2+b+n,4w1r+s3+b+n,8w1r+s2+b+n --peer "$out/norm_torch.json"
+      --sizes 2048x4096,8192x8192 --variants 4w1r+s2+b+n,4w1r+s3+b+n,8w1r+s2+b+n,4w1r+b+n+m,8w1r+b+n+m,4w1r+s2+b+n+m --peer "$out/norm_torch.json"
   done
   T 420 test-gpu_norm tests/gpu_norm --test-threads=8
   grep -h -E "^rms_norm[a-z_0-9]* +[0-9]|^exit" "$out"/bench-norm-w*.txt | cut -c1-150

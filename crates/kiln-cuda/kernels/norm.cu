@@ -606,6 +606,43 @@ __device__ __forceinline__ float kiln_norm_total(float (&lane_sums)[UNITS_PER_WA
 // x holds its raw bits unless a gate before the norm changes the values.
 #define KILN_NORM_RAW (GATE != 1)
 
+// NORM_TCDEC (optional, 0 by default) 1: RMSNorm's squares take x (bf16, one segment a block, its
+// raw bits held) widened by the matrix units: one mma.m16n8k8 (fp32 accumulate, zero C) with two
+// of the lane's words as its A fragment and the identity as B returns those four values, each an
+// exact x x 1 plus seven exact zeros (lane 4g + t supplies A[g][2t..2t+1] and A[g + 8][2t..2t+1]
+// and receives D's same places): two instructions for 8 values instead of 8 shifts and masks. A
+// non-finite x can turn the zeros of its A row (its own and three neighbouring lanes' values of
+// the same segment) into NaN; a segment with a non-finite x has a non-finite sum of squares, so
+// where 1 / rms comes out other than a positive finite float the block computes the squares
+// again from the shifts (kiln_norm_segment). The values, sums and rounding are the same.
+#ifndef NORM_TCDEC
+#define NORM_TCDEC 0
+#endif
+#if NORM_TCDEC && !(KIND == 0 && X_T == KILN_BF16 && ROWS_PER_BLOCK == 1 && KILN_NORM_RAW)
+#error "NORM_TCDEC serves RMSNorm of bf16 x held raw, one segment a block"
+#endif
+#if NORM_TCDEC
+// B's fragment of lane 4g + t: B[2t][g] in the low half, B[2t + 1][g] in the high half (1.0 in
+// bf16 on the diagonal).
+__device__ __forceinline__ unsigned int kiln_norm_tc_select(int lane) {
+    const int g = lane >> 2, t = lane & 3;
+    return (2 * t == g ? 0x3F80u : 0u) | (2 * t + 1 == g ? 0x3F800000u : 0u);
+}
+
+__device__ __forceinline__ void kiln_norm_tc_widen4(unsigned int a0, unsigned int a1, unsigned int sel, float* v) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%7, %7, %7, %7};"
+        : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3])
+        : "r"(a0), "r"(a1), "r"(sel), "f"(0.0f));
+}
+
+// The 8 values of x's raw bits in fp32, as kiln_raw8_unpack while the warp's values are finite.
+__device__ __forceinline__ void kiln_norm_tc_unpack(const KilnRaw8<KILN_BF16>& r, float v[8], unsigned int sel) {
+    kiln_norm_tc_widen4(r.q[0].x, r.q[0].y, sel, v);
+    kiln_norm_tc_widen4(r.q[0].z, r.q[0].w, sel, v + 4);
+}
+#endif
+
 // One group's inputs as loaded, for this warp: its units of x, the residual and the gate.
 struct KilnNormLoads {
     KilnRaw8<X_T> x[UNITS_PER_WARP];
@@ -1007,20 +1044,49 @@ __device__ __forceinline__ void kiln_norm_segment(
         mean = kiln_norm_total(lane_sums, warp_in_row, units, mean_sums, [&](float t) { return t / (float)n; });
         KILN_NORM_RELOAD();
     }
+#if NORM_TCDEC
+    const unsigned int tc_sel = kiln_norm_tc_select(lane);
 #pragma unroll
     for (int u = 0; u < UNITS_PER_WARP; ++u) {
         const int col = kiln_norm_col(warp_in_row, u, lane);
-        KILN_NORM_VALUES(u, a);
+        float a[8];
+        kiln_norm_tc_unpack(KILN_NORM_X(u), a, tc_sel);
         float sq[8];
 #pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            float d = KIND == 1 ? a[k] - mean : a[k];
-            sq[k] = (active && col < n) ? d * d : 0.0f;
-        }
+        for (int k = 0; k < 8; ++k) sq[k] = (active && col < n) ? a[k] * a[k] : 0.0f;
         lane_sums[u] = kiln_lane_sum8(sq);
     }
-    const float r = kiln_norm_total(lane_sums, warp_in_row, units, square_sums,
-                                    [&](float t) { return 1.0f / sqrtf(t / (float)n + eps); });
+    float r = kiln_norm_total(lane_sums, warp_in_row, units, square_sums,
+                              [&](float t) { return 1.0f / sqrtf(t / (float)n + eps); });
+    // Uniform over the block (one segment): every warp finishes the same total.
+    if (!(r > 0.0f && r <= 3.40282347e38f)) {
+        __syncthreads();  // every warp has read the unit sums the squares write again
+#else
+    {
+#endif
+#pragma unroll
+        for (int u = 0; u < UNITS_PER_WARP; ++u) {
+            const int col = kiln_norm_col(warp_in_row, u, lane);
+            KILN_NORM_VALUES(u, a);
+            float sq[8];
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                float d = KIND == 1 ? a[k] - mean : a[k];
+                sq[k] = (active && col < n) ? d * d : 0.0f;
+            }
+            lane_sums[u] = kiln_lane_sum8(sq);
+        }
+#if NORM_TCDEC
+        r =
+#else
+    }
+    const float r =
+#endif
+            kiln_norm_total(lane_sums, warp_in_row, units, square_sums,
+                            [&](float t) { return 1.0f / sqrtf(t / (float)n + eps); });
+#if NORM_TCDEC
+    }
+#endif
     KILN_NORM_RELOAD();
 
     // BLOCK_LANE with a block-quantized output: the lane's 16 values of register units 2P, 2P + 1.

@@ -855,3 +855,55 @@ fn packed_conversions_match_the_reference() {
         );
     }
 }
+
+/// RMSNorm's squares widened by the matrix units (`+m`) beside the same variants without it, on
+/// rows of special x: one infinity or one NaN among plain values (whose neighbours the widening
+/// can turn into NaN: the segment takes its squares again from the shifts), values so large that
+/// the sum of squares overflows, subnormals with signed zeros, and rows of zeros; with and without
+/// the residual, for the quantized and bf16 outputs.
+#[test]
+fn matrix_widened_squares_of_special_x_match_the_reference() {
+    let gpu = gpu();
+    let mut rng = Rng::fresh();
+    let widened: Vec<NormVariant> = NORM_VARIANTS.iter().copied().filter(|v| v.matrix_decode).collect();
+    assert!(!widened.is_empty(), "no +m variant is listed");
+    let mut checked = 0usize;
+    for out in [
+        NormOutput::Quantized(Quantizer::Nvfp4 { global_scale: 448.0 }),
+        NormOutput::Quantized(Quantizer::Int8),
+        NormOutput::Float(DType::BF16),
+    ] {
+        for hidden in [4096usize, 8192] {
+            let spec: NormSpec = RmsNorm { out, ..RmsNorm::llama(1e-5, DType::BF16) }.into();
+            let rows = 40usize;
+            let call = NormCall { spec, rows, hidden, x_type: DType::BF16, weight_type: DType::BF16 };
+            let mut x = rng.values(rows * hidden, -2.0, 2.0, FloatType::BF16);
+            for (r, row) in x.chunks_mut(hidden).enumerate() {
+                let at = (rng.next() % hidden as u64) as usize;
+                match r % 8 {
+                    1 => row[at] = f32::INFINITY,
+                    2 => row[at] = f32::NAN,
+                    3 => row[at] = f32::NEG_INFINITY,
+                    4 => row.iter_mut().for_each(|v| *v *= 1e30),
+                    5 => row.iter_mut().enumerate().for_each(|(i, v)| {
+                        *v = if i % 5 == 0 { -0.0 } else { *v * 4e-39 };
+                    }),
+                    6 => row.iter_mut().for_each(|v| *v = 0.0),
+                    _ => {}
+                }
+                row.iter_mut().for_each(|v| *v = FloatType::BF16.round(*v));
+            }
+            let served: Vec<NormVariant> = widened
+                .iter()
+                .flat_map(|v| [*v, NormVariant { matrix_decode: false, ..*v }])
+                .filter(|v| call.validate(*v).is_ok())
+                .collect();
+            assert!(!served.is_empty(), "no +m variant serves {hidden}");
+            for with_residual in [false, true] {
+                check_variants_on_weight(&gpu, &mut rng, call, &served, &x, with_residual, None);
+                checked += served.len();
+            }
+        }
+    }
+    println!("{checked} launches checked");
+}

@@ -239,6 +239,7 @@ fn every_configuration_name_parses_back() {
             weight_ahead: false,
             row_total: false,
             fixed_n: false,
+            matrix_decode: false,
         }),
         "4w2r+e"
     );
@@ -312,6 +313,7 @@ fn lookups_answer_the_winner_the_default_or_a_named_error() {
         weight_ahead: false,
         row_total: false,
         fixed_n: false,
+        matrix_decode: false,
     };
     assert_eq!(norm_variant(&open(TuningMode::Strict), &task, SM90).unwrap(), want);
 
