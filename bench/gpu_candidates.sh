@@ -4,15 +4,17 @@
 #   lm-head  the LM head at 8 rows: the shift decode against the matrix-unit decode (`m`) and
 #            reductions of 2 rows' sums (`r2`), in alternating processes, PyTorch's torch.matmul
 #            measured once; 1, 2 and 4 rows for the same pairs; an ncu count of instructions and
-#            issue of each 8-row variant; the GPU tests of the LM head (special weights included).
+#            issue of each 8-row variant.
 #   norm     the INT8 and NVFP4 norm outputs at 2048 x 4096 and 8192 x 8192: the staged grids
 #            of one lane a quantization block (`+s2+b+n`, `+s3+b+n`) at 16, 32 and 48 warps a
 #            multiprocessor and the squares widened by the matrix units (`+m`) against the
-#            defaults, PyTorch measured once; the GPU tests of the norms.
-#   cd bundle && ../bench/gpu_candidates.sh lm-head|norm RESULTS_DIR
+#            defaults, PyTorch measured once.
+#   tests    the GPU tests of the LM head and of the norms side by side (bit for bit against the
+#            CPU reference, the candidates and their special-value tests included).
+#   cd bundle && ../bench/gpu_candidates.sh lm-head|norm|tests RESULTS_DIR
 set -u
-part=${1:?usage: $0 lm-head|norm RESULTS_DIR (run inside the bundle directory)}
-out=${2:?usage: $0 lm-head|norm RESULTS_DIR (run inside the bundle directory)}
+part=${1:?usage: $0 lm-head|norm|tests RESULTS_DIR (run inside the bundle directory)}
+out=${2:?usage: $0 lm-head|norm|tests RESULTS_DIR (run inside the bundle directory)}
 mkdir -p "$out"
 t0=$SECONDS
 T() { local limit=$1 name=$2; shift 2; timeout "$limit" "$@" > "$out/$name.txt" 2>&1; echo "exit $? at $((SECONDS - t0)) s" >> "$out/$name.txt"; }
@@ -24,13 +26,19 @@ if [ "$part" = norm ]; then
     KILN_NORM_STAGED_WARPS=$w T 150 bench-norm-w$w ./kiln bench norm --cases rms_norm_nvfp4,rms_norm_int8 \
       --sizes 2048x4096,8192x8192 --variants 4w1r+s2+b+n,4w1r+s3+b+n,8w1r+s2+b+n,4w1r+b+n+m,8w1r+b+n+m,4w1r+s2+b+n+m --peer "$out/norm_torch.json"
   done
-  T 420 test-gpu_norm tests/gpu_norm --test-threads=8
   grep -h -E "^rms_norm[a-z_0-9]* +[0-9]|^exit" "$out"/bench-norm-w*.txt | cut -c1-150
-  grep -E "^test |test result" "$out/test-gpu_norm.txt"
   echo "total $((SECONDS - t0)) s"
   exit 0
 fi
-[ "$part" = lm-head ] || { echo "unknown part $part (lm-head or norm)"; exit 2; }
+if [ "$part" = tests ]; then
+  T 560 test-gpu_lm_head tests/gpu_lm_head --test-threads=3 &
+  T 560 test-gpu_norm tests/gpu_norm --test-threads=8
+  wait
+  grep -E "^test |test result|cases|launches|^exit" "$out"/test-gpu_lm_head.txt "$out"/test-gpu_norm.txt
+  echo "total $((SECONDS - t0)) s"
+  exit 0
+fi
+[ "$part" = lm-head ] || { echo "unknown part $part (lm-head, norm or tests)"; exit 2; }
 nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,clocks_event_reasons.active --format=csv -lms 100 > "$out/smi.csv" 2>&1 &
 smi=$!
 eight=16w/4v/64txs2c,16w/4v/64txs2cm,16w/4v/64txs2cmr2,16w/4v/64txs2cr2,16w/4v/64txs4c,16w/4v/64txs4cm
@@ -44,8 +52,6 @@ M=sm__cycles_elapsed.avg.per_second,smsp__issue_active.avg.pct_of_peak_sustained
 for v in ${eight//,/ }; do
   T 90 "ncu-${v//\//_}" ncu --clock-control none -k regex:kiln_lm_head -s 7 -c 1 --metrics $M ./kiln bench lm-head --rows 8 --variants "$v" --batches 1 --launches 2
 done
-T 420 test-gpu_lm_head tests/gpu_lm_head --test-threads=4
 grep -h -E "^\| 151936|^exit" "$out"/bench8-*.txt "$out"/bench-1248.txt
 grep -h -E "inst_executed.sum|issue_active|duration" "$out"/ncu-*.txt | awk '{print $1, $NF}'
-grep -E "^test |test result|cases" "$out/test-gpu_lm_head.txt"
 echo "total $((SECONDS - t0)) s"
