@@ -246,8 +246,9 @@ __device__ __forceinline__ void lm_zero(LmW& out) {
 // the other weights of its A row are finite), so it is w itself: two instructions for a lane's
 // eight weights instead of eight shifts and masks. A non-finite weight makes the 0 products of
 // its A row NaN, so neighbours' weights can decode as NaN; a logit that comes out NaN is
-// computed again the reference's way at the tile's end (lm_exact_sum), so the logits stay the
-// reference's for every input. `sel`: this lane's word of B (lm_tc_select).
+// computed again the reference's way (lm_exact_sum), so the logits stay the reference's for
+// every input (lm_fix_nan, after the block's last tile). `sel`: this lane's
+// word of B (lm_tc_select).
 #if W_T == 0
 #define LM_TC_ONE 0x3F80u  // 1.0 in bf16
 #define LM_TC_TYPE "bf16"
@@ -263,7 +264,8 @@ __device__ __forceinline__ kiln_u32 lm_tc_select(int lane) {
 
 __device__ __forceinline__ void lm_tc_mma(kiln_u32 a0, kiln_u32 a1, kiln_u32 b, float& d0, float& d1, float& d2,
                                           float& d3) {
-    asm volatile(
+    // Not volatile: a pure function of its operands, free to move with the products.
+    asm(
         "mma.sync.aligned.m16n8k8.row.col.f32." LM_TC_TYPE "." LM_TC_TYPE ".f32 {%0, %1, %2, %3}, {%4, %5}, "
         "{%6}, {%7, %7, %7, %7};"
         : "=f"(d0), "=f"(d1), "=f"(d2), "=f"(d3)

@@ -630,7 +630,8 @@ __device__ __forceinline__ unsigned int kiln_norm_tc_select(int lane) {
 }
 
 __device__ __forceinline__ void kiln_norm_tc_widen4(unsigned int a0, unsigned int a1, unsigned int sel, float* v) {
-    asm volatile(
+    // Not volatile: a pure function of its operands, free to move with the products.
+    asm(
         "mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%7, %7, %7, %7};"
         : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3])
         : "r"(a0), "r"(a1), "r"(sel), "f"(0.0f));
