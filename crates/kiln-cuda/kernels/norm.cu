@@ -898,6 +898,15 @@ __device__ __forceinline__ float kiln_bf16x16_amax(const unsigned int (&q)[8]) {
 #define KILN_NORM_PACKED_AMAX 0
 #endif
 
+// NORM_TCDEC with the packed block maximum (KILN_NORM_YQ16) and the segment filling every
+// register unit of every lane (so that a warp's lanes are all valid or all not): the block's 16
+// values are widened for the quantizer by the matrix units too, after its maximum, when no lane
+// of the warp has a non-finite value (a vote on the maxima: a NaN or infinite y could turn its
+// neighbours' widened values into NaN); otherwise by the shifts. The same values either way.
+#if defined(SEGMENT_N)
+#define KILN_NORM_TC_Y (NORM_TCDEC && KILN_NORM_PACKED_AMAX && KILN_NORM_PACKED_Q && SEGMENT_N == KILN_NORM_UNITS * 256)
+#endif
+
 // qscale where it is in the NVFP4 fast path's range, NaN otherwise: once a segment, so that each
 // block checks only its scaled maximum.
 __device__ __forceinline__ float kiln_nvfp4_qscale_fast(float qscale) {
@@ -970,6 +979,10 @@ __device__ __forceinline__ void kiln_norm_block16(const float (&y)[16], float am
         *scale_at = (unsigned char)s;
     }
 }
+#endif
+
+#ifndef KILN_NORM_TC_Y
+#define KILN_NORM_TC_Y 0
 #endif
 
 // Normalizes one segment from its loads and writes its outputs. `sums` holds the block's two
@@ -1102,6 +1115,7 @@ __device__ __forceinline__ void kiln_norm_segment(
 #if KILN_NORM_YQ16
     unsigned int yq16[8];
 #endif
+
     // The codes and scale of this lane's first block of the segment; every later block's are
     // constant offsets from them (kiln_norm_off is a multiple of 16). With 8 warps a row or more
     // they are computed here once (the empty asm keeps ptxas from computing both again for each
@@ -1159,7 +1173,8 @@ __device__ __forceinline__ void kiln_norm_segment(
             KILN_NORM_VALUES(u, a);
             KilnRaw8<KILN_BF16> y;
             y.q[0] = kiln_norm_packed_product(a, r, wraw.q[0]);
-            kiln_raw8_unpack<KILN_BF16>(y, p);
+            // With KILN_NORM_TC_Y the block's values are widened after its maximum (below).
+            if (!KILN_NORM_TC_Y) kiln_raw8_unpack<KILN_BF16>(y, p);
 #if KILN_NORM_YQ16
             yq16[(u & 1) * 4 + 0] = y.q[0].x;
             yq16[(u & 1) * 4 + 1] = y.q[0].y;
@@ -1241,13 +1256,25 @@ __device__ __forceinline__ void kiln_norm_segment(
         } else if (BLOCK_LANE) {
 #if BLOCK_LANE && KILN_NORM_BLOCKED
             // INT8 / NVFP4, one block a lane: its first half waits for the second.
+            if (!KILN_NORM_TC_Y) {
 #pragma unroll
-            for (int k = 0; k < 8; ++k) p16[(u & 1) * 8 + k] = p[k];
+                for (int k = 0; k < 8; ++k) p16[(u & 1) * 8 + k] = p[k];
+            }
             if ((u & 1) == 0) continue;
 #if KILN_NORM_YQ16
             const float amax = kiln_bf16x16_amax(yq16);
 #else
             const float amax = kiln_block16_amax(p16);
+#endif
+#if KILN_NORM_TC_Y
+            // Uniform over the warp: every lane is here (see KILN_NORM_TC_Y).
+            if (__any_sync(0xFFFFFFFFu, !(amax <= 3.40282347e38f))) {
+#pragma unroll
+                for (int k = 0; k < 8; ++k) kiln_unpack2<KILN_BF16>(yq16[k], p16[2 * k], p16[2 * k + 1]);
+            } else {
+#pragma unroll
+                for (int k = 0; k < 4; ++k) kiln_norm_tc_widen4(yq16[2 * k], yq16[2 * k + 1], tc_sel, p16 + 4 * k);
+            }
 #endif
             kiln_norm_block16(p16, amax, codes_first + kiln_norm_off(u - 1) / (OUT_T == KILN_OUT_INT8 ? 1 : 2),
                               scales_first + kiln_norm_off(u - 1) / 16 * (OUT_T == KILN_OUT_INT8 ? 4 : 1), qscale,

@@ -58,7 +58,9 @@ pub struct NormVariant {
     /// RMSNorm's squares from x widened by the matrix units (the kernel's `NORM_TCDEC`; label
     /// `+m`): two `mma` for 8 bf16 values instead of 8 shifts and masks; a segment whose 1 / rms
     /// is not a positive finite float (a non-finite x) takes its squares again from the shifts.
-    /// RMSNorm of bf16 x, one segment a block, no gate before the norm.
+    /// With the NVFP4 output's packed block maximum and a segment that fills every lane, the
+    /// quantizer's values are widened the same way where a vote finds no non-finite value in the
+    /// warp. RMSNorm of bf16 x, one segment a block, no gate before the norm.
     pub matrix_decode: bool,
 }
 
