@@ -28,7 +28,7 @@
 //! (`default, no L2 hint`: `KILN_DECODE_L2_HINT=none` around that row only); last, the streaming
 //! kernel one block a multiprocessor, 8 warps (`stream wide`, `stream3-1x8x16.sN`) or six steps
 //! in flight a warp (`stream deep`, `stream6-1x4x16.sN`), at the splits of
-//! [`decode_stream_splits_for`](kiln_cuda::ops::attention::decode_stream_splits_for) (one wave),
+//! [`kiln_cuda::ops::attention::decode_stream_splits_for`] (one wave),
 //! and at batch 1 and 8 both at twice those (`stream wide, two waves`, `stream deep, two waves`).
 //!
 //! Both as a ratio to PyTorch's `scaled_dot_product_attention` (flash backend) on the same shapes

@@ -903,7 +903,7 @@ fn stream_candidates(task: &AttentionTask, facts: &DeviceFacts) -> Vec<Attention
 
 /// The attention configurations for `task`: prefill runs each prefill variant unsplit; decode
 /// runs each decode variant at 1, half, once and twice the default splits, and the wide and deep
-/// streaming ones at their own splits ([`stream_candidates`]); each must fit the
+/// streaming ones at their own splits (`stream_candidates`); each must fit the
 /// device's threads and opt-in shared memory.
 pub fn attention_candidates(task: &AttentionTask, facts: &DeviceFacts) -> Candidates<AttentionConfig> {
     let default = task.default_config(facts.multiprocessors);

@@ -3,7 +3,7 @@
 //!
 //! `cudarc`'s loaders panic when a library is missing, so nothing here calls into `cudarc`
 //! before [`probe`] has found `libcuda` under one of the very names `cudarc` will try. NVRTC is
-//! loaded by Kiln itself ([`crate::nvrtc`]), from the system's library path, the CUDA toolkit, the
+//! loaded by Kiln itself (`crate::nvrtc`), from the system's library path, the CUDA toolkit, the
 //! `nvidia-cuda-nvrtc` Python wheel, or `$KILN_NVRTC_PATH`; a machine without either library
 //! still runs every CPU path, and [`probe`] says what is missing and how to install it.
 

@@ -805,7 +805,7 @@ pub fn staged_blocks_per_multiprocessor(variant: NormVariant, warps: usize, resi
 }
 
 /// Blocks per multiprocessor of a persistent grid: enough that the loads of their next groups
-/// come to [`PERSISTENT_BYTES_IN_FLIGHT`], at least one, at most the `resident` ones (a grid
+/// come to `PERSISTENT_BYTES_IN_FLIGHT`, at least one, at most the `resident` ones (a grid
 /// larger than what stays resident would run in waves again).
 pub fn persistent_blocks_per_multiprocessor(
     call: &NormCall,

@@ -406,9 +406,9 @@ const GREEDY_MIN_SLICE: usize = FUSED_MIN_SLICE;
 
 /// The greedy path's grid for `rows` rows of `vocab` logits on a device of `multiprocessors`:
 /// (slices per row, logits per slice, a multiple of 4). As many blocks as the device keeps
-/// resident at once ([`GREEDY_BLOCKS_PER_SM`] a multiprocessor), so the whole batch streams in
-/// one wave; at least one slice a row, at most [`GREEDY_THREADS`] (the last block reads one
-/// slot a thread) and one per [`GREEDY_MIN_SLICE`] logits.
+/// resident at once (`GREEDY_BLOCKS_PER_SM` a multiprocessor), so the whole batch streams in
+/// one wave; at least one slice a row, at most `GREEDY_THREADS` (the last block reads one
+/// slot a thread) and one per `GREEDY_MIN_SLICE` logits.
 pub fn greedy_slices(rows: usize, vocab: usize, multiprocessors: usize) -> Option<(usize, usize)> {
     if rows == 0 || vocab == 0 {
         return None;
@@ -435,8 +435,8 @@ const TOPK_MERGE_BLOCKS_PER_SM: usize = 2;
 /// The top-k merge path's grid for `rows` rows of `vocab` logits on a device of
 /// `multiprocessors`: (slices per row, logits per slice). As many blocks as the device keeps
 /// resident at once where the slices allow: each slice at most `TKM_PER * THREADS` logits (the
-/// registers of a block) and at least [`FUSED_MIN_SLICE`] (so the slices stay within
-/// [`fused_slots`], whose lists the path uses); at most [`TOPK_MERGE_THREADS`] slices (the last
+/// registers of a block) and at least `FUSED_MIN_SLICE` (so the slices stay within
+/// `fused_slots`, whose lists the path uses); at most [`TOPK_MERGE_THREADS`] slices (the last
 /// block owns one list per thread). 149 slices of 1020 at batch 1 and vocab 151936 on 132
 /// multiprocessors, 19 of 7997 at batch 64. `None` when the vocabulary needs more slices.
 pub fn topk_merge_slices(rows: usize, vocab: usize, multiprocessors: usize) -> Option<(usize, usize)> {
@@ -582,7 +582,7 @@ fn slots(vocab: usize) -> usize {
 
 /// The multi-block grid for `rows` rows of `vocab` logits on a device of `multiprocessors`:
 /// (slices per row, logits per slice). About two blocks per multiprocessor in all, each slice
-/// between [`MIN_SLICE`] and `FAST_SLICE_MAX` logits (fewer when the vocabulary is small);
+/// between `MIN_SLICE` and `FAST_SLICE_MAX` logits (fewer when the vocabulary is small);
 /// `None` when the vocabulary needs more slices than a block of the kernel can combine.
 pub fn slices(rows: usize, vocab: usize, multiprocessors: usize) -> Option<(usize, usize)> {
     if rows == 0 || vocab == 0 {

@@ -6,7 +6,7 @@
 //!   are written as GPT-2's printable characters, and the merge list is applied in rank order. The
 //!   `tokenizers` crate runs this, built from the GGUF vocabulary and merges.
 //! - **SentencePiece-style BPE** (`"llama"`: Llama 2, Mistral): score-ordered merges over
-//!   characters, spaces written as `▁`, bytes without a token as `<0xNN>` (see [`spm`]).
+//!   characters, spaces written as `▁`, bytes without a token as `<0xNN>` (see `spm`).
 //!
 //! A `tokenizer.json` (next to safetensors weights) loads through the `tokenizers` crate as is.
 //!
