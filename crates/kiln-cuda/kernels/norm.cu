@@ -614,7 +614,10 @@ __device__ __forceinline__ float kiln_norm_total(float (&lane_sums)[UNITS_PER_WA
 // non-finite x can turn the zeros of its A row (its own and three neighbouring lanes' values of
 // the same segment) into NaN; a segment with a non-finite x has a non-finite sum of squares, so
 // where 1 / rms comes out other than a positive finite float the block computes the squares
-// again from the shifts (kiln_norm_segment). The values, sums and rounding are the same.
+// again from the shifts (kiln_norm_segment). The values, sums and rounding are the same. A lane
+// past the segment's end keeps whatever its registers held (RMSNorm leaves them unset, and
+// zeroing them costs 16 instructions a lane at 8 units on the path of every lane): bits that
+// happen to be a NaN send that segment the slow way too, with the same result, later.
 #ifndef NORM_TCDEC
 #define NORM_TCDEC 0
 #endif
