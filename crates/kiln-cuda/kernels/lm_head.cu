@@ -504,7 +504,7 @@ __device__ __forceinline__ float lm_exact_sum(const float* __restrict__ h, const
 #endif
 
 // A logit from its sum: the deferred row scale, the logit scale and the soft cap, as
-// `LmHead::epilogue` in Rust.
+// `LmHead::epilogue` in Rust (lm_fix_nan; lm_finish_tile writes the same operations out).
 __device__ __forceinline__ float lm_epilogue(float acc, int r, const float* __restrict__ row_scale,
                                              float logit_scale, float cap) {
     float y = acc;
@@ -559,7 +559,16 @@ __device__ __forceinline__ void lm_finish_tile(const float* partial, const float
                 for (int k = 0; k < 8; ++k) acc = acc + s[k];
             }
             for (; u < units; ++u) acc = acc + col[u * step];
-            const float y = lm_epilogue(acc, r, row_scale, logit_scale, cap);
+            // lm_epilogue and lm_pack_stat's operations, written out here: as calls, ptxas lays
+            // out the 1- and 4-row defaults differently (same count, other schedule).
+            float y = acc;
+#if ROW_SCALE
+            y = y * row_scale[r];
+#endif
+            y = y * logit_scale;
+#if SOFT_CAP
+            y = cap * lm_tanh_poly(y / cap);
+#endif
             logits[(long long)r * vocab + v] = y;
 #if LM_TC_FIX
             if (y != y) *nan_seen = 1;
@@ -567,7 +576,8 @@ __device__ __forceinline__ void lm_finish_tile(const float* partial, const float
             (void)nan_seen;
 #endif
 #if STATS
-            atomicMax(&tile_max[r], lm_pack_stat(y, v));
+            const kiln_u64 packed = ((kiln_u64)lm_order_key(y) << 32) | (kiln_u64)(0xFFFFFFFFu - (kiln_u32)v);
+            atomicMax(&tile_max[r], packed);
 #endif
         }
     }
