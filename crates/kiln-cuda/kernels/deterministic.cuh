@@ -131,6 +131,38 @@ __device__ __forceinline__ float kiln_e4m3_value(unsigned int code) {
 #endif
 }
 
+// ---- widening by the matrix units (sm_80 and later) --------------------------------------------
+
+// Four 2-byte values (T: KILN_F16 / KILN_BF16) widened to fp32 by one mma.m16n8k8 (fp32
+// accumulate, zero C): the lane's words a0, a1 are its A fragment (lane 4g + t supplies
+// A[g][2t..2t+1] and A[g + 8][2t..2t+1], and receives D's same places), `b` its fragment of the
+// identity (kiln_tc_identity). Each output is the exact product x * 1 plus seven products with 0,
+// so it is x itself while the other values of its A row (the same word of lanes 4g .. 4g + 3)
+// are finite; a non-finite one can turn them into NaN, which the caller must catch. v[0..3]: a0's
+// low and high halves, then a1's, as kiln_unpack2 gives them. Two of these widen 8 values in two
+// instructions where shifts and masks take 8. Not volatile: a pure function of its operands.
+template <int T>
+__device__ __forceinline__ void kiln_tc_widen4(unsigned int a0, unsigned int a1, unsigned int b, float* v) {
+    static_assert(T == KILN_F16 || T == KILN_BF16, "2-byte values only");
+    if constexpr (T == KILN_BF16) {
+        asm("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%7, %7, %7, %7};"
+            : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3])
+            : "r"(a0), "r"(a1), "r"(b), "f"(0.0f));
+    } else {
+        asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%7, %7, %7, %7};"
+            : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3])
+            : "r"(a0), "r"(a1), "r"(b), "f"(0.0f));
+    }
+}
+
+// Lane `lane`'s B fragment of the 8 x 8 identity in T for kiln_tc_widen4: B[2t][g] in the low
+// half, B[2t + 1][g] in the high half (lane 4g + t).
+template <int T> __device__ __forceinline__ unsigned int kiln_tc_identity(int lane) {
+    const unsigned int one = T == KILN_BF16 ? 0x3F80u : 0x3C00u;
+    const int g = lane >> 2, t = lane & 3;
+    return (2 * t == g ? one : 0u) | (2 * t + 1 == g ? one << 16 : 0u);
+}
+
 // ---- fixed-order sums ----------------------------------------------------------------------
 
 // ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)), as `lane_sum8` in Rust.

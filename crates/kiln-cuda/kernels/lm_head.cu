@@ -237,48 +237,20 @@ __device__ __forceinline__ void lm_zero(LmW& out) {
 #endif
 }
 
-#if TCDEC
-// The matrix-unit decode (TCDEC, 2-byte weights): one mma.m16n8k8 (fp32 accumulate, zero C)
-// with two of this lane's words as its A fragment and the identity as B returns those four
-// weights in fp32: lane l = 4g + t supplies A[g][2t..2t+1] (the first word) and A[g + 8][2t..2t+1]
-// (the second) and receives D[g][2t..2t+1] and D[g + 8][2t..2t+1], and with B[k][n] = (k == n)
-// D = A. Each output is one exact product w x 1 plus seven products with 0 (exact zeros while
-// the other weights of its A row are finite), so it is w itself: two instructions for a lane's
-// eight weights instead of eight shifts and masks. A non-finite weight makes the 0 products of
-// its A row NaN, so neighbours' weights can decode as NaN; a logit that comes out NaN is
-// computed again the reference's way (lm_exact_sum), so the logits stay the reference's for
-// every input (lm_fix_nan, after the block's last tile). `sel`: this lane's
-// word of B (lm_tc_select).
-#if W_T == 0
-#define LM_TC_ONE 0x3F80u  // 1.0 in bf16
-#define LM_TC_TYPE "bf16"
-#else
-#define LM_TC_ONE 0x3C00u  // 1.0 in fp16
-#define LM_TC_TYPE "f16"
-#endif
-// B[2t][g] in the low half, B[2t + 1][g] in the high half (B's fragment of lane 4g + t).
-__device__ __forceinline__ kiln_u32 lm_tc_select(int lane) {
-    const int g = lane >> 2, t = lane & 3;
-    return (2 * t == g ? LM_TC_ONE : 0u) | (2 * t + 1 == g ? LM_TC_ONE << 16 : 0u);
-}
-
-__device__ __forceinline__ void lm_tc_mma(kiln_u32 a0, kiln_u32 a1, kiln_u32 b, float& d0, float& d1, float& d2,
-                                          float& d3) {
-    // Not volatile: a pure function of its operands, free to move with the products.
-    asm(
-        "mma.sync.aligned.m16n8k8.row.col.f32." LM_TC_TYPE "." LM_TC_TYPE ".f32 {%0, %1, %2, %3}, {%4, %5}, "
-        "{%6}, {%7, %7, %7, %7};"
-        : "=f"(d0), "=f"(d1), "=f"(d2), "=f"(d3)
-        : "r"(a0), "r"(a1), "r"(b), "f"(0.0f));
-}
-#endif
+// The matrix-unit decode (TCDEC, 2-byte weights): kiln_tc_widen4 widens a lane's eight weights in
+// two instructions instead of eight shifts and masks. A non-finite weight can turn the other
+// weights of its A row (the same vocabulary row, see lm_fetch_step's permutation) into NaN; a
+// logit that comes out NaN is computed again the reference's way (lm_exact_sum), so the logits
+// stay the reference's for every input (lm_fix_nan, after the block's last tile). `sel`: this
+// lane's fragment of the identity (kiln_tc_identity).
+#define LM_TC_T (W_T == 0 ? KILN_BF16 : KILN_F16)
 
 // Elements e0 .. e0 + 8 in fp32, as `weight_element` in Rust (bf16: one shift or one mask per
 // element, done once per step and shared by every row; TCDEC: two mma for the eight).
 __device__ __forceinline__ void lm_decode(const LmW& in, float w[8], kiln_u32 sel) {
 #if TCDEC && (W_T == 0 || W_T == 1)
-    lm_tc_mma(in.q.x, in.q.y, sel, w[0], w[1], w[2], w[3]);
-    lm_tc_mma(in.q.z, in.q.w, sel, w[4], w[5], w[6], w[7]);
+    kiln_tc_widen4<LM_TC_T>(in.q.x, in.q.y, sel, w);
+    kiln_tc_widen4<LM_TC_T>(in.q.z, in.q.w, sel, w + 4);
 #elif W_T == 0 || W_T == 1
     (void)sel;
     const kiln_u32 words[4] = {in.q.x, in.q.y, in.q.z, in.q.w};
@@ -438,8 +410,10 @@ __device__ __forceinline__ void lm_step(const LmW (&cur)[VROWS], const float (&h
 }
 
 #if LM_TC_FIX
-// One lane position's chain of unit u the reference's way (zeros past `hidden`): the first
-// product rounded, then seven fused multiply-adds, as lm_chain8.
+// One lane position's chain of unit u the reference's way (zeros past `hidden`): lm_chain8's
+// first product rounded, then seven fused multiply-adds, in a rolled loop (lm_chain8's unrolled
+// one here costs the streaming loop 12 instructions a step at 2 stages: ptxas gives it the
+// registers this path would take).
 __device__ __forceinline__ float lm_exact_chain(const float* __restrict__ x, const kiln_u16* __restrict__ w,
                                                 int hidden, int e0) {
     float acc = 0.0f;
@@ -447,11 +421,7 @@ __device__ __forceinline__ float lm_exact_chain(const float* __restrict__ x, con
     for (int k = 0; k < 8; ++k) {
         const bool inside = e0 + k < hidden;
         const float xk = inside ? x[e0 + k] : 0.0f;
-#if W_T == 0
-        const float wk = inside ? __uint_as_float((kiln_u32)w[e0 + k] << 16) : 0.0f;
-#else
-        const float wk = inside ? kiln_f16_to_f32(w[e0 + k]) : 0.0f;
-#endif
+        const float wk = inside ? (W_T == 0 ? kiln_bf16_to_f32(w[e0 + k]) : kiln_f16_to_f32(w[e0 + k])) : 0.0f;
         acc = k == 0 ? __fmul_rn(xk, wk) : __fmaf_rn(xk, wk, acc);
     }
     return acc;
@@ -811,7 +781,7 @@ kiln_lm_head(const float* __restrict__ h, const kiln_u8* __restrict__ weights, c
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
 #if LM_TC_FIX
-    const kiln_u32 sel = lm_tc_select(lane);
+    const kiln_u32 sel = kiln_tc_identity<LM_TC_T>(lane);
     // Set where a logit of this block comes out NaN (lm_finish_tile), read by lm_fix_nan, which
     // takes h and hidden from shared memory too: read from the parameters at the end, they
     // stayed live through the streaming loop in registers it needs.

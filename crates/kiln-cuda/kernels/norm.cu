@@ -607,12 +607,9 @@ __device__ __forceinline__ float kiln_norm_total(float (&lane_sums)[UNITS_PER_WA
 #define KILN_NORM_RAW (GATE != 1)
 
 // NORM_TCDEC (optional, 0 by default) 1: RMSNorm's squares take x (bf16, one segment a block, its
-// raw bits held) widened by the matrix units: one mma.m16n8k8 (fp32 accumulate, zero C) with two
-// of the lane's words as its A fragment and the identity as B returns those four values, each an
-// exact x x 1 plus seven exact zeros (lane 4g + t supplies A[g][2t..2t+1] and A[g + 8][2t..2t+1]
-// and receives D's same places): two instructions for 8 values instead of 8 shifts and masks. A
-// non-finite x can turn the zeros of its A row (its own and three neighbouring lanes' values of
-// the same segment) into NaN; a segment with a non-finite x has a non-finite sum of squares, so
+// raw bits held) widened by the matrix units (kiln_tc_widen4: two instructions for 8 values
+// instead of 8 shifts and masks). A non-finite x can turn the zeros of its A row (its own and
+// three neighbouring lanes' values of the same segment) into NaN; a segment with a non-finite x has a non-finite sum of squares, so
 // where 1 / rms comes out other than a positive finite float the block computes the squares
 // again from the shifts (kiln_norm_segment). The values, sums and rounding are the same. A lane
 // past the segment's end keeps whatever its registers held (RMSNorm leaves them unset, and
@@ -625,25 +622,11 @@ __device__ __forceinline__ float kiln_norm_total(float (&lane_sums)[UNITS_PER_WA
 #error "NORM_TCDEC serves RMSNorm of bf16 x held raw, one segment a block"
 #endif
 #if NORM_TCDEC
-// B's fragment of lane 4g + t: B[2t][g] in the low half, B[2t + 1][g] in the high half (1.0 in
-// bf16 on the diagonal).
-__device__ __forceinline__ unsigned int kiln_norm_tc_select(int lane) {
-    const int g = lane >> 2, t = lane & 3;
-    return (2 * t == g ? 0x3F80u : 0u) | (2 * t + 1 == g ? 0x3F800000u : 0u);
-}
-
-__device__ __forceinline__ void kiln_norm_tc_widen4(unsigned int a0, unsigned int a1, unsigned int sel, float* v) {
-    // Not volatile: a pure function of its operands, free to move with the products.
-    asm(
-        "mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%7, %7, %7, %7};"
-        : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3])
-        : "r"(a0), "r"(a1), "r"(sel), "f"(0.0f));
-}
-
-// The 8 values of x's raw bits in fp32, as kiln_raw8_unpack while the warp's values are finite.
+// The 8 values of x's raw bits in fp32 by the matrix units (kiln_tc_widen4; `sel`:
+// kiln_tc_identity), as kiln_raw8_unpack while the warp's values are finite.
 __device__ __forceinline__ void kiln_norm_tc_unpack(const KilnRaw8<KILN_BF16>& r, float v[8], unsigned int sel) {
-    kiln_norm_tc_widen4(r.q[0].x, r.q[0].y, sel, v);
-    kiln_norm_tc_widen4(r.q[0].z, r.q[0].w, sel, v + 4);
+    kiln_tc_widen4<KILN_BF16>(r.q[0].x, r.q[0].y, sel, v);
+    kiln_tc_widen4<KILN_BF16>(r.q[0].z, r.q[0].w, sel, v + 4);
 }
 #endif
 
@@ -1062,7 +1045,7 @@ __device__ __forceinline__ void kiln_norm_segment(
         KILN_NORM_RELOAD();
     }
 #if NORM_TCDEC
-    const unsigned int tc_sel = kiln_norm_tc_select(lane);
+    const unsigned int tc_sel = kiln_tc_identity<KILN_BF16>(lane);
 #pragma unroll
     for (int u = 0; u < UNITS_PER_WARP; ++u) {
         const int col = kiln_norm_col(warp_in_row, u, lane);
@@ -1276,7 +1259,7 @@ __device__ __forceinline__ void kiln_norm_segment(
                 for (int k = 0; k < 8; ++k) kiln_unpack2<KILN_BF16>(yq16[k], p16[2 * k], p16[2 * k + 1]);
             } else {
 #pragma unroll
-                for (int k = 0; k < 4; ++k) kiln_norm_tc_widen4(yq16[2 * k], yq16[2 * k + 1], tc_sel, p16 + 4 * k);
+                for (int k = 0; k < 4; ++k) kiln_tc_widen4<KILN_BF16>(yq16[2 * k], yq16[2 * k + 1], tc_sel, p16 + 4 * k);
             }
 #endif
             kiln_norm_block16(p16, amax, codes_first + kiln_norm_off(u - 1) / (OUT_T == KILN_OUT_INT8 ? 1 : 2),

@@ -66,6 +66,66 @@ fn same_bits(a: f32, b: f32) -> bool {
     a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())
 }
 
+/// Runs `variant` on the given inputs (outputs poisoned first) and compares its logits and, when
+/// the head asks for them, its block statistics with the CPU reference bit for bit (NaN equal to
+/// NaN). Returns the reference's logits; `Err` describes the first mismatch under `what`.
+#[allow(clippy::too_many_arguments)]
+fn compare_with_reference(
+    gpu: &Gpu,
+    head: &LmHead,
+    rows: usize,
+    variant: LmHeadVariant,
+    h: &[f32],
+    w: &[u8],
+    row_scale: Option<&[f32]>,
+    what: &str,
+) -> Result<Vec<f32>, String> {
+    let (vocab, hidden, dtype) = (head.vocab, head.hidden, head.weight);
+    let want = head.run(h, w, row_scale).expect("CPU reference");
+    let h_dev = upload(gpu, &h.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<_>>());
+    let w_dev = upload(gpu, w);
+    let scale_dev =
+        row_scale.map(|s| upload(gpu, &s.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<_>>()));
+    let logits_dev = poisoned(gpu, rows * vocab * 4);
+    let stats_dev = poisoned(gpu, rows * vocab.div_ceil(variant.tile as usize) * 8);
+    let with_stats = head.stats_block.is_some();
+    let buffers = LmHeadBuffers {
+        h: &h_dev,
+        weights: &w_dev,
+        row_scale: scale_dev.as_ref(),
+        logits: &logits_dev,
+        stats: with_stats.then_some(&stats_dev),
+    };
+    lm_head(gpu, head, rows, buffers, Some(variant)).expect("launch");
+    let got = f32s(&logits_dev.to_host_bytes().expect("copy back"));
+    assert_eq!(row_bytes(dtype, hidden).unwrap() * vocab, w.len());
+    let mismatches: Vec<usize> = (0..rows * vocab).filter(|&i| !same_bits(got[i], want.logits[i])).collect();
+    if let Some(&i) = mismatches.first() {
+        return Err(format!(
+            "{what}: {} logits differ; first [{}][{}] gpu {:e} ({:#x}) cpu {:e} ({:#x})",
+            mismatches.len(),
+            i / vocab,
+            i % vocab,
+            got[i],
+            got[i].to_bits(),
+            want.logits[i],
+            want.logits[i].to_bits()
+        ));
+    }
+    if with_stats {
+        let bytes = stats_dev.to_host_bytes().expect("copy back");
+        let stats: Vec<u64> = bytes
+            .chunks_exact(8)
+            .take(want.stats.len())
+            .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        if stats != want.stats {
+            return Err(format!("{what}: block statistics differ"));
+        }
+    }
+    Ok(want.logits)
+}
+
 /// Runs one random case (random epilogue, statistics or not, row scale or not) of `variant` at
 /// `rows` x `vocab` x `hidden` and compares logits and statistics with the CPU reference bit for
 /// bit. `Ok(false)` when the variant does not serve the case; `Err` describes a mismatch.
@@ -93,53 +153,12 @@ fn check_case(
         (rng.below(2) == 0).then(|| (0..rows).map(|_| rng.uniform(0.2, 3.0)).collect());
     let h: Vec<f32> = (0..rows * hidden).map(|_| rng.uniform(-2.0, 2.0)).collect();
     let w = random_weights(rng, dtype, vocab, hidden);
-    let want = head.run(&h, &w, row_scale.as_deref()).expect("CPU reference");
-
-    let h_dev = upload(gpu, &h.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<_>>());
-    let w_dev = upload(gpu, &w);
-    let scale_dev =
-        row_scale.as_ref().map(|s| upload(gpu, &s.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<_>>()));
-    let logits_dev = poisoned(gpu, rows * vocab * 4);
-    let stats_dev = poisoned(gpu, rows * vocab.div_ceil(variant.tile as usize) * 8);
-    let buffers = LmHeadBuffers {
-        h: &h_dev,
-        weights: &w_dev,
-        row_scale: scale_dev.as_ref(),
-        logits: &logits_dev,
-        stats: with_stats.then_some(&stats_dev),
-    };
-    lm_head(gpu, &head, rows, buffers, Some(variant)).expect("launch");
-    let got = f32s(&logits_dev.to_host_bytes().expect("copy back"));
-    assert_eq!(row_bytes(dtype, hidden).unwrap() * vocab, w.len());
     let what = format!(
         "{dtype} rows {rows} {vocab}x{hidden} {} {head:?} row_scale {}",
         variant.label(),
         row_scale.is_some()
     );
-    let mismatches: Vec<usize> = (0..rows * vocab).filter(|&i| !same_bits(got[i], want.logits[i])).collect();
-    if let Some(&i) = mismatches.first() {
-        return Err(format!(
-            "{what}: {} logits differ; first [{}][{}] gpu {:e} ({:#x}) cpu {:e} ({:#x})",
-            mismatches.len(),
-            i / vocab,
-            i % vocab,
-            got[i],
-            got[i].to_bits(),
-            want.logits[i],
-            want.logits[i].to_bits()
-        ));
-    }
-    if with_stats {
-        let bytes = stats_dev.to_host_bytes().expect("copy back");
-        let stats: Vec<u64> = bytes
-            .chunks_exact(8)
-            .take(want.stats.len())
-            .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
-            .collect();
-        if stats != want.stats {
-            return Err(format!("{what}: block statistics differ"));
-        }
-    }
+    compare_with_reference(gpu, &head, rows, variant, &h, &w, row_scale.as_deref(), &what)?;
     Ok(true)
 }
 
@@ -337,35 +356,12 @@ fn special_weights_give_the_reference_logits_on_the_matrix_decode_and_its_twins(
                 let h: Vec<f32> = (0..rows * hidden)
                     .map(|_| rng.uniform(-2.0, 2.0) * 2f32.powi(50 + rng.below(21) as i32))
                     .collect();
-                let want = head.run(&h, &w, None).expect("CPU reference");
-                let h_dev = upload(&gpu, &h.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<_>>());
-                let w_dev = upload(&gpu, &w);
-                let logits_dev = poisoned(&gpu, rows * vocab * 4);
-                let stats_dev = poisoned(&gpu, rows * vocab.div_ceil(variant.tile as usize) * 8);
-                let buffers = LmHeadBuffers {
-                    h: &h_dev,
-                    weights: &w_dev,
-                    row_scale: None,
-                    logits: &logits_dev,
-                    stats: head.stats_block.map(|_| &stats_dev),
-                };
-                lm_head(&gpu, &head, rows, buffers, Some(variant)).expect("launch");
-                let got = f32s(&logits_dev.to_host_bytes().expect("copy back"));
-                let bad: Vec<usize> =
-                    (0..rows * vocab).filter(|&i| !same_bits(got[i], want.logits[i])).collect();
-                nan_logits += want.logits.iter().filter(|y| y.is_nan()).count();
-                checked += 1;
-                if let Some(&i) = bad.first() {
-                    failures.push(format!(
-                        "{dtype} rows {rows} {vocab}x{hidden} {}: {} logits differ; first [{}][{}] gpu {:#x} cpu {:#x}",
-                        variant.label(),
-                        bad.len(),
-                        i / vocab,
-                        i % vocab,
-                        got[i].to_bits(),
-                        want.logits[i].to_bits()
-                    ));
+                let what = format!("{dtype} rows {rows} {vocab}x{hidden} {}", variant.label());
+                match compare_with_reference(&gpu, &head, rows, variant, &h, &w, None, &what) {
+                    Ok(want) => nan_logits += want.iter().filter(|y| y.is_nan()).count(),
+                    Err(failure) => failures.push(failure),
                 }
+                checked += 1;
             }
         }
     }
