@@ -1,5 +1,7 @@
-//! Times `dot_row` (one thread) and `matvec` (the rayon pool) on random weights of each hot
-//! dtype, and prints the weight bytes read per second.
+//! Times `dot_rows_x` (one thread, x prepared once as `DotX`) and `matvec` (the rayon pool, x
+//! prepared per call) on random weights of each hot dtype, and prints the weight bytes read per
+//! second, and the time to prepare x (`DotX::new`). `KILN_CPU_NO_VNNI=1` times the float kernels
+//! in place of the integer ones.
 //!
 //! `cargo run --release -p kiln-engine --example matvec_bench [rows cols]` (default 576 × 1536,
 //! SmolLM2's FFN down projection).
@@ -7,7 +9,7 @@
 use std::time::Instant;
 
 use kiln_core::DType;
-use kiln_engine::formats::{dot_row, matvec};
+use kiln_engine::formats::{dot_rows_x, matvec, DotX};
 
 fn main() -> kiln_core::Result<()> {
     let args: Vec<usize> = std::env::args().skip(1).filter_map(|a| a.parse().ok()).collect();
@@ -39,9 +41,14 @@ fn main() -> kiln_core::Result<()> {
         let start = Instant::now();
         let mut sink = 0f32;
         for _ in 0..reps {
-            for r in 0..rows {
-                sink += dot_row(dtype, &matrix[r * row_bytes..(r + 1) * row_bytes], &x)?;
-            }
+            sink += DotX::new(&x).values()[0];
+        }
+        let prepare = start.elapsed().as_secs_f64() / reps as f64;
+        let prepared = DotX::new(&x);
+        let start = Instant::now();
+        for _ in 0..reps {
+            dot_rows_x(dtype, &matrix, &prepared, &mut out)?;
+            sink += out[0];
         }
         let single = start.elapsed().as_secs_f64() / reps as f64;
         let start = Instant::now();
@@ -52,11 +59,14 @@ fn main() -> kiln_core::Result<()> {
         let parallel = start.elapsed().as_secs_f64() / reps as f64;
         let gb = matrix.len() as f64 / 1e9;
         println!(
-            "{dtype:>5}: {:>8.1} us/matvec 1 thread ({:>5.1} GB/s), {:>8.1} us pooled ({:>5.1} GB/s) [{}]",
+            "{dtype:>5}: {:>8.1} us/matvec 1 thread ({:>5.1} GB/s), {:>8.1} us pooled ({:>5.1} GB/s), \
+             x prepared in {:.2} us{} [{}]",
             single * 1e6,
             gb / single,
             parallel * 1e6,
             gb / parallel,
+            prepare * 1e6,
+            if prepared.uses_integer_kernel(dtype) { " (integer kernel)" } else { "" },
             sink.is_finite()
         );
     }

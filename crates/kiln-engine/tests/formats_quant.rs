@@ -196,3 +196,136 @@ fn dot_rows_matches_float64_for_every_row() {
     let mut out = vec![0f32; 3];
     assert!(dot_rows(DType::Q4_1, &[0u8; 40], &[0f32; 32], &mut out).is_err());
 }
+
+/// A generator of test data, seeded from the clock (each run new inputs; the seed is printed).
+struct Rng(u64);
+
+impl Rng {
+    fn from_clock() -> Rng {
+        let seed =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1;
+        println!("seed {seed:#x}");
+        Rng(seed)
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// Uniform in [-1, 1).
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}
+
+/// Random blocks of `dtype` (Q4_0, Q4_1, Q8_0): finite f16 scales, and with `extreme` every
+/// quant at its most negative (Q8_0's -128, Q4's 0), the largest sums the integer kernels meet.
+fn random_blocks(rng: &mut Rng, dtype: DType, blocks: usize, extreme: bool) -> Vec<u8> {
+    let mut bytes = Vec::new();
+    for _ in 0..blocks {
+        let d = half::f16::from_f32(0.001 + (rng.next() % 1000) as f32 / 10_000.0);
+        bytes.extend_from_slice(&d.to_le_bytes());
+        let quants = match dtype {
+            DType::Q4_1 => {
+                let m = half::f16::from_f32(-((rng.next() % 1000) as f32) / 10_000.0);
+                bytes.extend_from_slice(&m.to_le_bytes());
+                16
+            }
+            DType::Q4_0 => 16,
+            _ => 32,
+        };
+        let fill = if dtype == DType::Q8_0 { 0x80 } else { 0x00 };
+        bytes.extend((0..quants).map(|_| if extreme { fill } else { rng.next() as u8 }));
+    }
+    bytes
+}
+
+/// x of `blocks` blocks of 32, each block drawn from a different kind: uniform, one large value
+/// among tiny ones (the fixed point's worst case), all equal to its largest (every lane at the
+/// top of its range), zero, and magnitudes below 2^-100 (the scalar preparation).
+fn adversarial_x(rng: &mut Rng, blocks: usize) -> Vec<f32> {
+    let mut x = Vec::new();
+    for b in 0..blocks {
+        let kind = (b + (rng.next() % 5) as usize) % 5;
+        let scale = 2f32.powi((rng.next() % 40) as i32 - 20);
+        for j in 0..32 {
+            x.push(match kind {
+                0 => rng.unit() * scale,
+                1 => {
+                    if j == (b * 7) % 32 {
+                        scale
+                    } else {
+                        rng.unit() * scale * 1e-6
+                    }
+                }
+                2 => -scale,
+                3 => 0.0,
+                _ => rng.unit() * 1e-31,
+            });
+        }
+    }
+    x
+}
+
+/// `dot_rows_x` over Q4_0 / Q4_1 / Q8_0 rows (the integer kernels where the CPU has AVX-512
+/// VNNI, the float ones elsewhere), odd and even block counts and row counts, against the float64
+/// dot of the dequantized rows: within the fixed point's bound, `sum |w| * amax * 2^-23` per
+/// block, plus fp32 rounding (1e-6 of the sum of |terms|).
+#[test]
+fn integer_dot_products_are_within_the_fixed_point_bound_of_float64() {
+    use kiln_engine::formats::quant::{dot_rows_x, DotX};
+    let mut rng = Rng::from_clock();
+    for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
+        for (blocks, rows, extreme) in
+            [(1, 1, false), (3, 5, false), (18, 64, false), (48, 7, true), (5, 2, true)]
+        {
+            let cols = blocks * 32;
+            let bytes = random_blocks(&mut rng, dtype, blocks * rows, extreme);
+            let x = if extreme { vec![-0.75f32; cols] } else { adversarial_x(&mut rng, blocks) };
+            let prepared = DotX::new(&x);
+            println!("{dtype} {blocks} blocks: integer kernel {}", prepared.uses_integer_kernel(dtype));
+            let mut out = vec![f32::NAN; rows];
+            dot_rows_x(dtype, &bytes, &prepared, &mut out).unwrap();
+            let row_bytes = bytes.len() / rows;
+            for (r, &got) in out.iter().enumerate() {
+                let mut w = vec![0f32; cols];
+                dequantize_row(dtype, &bytes[r * row_bytes..(r + 1) * row_bytes], &mut w).unwrap();
+                let want: f64 = w.iter().zip(&x).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum();
+                let terms: f64 = w.iter().zip(&x).map(|(&a, &b)| (f64::from(a) * f64::from(b)).abs()).sum();
+                let fixed: f64 = w
+                    .chunks(32)
+                    .zip(x.chunks(32))
+                    .map(|(wb, xb)| {
+                        let amax = xb.iter().fold(0f64, |m, &v| m.max(f64::from(v).abs()));
+                        wb.iter().map(|&v| f64::from(v).abs()).sum::<f64>() * amax * 2f64.powi(-23)
+                    })
+                    .sum();
+                let bound = fixed + 1e-6 * terms + 1e-35;
+                assert!(
+                    (f64::from(got) - want).abs() <= bound,
+                    "{dtype}, {blocks} blocks, row {r} of {rows}: {got} vs float64 {want} (bound {bound:e})"
+                );
+            }
+        }
+    }
+}
+
+/// x with a value that is not finite is not written in fixed point: a NaN gives NaN, an infinity
+/// never a finite result (Q4_1's `d q x + m x` may meet Inf - Inf and give NaN, as the float
+/// kernels always have).
+#[test]
+fn integer_dot_products_keep_infinities_and_nan() {
+    let mut rng = Rng::from_clock();
+    for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
+        let bytes = random_blocks(&mut rng, dtype, 4, false);
+        let mut x: Vec<f32> = (0..128).map(|_| rng.unit()).collect();
+        x[77] = f32::NAN;
+        assert!(dot_row(dtype, &bytes, &x).unwrap().is_nan(), "{dtype} with a NaN in x");
+        x[77] = f32::INFINITY;
+        let got = dot_row(dtype, &bytes, &x).unwrap();
+        assert!(!got.is_finite(), "{dtype}: {got} with an infinity in x");
+    }
+}

@@ -6,12 +6,13 @@
 //!   way.
 
 pub mod gguf;
+mod int_dot;
 pub mod quant;
 pub mod safetensors;
 
 pub use self::safetensors::{HfConfig, SafetensorsFile, SafetensorsWeights};
 pub use gguf::{GgufArray, GgufFile, GgufTensorInfo, GgufValue};
-pub use quant::{dequantize_row, dot_row, dot_rows, matvec};
+pub use quant::{dequantize_row, dot_row, dot_rows, dot_rows_x, matvec, DotX};
 
 use kiln_core::{DType, Result, Tensor};
 

@@ -15,6 +15,8 @@ use half::{bf16, f16};
 use kiln_core::{DType, Error, Result};
 use rayon::prelude::*;
 
+use super::int_dot::{self, IntX};
+
 /// Elements per super-block of the K formats.
 pub const QK_K: usize = 256;
 
@@ -689,22 +691,56 @@ mod avx2 {
     }
 }
 
+/// x prepared once for the dot products of many rows: the floats, and where the CPU has AVX-512
+/// VNNI and x is finite with a length a multiple of 32, x in fixed point for the integer kernels
+/// of Q4_0, Q4_1 and Q8_0 (`int_dot`: 23 bits a value against its block's largest magnitude).
+pub struct DotX {
+    x: Vec<f32>,
+    int: Option<IntX>,
+}
+
+impl DotX {
+    /// Prepares `x` (a copy of it, and its fixed-point form where the integer kernels run).
+    pub fn new(x: &[f32]) -> DotX {
+        let int = if int_dot::available() { IntX::new(x) } else { None };
+        DotX { x: x.to_vec(), int }
+    }
+
+    /// The floats.
+    pub fn values(&self) -> &[f32] {
+        &self.x
+    }
+
+    /// Whether the rows of `dtype` go through the integer kernels.
+    pub fn uses_integer_kernel(&self, dtype: DType) -> bool {
+        self.int.is_some() && int_dot::block_bytes(dtype).is_some()
+    }
+}
+
 /// The dot product of one row of `dtype` (its raw bytes) with `x`, block by block, without
 /// writing the row out in floats. `x.len()` is the row's element count.
 pub fn dot_row(dtype: DType, row_bytes: &[u8], x: &[f32]) -> Result<f32> {
     check_row("dot_row", dtype, row_bytes, x.len())?;
-    Ok(dot_row_dispatch(dtype, row_bytes, x))
+    let mut out = [0f32];
+    dot_rows_x(dtype, row_bytes, &DotX::new(x), &mut out)?;
+    Ok(out[0])
 }
 
 /// `out[r] = dot(row r of `rows_bytes`, x)` for consecutive rows of `dtype`, checked once for
 /// the whole run of rows (the per-row checks of [`dot_row`] cost as much as a short row's dot).
 pub fn dot_rows(dtype: DType, rows_bytes: &[u8], x: &[f32], out: &mut [f32]) -> Result<()> {
+    dot_rows_x(dtype, rows_bytes, &DotX::new(x), out)
+}
+
+/// [`dot_rows`] with x prepared once ([`DotX`]) for many calls.
+pub fn dot_rows_x(dtype: DType, rows_bytes: &[u8], x: &DotX, out: &mut [f32]) -> Result<()> {
     check_row("dot_rows", dtype, &[], 0)?;
-    let row_bytes = usize::try_from(dtype.bytes_for(x.len() as u64)?)
-        .map_err(|_| Error::SizeOverflow { shape: vec![x.len() as u64], dtype: dtype.name() })?;
+    let cols = x.x.len();
+    let row_bytes = usize::try_from(dtype.bytes_for(cols as u64)?)
+        .map_err(|_| Error::SizeOverflow { shape: vec![cols as u64], dtype: dtype.name() })?;
     if (row_bytes as u64).checked_mul(out.len() as u64) != Some(rows_bytes.len() as u64) {
         return Err(Error::ByteLength {
-            what: format!("dot_rows: {} rows of {} {dtype}", out.len(), x.len()),
+            what: format!("dot_rows: {} rows of {} {dtype}", out.len(), cols),
             expected: (row_bytes as u64).saturating_mul(out.len() as u64),
             got: rows_bytes.len() as u64,
         });
@@ -713,6 +749,16 @@ pub fn dot_rows(dtype: DType, rows_bytes: &[u8], x: &[f32], out: &mut [f32]) -> 
         out.fill(0.0);
         return Ok(());
     }
+    #[cfg(target_arch = "x86_64")]
+    if let (Some(int), Some(block)) = (&x.int, int_dot::block_bytes(dtype)) {
+        if int.blocks() * block == row_bytes {
+            // SAFETY: `int` exists only where int_dot::available() held; the rows hold
+            // `out.len()` rows of `int.blocks()` blocks of `dtype` (checked above).
+            unsafe { int_dot::dot_rows(dtype, rows_bytes, int, out) };
+            return Ok(());
+        }
+    }
+    let x = &x.x[..];
     #[cfg(target_arch = "x86_64")]
     if dtype == DType::Q4_1 && has_avx512() {
         let mut pairs = out.chunks_exact_mut(2);
@@ -765,9 +811,10 @@ pub fn matvec(
     }
     let threads = rayon::current_num_threads().max(1);
     let rows_per_chunk = rows.div_ceil(threads);
+    let x = DotX::new(x);
     out.par_chunks_mut(rows_per_chunk).enumerate().try_for_each(|(chunk, out)| {
         let first = chunk * rows_per_chunk * row_bytes;
-        dot_rows(dtype, &matrix_bytes[first..first + out.len() * row_bytes], x, out)
+        dot_rows_x(dtype, &matrix_bytes[first..first + out.len() * row_bytes], &x, out)
     })
 }
 

@@ -18,7 +18,7 @@ use kiln_core::ops::primitives::{silu, FloatType};
 use kiln_core::ops::rope::{rotate, RopeTable};
 use kiln_core::{DType, Error, Result};
 
-use crate::formats::quant::{dequantize_row, dot_rows};
+use crate::formats::quant::{dequantize_row, dot_rows_x, DotX};
 use crate::formats::WeightSource;
 use crate::models::config::ModelConfig;
 
@@ -402,12 +402,14 @@ impl LlamaModel {
             let rows_per_chunk = (32 * 1024 / row_bytes.max(1)).clamp(2, rows.max(2)) & !1;
             // Result [chunk][token][row in chunk], so each task owns a contiguous block.
             let mut blocked = vec![0f32; rows * n];
+            // x prepared once a token for every chunk of rows.
+            let xs: Vec<DotX> = x.chunks_exact(cols).map(DotX::new).collect();
             blocked.par_chunks_mut(rows_per_chunk * n).enumerate().try_for_each(|(chunk, dst)| {
                 let first = chunk * rows_per_chunk;
                 let count = dst.len() / n;
                 let weights = &bytes[first * row_bytes..(first + count) * row_bytes];
                 for (t, token_out) in dst.chunks_mut(count).enumerate() {
-                    dot_rows(linear.dtype, weights, &x[t * cols..(t + 1) * cols], token_out)?;
+                    dot_rows_x(linear.dtype, weights, &xs[t], token_out)?;
                 }
                 Ok::<(), Error>(())
             })?;
@@ -455,7 +457,7 @@ struct MatvecPart<'w> {
 }
 
 struct MatvecJob<'w> {
-    x: Vec<f32>,
+    x: DotX,
     parts: Vec<MatvecPart<'w>>,
     /// The next part to claim.
     next: AtomicUsize,
@@ -519,7 +521,7 @@ impl<'w> DecodeTeam<'w> {
                 let _finished = FinishOnDrop(&job.unfinished);
                 let part = &job.parts[index];
                 let mut rows = vec![0f32; part.rows];
-                let result = dot_rows(part.dtype, part.weights, &job.x, &mut rows).map(|()| rows);
+                let result = dot_rows_x(part.dtype, part.weights, &job.x, &mut rows).map(|()| rows);
                 if let Ok(mut results) = job.results.lock() {
                     results.push((index, result));
                 }
@@ -537,7 +539,7 @@ impl<'w> DecodeTeam<'w> {
     ) -> Result<()> {
         let count = parts.len();
         let job = Arc::new(MatvecJob {
-            x: x.to_vec(),
+            x: DotX::new(x),
             parts,
             next: AtomicUsize::new(0),
             unfinished: AtomicUsize::new(count),
@@ -552,7 +554,7 @@ impl<'w> DecodeTeam<'w> {
         while let Some(index) = job.claim() {
             let part = &job.parts[index];
             let out = &mut outputs[part.output].1[part.first_row..part.first_row + part.rows];
-            if let Err(e) = dot_rows(part.dtype, part.weights, x, out) {
+            if let Err(e) = dot_rows_x(part.dtype, part.weights, &job.x, out) {
                 first_error.get_or_insert(e);
             }
             done[index] = true;
@@ -582,7 +584,7 @@ impl<'w> DecodeTeam<'w> {
         // A part claimed by a helper that panicked (rayon raises the panic when the scope ends).
         for (part, _) in job.parts.iter().zip(&done).filter(|(_, done)| !**done) {
             let out = &mut outputs[part.output].1[part.first_row..part.first_row + part.rows];
-            dot_rows(part.dtype, part.weights, x, out)?;
+            dot_rows_x(part.dtype, part.weights, &job.x, out)?;
         }
         Ok(())
     }

@@ -1,0 +1,522 @@
+//! The integer dot products of Q4_0, Q4_1 and Q8_0 rows on CPUs with AVX-512 VNNI.
+//!
+//! x is written once per vector as 23-bit fixed point per block of 32 values ([`IntX`]): a block
+//! whose largest magnitude is `amax` takes the smallest power of two `s` with `amax / s` at most
+//! `Q_MAX = 8355711` (just under 2^23), and each value becomes the integer `q = round(x / s)`, so
+//! `x` is at most `s / 2 <= amax * 2^-23` off (fp32 itself keeps 24 bits). `q` is stored as three signed bytes,
+//! `q = 65536 p1 + 256 p2 + p3`, and each plane meets the weights' bytes in `vpdpbusd`, which adds
+//! four exact byte products into a 32-bit lane: a row's products are exact integers per block,
+//! scaled once per block by `d s` in fp32. Against the float kernels this is 16 values a vector
+//! operation where they do 2 to 3 operations for 16 values, and the error stays at fp32's level:
+//! `sum |w| * amax * 2^-23` per block beside fp32's rounding of the block sums.
+//!
+//! Q4_1's `m` term takes `m * sum(x)`, the block's sum of the exact x; Q4_0's `-8` and Q8_0's
+//! `+128` (its signed bytes made unsigned for `vpdpbusd`) come off each lane as integers, so
+//! nothing cancels in floating point.
+//!
+//! A row's result depends only on the row and x: the same bits whichever thread computes it and
+//! however the rows are split.
+
+/// Lanes of 4 bytes in a 64-byte vector.
+const LANES: usize = 16;
+
+/// Two blocks of 32 values (64 values) of x in the kernels' order: bytes 0-15 hold values 0-15 of
+/// the first block, 16-31 values 0-15 of the second, 32-47 values 16-31 of the first and 48-63
+/// values 16-31 of the second, the order in which a Q4 pair's nibbles unpack. Lane `l` (bytes
+/// `4l..4l + 4`) belongs to the first block when `l / 4` is even.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+pub(crate) struct XPair {
+    /// p1, p2, p3 of each value.
+    planes: [[i8; 64]; 3],
+    /// `s` of the lane's block.
+    scale: [f32; LANES],
+    /// `8 q` summed over the lane's four values (Q4_0's offset).
+    offset8: [i32; LANES],
+    /// `128 p1` and `128 (256 p2 + p3)` summed over the lane's four values (Q8_0's offset).
+    offset128_hi: [i32; LANES],
+    offset128_lo: [i32; LANES],
+    /// `[0, sum of the first block's x, 0, sum of the second's]` (Q4_1's `m` term).
+    sums: [f32; 4],
+}
+
+const ZERO_PAIR: XPair = XPair {
+    planes: [[0; 64]; 3],
+    scale: [0.0; LANES],
+    offset8: [0; LANES],
+    offset128_hi: [0; LANES],
+    offset128_lo: [0; LANES],
+    sums: [0.0; 4],
+};
+
+/// x in fixed point for the integer kernels: one [`XPair`] per two blocks (the last pair of an odd
+/// block count has a zero second block).
+pub(crate) struct IntX {
+    pairs: Vec<XPair>,
+    blocks: usize,
+}
+
+impl IntX {
+    /// x in fixed point, or `None` when x cannot be written so: a length that is not a multiple
+    /// of 32, or a value that is not finite (the float kernels then keep IEEE's Inf and NaN).
+    pub(crate) fn new(x: &[f32]) -> Option<IntX> {
+        if !x.len().is_multiple_of(32) || !x.iter().fold(true, |ok, v| ok & v.is_finite()) {
+            return None;
+        }
+        let blocks = x.len() / 32;
+        let mut pairs = vec![ZERO_PAIR; blocks.div_ceil(2)];
+        for (b, xb) in x.chunks_exact(32).enumerate() {
+            let pair = &mut pairs[b / 2];
+            #[cfg(target_arch = "x86_64")]
+            if available() {
+                // SAFETY: available() checked the CPU's features; xb holds 32 values.
+                if unsafe { kernels::prepare_block(xb, b % 2, pair) } {
+                    continue;
+                }
+            }
+            prepare_block(xb, b % 2, pair);
+        }
+        #[cfg(target_arch = "x86_64")]
+        if available() {
+            for pair in &mut pairs {
+                // SAFETY: as above.
+                unsafe { kernels::finish_pair(pair) };
+            }
+            return Some(IntX { pairs, blocks });
+        }
+        for pair in &mut pairs {
+            finish_pair(pair);
+        }
+        Some(IntX { pairs, blocks })
+    }
+
+    /// Blocks of 32 values.
+    pub(crate) fn blocks(&self) -> usize {
+        self.blocks
+    }
+}
+
+/// The largest integer three balanced signed bytes hold: `127 (65536 + 256 + 1)`.
+const Q_MAX: i32 = 8_355_711;
+
+/// The power of two `s` of a block whose largest magnitude is `amax > 0`: the smallest with
+/// `amax / s <= Q_MAX`, so `amax / s` is in `(Q_MAX / 2, Q_MAX]` (23 bits: `s <= amax 2^-22`),
+/// as `(s in f32, 1 / s in f64)`. `s` is exact down to 2^-149 and zero below (such a block adds
+/// under 2^-120 to a product).
+fn block_scale(amax: f32) -> (f32, f64) {
+    // amax = f 2^e2 with f in [1, 2) (f64 holds f32's subnormals as normals).
+    let e2 = ((f64::from(amax).to_bits() >> 52) & 0x7ff) as i32 - 1023;
+    let e = if f64::from(amax) * 2f64.powi(22 - e2) <= f64::from(Q_MAX) { e2 - 22 } else { e2 - 21 };
+    (2f64.powi(e) as f32, 2f64.powi(-e))
+}
+
+/// The sum of a block's 32 values in a fixed tree: `v[i] = x[i] + x[i + 16]`, then halves
+/// added (`v[i] += v[i + 8]`, 4, 2, 1), as the SIMD preparation adds them.
+fn block_sum(xb: &[f32]) -> f32 {
+    let mut v = [0f32; 16];
+    for (i, o) in v.iter_mut().enumerate() {
+        *o = xb[i] + xb[i + 16];
+    }
+    let mut width = 8;
+    while width > 0 {
+        for i in 0..width {
+            v[i] += v[i + width];
+        }
+        width /= 2;
+    }
+    v[0]
+}
+
+/// One block of x into `pair` (`second`: whether it is the pair's second block): the planes,
+/// the scale lanes and the block's sum; [`finish_pair`] then sums the lanes' offsets.
+fn prepare_block(xb: &[f32], second: usize, pair: &mut XPair) {
+    pair.sums[2 * second + 1] = block_sum(xb);
+    let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+    if amax == 0.0 {
+        return;
+    }
+    let (s, inverse) = block_scale(amax);
+    for lane in 0..LANES {
+        if (lane / 4) % 2 == second {
+            pair.scale[lane] = s;
+        }
+    }
+    for (j, &v) in xb.iter().enumerate() {
+        // |q| <= Q_MAX: the product is exact in f64 and rounds once.
+        let q = (f64::from(v) * inverse).round_ties_even() as i32;
+        let p3 = ((q + 128) & 255) - 128;
+        let r = (q - p3) >> 8;
+        let p2 = ((r + 128) & 255) - 128;
+        let p1 = (r - p2) >> 8;
+        let k = ((j / 16) * 2 + second) * 16 + j % 16;
+        pair.planes[0][k] = p1 as i8;
+        pair.planes[1][k] = p2 as i8;
+        pair.planes[2][k] = p3 as i8;
+    }
+}
+
+/// The lanes' offsets of a pair from its planes: each lane's four values summed.
+fn finish_pair(pair: &mut XPair) {
+    for lane in 0..LANES {
+        let sum = |plane: usize| -> i32 {
+            pair.planes[plane][4 * lane..4 * lane + 4].iter().map(|&p| i32::from(p)).sum()
+        };
+        let (s1, s2, s3) = (sum(0), sum(1), sum(2));
+        pair.offset8[lane] = 8 * (65536 * s1 + 256 * s2 + s3);
+        pair.offset128_hi[lane] = 128 * s1;
+        pair.offset128_lo[lane] = 128 * (256 * s2 + s3);
+    }
+}
+
+/// Whether the running CPU has AVX-512F/BW/VNNI and F16C, and `KILN_CPU_NO_VNNI` (or
+/// `KILN_CPU_NO_AVX512`) is unset (checked once).
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn available() -> bool {
+    use std::sync::OnceLock;
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| {
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vnni")
+            && is_x86_feature_detected!("f16c")
+            && std::env::var_os("KILN_CPU_NO_VNNI").is_none()
+            && std::env::var_os("KILN_CPU_NO_AVX512").is_none()
+    })
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+pub(crate) fn available() -> bool {
+    false
+}
+
+/// The formats with an integer kernel, and their block bytes.
+pub(crate) fn block_bytes(dtype: kiln_core::DType) -> Option<usize> {
+    use kiln_core::DType;
+    match dtype {
+        DType::Q4_0 => Some(18),
+        DType::Q4_1 => Some(20),
+        DType::Q8_0 => Some(34),
+        _ => None,
+    }
+}
+
+/// `out[r]` = the dot product of row `r` of `rows` (consecutive rows of `dtype`, each `x.blocks()`
+/// blocks) with x.
+///
+/// # Safety
+/// [`available`] is true; `dtype` has a [`block_bytes`]; `rows.len() == out.len() * x.blocks() *
+/// block_bytes(dtype)`.
+#[cfg(target_arch = "x86_64")]
+pub(crate) unsafe fn dot_rows(dtype: kiln_core::DType, rows: &[u8], x: &IntX, out: &mut [f32]) {
+    use kiln_core::DType;
+    match dtype {
+        DType::Q4_1 => kernels::rows::<20, { kernels::Q4_1 }>(rows, x, out),
+        DType::Q4_0 => kernels::rows::<18, { kernels::Q4_0 }>(rows, x, out),
+        DType::Q8_0 => kernels::rows::<34, { kernels::Q8_0 }>(rows, x, out),
+        _ => out.fill(f32::NAN),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod kernels {
+    use std::arch::x86_64::*;
+
+    use super::{IntX, XPair};
+
+    pub(super) const Q4_0: u8 = 0;
+    pub(super) const Q4_1: u8 = 1;
+    pub(super) const Q8_0: u8 = 2;
+
+    /// A block of zero bytes: the partner of an odd row's last block (scale 0, quants 0; its x
+    /// values are zero).
+    static ZERO_BLOCK: [u8; 34] = [0; 34];
+
+    /// One block of 32 values of x into `pair`, as `super::prepare_block` does it (the same
+    /// bytes), for a block whose largest magnitude is 0 or at least 2^-100; false, with `pair`
+    /// untouched, for the others.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c,fma")]
+    pub(super) unsafe fn prepare_block(xb: &[f32], second: usize, pair: &mut XPair) -> bool {
+        let x0 = _mm512_loadu_ps(xb.as_ptr());
+        let x1 = _mm512_loadu_ps(xb.as_ptr().add(16));
+        let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+        let e2 = ((amax.to_bits() >> 23) & 0xff) as i32 - 127;
+        if amax != 0.0 && e2 < -100 {
+            return false;
+        }
+        // The sum in super::block_sum's tree.
+        let v = _mm512_add_ps(x0, x1);
+        let v8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps::<1>(v));
+        let v4 = _mm_add_ps(_mm256_castps256_ps128(v8), _mm256_extractf128_ps::<1>(v8));
+        let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
+        pair.sums[2 * second + 1] = _mm_cvtss_f32(_mm_add_ss(v2, _mm_movehdup_ps(v2)));
+        if amax == 0.0 {
+            return true;
+        }
+        // s = 2^(e2 - 22) where amax / s <= Q_MAX (amax's fraction at most 1 + 8322814 / 2^23),
+        // else 2^(e2 - 21): s and 1 / s are normal f32 for e2 in [-100, 127].
+        let e = if amax.to_bits() & 0x7f_ffff <= 8_322_814 { e2 - 22 } else { e2 - 21 };
+        let s = f32::from_bits(((e + 127) as u32) << 23);
+        let inverse = _mm512_set1_ps(f32::from_bits(((127 - e) as u32) << 23));
+        let lanes: __mmask16 = if second == 0 { 0x0F0F } else { 0xF0F0 };
+        let scale = _mm512_mask_blend_ps(lanes, _mm512_load_ps(pair.scale.as_ptr()), _mm512_set1_ps(s));
+        _mm512_store_ps(pair.scale.as_mut_ptr(), scale);
+        let c128 = _mm512_set1_epi32(128);
+        let c255 = _mm512_set1_epi32(255);
+        for (half, v) in [x0, x1].into_iter().enumerate() {
+            // Exact scaling by a power of two, one rounding to the nearest even integer.
+            let q = _mm512_cvtps_epi32(_mm512_mul_ps(v, inverse));
+            let p3 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(q, c128), c255), c128);
+            let r = _mm512_srai_epi32::<8>(_mm512_sub_epi32(q, p3));
+            let p2 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(r, c128), c255), c128);
+            let p1 = _mm512_srai_epi32::<8>(_mm512_sub_epi32(r, p2));
+            let at = (half * 2 + second) * 16;
+            for (plane, p) in [p1, p2, p3].into_iter().enumerate() {
+                _mm_storeu_si128(pair.planes[plane].as_mut_ptr().add(at).cast(), _mm512_cvtepi32_epi8(p));
+            }
+        }
+        true
+    }
+
+    /// The lanes' offsets of a pair from its planes, as `super::finish_pair` sums them.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c,fma")]
+    pub(super) unsafe fn finish_pair(pair: &mut XPair) {
+        let p = pair.planes.as_ptr().cast::<__m512i>();
+        let ones = _mm512_set1_epi8(1);
+        let zero = _mm512_setzero_si512();
+        let s1 = _mm512_dpbusd_epi32(zero, ones, _mm512_load_si512(p));
+        let s2 = _mm512_dpbusd_epi32(zero, ones, _mm512_load_si512(p.add(1)));
+        let s3 = _mm512_dpbusd_epi32(zero, ones, _mm512_load_si512(p.add(2)));
+        let lo = _mm512_add_epi32(_mm512_slli_epi32::<8>(s2), s3);
+        let all = _mm512_add_epi32(_mm512_slli_epi32::<16>(s1), lo);
+        _mm512_store_si512(pair.offset8.as_mut_ptr().cast(), _mm512_slli_epi32::<3>(all));
+        _mm512_store_si512(pair.offset128_hi.as_mut_ptr().cast(), _mm512_slli_epi32::<7>(s1));
+        _mm512_store_si512(pair.offset128_lo.as_mut_ptr().cast(), _mm512_slli_epi32::<7>(lo));
+    }
+
+    /// The pair's three planes against 64 unsigned weight bytes: each lane's sum of
+    /// `w * q` (q = 65536 p1 + 256 p2 + p3), exact when it fits in 32 bits (Q4: at most
+    /// 4 * 15 * Q_MAX < 2^29).
+    #[inline(always)]
+    unsafe fn planes_q4(w: __m512i, x: &XPair) -> __m512i {
+        let p = x.planes.as_ptr().cast::<__m512i>();
+        let t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_load_si512(p));
+        let t = _mm512_dpbusd_epi32(_mm512_slli_epi32::<8>(t), w, _mm512_load_si512(p.add(1)));
+        _mm512_dpbusd_epi32(_mm512_slli_epi32::<8>(t), w, _mm512_load_si512(p.add(2)))
+    }
+
+    /// The 64 nibbles of two Q4 blocks' 16 quant bytes each (at `a` and `b`) in the pair's order:
+    /// low nibbles of a, of b, then high nibbles of a, of b.
+    #[inline(always)]
+    unsafe fn nibbles(a: *const u8, b: *const u8) -> __m512i {
+        let ab = _mm256_inserti128_si256::<1>(
+            _mm256_castsi128_si256(_mm_loadu_si128(a.cast())),
+            _mm_loadu_si128(b.cast()),
+        );
+        let both = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(ab), _mm256_srli_epi16::<4>(ab));
+        _mm512_and_si512(both, _mm512_set1_epi8(0x0F))
+    }
+
+    /// The f16 values at `a` and `b` (their 16-bit words, and with `pairs` the word after each
+    /// too), as f32 lanes `[a, b]` or `[a, a', b, b']`.
+    #[inline(always)]
+    unsafe fn halves<const PAIRS: bool>(a: *const u8, b: *const u8) -> __m128 {
+        if PAIRS {
+            let wa = a.cast::<i32>().read_unaligned();
+            let wb = b.cast::<i32>().read_unaligned();
+            _mm_cvtph_ps(_mm_set_epi32(0, 0, wb, wa))
+        } else {
+            let wa = a.cast::<i16>().read_unaligned();
+            let wb = b.cast::<i16>().read_unaligned();
+            _mm_cvtph_ps(_mm_set_epi16(0, 0, 0, 0, 0, 0, wb, wa))
+        }
+    }
+
+    /// Lane `l` of 16 takes element 0 of `v` when `l / 4` is even, element `second` when odd.
+    #[inline(always)]
+    unsafe fn per_lane(v: __m128, second: i32) -> __m512 {
+        let s = second;
+        let index = _mm512_setr_epi32(0, 0, 0, 0, s, s, s, s, 0, 0, 0, 0, s, s, s, s);
+        _mm512_permutexvar_ps(index, _mm512_castps128_ps512(v))
+    }
+
+    /// One pair of blocks (at `a` and `b`) of one row of format `KIND` against x's pair: adds
+    /// the products, scaled to floats, into `acc`, and Q4_1's `m` term into `side`.
+    ///
+    /// Q4_1: `d q + m` per value, `d` at byte 0, `m` at 2, quants at 4. Q4_0: `d (q - 8)`, `d`
+    /// at 0, quants at 2. Q8_0: `d q` for signed bytes q, `d` at 0, quants at 2: the bytes go in
+    /// as `q + 128` (unsigned) and each lane's `128 x` sums come off again, `p1`'s products
+    /// kept apart from the others' so that no lane passes 32 bits.
+    #[inline(always)]
+    unsafe fn pair<const KIND: u8>(
+        a: *const u8,
+        b: *const u8,
+        x: &XPair,
+        acc: &mut __m512,
+        side: &mut __m128,
+    ) {
+        let scale = _mm512_load_ps(x.scale.as_ptr());
+        match KIND {
+            Q4_1 => {
+                let sums = planes_q4(nibbles(a.add(4), b.add(4)), x);
+                let dm = halves::<true>(a, b);
+                let scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(sums), scale);
+                *acc = _mm512_fmadd_ps(scaled, per_lane(dm, 2), *acc);
+                *side = _mm_fmadd_ps(dm, _mm_loadu_ps(x.sums.as_ptr()), *side);
+            }
+            Q4_0 => {
+                let sums = planes_q4(nibbles(a.add(2), b.add(2)), x);
+                let sums = _mm512_sub_epi32(sums, _mm512_load_si512(x.offset8.as_ptr().cast()));
+                let scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(sums), scale);
+                *acc = _mm512_fmadd_ps(scaled, per_lane(halves::<false>(a, b), 1), *acc);
+            }
+            _ => {
+                let ab = _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(_mm256_loadu_si256(a.add(2).cast())),
+                    _mm256_loadu_si256(b.add(2).cast()),
+                );
+                // 128-bit lanes (a 0-15, a 16-31, b 0-15, b 16-31) to the pair's order (0, 2, 1, 3).
+                let w =
+                    _mm512_xor_si512(_mm512_shuffle_i64x2::<0b11_01_10_00>(ab, ab), _mm512_set1_epi8(-128));
+                let p = x.planes.as_ptr().cast::<__m512i>();
+                let hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_load_si512(p));
+                let hi = _mm512_sub_epi32(hi, _mm512_load_si512(x.offset128_hi.as_ptr().cast()));
+                let lo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_load_si512(p.add(1)));
+                let lo = _mm512_dpbusd_epi32(_mm512_slli_epi32::<8>(lo), w, _mm512_load_si512(p.add(2)));
+                let lo = _mm512_sub_epi32(lo, _mm512_load_si512(x.offset128_lo.as_ptr().cast()));
+                let sums =
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(65536.0), _mm512_cvtepi32_ps(lo));
+                let scaled = _mm512_mul_ps(sums, scale);
+                *acc = _mm512_fmadd_ps(scaled, per_lane(halves::<false>(a, b), 1), *acc);
+            }
+        }
+    }
+
+    /// A row's result from its accumulators: the 16 lanes summed (a fixed tree) and Q4_1's side
+    /// term (lanes 1 and 3) added.
+    #[inline(always)]
+    unsafe fn finish(acc: __m512, side: __m128) -> f32 {
+        let mut s = [0f32; 4];
+        _mm_storeu_ps(s.as_mut_ptr(), side);
+        _mm512_reduce_add_ps(acc) + (s[1] + s[3])
+    }
+
+    /// Every row of `rows` (each `x.blocks` blocks of `N` bytes, format `KIND`) into `out`, two
+    /// rows at a time (each row's sums in the same order as alone).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c,fma")]
+    pub(super) unsafe fn rows<const N: usize, const KIND: u8>(rows: &[u8], x: &IntX, out: &mut [f32]) {
+        let row_bytes = x.blocks * N;
+        let full = x.blocks / 2;
+        let odd = x.blocks % 2 == 1;
+        let base = rows.as_ptr();
+        let mut r = 0;
+        while r + 2 <= out.len() {
+            let (ra, rb) = (base.add(r * row_bytes), base.add((r + 1) * row_bytes));
+            let (mut acc_a, mut acc_b) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+            let (mut side_a, mut side_b) = (_mm_setzero_ps(), _mm_setzero_ps());
+            for (i, xp) in x.pairs[..full].iter().enumerate() {
+                let (a, b) = (ra.add(2 * i * N), rb.add(2 * i * N));
+                pair::<KIND>(a, a.add(N), xp, &mut acc_a, &mut side_a);
+                pair::<KIND>(b, b.add(N), xp, &mut acc_b, &mut side_b);
+            }
+            if odd {
+                let xp = &x.pairs[full];
+                pair::<KIND>(ra.add(2 * full * N), ZERO_BLOCK.as_ptr(), xp, &mut acc_a, &mut side_a);
+                pair::<KIND>(rb.add(2 * full * N), ZERO_BLOCK.as_ptr(), xp, &mut acc_b, &mut side_b);
+            }
+            out[r] = finish(acc_a, side_a);
+            out[r + 1] = finish(acc_b, side_b);
+            r += 2;
+        }
+        if r < out.len() {
+            let ra = base.add(r * row_bytes);
+            let mut acc = _mm512_setzero_ps();
+            let mut side = _mm_setzero_ps();
+            for (i, xp) in x.pairs[..full].iter().enumerate() {
+                let a = ra.add(2 * i * N);
+                pair::<KIND>(a, a.add(N), xp, &mut acc, &mut side);
+            }
+            if odd {
+                pair::<KIND>(ra.add(2 * full * N), ZERO_BLOCK.as_ptr(), &x.pairs[full], &mut acc, &mut side);
+            }
+            out[r] = finish(acc, side);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bytes(p: &XPair) -> Vec<u8> {
+        let mut v: Vec<u8> = p.planes.iter().flatten().map(|&b| b as u8).collect();
+        v.extend(p.scale.iter().flat_map(|f| f.to_bits().to_le_bytes()));
+        for lanes in [&p.offset8, &p.offset128_hi, &p.offset128_lo] {
+            v.extend(lanes.iter().flat_map(|i| i.to_le_bytes()));
+        }
+        v.extend(p.sums.iter().flat_map(|f| f.to_bits().to_le_bytes()));
+        v
+    }
+
+    /// The AVX-512 preparation writes the same bytes as the scalar one, which it leaves to the
+    /// blocks below 2^-100, and the planes put each value back: `65536 p1 + 256 p2 + p3` is
+    /// within half a step of `x / s`.
+    #[test]
+    fn the_vector_preparation_equals_the_scalar_one() {
+        let mut state = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64 | 1)
+            .unwrap_or(1);
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let mut vector_blocks = 0;
+        for case in 0..2000 {
+            let exponent = (next() % 200) as i32 - 100;
+            let xb: Vec<f32> = (0..32)
+                .map(|j| {
+                    let v = ((next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0) * 2f32.powi(exponent);
+                    if case % 7 == 0 && j % 3 == 0 {
+                        0.0
+                    } else {
+                        v
+                    }
+                })
+                .collect();
+            let second = case % 2;
+            let mut scalar = ZERO_PAIR;
+            prepare_block(&xb, second, &mut scalar);
+            finish_pair(&mut scalar);
+            let (amax, s) = (xb.iter().fold(0f32, |m, v| m.max(v.abs())), scalar.scale[4 * second]);
+            for (j, &v) in xb.iter().enumerate() {
+                let k = ((j / 16) * 2 + second) * 16 + j % 16;
+                let q = 65536 * i64::from(scalar.planes[0][k])
+                    + 256 * i64::from(scalar.planes[1][k])
+                    + i64::from(scalar.planes[2][k]);
+                if s > 0.0 {
+                    assert!(
+                        (q as f64 - f64::from(v) / f64::from(s)).abs() <= 0.5,
+                        "{v} at {j}: q {q}, s {s}"
+                    );
+                    let steps = f64::from(amax) / f64::from(s);
+                    assert!(q.abs() <= i64::from(Q_MAX) && steps <= f64::from(Q_MAX) && steps > 4_177_000.0);
+                }
+            }
+            #[cfg(target_arch = "x86_64")]
+            if available() {
+                let mut vector = ZERO_PAIR;
+                // SAFETY: available() checked the CPU's features.
+                if unsafe { kernels::prepare_block(&xb, second, &mut vector) } {
+                    unsafe { kernels::finish_pair(&mut vector) };
+                    assert_eq!(bytes(&vector), bytes(&scalar), "block {case}: {xb:?}");
+                    vector_blocks += 1;
+                } else {
+                    assert!(amax < 2f32.powi(-99), "block {case} of amax {amax} left to the scalar path");
+                }
+            }
+        }
+        println!("{vector_blocks} blocks compared with the vector preparation");
+    }
+}
