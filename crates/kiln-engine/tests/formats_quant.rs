@@ -329,3 +329,49 @@ fn integer_dot_products_keep_infinities_and_nan() {
         assert!(!got.is_finite(), "{dtype}: {got} with an infinity in x");
     }
 }
+
+/// `dot_rows_many` (four vectors a row unpack on the integer kernels) gives each vector the bits
+/// `dot_rows_x` gives it alone, over odd and even block counts and a partial group of vectors.
+#[test]
+fn many_vectors_at_once_give_the_bits_of_one_at_a_time() {
+    use kiln_engine::formats::quant::{dot_rows_many, dot_rows_x, DotX};
+    let mut rng = Rng::from_clock();
+    for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::Q6_K, DType::F16] {
+        for (cols, rows, tokens) in [(96, 5, 7), (576, 9, 4), (256, 3, 9), (1536, 2, 1)] {
+            if dtype == DType::Q6_K && cols % 256 != 0 {
+                continue; // K formats hold whole super-blocks of 256
+            }
+            let row_bytes = dtype.bytes_for(cols as u64).unwrap() as usize;
+            let bytes: Vec<u8> = if matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q8_0) {
+                random_blocks(&mut rng, dtype, rows * cols / 32, false)
+            } else {
+                // Small f16 values (and K-block scales): the top byte of each pair bounded.
+                (0..rows * row_bytes)
+                    .map(|i| if i % 2 == 1 { (rng.next() % 0x2c) as u8 } else { rng.next() as u8 })
+                    .collect()
+            };
+            let xs: Vec<DotX> = (0..tokens).map(|_| DotX::new(&adversarial_x(&mut rng, cols / 32))).collect();
+            let mut many = vec![f32::NAN; tokens * rows];
+            dot_rows_many(dtype, &bytes, &xs, &mut many).unwrap();
+            for (t, x) in xs.iter().enumerate() {
+                let mut one = vec![f32::NAN; rows];
+                dot_rows_x(dtype, &bytes, x, &mut one).unwrap();
+                for r in 0..rows {
+                    assert_eq!(
+                        many[t * rows + r].to_bits(),
+                        one[r].to_bits(),
+                        "{dtype} {cols} cols, token {t} of {tokens}, row {r}: {} vs {}",
+                        many[t * rows + r],
+                        one[r]
+                    );
+                }
+            }
+        }
+    }
+    let mut out = vec![0f32; 5];
+    let xs = [DotX::new(&[0.0; 32]), DotX::new(&[0.0; 64])];
+    assert!(matches!(
+        dot_rows_many(DType::Q4_1, &[0u8; 40], &xs, &mut out),
+        Err(Error::ShapeMismatch { .. })
+    ));
+}

@@ -217,6 +217,23 @@ pub(crate) unsafe fn dot_rows(dtype: kiln_core::DType, rows: &[u8], x: &IntX, ou
     }
 }
 
+/// [`dot_rows`] for four vectors at once (`xs`, each of the same block count): `out[t][r]` is
+/// `dot(row r, xs[t])`, the same bits as [`dot_rows`] gives for each vector alone. A row's
+/// blocks are unpacked once for the four.
+///
+/// # Safety
+/// As [`dot_rows`], for each of `xs`; every `out[t].len()` is the row count.
+#[cfg(target_arch = "x86_64")]
+pub(crate) unsafe fn dot_rows4(dtype: kiln_core::DType, rows: &[u8], xs: [&IntX; 4], out: [&mut [f32]; 4]) {
+    use kiln_core::DType;
+    match dtype {
+        DType::Q4_1 => kernels::rows4::<20, { kernels::Q4_1 }>(rows, xs, out),
+        DType::Q4_0 => kernels::rows4::<18, { kernels::Q4_0 }>(rows, xs, out),
+        DType::Q8_0 => kernels::rows4::<34, { kernels::Q8_0 }>(rows, xs, out),
+        _ => out.into_iter().for_each(|o| o.fill(f32::NAN)),
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod kernels {
     use std::arch::x86_64::*;
@@ -339,36 +356,18 @@ mod kernels {
         _mm512_permutexvar_ps(index, _mm512_castps128_ps512(v))
     }
 
-    /// One pair of blocks (at `a` and `b`) of one row of format `KIND` against x's pair: adds
-    /// the products, scaled to floats, into `acc`, and Q4_1's `m` term into `side`.
+    /// A pair of blocks (at `a` and `b`) of one row of format `KIND`, unpacked: the 64 weight
+    /// bytes in the pair's order (unsigned), and the blocks' f16 scales as f32 (`[d_a, m_a, d_b,
+    /// m_b]` for Q4_1, `[d_a, d_b]` for the others).
     ///
     /// Q4_1: `d q + m` per value, `d` at byte 0, `m` at 2, quants at 4. Q4_0: `d (q - 8)`, `d`
     /// at 0, quants at 2. Q8_0: `d q` for signed bytes q, `d` at 0, quants at 2: the bytes go in
-    /// as `q + 128` (unsigned) and each lane's `128 x` sums come off again, `p1`'s products
-    /// kept apart from the others' so that no lane passes 32 bits.
+    /// as `q + 128` (unsigned) and each lane's `128 x` sums come off again.
     #[inline(always)]
-    unsafe fn pair<const KIND: u8>(
-        a: *const u8,
-        b: *const u8,
-        x: &XPair,
-        acc: &mut __m512,
-        side: &mut __m128,
-    ) {
-        let scale = _mm512_load_ps(x.scale.as_ptr());
+    unsafe fn weights<const KIND: u8>(a: *const u8, b: *const u8) -> (__m512i, __m128) {
         match KIND {
-            Q4_1 => {
-                let sums = planes_q4(nibbles(a.add(4), b.add(4)), x);
-                let dm = halves::<true>(a, b);
-                let scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(sums), scale);
-                *acc = _mm512_fmadd_ps(scaled, per_lane(dm, 2), *acc);
-                *side = _mm_fmadd_ps(dm, _mm_loadu_ps(x.sums.as_ptr()), *side);
-            }
-            Q4_0 => {
-                let sums = planes_q4(nibbles(a.add(2), b.add(2)), x);
-                let sums = _mm512_sub_epi32(sums, _mm512_load_si512(x.offset8.as_ptr().cast()));
-                let scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(sums), scale);
-                *acc = _mm512_fmadd_ps(scaled, per_lane(halves::<false>(a, b), 1), *acc);
-            }
+            Q4_1 => (nibbles(a.add(4), b.add(4)), halves::<true>(a, b)),
+            Q4_0 => (nibbles(a.add(2), b.add(2)), halves::<false>(a, b)),
             _ => {
                 let ab = _mm512_inserti64x4::<1>(
                     _mm512_castsi256_si512(_mm256_loadu_si256(a.add(2).cast())),
@@ -377,18 +376,63 @@ mod kernels {
                 // 128-bit lanes (a 0-15, a 16-31, b 0-15, b 16-31) to the pair's order (0, 2, 1, 3).
                 let w =
                     _mm512_xor_si512(_mm512_shuffle_i64x2::<0b11_01_10_00>(ab, ab), _mm512_set1_epi8(-128));
+                (w, halves::<false>(a, b))
+            }
+        }
+    }
+
+    /// The per-lane `d` of an unpacked pair's scales.
+    #[inline(always)]
+    unsafe fn lane_scales<const KIND: u8>(scales: __m128) -> __m512 {
+        per_lane(scales, if KIND == Q4_1 { 2 } else { 1 })
+    }
+
+    /// An unpacked pair against x's pair: adds the products, scaled to floats, into `acc`, and
+    /// Q4_1's `m` term into `side`. Q8_0 keeps `p1`'s products apart from the others' so that no
+    /// lane passes 32 bits.
+    #[inline(always)]
+    unsafe fn apply<const KIND: u8>(
+        w: __m512i,
+        scales: __m128,
+        d: __m512,
+        x: &XPair,
+        acc: &mut __m512,
+        side: &mut __m128,
+    ) {
+        let scale = _mm512_load_ps(x.scale.as_ptr());
+        let sums = match KIND {
+            Q4_1 => _mm512_cvtepi32_ps(planes_q4(w, x)),
+            Q4_0 => _mm512_cvtepi32_ps(_mm512_sub_epi32(
+                planes_q4(w, x),
+                _mm512_load_si512(x.offset8.as_ptr().cast()),
+            )),
+            _ => {
                 let p = x.planes.as_ptr().cast::<__m512i>();
                 let hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_load_si512(p));
                 let hi = _mm512_sub_epi32(hi, _mm512_load_si512(x.offset128_hi.as_ptr().cast()));
                 let lo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_load_si512(p.add(1)));
                 let lo = _mm512_dpbusd_epi32(_mm512_slli_epi32::<8>(lo), w, _mm512_load_si512(p.add(2)));
                 let lo = _mm512_sub_epi32(lo, _mm512_load_si512(x.offset128_lo.as_ptr().cast()));
-                let sums =
-                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(65536.0), _mm512_cvtepi32_ps(lo));
-                let scaled = _mm512_mul_ps(sums, scale);
-                *acc = _mm512_fmadd_ps(scaled, per_lane(halves::<false>(a, b), 1), *acc);
+                _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(65536.0), _mm512_cvtepi32_ps(lo))
             }
+        };
+        *acc = _mm512_fmadd_ps(_mm512_mul_ps(sums, scale), d, *acc);
+        if KIND == Q4_1 {
+            *side = _mm_fmadd_ps(scales, _mm_loadu_ps(x.sums.as_ptr()), *side);
         }
+    }
+
+    /// One pair of blocks (at `a` and `b`) of one row of format `KIND` against x's pair.
+    #[inline(always)]
+    unsafe fn pair<const KIND: u8>(
+        a: *const u8,
+        b: *const u8,
+        x: &XPair,
+        acc: &mut __m512,
+        side: &mut __m128,
+    ) {
+        let (w, scales) = weights::<KIND>(a, b);
+        apply::<KIND>(w, scales, lane_scales::<KIND>(scales), x, acc, side);
     }
 
     /// A row's result from its accumulators: the 16 lanes summed (a fixed tree) and Q4_1's side
@@ -398,6 +442,39 @@ mod kernels {
         let mut s = [0f32; 4];
         _mm_storeu_ps(s.as_mut_ptr(), side);
         _mm512_reduce_add_ps(acc) + (s[1] + s[3])
+    }
+
+    /// Every row of `rows` against four vectors of x: each pair of blocks unpacked once, then
+    /// applied to each vector as `rows` applies it (the same bits).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c,fma")]
+    pub(super) unsafe fn rows4<const N: usize, const KIND: u8>(
+        rows: &[u8],
+        xs: [&IntX; 4],
+        out: [&mut [f32]; 4],
+    ) {
+        let blocks = xs[0].blocks;
+        let row_bytes = blocks * N;
+        let full = blocks / 2;
+        let base = rows.as_ptr();
+        let [o0, o1, o2, o3] = out;
+        for r in 0..o0.len() {
+            let ra = base.add(r * row_bytes);
+            let mut acc = [_mm512_setzero_ps(); 4];
+            let mut side = [_mm_setzero_ps(); 4];
+            for i in 0..blocks.div_ceil(2) {
+                let a = ra.add(2 * i * N);
+                let b = if i < full { a.add(N) } else { ZERO_BLOCK.as_ptr() };
+                let (w, scales) = weights::<KIND>(a, b);
+                let d = lane_scales::<KIND>(scales);
+                for t in 0..4 {
+                    apply::<KIND>(w, scales, d, &xs[t].pairs[i], &mut acc[t], &mut side[t]);
+                }
+            }
+            o0[r] = finish(acc[0], side[0]);
+            o1[r] = finish(acc[1], side[1]);
+            o2[r] = finish(acc[2], side[2]);
+            o3[r] = finish(acc[3], side[3]);
+        }
     }
 
     /// Every row of `rows` (each `x.blocks` blocks of `N` bytes, format `KIND`) into `out`, two

@@ -12,7 +12,7 @@ pub mod safetensors;
 
 pub use self::safetensors::{HfConfig, SafetensorsFile, SafetensorsWeights};
 pub use gguf::{GgufArray, GgufFile, GgufTensorInfo, GgufValue};
-pub use quant::{dequantize_row, dot_row, dot_rows, dot_rows_x, matvec, DotX};
+pub use quant::{dequantize_row, dot_row, dot_rows, dot_rows_many, dot_rows_x, matvec, DotX};
 
 use kiln_core::{DType, Result, Tensor};
 

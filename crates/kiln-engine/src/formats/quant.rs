@@ -732,6 +732,46 @@ pub fn dot_rows(dtype: DType, rows_bytes: &[u8], x: &[f32], out: &mut [f32]) -> 
     dot_rows_x(dtype, rows_bytes, &DotX::new(x), out)
 }
 
+/// `out[t * rows + r] = dot(row r of `rows_bytes`, xs[t])` for several vectors of the same
+/// length: the same bits as [`dot_rows_x`] for each vector, with the integer kernels unpacking
+/// each row once for four vectors.
+pub fn dot_rows_many(dtype: DType, rows_bytes: &[u8], xs: &[DotX], out: &mut [f32]) -> Result<()> {
+    let Some(first) = xs.first() else {
+        return Ok(());
+    };
+    let cols = first.x.len();
+    if xs.iter().any(|x| x.x.len() != cols) || !out.len().is_multiple_of(xs.len()) {
+        return Err(Error::ShapeMismatch {
+            op: "dot_rows_many",
+            expected: vec![xs.len(), cols],
+            got: vec![out.len()],
+        });
+    }
+    let rows = out.len() / xs.len();
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if int_dot::block_bytes(dtype).is_some()
+        && (rows as u64).checked_mul(dtype.bytes_for(cols as u64)?) == Some(rows_bytes.len() as u64)
+    {
+        for (group, outs) in xs.chunks_exact(4).zip(out.chunks_exact_mut(4 * rows)) {
+            let [Some(a), Some(b), Some(c), Some(d)] = [0, 1, 2, 3].map(|t| group[t].int.as_ref()) else {
+                break;
+            };
+            let (o0, rest) = outs.split_at_mut(rows);
+            let (o1, rest) = rest.split_at_mut(rows);
+            let (o2, o3) = rest.split_at_mut(rows);
+            // SAFETY: an IntX exists only where int_dot::available() held, and holds `cols / 32`
+            // blocks; the rows hold `rows` rows of `cols` values of `dtype` (checked above).
+            unsafe { int_dot::dot_rows4(dtype, rows_bytes, [a, b, c, d], [o0, o1, o2, o3]) };
+            done += 4;
+        }
+    }
+    for (x, o) in xs.iter().zip(out.chunks_exact_mut(rows)).skip(done) {
+        dot_rows_x(dtype, rows_bytes, x, o)?;
+    }
+    Ok(())
+}
+
 /// [`dot_rows`] with x prepared once ([`DotX`]) for many calls.
 pub fn dot_rows_x(dtype: DType, rows_bytes: &[u8], x: &DotX, out: &mut [f32]) -> Result<()> {
     check_row("dot_rows", dtype, &[], 0)?;

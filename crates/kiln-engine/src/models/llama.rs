@@ -18,7 +18,7 @@ use kiln_core::ops::primitives::{silu, FloatType};
 use kiln_core::ops::rope::{rotate, RopeTable};
 use kiln_core::{DType, Error, Result};
 
-use crate::formats::quant::{dequantize_row, dot_rows_x, DotX};
+use crate::formats::quant::{dequantize_row, dot_rows_many, dot_rows_x, DotX};
 use crate::formats::WeightSource;
 use crate::models::config::ModelConfig;
 
@@ -408,10 +408,7 @@ impl LlamaModel {
                 let first = chunk * rows_per_chunk;
                 let count = dst.len() / n;
                 let weights = &bytes[first * row_bytes..(first + count) * row_bytes];
-                for (t, token_out) in dst.chunks_mut(count).enumerate() {
-                    dot_rows_x(linear.dtype, weights, &xs[t], token_out)?;
-                }
-                Ok::<(), Error>(())
+                dot_rows_many(linear.dtype, weights, &xs, dst)
             })?;
             for (chunk, block) in blocked.chunks(rows_per_chunk * n).enumerate() {
                 let first = chunk * rows_per_chunk;
