@@ -146,6 +146,7 @@ pub fn lane_sum8(v: &[f32; 8]) -> f32 {
 
 /// `exp(x)` in fp32 by range reduction and one degree-6 polynomial, every fused operation
 /// explicit. Relative error about 2 ulp. Above 88.72 the result is `+inf`, below -87.33 it is 0.
+#[inline]
 pub fn exp_poly(x: f32) -> f32 {
     if x.is_nan() {
         return x;
@@ -177,11 +178,13 @@ const LN2_HI: f32 = 0.693_359_4;
 const LN2_LO: f32 = -2.121_944_4e-4;
 
 /// 2^e for e in [-126, 127], built from the exponent bits.
+#[inline]
 fn pow2(e: i32) -> f32 {
     f32::from_bits(((e + 127) as u32) << 23)
 }
 
 /// SiLU, `z / (1 + exp(-z))`, with [`exp_poly`] and a correctly rounded division.
+#[inline]
 pub fn silu(z: f32) -> f32 {
     z / (1.0 + exp_poly(-z))
 }
