@@ -704,8 +704,17 @@ fn head_attention(
     ) {
         let hd = qh.len();
         let mut scores = vec![0f32; visible];
-        for (tile, dst) in scores.chunks_mut(KEY_TILE).enumerate() {
-            let at = tile * KEY_TILE * kv_width + kv_head * hd * KEY_TILE;
+        let tile_at = |tile: usize| tile * KEY_TILE * kv_width + kv_head * hd * KEY_TILE;
+        // Four tiles side by side (four independent chains of additions), then the rest.
+        let mut groups = scores.chunks_exact_mut(4 * KEY_TILE);
+        for (group, dst) in (&mut groups).enumerate() {
+            let tiles: [&[f32]; 4] =
+                std::array::from_fn(|i| &keys[tile_at(4 * group + i)..][..hd * KEY_TILE]);
+            dst.copy_from_slice(tile_scores4(qh, tiles, scale).as_flattened());
+        }
+        let done = visible - groups.into_remainder().len();
+        for (i, dst) in scores[done..].chunks_mut(KEY_TILE).enumerate() {
+            let at = tile_at(done / KEY_TILE + i);
             let sums = tile_scores(qh, &keys[at..at + hd * KEY_TILE], scale);
             dst.copy_from_slice(&sums[..dst.len()]);
         }
@@ -763,6 +772,22 @@ fn head_attention(
         return unsafe { run_avx512(qh, keys, values, kv_width, kv_head, scale, visible, o) };
     }
     run(qh, keys, values, kv_width, kv_head, scale, visible, o)
+}
+
+/// [`tile_scores`] of four tiles at once: the same sums, four independent chains in flight.
+#[inline(always)]
+fn tile_scores4(qh: &[f32], tiles: [&[f32]; 4], scale: f32) -> [[f32; KEY_TILE]; 4] {
+    let mut sums = [[-0.0f32; KEY_TILE]; 4];
+    for (d, &qd) in qh.iter().enumerate() {
+        for (tile_sums, tile) in sums.iter_mut().zip(tiles) {
+            if let Some(kd) = tile[d * KEY_TILE..].first_chunk::<KEY_TILE>() {
+                for (sum, &kv) in tile_sums.iter_mut().zip(kd) {
+                    *sum += qd * kv;
+                }
+            }
+        }
+    }
+    sums.map(|tile| tile.map(|s| s * scale))
 }
 
 /// The head counts and size of an attention.
@@ -879,14 +904,15 @@ mod tests {
             let mut keys = Vec::new();
             let mut rows: Vec<f32> = Vec::new();
             let mut values: Vec<f32> = Vec::new();
-            // A prompt of 21 positions, then 14 steps of one, truncated to 30, then 9 more.
-            let mut steps = vec![21];
+            // A prompt of 70 positions (a group of four tiles and a part), then 14 steps of one,
+            // truncated to 79, then 9 more.
+            let mut steps = vec![70];
             steps.extend([1; 14]);
             steps.extend([0, 1, 1, 1, 1, 1, 1, 1, 1, 1]);
             let mut len = 0usize;
             for n in steps {
                 if n == 0 {
-                    len = 30;
+                    len = 79;
                     keys.truncate(len.div_ceil(KEY_TILE) * KEY_TILE * kv_width);
                     rows.truncate(len * kv_width);
                     values.truncate(len * kv_width);
