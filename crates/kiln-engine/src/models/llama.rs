@@ -508,7 +508,13 @@ impl<'w> DecodeTeam<'w> {
         while !self.stop.load(Ordering::Acquire) {
             let generation = self.generation.load(Ordering::Acquire);
             if generation == seen {
-                // Spin while products follow each other closely; yield the core in a long gap.
+                // Between products, run the step's other parallel work (attention's heads, handed
+                // to the pool); spin while products follow each other closely; yield the core in
+                // a long gap.
+                if rayon::yield_now() == Some(rayon::Yield::Executed) {
+                    idle_spins = 0;
+                    continue;
+                }
                 idle_spins = idle_spins.saturating_add(1);
                 if idle_spins < 1 << 16 {
                     std::hint::spin_loop();
@@ -810,9 +816,10 @@ fn attention(c: AttentionShape, q: &[f32], keys: &[f32], values: &[f32], start: 
         let qh = &q[t * c.heads * hd + head * hd..][..hd];
         head_attention(qh, keys, values, kv_width, head / group, scale, start + t + 1, o);
     };
-    // Waking the pool costs more than a short decode step's attention.
+    // Waking the pool costs more than a short step's attention; during a decode step the pool's
+    // other threads are the step's team, which take the heads between products.
     let work = out.len() / hd * (start + out.len() / (c.heads * hd)) * hd;
-    if work < 1 << 18 {
+    if work < 1 << 14 {
         out.chunks_mut(hd).enumerate().for_each(one);
     } else {
         out.par_chunks_mut(hd).enumerate().for_each(one);
