@@ -10,6 +10,13 @@
 //! lanes (fixed-size arrays) so the compiler turns the lanes into SIMD registers. The whole
 //! function is compiled twice, once for the baseline target and once with AVX2 and FMA enabled,
 //! and the second is chosen at run time when the CPU has them.
+//!
+//! On CPUs with AVX-512 VNNI, Q4_0, Q4_1 and Q8_0 rows take the integer kernels of `int_dot`
+//! instead: x is prepared once per vector ([`DotX`]) as 23-bit fixed point per block of 32 in three
+//! int8 planes, each block's products are exact 32-bit sums (`vpdpbusd`), scaled once per block
+//! in fp32; the error stays at fp32's level (`sum |w| * amax * 2^-23` per block, `amax` the
+//! block's largest |x|). [`dot_rows_many`] unpacks each row once for four vectors (a prompt's
+//! tokens). `KILN_CPU_NO_VNNI=1` (or `KILN_CPU_NO_AVX512=1`) keeps the float kernels.
 
 use half::{bf16, f16};
 use kiln_core::{DType, Error, Result};

@@ -98,7 +98,7 @@ impl std::fmt::Debug for LlamaModel {
 /// The per-sequence state: fp32 keys and values of every layer for the positions seen so far.
 ///
 /// Layout of `values[layer]`: `[position][kv_head][head_dim]`, contiguous. `keys[layer]` is in
-/// tiles of [`KEY_TILE`] positions, `[tile][kv_head][head_dim][position in tile]`, so that the
+/// tiles of `KEY_TILE` (16) positions, `[tile][kv_head][head_dim][position in tile]`, so that the
 /// scores of a tile's positions are SIMD lanes (the last tile's unused slots hold zeros or
 /// positions forgotten by [`KvCache::truncate`], never read as scores).
 #[derive(Debug)]
