@@ -1,4 +1,5 @@
-//! Times `dot_rows_x` (one thread, x prepared once as `DotX`) and `matvec` (the rayon pool, x
+//! Times `dot_rows_x` (one thread, x prepared once as `DotX`), `dot_rows_many` over four vectors
+//! (one thread, the time per vector) and `matvec` (the rayon pool, x
 //! prepared per call) on random weights of each hot dtype, and prints the weight bytes read per
 //! second, and the time to prepare x (`DotX::new`). `KILN_CPU_NO_VNNI=1` times the float kernels
 //! in place of the integer ones.
@@ -9,7 +10,7 @@
 use std::time::Instant;
 
 use kiln_core::DType;
-use kiln_engine::formats::{dot_rows_x, matvec, DotX};
+use kiln_engine::formats::{dot_rows_many, dot_rows_x, matvec, DotX};
 
 fn main() -> kiln_core::Result<()> {
     let args: Vec<usize> = std::env::args().skip(1).filter_map(|a| a.parse().ok()).collect();
@@ -51,6 +52,15 @@ fn main() -> kiln_core::Result<()> {
             sink += out[0];
         }
         let single = start.elapsed().as_secs_f64() / reps as f64;
+        // Four vectors at once (a prompt's tokens), per vector.
+        let four: Vec<DotX> = (0..4).map(|_| DotX::new(&x)).collect();
+        let mut out4 = vec![0f32; 4 * rows];
+        let start = Instant::now();
+        for _ in 0..reps {
+            dot_rows_many(dtype, &matrix, &four, &mut out4)?;
+            sink += out4[0];
+        }
+        let per_token = start.elapsed().as_secs_f64() / reps as f64 / 4.0;
         let start = Instant::now();
         for _ in 0..reps {
             matvec(dtype, &matrix, rows, cols, &x, &mut out)?;
@@ -59,10 +69,11 @@ fn main() -> kiln_core::Result<()> {
         let parallel = start.elapsed().as_secs_f64() / reps as f64;
         let gb = matrix.len() as f64 / 1e9;
         println!(
-            "{dtype:>5}: {:>8.1} us/matvec 1 thread ({:>5.1} GB/s), {:>8.1} us pooled ({:>5.1} GB/s), \
-             x prepared in {:.2} us{} [{}]",
+            "{dtype:>5}: {:>8.1} us/matvec 1 thread ({:>5.1} GB/s), {:>8.1} a vector of four, {:>8.1} us pooled \
+             ({:>5.1} GB/s), x prepared in {:.2} us{} [{}]",
             single * 1e6,
             gb / single,
+            per_token * 1e6,
             parallel * 1e6,
             gb / parallel,
             prepare * 1e6,

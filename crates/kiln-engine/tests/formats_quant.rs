@@ -270,13 +270,14 @@ fn adversarial_x(rng: &mut Rng, blocks: usize) -> Vec<f32> {
     x
 }
 
-/// `dot_rows_x` over Q4_0 / Q4_1 / Q8_0 rows (the integer kernels where the CPU has AVX-512
-/// VNNI, the float ones elsewhere), odd and even block counts and row counts, against the float64
+/// `dot_rows_x` and `dot_rows_many` (four vectors) over Q4_0 / Q4_1 / Q8_0 rows (the integer
+/// kernels where the CPU has AVX-512 VNNI, but for one vector's Q8_0 rows; the float ones
+/// elsewhere), odd and even block counts and row counts, against the float64
 /// dot of the dequantized rows: within the fixed point's bound, `sum |w| * amax * 2^-23` per
 /// block, plus fp32 rounding (1e-6 of the sum of |terms|).
 #[test]
 fn integer_dot_products_are_within_the_fixed_point_bound_of_float64() {
-    use kiln_engine::formats::quant::{dot_rows_x, DotX};
+    use kiln_engine::formats::quant::{dot_rows_many, dot_rows_x, DotX};
     let mut rng = Rng::from_clock();
     for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
         for (blocks, rows, extreme) in
@@ -289,8 +290,13 @@ fn integer_dot_products_are_within_the_fixed_point_bound_of_float64() {
             println!("{dtype} {blocks} blocks: integer kernel {}", prepared.uses_integer_kernel(dtype));
             let mut out = vec![f32::NAN; rows];
             dot_rows_x(dtype, &bytes, &prepared, &mut out).unwrap();
+            // Four vectors at once: the integer kernels for Q8_0 too.
+            let four: Vec<DotX> = (0..4).map(|_| DotX::new(&x)).collect();
+            let mut out4 = vec![f32::NAN; 4 * rows];
+            dot_rows_many(dtype, &bytes, &four, &mut out4).unwrap();
             let row_bytes = bytes.len() / rows;
-            for (r, &got) in out.iter().enumerate() {
+            for (r, &got) in out.iter().chain(&out4).enumerate() {
+                let r = r % rows;
                 let mut w = vec![0f32; cols];
                 dequantize_row(dtype, &bytes[r * row_bytes..(r + 1) * row_bytes], &mut w).unwrap();
                 let want: f64 = w.iter().zip(&x).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum();
@@ -331,12 +337,13 @@ fn integer_dot_products_keep_infinities_and_nan() {
 }
 
 /// `dot_rows_many` (four vectors a row unpack on the integer kernels) gives each vector the bits
-/// `dot_rows_x` gives it alone, over odd and even block counts and a partial group of vectors.
+/// `dot_rows_x` gives it alone, over odd and even block counts and a partial group of vectors
+/// (Q8_0, whose single vectors take the float kernel, is checked against float64 above).
 #[test]
 fn many_vectors_at_once_give_the_bits_of_one_at_a_time() {
     use kiln_engine::formats::quant::{dot_rows_many, dot_rows_x, DotX};
     let mut rng = Rng::from_clock();
-    for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::Q6_K, DType::F16] {
+    for dtype in [DType::Q4_0, DType::Q4_1, DType::Q6_K, DType::F16] {
         for (cols, rows, tokens) in [(96, 5, 7), (576, 9, 4), (256, 3, 9), (1536, 2, 1)] {
             if dtype == DType::Q6_K && cols % 256 != 0 {
                 continue; // K formats hold whole super-blocks of 256

@@ -200,6 +200,13 @@ pub(crate) fn block_bytes(dtype: kiln_core::DType) -> Option<usize> {
     }
 }
 
+/// Whether a single vector's rows of `dtype` take the integer kernel (Q4_0, Q4_1): Q8_0's read
+/// SmolLM2's 49152 x 576 output layer from memory at half the float kernel's speed, so one
+/// vector's Q8_0 rows keep the float kernel and only [`dot_rows4`] takes them.
+pub(crate) fn single_vector(dtype: kiln_core::DType) -> bool {
+    matches!(dtype, kiln_core::DType::Q4_0 | kiln_core::DType::Q4_1)
+}
+
 /// `out[r]` = the dot product of row `r` of `rows` (consecutive rows of `dtype`, each `x.blocks()`
 /// blocks) with x.
 ///

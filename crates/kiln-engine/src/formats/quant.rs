@@ -16,7 +16,10 @@
 //! int8 planes, each block's products are exact 32-bit sums (`vpdpbusd`), scaled once per block
 //! in fp32; the error stays at fp32's level (`sum |w| * amax * 2^-23` per block, `amax` the
 //! block's largest |x|). [`dot_rows_many`] unpacks each row once for four vectors (a prompt's
-//! tokens). `KILN_CPU_NO_VNNI=1` (or `KILN_CPU_NO_AVX512=1`) keeps the float kernels.
+//! tokens). A single vector's Q8_0 rows keep the float kernel: there the integer one read a
+//! 49152 x 576 matrix (SmolLM2's output layer) from memory at half the float kernel's speed, while
+//! over four vectors it takes 0.56x the float kernel's time a vector (`matvec_bench`).
+//! `KILN_CPU_NO_VNNI=1` (or `KILN_CPU_NO_AVX512=1`) keeps the float kernels throughout.
 
 use half::{bf16, f16};
 use kiln_core::{DType, Error, Result};
@@ -718,9 +721,10 @@ impl DotX {
         &self.x
     }
 
-    /// Whether the rows of `dtype` go through the integer kernels.
+    /// Whether the rows of `dtype` go through the integer kernels for this vector alone
+    /// ([`dot_rows_x`]; [`dot_rows_many`] takes them for Q8_0 too).
     pub fn uses_integer_kernel(&self, dtype: DType) -> bool {
-        self.int.is_some() && int_dot::block_bytes(dtype).is_some()
+        self.int.is_some() && int_dot::block_bytes(dtype).is_some() && int_dot::single_vector(dtype)
     }
 }
 
@@ -797,7 +801,9 @@ pub fn dot_rows_x(dtype: DType, rows_bytes: &[u8], x: &DotX, out: &mut [f32]) ->
         return Ok(());
     }
     #[cfg(target_arch = "x86_64")]
-    if let (Some(int), Some(block)) = (&x.int, int_dot::block_bytes(dtype)) {
+    if let (Some(int), Some(block), true) =
+        (&x.int, int_dot::block_bytes(dtype), int_dot::single_vector(dtype))
+    {
         if int.blocks() * block == row_bytes {
             // SAFETY: `int` exists only where int_dot::available() held; the rows hold
             // `out.len()` rows of `int.blocks()` blocks of `dtype` (checked above).
