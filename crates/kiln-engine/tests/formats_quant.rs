@@ -225,6 +225,18 @@ impl Rng {
 /// quant at its most negative (Q8_0's -128, Q4's 0), the largest sums the integer kernels meet.
 fn random_blocks(rng: &mut Rng, dtype: DType, blocks: usize, extreme: bool) -> Vec<u8> {
     let mut bytes = Vec::new();
+    if dtype == DType::Q4_K {
+        // A super-block a 8 blocks: d and dmin small, random 6-bit scales and mins (with
+        // `extreme`, all 63 and every nibble 15), random quants.
+        for _ in 0..blocks / 8 {
+            for _ in 0..2 {
+                let v = half::f16::from_f32(0.0005 + (rng.next() % 1000) as f32 / 100_000.0);
+                bytes.extend_from_slice(&v.to_le_bytes());
+            }
+            bytes.extend((0..12 + 128).map(|_| if extreme { 0xFF } else { rng.next() as u8 }));
+        }
+        return bytes;
+    }
     for _ in 0..blocks {
         let d = half::f16::from_f32(0.001 + (rng.next() % 1000) as f32 / 10_000.0);
         bytes.extend_from_slice(&d.to_le_bytes());
@@ -270,7 +282,7 @@ fn adversarial_x(rng: &mut Rng, blocks: usize) -> Vec<f32> {
     x
 }
 
-/// `dot_rows_x` and `dot_rows_many` (four vectors) over Q4_0 / Q4_1 / Q8_0 rows (the integer
+/// `dot_rows_x` and `dot_rows_many` (four vectors) over Q4_0 / Q4_1 / Q8_0 / Q4_K rows (the integer
 /// kernels where the CPU has AVX-512 VNNI, but for one vector's Q8_0 rows; the float ones
 /// elsewhere), odd and even block counts and row counts, against the float64
 /// dot of the dequantized rows: within the fixed point's bound, `sum |w| * amax * 2^-23` per
@@ -279,10 +291,13 @@ fn adversarial_x(rng: &mut Rng, blocks: usize) -> Vec<f32> {
 fn integer_dot_products_are_within_the_fixed_point_bound_of_float64() {
     use kiln_engine::formats::quant::{dot_rows_many, dot_rows_x, DotX};
     let mut rng = Rng::from_clock();
-    for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
-        for (blocks, rows, extreme) in
-            [(1, 1, false), (3, 5, false), (18, 64, false), (48, 7, true), (5, 2, true)]
-        {
+    for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::Q4_K] {
+        let shapes: &[(usize, usize, bool)] = if dtype == DType::Q4_K {
+            &[(8, 1, false), (24, 5, false), (48, 64, false), (16, 3, true)]
+        } else {
+            &[(1, 1, false), (3, 5, false), (18, 64, false), (48, 7, true), (5, 2, true)]
+        };
+        for &(blocks, rows, extreme) in shapes {
             let cols = blocks * 32;
             let bytes = random_blocks(&mut rng, dtype, blocks * rows, extreme);
             let x = if extreme { vec![-0.75f32; cols] } else { adversarial_x(&mut rng, blocks) };
@@ -343,13 +358,13 @@ fn integer_dot_products_keep_infinities_and_nan() {
 fn many_vectors_at_once_give_the_bits_of_one_at_a_time() {
     use kiln_engine::formats::quant::{dot_rows_many, dot_rows_x, DotX};
     let mut rng = Rng::from_clock();
-    for dtype in [DType::Q4_0, DType::Q4_1, DType::Q6_K, DType::F16] {
+    for dtype in [DType::Q4_0, DType::Q4_1, DType::Q4_K, DType::Q6_K, DType::F16] {
         for (cols, rows, tokens) in [(96, 5, 7), (576, 9, 4), (256, 3, 9), (1536, 2, 1)] {
-            if dtype == DType::Q6_K && cols % 256 != 0 {
+            if matches!(dtype, DType::Q4_K | DType::Q6_K) && cols % 256 != 0 {
                 continue; // K formats hold whole super-blocks of 256
             }
             let row_bytes = dtype.bytes_for(cols as u64).unwrap() as usize;
-            let bytes: Vec<u8> = if matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q8_0) {
+            let bytes: Vec<u8> = if matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q8_0 | DType::Q4_K) {
                 random_blocks(&mut rng, dtype, rows * cols / 32, false)
             } else {
                 // Small f16 values (and K-block scales): the top byte of each pair bounded.

@@ -1,4 +1,4 @@
-//! The integer dot products of Q4_0, Q4_1 and Q8_0 rows on CPUs with AVX-512 VNNI.
+//! The integer dot products of Q4_0, Q4_1, Q8_0 and Q4_K rows on CPUs with AVX-512 VNNI.
 //!
 //! x is written once per vector as 23-bit fixed point per block of 32 values ([`IntX`]): a block
 //! whose largest magnitude is `amax` takes the smallest power of two `s` with `amax / s` at most
@@ -10,7 +10,8 @@
 //! operation where they do 2 to 3 operations for 16 values, and the error stays at fp32's level:
 //! `sum |w| * amax * 2^-23` per block beside fp32's rounding of the block sums.
 //!
-//! Q4_1's `m` term takes `m * sum(x)`, the block's sum of the exact x; Q4_0's `-8` and Q8_0's
+//! Q4_K is Q4_1 per sub-block of 32 (`(d sc) q - dmin m`, the scales unpacked once a super-block
+//! of 256). Q4_1's `m` term takes `m * sum(x)`, the block's sum of the exact x; Q4_0's `-8` and Q8_0's
 //! `+128` (its signed bytes made unsigned for `vpdpbusd`) come off each lane as integers, so
 //! nothing cancels in floating point.
 //!
@@ -189,13 +190,15 @@ pub(crate) fn available() -> bool {
     false
 }
 
-/// The formats with an integer kernel, and their block bytes.
+/// The formats with an integer kernel, and their bytes per 32 values (Q4_K: 144 bytes a
+/// super-block of 256).
 pub(crate) fn block_bytes(dtype: kiln_core::DType) -> Option<usize> {
     use kiln_core::DType;
     match dtype {
         DType::Q4_0 => Some(18),
         DType::Q4_1 => Some(20),
         DType::Q8_0 => Some(34),
+        DType::Q4_K => Some(18),
         _ => None,
     }
 }
@@ -204,7 +207,7 @@ pub(crate) fn block_bytes(dtype: kiln_core::DType) -> Option<usize> {
 /// SmolLM2's 49152 x 576 output layer from memory at half the float kernel's speed, so one
 /// vector's Q8_0 rows keep the float kernel and only [`dot_rows4`] takes them.
 pub(crate) fn single_vector(dtype: kiln_core::DType) -> bool {
-    matches!(dtype, kiln_core::DType::Q4_0 | kiln_core::DType::Q4_1)
+    matches!(dtype, kiln_core::DType::Q4_0 | kiln_core::DType::Q4_1 | kiln_core::DType::Q4_K)
 }
 
 /// `out[r]` = the dot product of row `r` of `rows` (consecutive rows of `dtype`, each `x.blocks()`
@@ -220,6 +223,7 @@ pub(crate) unsafe fn dot_rows(dtype: kiln_core::DType, rows: &[u8], x: &IntX, ou
         DType::Q4_1 => kernels::rows::<20, { kernels::Q4_1 }>(rows, x, out),
         DType::Q4_0 => kernels::rows::<18, { kernels::Q4_0 }>(rows, x, out),
         DType::Q8_0 => kernels::rows::<34, { kernels::Q8_0 }>(rows, x, out),
+        DType::Q4_K => kernels::rows_q4_k(rows, x, out),
         _ => out.fill(f32::NAN),
     }
 }
@@ -237,6 +241,7 @@ pub(crate) unsafe fn dot_rows4(dtype: kiln_core::DType, rows: &[u8], xs: [&IntX;
         DType::Q4_1 => kernels::rows4::<20, { kernels::Q4_1 }>(rows, xs, out),
         DType::Q4_0 => kernels::rows4::<18, { kernels::Q4_0 }>(rows, xs, out),
         DType::Q8_0 => kernels::rows4::<34, { kernels::Q8_0 }>(rows, xs, out),
+        DType::Q4_K => kernels::rows4_q4_k(rows, xs, out),
         _ => out.into_iter().for_each(|o| o.fill(f32::NAN)),
     }
 }
@@ -440,6 +445,86 @@ mod kernels {
     ) {
         let (w, scales) = weights::<KIND>(a, b);
         apply::<KIND>(w, scales, lane_scales::<KIND>(scales), x, acc, side);
+    }
+
+    /// Bytes of a Q4_K super-block: d, dmin (f16), 12 bytes of 6-bit scales and mins, 128 of
+    /// quants (32 bytes per two sub-blocks: low nibbles the first, high nibbles the second).
+    const Q4_K_BYTES: usize = 144;
+
+    /// A Q4_K super-block's `(d, dmin)`.
+    #[inline(always)]
+    unsafe fn q4_k_scales(sb: *const u8) -> (f32, f32) {
+        let d = crate::formats::quant::f16_to_f32(sb.cast::<u16>().read_unaligned().to_le());
+        let dmin = crate::formats::quant::f16_to_f32(sb.add(2).cast::<u16>().read_unaligned().to_le());
+        (d, dmin)
+    }
+
+    /// Pair `j` of a Q4_K super-block's sub-blocks (`2j`, `2j + 1`), unpacked: the 64 nibbles in
+    /// the pair's order, and `[d sc_a, -dmin m_a, d sc_b, -dmin m_b]` (a value is
+    /// `(d sc) q - dmin m`: Q4_1's `d q + m`, with the reference's roundings of the two products).
+    #[inline(always)]
+    unsafe fn q4_k_pair(sb: *const u8, j: usize, d: f32, dmin: f32) -> (__m512i, __m128) {
+        let scales = std::slice::from_raw_parts(sb.add(4), 12);
+        let (sc1, m1) = crate::formats::quant::scale_min_k4(2 * j, scales);
+        let (sc2, m2) = crate::formats::quant::scale_min_k4(2 * j + 1, scales);
+        let values = _mm_setr_ps(
+            d * f32::from(sc1),
+            -(dmin * f32::from(m1)),
+            d * f32::from(sc2),
+            -(dmin * f32::from(m2)),
+        );
+        let y = _mm256_loadu_si256(sb.add(16 + 32 * j).cast());
+        // (bytes 0-15, 16-31, their high nibbles 0-15, 16-31) to (0, 2, 1, 3): low nibbles of
+        // bytes 0-15 (sub-block a, values 0-15), high (b 0-15), then a 16-31, b 16-31.
+        let both = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(y), _mm256_srli_epi16::<4>(y));
+        let w = _mm512_and_si512(_mm512_shuffle_i64x2::<0b11_01_10_00>(both, both), _mm512_set1_epi8(0x0F));
+        (w, values)
+    }
+
+    /// Every Q4_K row of `rows` (each `x.blocks / 8` super-blocks) against x into `out`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c,fma")]
+    pub(super) unsafe fn rows_q4_k(rows: &[u8], x: &IntX, out: &mut [f32]) {
+        let supers = x.blocks / 8;
+        for (r, o) in out.iter_mut().enumerate() {
+            let row = rows.as_ptr().add(r * supers * Q4_K_BYTES);
+            let (mut acc, mut side) = (_mm512_setzero_ps(), _mm_setzero_ps());
+            for s in 0..supers {
+                let sb = row.add(s * Q4_K_BYTES);
+                let (d, dmin) = q4_k_scales(sb);
+                for j in 0..4 {
+                    let (w, values) = q4_k_pair(sb, j, d, dmin);
+                    apply::<Q4_1>(w, values, per_lane(values, 2), &x.pairs[4 * s + j], &mut acc, &mut side);
+                }
+            }
+            *o = finish(acc, side);
+        }
+    }
+
+    /// [`rows_q4_k`] against four vectors, each super-block unpacked once (the same bits).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c,fma")]
+    pub(super) unsafe fn rows4_q4_k(rows: &[u8], xs: [&IntX; 4], out: [&mut [f32]; 4]) {
+        let supers = xs[0].blocks / 8;
+        let [o0, o1, o2, o3] = out;
+        for r in 0..o0.len() {
+            let row = rows.as_ptr().add(r * supers * Q4_K_BYTES);
+            let mut acc = [_mm512_setzero_ps(); 4];
+            let mut side = [_mm_setzero_ps(); 4];
+            for s in 0..supers {
+                let sb = row.add(s * Q4_K_BYTES);
+                let (d, dmin) = q4_k_scales(sb);
+                for j in 0..4 {
+                    let (w, values) = q4_k_pair(sb, j, d, dmin);
+                    let lanes = per_lane(values, 2);
+                    for t in 0..4 {
+                        apply::<Q4_1>(w, values, lanes, &xs[t].pairs[4 * s + j], &mut acc[t], &mut side[t]);
+                    }
+                }
+            }
+            o0[r] = finish(acc[0], side[0]);
+            o1[r] = finish(acc[1], side[1]);
+            o2[r] = finish(acc[2], side[2]);
+            o3[r] = finish(acc[3], side[3]);
+        }
     }
 
     /// A row's result from its accumulators: the 16 lanes summed (a fixed tree) and Q4_1's side

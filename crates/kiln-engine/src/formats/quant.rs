@@ -11,7 +11,7 @@
 //! function is compiled twice, once for the baseline target and once with AVX2 and FMA enabled,
 //! and the second is chosen at run time when the CPU has them.
 //!
-//! On CPUs with AVX-512 VNNI, Q4_0, Q4_1 and Q8_0 rows take the integer kernels of `int_dot`
+//! On CPUs with AVX-512 VNNI, Q4_0, Q4_1, Q8_0 and Q4_K rows take the integer kernels of `int_dot`
 //! instead: x is prepared once per vector ([`DotX`]) as 23-bit fixed point per block of 32 in three
 //! int8 planes, each block's products are exact 32-bit sums (`vpdpbusd`), scaled once per block
 //! in fp32; the error stays at fp32's level (`sum |w| * amax * 2^-23` per block, `amax` the
@@ -217,7 +217,7 @@ fn dequant_q3_k(b: &[u8; Q3_K_BYTES], y: &mut [f32]) {
 
 /// The 6-bit scale and min of sub-block `j` of a Q4_K/Q5_K block (`get_scale_min_k4`).
 #[inline(always)]
-fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
@@ -703,7 +703,8 @@ mod avx2 {
 
 /// x prepared once for the dot products of many rows: the floats, and where the CPU has AVX-512
 /// VNNI and x is finite with a length a multiple of 32, x in fixed point for the integer kernels
-/// of Q4_0, Q4_1 and Q8_0 (`int_dot`: 23 bits a value against its block's largest magnitude).
+/// of Q4_0, Q4_1, Q8_0 and Q4_K (`int_dot`: 23 bits a value against its block's largest
+/// magnitude).
 pub struct DotX {
     x: Vec<f32>,
     int: Option<IntX>,
