@@ -225,6 +225,26 @@ impl Rng {
 /// quant at its most negative (Q8_0's -128, Q4's 0), the largest sums the integer kernels meet.
 fn random_blocks(rng: &mut Rng, dtype: DType, blocks: usize, extreme: bool) -> Vec<u8> {
     let mut bytes = Vec::new();
+    if dtype == DType::Q6_K {
+        // A super-block a 8 blocks: random quant bits and signed scales (with `extreme`, every
+        // quant 63 and every scale 127), d small.
+        for _ in 0..blocks / 8 {
+            bytes.extend((0..208).map(|i| {
+                if extreme {
+                    if i < 192 {
+                        0xFF
+                    } else {
+                        127
+                    }
+                } else {
+                    rng.next() as u8
+                }
+            }));
+            let d = half::f16::from_f32(0.0005 + (rng.next() % 1000) as f32 / 100_000.0);
+            bytes.extend_from_slice(&d.to_le_bytes());
+        }
+        return bytes;
+    }
     if dtype == DType::Q4_K {
         // A super-block a 8 blocks: d and dmin small, random 6-bit scales and mins (with
         // `extreme`, all 63 and every nibble 15), random quants.
@@ -282,7 +302,7 @@ fn adversarial_x(rng: &mut Rng, blocks: usize) -> Vec<f32> {
     x
 }
 
-/// `dot_rows_x` and `dot_rows_many` (four vectors) over Q4_0 / Q4_1 / Q8_0 / Q4_K rows (the integer
+/// `dot_rows_x` and `dot_rows_many` (four vectors) over Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K rows (the integer
 /// kernels where the CPU has AVX-512 VNNI, but for one vector's Q8_0 rows; the float ones
 /// elsewhere), odd and even block counts and row counts, against the float64
 /// dot of the dequantized rows: within the fixed point's bound, `sum |w| * amax * 2^-23` per
@@ -291,8 +311,8 @@ fn adversarial_x(rng: &mut Rng, blocks: usize) -> Vec<f32> {
 fn integer_dot_products_are_within_the_fixed_point_bound_of_float64() {
     use kiln_engine::formats::quant::{dot_rows_many, dot_rows_x, DotX};
     let mut rng = Rng::from_clock();
-    for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::Q4_K] {
-        let shapes: &[(usize, usize, bool)] = if dtype == DType::Q4_K {
+    for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::Q4_K, DType::Q6_K] {
+        let shapes: &[(usize, usize, bool)] = if matches!(dtype, DType::Q4_K | DType::Q6_K) {
             &[(8, 1, false), (24, 5, false), (48, 64, false), (16, 3, true)]
         } else {
             &[(1, 1, false), (3, 5, false), (18, 64, false), (48, 7, true), (5, 2, true)]
@@ -364,14 +384,15 @@ fn many_vectors_at_once_give_the_bits_of_one_at_a_time() {
                 continue; // K formats hold whole super-blocks of 256
             }
             let row_bytes = dtype.bytes_for(cols as u64).unwrap() as usize;
-            let bytes: Vec<u8> = if matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q8_0 | DType::Q4_K) {
-                random_blocks(&mut rng, dtype, rows * cols / 32, false)
-            } else {
-                // Small f16 values (and K-block scales): the top byte of each pair bounded.
-                (0..rows * row_bytes)
-                    .map(|i| if i % 2 == 1 { (rng.next() % 0x2c) as u8 } else { rng.next() as u8 })
-                    .collect()
-            };
+            let bytes: Vec<u8> =
+                if matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q8_0 | DType::Q4_K | DType::Q6_K) {
+                    random_blocks(&mut rng, dtype, rows * cols / 32, false)
+                } else {
+                    // Small f16 values (and K-block scales): the top byte of each pair bounded.
+                    (0..rows * row_bytes)
+                        .map(|i| if i % 2 == 1 { (rng.next() % 0x2c) as u8 } else { rng.next() as u8 })
+                        .collect()
+                };
             let xs: Vec<DotX> = (0..tokens).map(|_| DotX::new(&adversarial_x(&mut rng, cols / 32))).collect();
             let mut many = vec![f32::NAN; tokens * rows];
             dot_rows_many(dtype, &bytes, &xs, &mut many).unwrap();

@@ -1,4 +1,4 @@
-//! The integer dot products of Q4_0, Q4_1, Q8_0 and Q4_K rows on CPUs with AVX-512 VNNI.
+//! The integer dot products of Q4_0, Q4_1, Q8_0, Q4_K and Q6_K rows on CPUs with AVX-512 VNNI.
 //!
 //! x is written once per vector as 23-bit fixed point per block of 32 values ([`IntX`]): a block
 //! whose largest magnitude is `amax` takes the smallest power of two `s` with `amax / s` at most
@@ -11,7 +11,8 @@
 //! `sum |w| * amax * 2^-23` per block beside fp32's rounding of the block sums.
 //!
 //! Q4_K is Q4_1 per sub-block of 32 (`(d sc) q - dmin m`, the scales unpacked once a super-block
-//! of 256). Q4_1's `m` term takes `m * sum(x)`, the block's sum of the exact x; Q4_0's `-8` and Q8_0's
+//! of 256); Q6_K's six-bit quants go in unsigned (`q`, not `q - 32`, whose `32 x` comes off each
+//! lane), with `d sc` a lane of its sub-block of 16. Q4_1's `m` term takes `m * sum(x)`, the block's sum of the exact x; Q4_0's `-8` and Q8_0's
 //! `+128` (its signed bytes made unsigned for `vpdpbusd`) come off each lane as integers, so
 //! nothing cancels in floating point.
 //!
@@ -89,11 +90,6 @@ impl IntX {
             finish_pair(pair);
         }
         Some(IntX { pairs, blocks })
-    }
-
-    /// Blocks of 32 values.
-    pub(crate) fn blocks(&self) -> usize {
-        self.blocks
     }
 }
 
@@ -190,32 +186,27 @@ pub(crate) fn available() -> bool {
     false
 }
 
-/// The formats with an integer kernel, and their bytes per 32 values (Q4_K: 144 bytes a
-/// super-block of 256).
-pub(crate) fn block_bytes(dtype: kiln_core::DType) -> Option<usize> {
+/// The formats with an integer kernel: Q4_0, Q4_1, Q8_0 (blocks of 32) and Q4_K, Q6_K
+/// (super-blocks of 256).
+pub(crate) fn served(dtype: kiln_core::DType) -> bool {
     use kiln_core::DType;
-    match dtype {
-        DType::Q4_0 => Some(18),
-        DType::Q4_1 => Some(20),
-        DType::Q8_0 => Some(34),
-        DType::Q4_K => Some(18),
-        _ => None,
-    }
+    matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q8_0 | DType::Q4_K | DType::Q6_K)
 }
 
-/// Whether a single vector's rows of `dtype` take the integer kernel (Q4_0, Q4_1): Q8_0's read
+/// Whether a single vector's rows of `dtype` take the integer kernel (all but Q8_0): Q8_0's read
 /// SmolLM2's 49152 x 576 output layer from memory at half the float kernel's speed, so one
 /// vector's Q8_0 rows keep the float kernel and only [`dot_rows4`] takes them.
 pub(crate) fn single_vector(dtype: kiln_core::DType) -> bool {
-    matches!(dtype, kiln_core::DType::Q4_0 | kiln_core::DType::Q4_1 | kiln_core::DType::Q4_K)
+    use kiln_core::DType;
+    matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q4_K | DType::Q6_K)
 }
 
 /// `out[r]` = the dot product of row `r` of `rows` (consecutive rows of `dtype`, each `x.blocks()`
 /// blocks) with x.
 ///
 /// # Safety
-/// [`available`] is true; `dtype` has a [`block_bytes`]; `rows.len() == out.len() * x.blocks() *
-/// block_bytes(dtype)`.
+/// [`available`] is true; `dtype` is [`served`]; `rows` holds exactly `out.len()` rows of
+/// `32 * x.blocks()` values of `dtype` (a whole number of its blocks).
 #[cfg(target_arch = "x86_64")]
 pub(crate) unsafe fn dot_rows(dtype: kiln_core::DType, rows: &[u8], x: &IntX, out: &mut [f32]) {
     use kiln_core::DType;
@@ -224,6 +215,7 @@ pub(crate) unsafe fn dot_rows(dtype: kiln_core::DType, rows: &[u8], x: &IntX, ou
         DType::Q4_0 => kernels::rows::<18, { kernels::Q4_0 }>(rows, x, out),
         DType::Q8_0 => kernels::rows::<34, { kernels::Q8_0 }>(rows, x, out),
         DType::Q4_K => kernels::rows_q4_k(rows, x, out),
+        DType::Q6_K => kernels::rows_q6_k(rows, x, out),
         _ => out.fill(f32::NAN),
     }
 }
@@ -242,6 +234,7 @@ pub(crate) unsafe fn dot_rows4(dtype: kiln_core::DType, rows: &[u8], xs: [&IntX;
         DType::Q4_0 => kernels::rows4::<18, { kernels::Q4_0 }>(rows, xs, out),
         DType::Q8_0 => kernels::rows4::<34, { kernels::Q8_0 }>(rows, xs, out),
         DType::Q4_K => kernels::rows4_q4_k(rows, xs, out),
+        DType::Q6_K => kernels::rows4_q6_k(rows, xs, out),
         _ => out.into_iter().for_each(|o| o.fill(f32::NAN)),
     }
 }
@@ -255,6 +248,7 @@ mod kernels {
     pub(super) const Q4_0: u8 = 0;
     pub(super) const Q4_1: u8 = 1;
     pub(super) const Q8_0: u8 = 2;
+    pub(super) const Q6_K: u8 = 3;
 
     /// A block of zero bytes: the partner of an odd row's last block (scale 0, quants 0; its x
     /// values are zero).
@@ -418,6 +412,11 @@ mod kernels {
                 planes_q4(w, x),
                 _mm512_load_si512(x.offset8.as_ptr().cast()),
             )),
+            // 6-bit quants q - 32: 32 x = 4 (8 x), at most 4 * 63 * Q_MAX < 2^31 before it.
+            Q6_K => _mm512_cvtepi32_ps(_mm512_sub_epi32(
+                planes_q4(w, x),
+                _mm512_slli_epi32::<2>(_mm512_load_si512(x.offset8.as_ptr().cast())),
+            )),
             _ => {
                 let p = x.planes.as_ptr().cast::<__m512i>();
                 let hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_load_si512(p));
@@ -517,6 +516,96 @@ mod kernels {
                     let lanes = per_lane(values, 2);
                     for t in 0..4 {
                         apply::<Q4_1>(w, values, lanes, &xs[t].pairs[4 * s + j], &mut acc[t], &mut side[t]);
+                    }
+                }
+            }
+            o0[r] = finish(acc[0], side[0]);
+            o1[r] = finish(acc[1], side[1]);
+            o2[r] = finish(acc[2], side[2]);
+            o3[r] = finish(acc[3], side[3]);
+        }
+    }
+
+    /// Bytes of a Q6_K super-block: ql[128] (low 4 bits), qh[64] (high 2 bits), 16 signed scales
+    /// (one a sub-block of 16), d (f16).
+    const Q6_K_BYTES: usize = 210;
+
+    /// Half `h` of a Q6_K super-block (values `128h..128h + 128`) as its two pairs of blocks: the
+    /// 64 six-bit quants of each in the pair's order, and each lane's `d sc` (its sub-block of
+    /// 16). Pair 0 holds values 0-63 of the half (ql bytes 0-63 low nibbles, qh bits 0-1 and
+    /// 2-3), pair 1 values 64-127 (high nibbles, qh bits 4-5 and 6-7).
+    #[inline(always)]
+    unsafe fn q6_k_half(sb: *const u8, h: usize, d: f32) -> (__m512i, __m512, __m512i, __m512) {
+        // ql 0-15 | 16-31 | 32-47 | 48-63 to (0, 2, 1, 3): the pair's order of values 0-15 of
+        // block a (ql 0-15), of b (ql 32-47), then a 16-31, b 16-31.
+        let ql = _mm512_loadu_si512(sb.add(64 * h).cast());
+        let ql = _mm512_shuffle_i64x2::<0b11_01_10_00>(ql, ql);
+        // qh 0-15 | 16-31 | (qh >> 2) 0-15 | 16-31 to (0, 2, 1, 3): a's bits 0-1, b's bits 2-3.
+        let qh = _mm256_loadu_si256(sb.add(128 + 32 * h).cast());
+        let qh = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(qh), _mm256_srli_epi16::<2>(qh));
+        let qh = _mm512_shuffle_i64x2::<0b11_01_10_00>(qh, qh);
+        let (low4, low2) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0x03));
+        let w0 =
+            _mm512_or_si512(_mm512_and_si512(ql, low4), _mm512_slli_epi16::<4>(_mm512_and_si512(qh, low2)));
+        let w1 = _mm512_or_si512(
+            _mm512_and_si512(_mm512_srli_epi16::<4>(ql), low4),
+            _mm512_slli_epi16::<4>(_mm512_and_si512(_mm512_srli_epi16::<4>(qh), low2)),
+        );
+        let sc = sb.add(192 + 8 * h).cast::<i8>();
+        let s = |k: usize| d * f32::from(sc.add(k).read());
+        let index = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+        // Lanes: a 0-15 (sub-block 0 of the pair), b 0-15 (2), a 16-31 (1), b 16-31 (3).
+        let d0 = _mm512_permutexvar_ps(index, _mm512_castps128_ps512(_mm_setr_ps(s(0), s(2), s(1), s(3))));
+        let d1 = _mm512_permutexvar_ps(index, _mm512_castps128_ps512(_mm_setr_ps(s(4), s(6), s(5), s(7))));
+        (w0, d0, w1, d1)
+    }
+
+    /// Every Q6_K row of `rows` (each `x.blocks / 8` super-blocks) against x into `out`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c,fma")]
+    pub(super) unsafe fn rows_q6_k(rows: &[u8], x: &IntX, out: &mut [f32]) {
+        let supers = x.blocks / 8;
+        let unused = _mm_setzero_ps();
+        for (r, o) in out.iter_mut().enumerate() {
+            let row = rows.as_ptr().add(r * supers * Q6_K_BYTES);
+            let (mut acc, mut side) = (_mm512_setzero_ps(), _mm_setzero_ps());
+            for s in 0..supers {
+                let sb = row.add(s * Q6_K_BYTES);
+                let d = crate::formats::quant::f16_to_f32(sb.add(208).cast::<u16>().read_unaligned().to_le());
+                for h in 0..2 {
+                    let (w0, d0, w1, d1) = q6_k_half(sb, h, d);
+                    apply::<Q6_K>(w0, unused, d0, &x.pairs[4 * s + 2 * h], &mut acc, &mut side);
+                    apply::<Q6_K>(w1, unused, d1, &x.pairs[4 * s + 2 * h + 1], &mut acc, &mut side);
+                }
+            }
+            *o = finish(acc, side);
+        }
+    }
+
+    /// [`rows_q6_k`] against four vectors, each half super-block unpacked once (the same bits).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c,fma")]
+    pub(super) unsafe fn rows4_q6_k(rows: &[u8], xs: [&IntX; 4], out: [&mut [f32]; 4]) {
+        let supers = xs[0].blocks / 8;
+        let unused = _mm_setzero_ps();
+        let [o0, o1, o2, o3] = out;
+        for r in 0..o0.len() {
+            let row = rows.as_ptr().add(r * supers * Q6_K_BYTES);
+            let mut acc = [_mm512_setzero_ps(); 4];
+            let mut side = [_mm_setzero_ps(); 4];
+            for s in 0..supers {
+                let sb = row.add(s * Q6_K_BYTES);
+                let d = crate::formats::quant::f16_to_f32(sb.add(208).cast::<u16>().read_unaligned().to_le());
+                for h in 0..2 {
+                    let (w0, d0, w1, d1) = q6_k_half(sb, h, d);
+                    for t in 0..4 {
+                        apply::<Q6_K>(w0, unused, d0, &xs[t].pairs[4 * s + 2 * h], &mut acc[t], &mut side[t]);
+                        apply::<Q6_K>(
+                            w1,
+                            unused,
+                            d1,
+                            &xs[t].pairs[4 * s + 2 * h + 1],
+                            &mut acc[t],
+                            &mut side[t],
+                        );
                     }
                 }
             }
