@@ -52,16 +52,8 @@ fn dequantization_equals_the_gguf_package_bit_for_bit() {
 
 /// A fresh pseudo-random vector (xorshift seeded by the clock), never all zeros.
 fn random_x(n: usize) -> Vec<f32> {
-    let mut s =
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-        })
-        .collect()
+    let mut rng = Rng::from_clock();
+    (0..n).map(|_| rng.unit()).collect()
 }
 
 #[test]

@@ -107,21 +107,15 @@ fn block_scale(amax: f32) -> (f32, f64) {
     (2f64.powi(e) as f32, 2f64.powi(-e))
 }
 
-/// The sum of a block's 32 values in a fixed tree: `v[i] = x[i] + x[i + 16]`, then halves
-/// added (`v[i] += v[i + 8]`, 4, 2, 1), as the SIMD preparation adds them.
+/// The sum of a block's 32 values in a fixed tree: `v[i] = x[i] + x[i + 16]`, then the 16 lanes
+/// in `quant::lane_sum`'s halving tree (`v[i] += v[i + 8]`, 4, 2, 1), as the SIMD preparation
+/// adds them.
 fn block_sum(xb: &[f32]) -> f32 {
     let mut v = [0f32; 16];
     for (i, o) in v.iter_mut().enumerate() {
         *o = xb[i] + xb[i + 16];
     }
-    let mut width = 8;
-    while width > 0 {
-        for i in 0..width {
-            v[i] += v[i + width];
-        }
-        width /= 2;
-    }
-    v[0]
+    super::quant::lane_sum(&v)
 }
 
 /// One block of x into `pair` (`second`: whether it is the pair's second block): the planes,
@@ -214,8 +208,8 @@ pub(crate) unsafe fn dot_rows(dtype: kiln_core::DType, rows: &[u8], x: &IntX, ou
         DType::Q4_1 => kernels::rows::<20, { kernels::Q4_1 }>(rows, x, out),
         DType::Q4_0 => kernels::rows::<18, { kernels::Q4_0 }>(rows, x, out),
         DType::Q8_0 => kernels::rows::<34, { kernels::Q8_0 }>(rows, x, out),
-        DType::Q4_K => kernels::rows_q4_k(rows, x, out),
-        DType::Q6_K => kernels::rows_q6_k(rows, x, out),
+        DType::Q4_K => kernels::rows_k::<{ kernels::Q4_K }, { kernels::Q4_K_BYTES }, 1>(rows, [x], [out]),
+        DType::Q6_K => kernels::rows_k::<{ kernels::Q6_K }, { kernels::Q6_K_BYTES }, 1>(rows, [x], [out]),
         _ => out.fill(f32::NAN),
     }
 }
@@ -233,8 +227,8 @@ pub(crate) unsafe fn dot_rows4(dtype: kiln_core::DType, rows: &[u8], xs: [&IntX;
         DType::Q4_1 => kernels::rows4::<20, { kernels::Q4_1 }>(rows, xs, out),
         DType::Q4_0 => kernels::rows4::<18, { kernels::Q4_0 }>(rows, xs, out),
         DType::Q8_0 => kernels::rows4::<34, { kernels::Q8_0 }>(rows, xs, out),
-        DType::Q4_K => kernels::rows4_q4_k(rows, xs, out),
-        DType::Q6_K => kernels::rows4_q6_k(rows, xs, out),
+        DType::Q4_K => kernels::rows_k::<{ kernels::Q4_K }, { kernels::Q4_K_BYTES }, 4>(rows, xs, out),
+        DType::Q6_K => kernels::rows_k::<{ kernels::Q6_K }, { kernels::Q6_K_BYTES }, 4>(rows, xs, out),
         _ => out.into_iter().for_each(|o| o.fill(f32::NAN)),
     }
 }
@@ -249,6 +243,7 @@ mod kernels {
     pub(super) const Q4_1: u8 = 1;
     pub(super) const Q8_0: u8 = 2;
     pub(super) const Q6_K: u8 = 3;
+    pub(super) const Q4_K: u8 = 4;
 
     /// A block of zero bytes: the partner of an odd row's last block (scale 0, quants 0; its x
     /// values are zero).
@@ -407,7 +402,8 @@ mod kernels {
     ) {
         let scale = _mm512_load_ps(x.scale.as_ptr());
         let sums = match KIND {
-            Q4_1 => _mm512_cvtepi32_ps(planes_q4(w, x)),
+            // Q4_K's sub-blocks are Q4_1 blocks (`d sc`, `-dmin m`).
+            Q4_1 | Q4_K => _mm512_cvtepi32_ps(planes_q4(w, x)),
             Q4_0 => _mm512_cvtepi32_ps(_mm512_sub_epi32(
                 planes_q4(w, x),
                 _mm512_load_si512(x.offset8.as_ptr().cast()),
@@ -428,7 +424,7 @@ mod kernels {
             }
         };
         *acc = _mm512_fmadd_ps(_mm512_mul_ps(sums, scale), d, *acc);
-        if KIND == Q4_1 {
+        if KIND == Q4_1 || KIND == Q4_K {
             *side = _mm_fmadd_ps(scales, _mm_loadu_ps(x.sums.as_ptr()), *side);
         }
     }
@@ -448,7 +444,7 @@ mod kernels {
 
     /// Bytes of a Q4_K super-block: d, dmin (f16), 12 bytes of 6-bit scales and mins, 128 of
     /// quants (32 bytes per two sub-blocks: low nibbles the first, high nibbles the second).
-    const Q4_K_BYTES: usize = 144;
+    pub(super) const Q4_K_BYTES: usize = 144;
 
     /// A Q4_K super-block's `(d, dmin)`.
     #[inline(always)]
@@ -480,55 +476,9 @@ mod kernels {
         (w, values)
     }
 
-    /// Every Q4_K row of `rows` (each `x.blocks / 8` super-blocks) against x into `out`.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c,fma")]
-    pub(super) unsafe fn rows_q4_k(rows: &[u8], x: &IntX, out: &mut [f32]) {
-        let supers = x.blocks / 8;
-        for (r, o) in out.iter_mut().enumerate() {
-            let row = rows.as_ptr().add(r * supers * Q4_K_BYTES);
-            let (mut acc, mut side) = (_mm512_setzero_ps(), _mm_setzero_ps());
-            for s in 0..supers {
-                let sb = row.add(s * Q4_K_BYTES);
-                let (d, dmin) = q4_k_scales(sb);
-                for j in 0..4 {
-                    let (w, values) = q4_k_pair(sb, j, d, dmin);
-                    apply::<Q4_1>(w, values, per_lane(values, 2), &x.pairs[4 * s + j], &mut acc, &mut side);
-                }
-            }
-            *o = finish(acc, side);
-        }
-    }
-
-    /// [`rows_q4_k`] against four vectors, each super-block unpacked once (the same bits).
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c,fma")]
-    pub(super) unsafe fn rows4_q4_k(rows: &[u8], xs: [&IntX; 4], out: [&mut [f32]; 4]) {
-        let supers = xs[0].blocks / 8;
-        let [o0, o1, o2, o3] = out;
-        for r in 0..o0.len() {
-            let row = rows.as_ptr().add(r * supers * Q4_K_BYTES);
-            let mut acc = [_mm512_setzero_ps(); 4];
-            let mut side = [_mm_setzero_ps(); 4];
-            for s in 0..supers {
-                let sb = row.add(s * Q4_K_BYTES);
-                let (d, dmin) = q4_k_scales(sb);
-                for j in 0..4 {
-                    let (w, values) = q4_k_pair(sb, j, d, dmin);
-                    let lanes = per_lane(values, 2);
-                    for t in 0..4 {
-                        apply::<Q4_1>(w, values, lanes, &xs[t].pairs[4 * s + j], &mut acc[t], &mut side[t]);
-                    }
-                }
-            }
-            o0[r] = finish(acc[0], side[0]);
-            o1[r] = finish(acc[1], side[1]);
-            o2[r] = finish(acc[2], side[2]);
-            o3[r] = finish(acc[3], side[3]);
-        }
-    }
-
     /// Bytes of a Q6_K super-block: ql[128] (low 4 bits), qh[64] (high 2 bits), 16 signed scales
     /// (one a sub-block of 16), d (f16).
-    const Q6_K_BYTES: usize = 210;
+    pub(super) const Q6_K_BYTES: usize = 210;
 
     /// Half `h` of a Q6_K super-block (values `128h..128h + 128`) as its two pairs of blocks: the
     /// 64 six-bit quants of each in the pair's order, and each lane's `d sc` (its sub-block of
@@ -560,59 +510,57 @@ mod kernels {
         (w0, d0, w1, d1)
     }
 
-    /// Every Q6_K row of `rows` (each `x.blocks / 8` super-blocks) against x into `out`.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c,fma")]
-    pub(super) unsafe fn rows_q6_k(rows: &[u8], x: &IntX, out: &mut [f32]) {
-        let supers = x.blocks / 8;
-        let unused = _mm_setzero_ps();
-        for (r, o) in out.iter_mut().enumerate() {
-            let row = rows.as_ptr().add(r * supers * Q6_K_BYTES);
-            let (mut acc, mut side) = (_mm512_setzero_ps(), _mm_setzero_ps());
-            for s in 0..supers {
-                let sb = row.add(s * Q6_K_BYTES);
-                let d = crate::formats::quant::f16_to_f32(sb.add(208).cast::<u16>().read_unaligned().to_le());
-                for h in 0..2 {
-                    let (w0, d0, w1, d1) = q6_k_half(sb, h, d);
-                    apply::<Q6_K>(w0, unused, d0, &x.pairs[4 * s + 2 * h], &mut acc, &mut side);
-                    apply::<Q6_K>(w1, unused, d1, &x.pairs[4 * s + 2 * h + 1], &mut acc, &mut side);
-                }
-            }
-            *o = finish(acc, side);
+    /// A super-block of format `KIND` (Q4_K, Q6_K) as its four pairs of sub-blocks, unpacked:
+    /// each pair's weight bytes, its scales as [`apply`] takes them (Q4_K's `[d sc_a, -dmin m_a,
+    /// d sc_b, -dmin m_b]`; unused for Q6_K) and each lane's `d`.
+    #[inline(always)]
+    unsafe fn super_pairs<const KIND: u8>(sb: *const u8) -> [(__m512i, __m128, __m512); 4] {
+        if KIND == Q4_K {
+            let (d, dmin) = q4_k_scales(sb);
+            let (w0, v0) = q4_k_pair(sb, 0, d, dmin);
+            let (w1, v1) = q4_k_pair(sb, 1, d, dmin);
+            let (w2, v2) = q4_k_pair(sb, 2, d, dmin);
+            let (w3, v3) = q4_k_pair(sb, 3, d, dmin);
+            [
+                (w0, v0, per_lane(v0, 2)),
+                (w1, v1, per_lane(v1, 2)),
+                (w2, v2, per_lane(v2, 2)),
+                (w3, v3, per_lane(v3, 2)),
+            ]
+        } else {
+            let d = crate::formats::quant::f16_to_f32(sb.add(208).cast::<u16>().read_unaligned().to_le());
+            let (w0, d0, w1, d1) = q6_k_half(sb, 0, d);
+            let (w2, d2, w3, d3) = q6_k_half(sb, 1, d);
+            let unused = _mm_setzero_ps();
+            [(w0, unused, d0), (w1, unused, d1), (w2, unused, d2), (w3, unused, d3)]
         }
     }
 
-    /// [`rows_q6_k`] against four vectors, each half super-block unpacked once (the same bits).
+    /// Every row of `rows` of a super-block format `KIND` (Q4_K, Q6_K; `BYTES` a super-block,
+    /// each row `x.blocks / 8` of them) against `T` vectors of x: `out[t][r]`. Each super-block
+    /// is unpacked once for the `T` vectors, and each vector's sums are those it gets alone.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c,fma")]
-    pub(super) unsafe fn rows4_q6_k(rows: &[u8], xs: [&IntX; 4], out: [&mut [f32]; 4]) {
+    pub(super) unsafe fn rows_k<const KIND: u8, const BYTES: usize, const T: usize>(
+        rows: &[u8],
+        xs: [&IntX; T],
+        out: [&mut [f32]; T],
+    ) {
         let supers = xs[0].blocks / 8;
-        let unused = _mm_setzero_ps();
-        let [o0, o1, o2, o3] = out;
-        for r in 0..o0.len() {
-            let row = rows.as_ptr().add(r * supers * Q6_K_BYTES);
-            let mut acc = [_mm512_setzero_ps(); 4];
-            let mut side = [_mm_setzero_ps(); 4];
+        for r in 0..out[0].len() {
+            let row = rows.as_ptr().add(r * supers * BYTES);
+            let mut acc = [_mm512_setzero_ps(); T];
+            let mut side = [_mm_setzero_ps(); T];
             for s in 0..supers {
-                let sb = row.add(s * Q6_K_BYTES);
-                let d = crate::formats::quant::f16_to_f32(sb.add(208).cast::<u16>().read_unaligned().to_le());
-                for h in 0..2 {
-                    let (w0, d0, w1, d1) = q6_k_half(sb, h, d);
-                    for t in 0..4 {
-                        apply::<Q6_K>(w0, unused, d0, &xs[t].pairs[4 * s + 2 * h], &mut acc[t], &mut side[t]);
-                        apply::<Q6_K>(
-                            w1,
-                            unused,
-                            d1,
-                            &xs[t].pairs[4 * s + 2 * h + 1],
-                            &mut acc[t],
-                            &mut side[t],
-                        );
+                let pairs = super_pairs::<KIND>(row.add(s * BYTES));
+                for (j, &(w, scales, d)) in pairs.iter().enumerate() {
+                    for t in 0..T {
+                        apply::<KIND>(w, scales, d, &xs[t].pairs[4 * s + j], &mut acc[t], &mut side[t]);
                     }
                 }
             }
-            o0[r] = finish(acc[0], side[0]);
-            o1[r] = finish(acc[1], side[1]);
-            o2[r] = finish(acc[2], side[2]);
-            o3[r] = finish(acc[3], side[3]);
+            for t in 0..T {
+                out[t][r] = finish(acc[t], side[t]);
+            }
         }
     }
 
@@ -637,8 +585,7 @@ mod kernels {
         let row_bytes = blocks * N;
         let full = blocks / 2;
         let base = rows.as_ptr();
-        let [o0, o1, o2, o3] = out;
-        for r in 0..o0.len() {
+        for r in 0..out[0].len() {
             let ra = base.add(r * row_bytes);
             let mut acc = [_mm512_setzero_ps(); 4];
             let mut side = [_mm_setzero_ps(); 4];
@@ -651,10 +598,9 @@ mod kernels {
                     apply::<KIND>(w, scales, d, &xs[t].pairs[i], &mut acc[t], &mut side[t]);
                 }
             }
-            o0[r] = finish(acc[0], side[0]);
-            o1[r] = finish(acc[1], side[1]);
-            o2[r] = finish(acc[2], side[2]);
-            o3[r] = finish(acc[3], side[3]);
+            for t in 0..4 {
+                out[t][r] = finish(acc[t], side[t]);
+            }
         }
     }
 
@@ -720,22 +666,13 @@ mod tests {
     /// within half a step of `x / s`.
     #[test]
     fn the_vector_preparation_equals_the_scalar_one() {
-        let mut state = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64 | 1)
-            .unwrap_or(1);
-        let mut next = move || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
+        let mut rng = crate::models::test_models::Values::from_clock();
         let mut vector_blocks = 0;
         for case in 0..2000 {
-            let exponent = (next() % 200) as i32 - 100;
+            let exponent = (rng.next_u64() % 200) as i32 - 100;
             let xb: Vec<f32> = (0..32)
                 .map(|j| {
-                    let v = ((next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0) * 2f32.powi(exponent);
+                    let v = rng.next() * 2f32.powi(exponent);
                     if case % 7 == 0 && j % 3 == 0 {
                         0.0
                     } else {

@@ -348,7 +348,7 @@ pub fn dequantize_row(dtype: DType, bytes: &[u8], out: &mut [f32]) -> Result<()>
 const LANES: usize = 16;
 
 #[inline(always)]
-fn lane_sum(acc: &[f32; LANES]) -> f32 {
+pub(crate) fn lane_sum(acc: &[f32; LANES]) -> f32 {
     // A fixed pairwise tree, so the result does not depend on the SIMD width chosen.
     let mut v = *acc;
     let mut width = LANES / 2;

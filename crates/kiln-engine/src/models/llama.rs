@@ -682,32 +682,23 @@ fn tile_scores(qh: &[f32], tile: &[f32], scale: f32) -> [f32; KEY_TILE] {
     sums.map(|s| s * scale)
 }
 
+/// One KV head of a layer's cache as attention reads it: the tiled keys, the values, and where
+/// the head sits in a position's row.
+#[derive(Clone, Copy)]
+struct HeadCache<'a> {
+    keys: &'a [f32],
+    values: &'a [f32],
+    kv_width: usize,
+    kv_head: usize,
+}
+
 /// One (token, head) of attention over `visible` positions: the scores tile by tile, the softmax
 /// and the weighted sum of the values into `o`. Compiled for AVX-512 too and chosen at run time
 /// (the same operations in the same order, so the same bits).
-#[allow(clippy::too_many_arguments)]
-fn head_attention(
-    qh: &[f32],
-    keys: &[f32],
-    values: &[f32],
-    kv_width: usize,
-    kv_head: usize,
-    scale: f32,
-    visible: usize,
-    o: &mut [f32],
-) {
+fn head_attention(qh: &[f32], cache: HeadCache<'_>, scale: f32, visible: usize, o: &mut [f32]) {
     #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    fn run(
-        qh: &[f32],
-        keys: &[f32],
-        values: &[f32],
-        kv_width: usize,
-        kv_head: usize,
-        scale: f32,
-        visible: usize,
-        o: &mut [f32],
-    ) {
+    fn run(qh: &[f32], cache: HeadCache<'_>, scale: f32, visible: usize, o: &mut [f32]) {
+        let HeadCache { keys, values, kv_width, kv_head } = cache;
         let hd = qh.len();
         let mut scores = vec![0f32; visible];
         let tile_at = |tile: usize| tile * KEY_TILE * kv_width + kv_head * hd * KEY_TILE;
@@ -759,25 +750,15 @@ fn head_attention(
     }
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f")]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn run_avx512(
-        qh: &[f32],
-        keys: &[f32],
-        values: &[f32],
-        kv_width: usize,
-        kv_head: usize,
-        scale: f32,
-        visible: usize,
-        o: &mut [f32],
-    ) {
-        run(qh, keys, values, kv_width, kv_head, scale, visible, o)
+    unsafe fn run_avx512(qh: &[f32], cache: HeadCache<'_>, scale: f32, visible: usize, o: &mut [f32]) {
+        run(qh, cache, scale, visible, o)
     }
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx512f") {
         // SAFETY: the CPU has AVX-512F.
-        return unsafe { run_avx512(qh, keys, values, kv_width, kv_head, scale, visible, o) };
+        return unsafe { run_avx512(qh, cache, scale, visible, o) };
     }
-    run(qh, keys, values, kv_width, kv_head, scale, visible, o)
+    run(qh, cache, scale, visible, o)
 }
 
 /// [`tile_scores`] of four tiles at once: the same sums, four independent chains in flight.
@@ -814,7 +795,8 @@ fn attention(c: AttentionShape, q: &[f32], keys: &[f32], values: &[f32], start: 
     let one = |(task, o): (usize, &mut [f32])| {
         let (t, head) = (task / c.heads, task % c.heads);
         let qh = &q[t * c.heads * hd + head * hd..][..hd];
-        head_attention(qh, keys, values, kv_width, head / group, scale, start + t + 1, o);
+        let cache = HeadCache { keys, values, kv_width, kv_head: head / group };
+        head_attention(qh, cache, scale, start + t + 1, o);
     };
     // Waking the pool costs more than a short step's attention; during a decode step the pool's
     // other threads are the step's team, which take the heads between products.
@@ -891,16 +873,8 @@ mod tests {
     /// -0.0, times the scale; the softmax; each output a sum over positions in order from +0.0.
     #[test]
     fn tiled_attention_equals_the_plain_sums_bit_for_bit() {
-        let mut state = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64 | 1)
-            .unwrap_or(1);
-        let mut next = move || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        };
+        let mut values = crate::models::test_models::Values::from_clock();
+        let mut next = || values.next();
         for shape in [
             AttentionShape { heads: 9, kv_heads: 3, head_dim: 64 },
             AttentionShape { heads: 4, kv_heads: 4, head_dim: 80 },

@@ -38,14 +38,31 @@ impl TinySpec {
 }
 
 /// A generator of small pseudo-random values (xorshift), the same for the same seed.
-struct Values(u64);
+pub(crate) struct Values(u64);
 
 impl Values {
-    fn next(&mut self) -> f32 {
+    /// Seeded from the clock (each run new values; the seed is printed): the unit tests' inputs.
+    #[cfg(test)]
+    pub(crate) fn from_clock() -> Values {
+        let seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64 | 1)
+            .unwrap_or(1);
+        println!("seed {seed:#x}");
+        Values(seed)
+    }
+
+    /// The next 64 raw bits.
+    pub(crate) fn next_u64(&mut self) -> u64 {
         self.0 ^= self.0 << 13;
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;
-        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        self.0
+    }
+
+    /// The next value, uniform in [-1, 1).
+    pub(crate) fn next(&mut self) -> f32 {
+        ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
 }
 
