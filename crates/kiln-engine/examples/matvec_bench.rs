@@ -27,9 +27,19 @@ fn main() -> kiln_core::Result<()> {
     };
     let x: Vec<f32> = (0..cols).map(|_| (next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5).collect();
     println!("{rows} x {cols}, {} threads", rayon::current_num_threads());
-    for dtype in
-        [DType::Q4_1, DType::Q8_0, DType::Q4_0, DType::Q6_K, DType::Q4_K, DType::F32, DType::F16, DType::BF16]
-    {
+    for dtype in [
+        DType::Q4_1,
+        DType::Q8_0,
+        DType::Q4_0,
+        DType::Q5_0,
+        DType::Q5_1,
+        DType::Q6_K,
+        DType::Q4_K,
+        DType::Q5_K,
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+    ] {
         let row_bytes = dtype.bytes_for(cols as u64)? as usize;
         let mut matrix: Vec<u8> = (0..rows * row_bytes).map(|_| next() as u8).collect();
         // Finite scales: set every f16 field that could be a scale to a small value by writing

@@ -213,8 +213,9 @@ impl Rng {
     }
 }
 
-/// Random blocks of `dtype` (Q4_0, Q4_1, Q8_0): finite f16 scales, and with `extreme` every
-/// quant at its most negative (Q8_0's -128, Q4's 0), the largest sums the integer kernels meet.
+/// Random blocks of `dtype` (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K): finite f16 scales,
+/// and with `extreme` every quant at an end of its range (Q8_0's -128, Q4's 0, Q5's and the K
+/// formats' largest), the largest sums the integer kernels meet.
 fn random_blocks(rng: &mut Rng, dtype: DType, blocks: usize, extreme: bool) -> Vec<u8> {
     let mut bytes = Vec::new();
     if dtype == DType::Q6_K {
@@ -237,15 +238,16 @@ fn random_blocks(rng: &mut Rng, dtype: DType, blocks: usize, extreme: bool) -> V
         }
         return bytes;
     }
-    if dtype == DType::Q4_K {
+    if matches!(dtype, DType::Q4_K | DType::Q5_K) {
         // A super-block a 8 blocks: d and dmin small, random 6-bit scales and mins (with
-        // `extreme`, all 63 and every nibble 15), random quants.
+        // `extreme`, all 63 and every quant at its largest), random quants (Q5_K: and fifth bits).
+        let rest = if dtype == DType::Q4_K { 12 + 128 } else { 12 + 32 + 128 };
         for _ in 0..blocks / 8 {
             for _ in 0..2 {
                 let v = half::f16::from_f32(0.0005 + (rng.next() % 1000) as f32 / 100_000.0);
                 bytes.extend_from_slice(&v.to_le_bytes());
             }
-            bytes.extend((0..12 + 128).map(|_| if extreme { 0xFF } else { rng.next() as u8 }));
+            bytes.extend((0..rest).map(|_| if extreme { 0xFF } else { rng.next() as u8 }));
         }
         return bytes;
     }
@@ -253,15 +255,26 @@ fn random_blocks(rng: &mut Rng, dtype: DType, blocks: usize, extreme: bool) -> V
         let d = half::f16::from_f32(0.001 + (rng.next() % 1000) as f32 / 10_000.0);
         bytes.extend_from_slice(&d.to_le_bytes());
         let quants = match dtype {
-            DType::Q4_1 => {
+            DType::Q4_1 | DType::Q5_1 => {
                 let m = half::f16::from_f32(-((rng.next() % 1000) as f32) / 10_000.0);
                 bytes.extend_from_slice(&m.to_le_bytes());
-                16
+                if dtype == DType::Q4_1 {
+                    16
+                } else {
+                    4 + 16
+                }
             }
             DType::Q4_0 => 16,
+            // qh (the fifth bits), then the nibbles.
+            DType::Q5_0 => 4 + 16,
             _ => 32,
         };
-        let fill = if dtype == DType::Q8_0 { 0x80 } else { 0x00 };
+        // Q5's largest quants (31), Q8_0's most negative (-128), Q4's smallest (0).
+        let fill = match dtype {
+            DType::Q8_0 => 0x80,
+            DType::Q5_0 | DType::Q5_1 => 0xFF,
+            _ => 0x00,
+        };
         bytes.extend((0..quants).map(|_| if extreme { fill } else { rng.next() as u8 }));
     }
     bytes
@@ -294,7 +307,7 @@ fn adversarial_x(rng: &mut Rng, blocks: usize) -> Vec<f32> {
     x
 }
 
-/// `dot_rows_x` and `dot_rows_many` (four vectors) over Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K rows (the integer
+/// `dot_rows_x` and `dot_rows_many` (four vectors) over the Q4, Q5, Q8_0 and K rows (the integer
 /// kernels where the CPU has AVX-512 VNNI, but for one vector's Q8_0 rows; the float ones
 /// elsewhere), odd and even block counts and row counts, against the float64
 /// dot of the dequantized rows: within the fixed point's bound, `sum |w| * amax * 2^-23` per
@@ -303,8 +316,17 @@ fn adversarial_x(rng: &mut Rng, blocks: usize) -> Vec<f32> {
 fn integer_dot_products_are_within_the_fixed_point_bound_of_float64() {
     use kiln_engine::formats::quant::{dot_rows_many, dot_rows_x, DotX};
     let mut rng = Rng::from_clock();
-    for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::Q4_K, DType::Q6_K] {
-        let shapes: &[(usize, usize, bool)] = if matches!(dtype, DType::Q4_K | DType::Q6_K) {
+    for dtype in [
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q5_0,
+        DType::Q5_1,
+        DType::Q8_0,
+        DType::Q4_K,
+        DType::Q5_K,
+        DType::Q6_K,
+    ] {
+        let shapes: &[(usize, usize, bool)] = if matches!(dtype, DType::Q4_K | DType::Q5_K | DType::Q6_K) {
             &[(8, 1, false), (24, 5, false), (48, 64, false), (16, 3, true)]
         } else {
             &[(1, 1, false), (3, 5, false), (18, 64, false), (48, 7, true), (5, 2, true)]
@@ -352,7 +374,7 @@ fn integer_dot_products_are_within_the_fixed_point_bound_of_float64() {
 #[test]
 fn integer_dot_products_keep_infinities_and_nan() {
     let mut rng = Rng::from_clock();
-    for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
+    for dtype in [DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q8_0] {
         let bytes = random_blocks(&mut rng, dtype, 4, false);
         let mut x: Vec<f32> = (0..128).map(|_| rng.unit()).collect();
         x[77] = f32::NAN;
@@ -370,21 +392,29 @@ fn integer_dot_products_keep_infinities_and_nan() {
 fn many_vectors_at_once_give_the_bits_of_one_at_a_time() {
     use kiln_engine::formats::quant::{dot_rows_many, dot_rows_x, DotX};
     let mut rng = Rng::from_clock();
-    for dtype in [DType::Q4_0, DType::Q4_1, DType::Q4_K, DType::Q6_K, DType::F16] {
+    for dtype in [
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q5_0,
+        DType::Q5_1,
+        DType::Q4_K,
+        DType::Q5_K,
+        DType::Q6_K,
+        DType::F16,
+    ] {
         for (cols, rows, tokens) in [(96, 5, 7), (576, 9, 4), (256, 3, 9), (1536, 2, 1)] {
-            if matches!(dtype, DType::Q4_K | DType::Q6_K) && cols % 256 != 0 {
+            if matches!(dtype, DType::Q4_K | DType::Q5_K | DType::Q6_K) && cols % 256 != 0 {
                 continue; // K formats hold whole super-blocks of 256
             }
             let row_bytes = dtype.bytes_for(cols as u64).unwrap() as usize;
-            let bytes: Vec<u8> =
-                if matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q8_0 | DType::Q4_K | DType::Q6_K) {
-                    random_blocks(&mut rng, dtype, rows * cols / 32, false)
-                } else {
-                    // Small f16 values (and K-block scales): the top byte of each pair bounded.
-                    (0..rows * row_bytes)
-                        .map(|i| if i % 2 == 1 { (rng.next() % 0x2c) as u8 } else { rng.next() as u8 })
-                        .collect()
-                };
+            let bytes: Vec<u8> = if dtype != DType::F16 {
+                random_blocks(&mut rng, dtype, rows * cols / 32, false)
+            } else {
+                // Small f16 values (and K-block scales): the top byte of each pair bounded.
+                (0..rows * row_bytes)
+                    .map(|i| if i % 2 == 1 { (rng.next() % 0x2c) as u8 } else { rng.next() as u8 })
+                    .collect()
+            };
             let xs: Vec<DotX> = (0..tokens).map(|_| DotX::new(&adversarial_x(&mut rng, cols / 32))).collect();
             let mut many = vec![f32::NAN; tokens * rows];
             dot_rows_many(dtype, &bytes, &xs, &mut many).unwrap();

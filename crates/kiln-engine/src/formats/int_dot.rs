@@ -1,4 +1,5 @@
-//! The integer dot products of Q4_0, Q4_1, Q8_0, Q4_K and Q6_K rows on CPUs with AVX-512 VNNI.
+//! The integer dot products of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K rows on CPUs
+//! with AVX-512 VNNI.
 //!
 //! x is written once per vector as 23-bit fixed point per block of 32 values ([`IntX`]): a block
 //! whose largest magnitude is `amax` takes the smallest power of two `s` with `amax / s` at most
@@ -10,8 +11,9 @@
 //! operation where they do 2 to 3 operations for 16 values, and the error stays at fp32's level:
 //! `sum |w| * amax * 2^-23` per block beside fp32's rounding of the block sums.
 //!
-//! Q4_K is Q4_1 per sub-block of 32 (`(d sc) q - dmin m`, the scales unpacked once a super-block
-//! of 256); Q6_K's six-bit quants go in unsigned (`q`, not `q - 32`, whose `32 x` comes off each
+//! Q5_0 and Q5_1 are Q4_0 and Q4_1 with a fifth bit a quant (16 added to the nibble's byte, and
+//! Q5_0's `-16` off each lane). Q4_K is Q4_1 per sub-block of 32 (`(d sc) q - dmin m`, the scales
+//! unpacked once a super-block of 256), and Q5_K Q5_1 per sub-block; Q6_K's six-bit quants go in unsigned (`q`, not `q - 32`, whose `32 x` comes off each
 //! lane), with `d sc` a lane of its sub-block of 16. Q4_1's `m` term takes `m * sum(x)`, the block's sum of the exact x; Q4_0's `-8` and Q8_0's
 //! `+128` (its signed bytes made unsigned for `vpdpbusd`) come off each lane as integers, so
 //! nothing cancels in floating point.
@@ -180,11 +182,21 @@ pub(crate) fn available() -> bool {
     false
 }
 
-/// The formats with an integer kernel: Q4_0, Q4_1, Q8_0 (blocks of 32) and Q4_K, Q6_K
-/// (super-blocks of 256).
+/// The formats with an integer kernel: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks of 32) and Q4_K,
+/// Q5_K, Q6_K (super-blocks of 256).
 pub(crate) fn served(dtype: kiln_core::DType) -> bool {
     use kiln_core::DType;
-    matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q8_0 | DType::Q4_K | DType::Q6_K)
+    matches!(
+        dtype,
+        DType::Q4_0
+            | DType::Q4_1
+            | DType::Q5_0
+            | DType::Q5_1
+            | DType::Q8_0
+            | DType::Q4_K
+            | DType::Q5_K
+            | DType::Q6_K
+    )
 }
 
 /// Whether a single vector's rows of `dtype` take the integer kernel (all but Q8_0): Q8_0's read
@@ -192,7 +204,7 @@ pub(crate) fn served(dtype: kiln_core::DType) -> bool {
 /// vector's Q8_0 rows keep the float kernel and only [`dot_rows4`] takes them.
 pub(crate) fn single_vector(dtype: kiln_core::DType) -> bool {
     use kiln_core::DType;
-    matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q4_K | DType::Q6_K)
+    served(dtype) && dtype != DType::Q8_0
 }
 
 /// `out[r]` = the dot product of row `r` of `rows` (consecutive rows of `dtype`, each `x.blocks()`
@@ -208,7 +220,10 @@ pub(crate) unsafe fn dot_rows(dtype: kiln_core::DType, rows: &[u8], x: &IntX, ou
         DType::Q4_1 => kernels::rows::<20, { kernels::Q4_1 }>(rows, x, out),
         DType::Q4_0 => kernels::rows::<18, { kernels::Q4_0 }>(rows, x, out),
         DType::Q8_0 => kernels::rows::<34, { kernels::Q8_0 }>(rows, x, out),
+        DType::Q5_1 => kernels::rows::<24, { kernels::Q5_1 }>(rows, x, out),
+        DType::Q5_0 => kernels::rows::<22, { kernels::Q5_0 }>(rows, x, out),
         DType::Q4_K => kernels::rows_k::<{ kernels::Q4_K }, { kernels::Q4_K_BYTES }, 1>(rows, [x], [out]),
+        DType::Q5_K => kernels::rows_k::<{ kernels::Q5_K }, { kernels::Q5_K_BYTES }, 1>(rows, [x], [out]),
         DType::Q6_K => kernels::rows_k::<{ kernels::Q6_K }, { kernels::Q6_K_BYTES }, 1>(rows, [x], [out]),
         _ => out.fill(f32::NAN),
     }
@@ -227,7 +242,10 @@ pub(crate) unsafe fn dot_rows4(dtype: kiln_core::DType, rows: &[u8], xs: [&IntX;
         DType::Q4_1 => kernels::rows4::<20, { kernels::Q4_1 }>(rows, xs, out),
         DType::Q4_0 => kernels::rows4::<18, { kernels::Q4_0 }>(rows, xs, out),
         DType::Q8_0 => kernels::rows4::<34, { kernels::Q8_0 }>(rows, xs, out),
+        DType::Q5_1 => kernels::rows4::<24, { kernels::Q5_1 }>(rows, xs, out),
+        DType::Q5_0 => kernels::rows4::<22, { kernels::Q5_0 }>(rows, xs, out),
         DType::Q4_K => kernels::rows_k::<{ kernels::Q4_K }, { kernels::Q4_K_BYTES }, 4>(rows, xs, out),
+        DType::Q5_K => kernels::rows_k::<{ kernels::Q5_K }, { kernels::Q5_K_BYTES }, 4>(rows, xs, out),
         DType::Q6_K => kernels::rows_k::<{ kernels::Q6_K }, { kernels::Q6_K_BYTES }, 4>(rows, xs, out),
         _ => out.into_iter().for_each(|o| o.fill(f32::NAN)),
     }
@@ -244,6 +262,9 @@ mod kernels {
     pub(super) const Q8_0: u8 = 2;
     pub(super) const Q6_K: u8 = 3;
     pub(super) const Q4_K: u8 = 4;
+    pub(super) const Q5_0: u8 = 5;
+    pub(super) const Q5_1: u8 = 6;
+    pub(super) const Q5_K: u8 = 7;
 
     /// A block of zero bytes: the partner of an odd row's last block (scale 0, quants 0; its x
     /// values are zero).
@@ -334,6 +355,16 @@ mod kernels {
         _mm512_and_si512(both, _mm512_set1_epi8(0x0F))
     }
 
+    /// The fifth bits of two Q5 blocks' quants (each block's 32-bit `qh` at `a` and `b`, bit `i`
+    /// that of value `i`) as 16 on the pair's bytes: a's values 0-15, b's 0-15, a's 16-31, b's 16-31.
+    #[inline(always)]
+    unsafe fn fifth_bits(a: *const u8, b: *const u8) -> __m512i {
+        let qa = u64::from(a.cast::<u32>().read_unaligned().to_le());
+        let qb = u64::from(b.cast::<u32>().read_unaligned().to_le());
+        let mask = (qa & 0xFFFF) | (qb & 0xFFFF) << 16 | (qa >> 16) << 32 | (qb >> 16) << 48;
+        _mm512_maskz_mov_epi8(mask, _mm512_set1_epi8(0x10))
+    }
+
     /// The f16 values at `a` and `b` (their 16-bit words, and with `pairs` the word after each
     /// too), as f32 lanes `[a, b]` or `[a, a', b, b']`.
     #[inline(always)]
@@ -362,13 +393,23 @@ mod kernels {
     /// m_b]` for Q4_1, `[d_a, d_b]` for the others).
     ///
     /// Q4_1: `d q + m` per value, `d` at byte 0, `m` at 2, quants at 4. Q4_0: `d (q - 8)`, `d`
-    /// at 0, quants at 2. Q8_0: `d q` for signed bytes q, `d` at 0, quants at 2: the bytes go in
-    /// as `q + 128` (unsigned) and each lane's `128 x` sums come off again.
+    /// at 0, quants at 2. Q5_1: Q4_1's with the fifth bits (`qh`) at 4 and the nibbles at 8.
+    /// Q5_0: `d (q - 16)`, `d` at 0, `qh` at 2, nibbles at 6. Q8_0: `d q` for signed bytes q,
+    /// `d` at 0, quants at 2: the bytes go in as `q + 128` (unsigned) and each lane's `128 x`
+    /// sums come off again.
     #[inline(always)]
     unsafe fn weights<const KIND: u8>(a: *const u8, b: *const u8) -> (__m512i, __m128) {
         match KIND {
             Q4_1 => (nibbles(a.add(4), b.add(4)), halves::<true>(a, b)),
             Q4_0 => (nibbles(a.add(2), b.add(2)), halves::<false>(a, b)),
+            Q5_1 => (
+                _mm512_or_si512(nibbles(a.add(8), b.add(8)), fifth_bits(a.add(4), b.add(4))),
+                halves::<true>(a, b),
+            ),
+            Q5_0 => (
+                _mm512_or_si512(nibbles(a.add(6), b.add(6)), fifth_bits(a.add(2), b.add(2))),
+                halves::<false>(a, b),
+            ),
             _ => {
                 let ab = _mm512_inserti64x4::<1>(
                     _mm512_castsi256_si512(_mm256_loadu_si256(a.add(2).cast())),
@@ -385,11 +426,17 @@ mod kernels {
     /// The per-lane `d` of an unpacked pair's scales.
     #[inline(always)]
     unsafe fn lane_scales<const KIND: u8>(scales: __m128) -> __m512 {
-        per_lane(scales, if KIND == Q4_1 { 2 } else { 1 })
+        per_lane(scales, if KIND == Q4_1 || KIND == Q5_1 { 2 } else { 1 })
+    }
+
+    /// Whether format `KIND`'s values are `d q + m` (Q4_1, Q5_1; Q4_K, Q5_K per sub-block): its
+    /// `m` term is `m * sum(x)`, added into the side sums.
+    const fn has_min(kind: u8) -> bool {
+        matches!(kind, Q4_1 | Q4_K | Q5_1 | Q5_K)
     }
 
     /// An unpacked pair against x's pair: adds the products, scaled to floats, into `acc`, and
-    /// Q4_1's `m` term into `side`. Q8_0 keeps `p1`'s products apart from the others' so that no
+    /// the `m` term of the formats with one into `side`. Q8_0 keeps `p1`'s products apart from the others' so that no
     /// lane passes 32 bits.
     #[inline(always)]
     unsafe fn apply<const KIND: u8>(
@@ -402,11 +449,17 @@ mod kernels {
     ) {
         let scale = _mm512_load_ps(x.scale.as_ptr());
         let sums = match KIND {
-            // Q4_K's sub-blocks are Q4_1 blocks (`d sc`, `-dmin m`).
-            Q4_1 | Q4_K => _mm512_cvtepi32_ps(planes_q4(w, x)),
+            // Q4_K's (Q5_K's) sub-blocks are Q4_1 (Q5_1) blocks (`d sc`, `-dmin m`); five-bit
+            // quants: at most 4 * 31 * Q_MAX < 2^30 a lane.
+            Q4_1 | Q4_K | Q5_1 | Q5_K => _mm512_cvtepi32_ps(planes_q4(w, x)),
             Q4_0 => _mm512_cvtepi32_ps(_mm512_sub_epi32(
                 planes_q4(w, x),
                 _mm512_load_si512(x.offset8.as_ptr().cast()),
+            )),
+            // q - 16: 16 x = 2 (8 x).
+            Q5_0 => _mm512_cvtepi32_ps(_mm512_sub_epi32(
+                planes_q4(w, x),
+                _mm512_slli_epi32::<1>(_mm512_load_si512(x.offset8.as_ptr().cast())),
             )),
             // 6-bit quants q - 32: 32 x = 4 (8 x), at most 4 * 63 * Q_MAX < 2^31 before it.
             Q6_K => _mm512_cvtepi32_ps(_mm512_sub_epi32(
@@ -424,7 +477,7 @@ mod kernels {
             }
         };
         *acc = _mm512_fmadd_ps(_mm512_mul_ps(sums, scale), d, *acc);
-        if KIND == Q4_1 || KIND == Q4_K {
+        if has_min(KIND) {
             *side = _mm_fmadd_ps(scales, _mm_loadu_ps(x.sums.as_ptr()), *side);
         }
     }
@@ -457,8 +510,9 @@ mod kernels {
     /// Pair `j` of a Q4_K super-block's sub-blocks (`2j`, `2j + 1`), unpacked: the 64 nibbles in
     /// the pair's order, and `[d sc_a, -dmin m_a, d sc_b, -dmin m_b]` (a value is
     /// `(d sc) q - dmin m`: Q4_1's `d q + m`, with the reference's roundings of the two products).
+    /// The nibbles start at byte `quants` of the super-block (Q4_K's 16, Q5_K's 48).
     #[inline(always)]
-    unsafe fn q4_k_pair(sb: *const u8, j: usize, d: f32, dmin: f32) -> (__m512i, __m128) {
+    unsafe fn q4_k_pair(sb: *const u8, quants: usize, j: usize, d: f32, dmin: f32) -> (__m512i, __m128) {
         let scales = std::slice::from_raw_parts(sb.add(4), 12);
         let (sc1, m1) = crate::formats::quant::scale_min_k4(2 * j, scales);
         let (sc2, m2) = crate::formats::quant::scale_min_k4(2 * j + 1, scales);
@@ -468,12 +522,33 @@ mod kernels {
             d * f32::from(sc2),
             -(dmin * f32::from(m2)),
         );
-        let y = _mm256_loadu_si256(sb.add(16 + 32 * j).cast());
+        let y = _mm256_loadu_si256(sb.add(quants + 32 * j).cast());
         // (bytes 0-15, 16-31, their high nibbles 0-15, 16-31) to (0, 2, 1, 3): low nibbles of
         // bytes 0-15 (sub-block a, values 0-15), high (b 0-15), then a 16-31, b 16-31.
         let both = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(y), _mm256_srli_epi16::<4>(y));
         let w = _mm512_and_si512(_mm512_shuffle_i64x2::<0b11_01_10_00>(both, both), _mm512_set1_epi8(0x0F));
         (w, values)
+    }
+
+    /// Bytes of a Q5_K super-block: Q4_K's d, dmin and scales, then qh[32] (the fifth bits: bit
+    /// `k` of byte `l` for value `l` of sub-block `k`), then Q4_K's 128 bytes of nibbles.
+    pub(super) const Q5_K_BYTES: usize = 176;
+
+    /// Pair `j` of a Q5_K super-block's sub-blocks, as [`q4_k_pair`] gives Q4_K's, the fifth bits
+    /// (16 each) added to the nibbles.
+    #[inline(always)]
+    unsafe fn q5_k_pair(sb: *const u8, j: usize, d: f32, dmin: f32) -> (__m512i, __m128) {
+        let (nibbles, values) = q4_k_pair(sb, 48, j, d, dmin);
+        // qh 0-15 | 0-15 | 16-31 | 16-31: the pair's bytes a 0-15, b 0-15, a 16-31, b 16-31.
+        let qh = _mm512_castsi256_si512(_mm256_loadu_si256(sb.add(16).cast()));
+        let qh = _mm512_shuffle_i64x2::<0b01_01_00_00>(qh, qh);
+        let (bit_a, bit_b) = (1i8 << (2 * j), (2u8 << (2 * j)) as i8);
+        let select = _mm512_inserti64x4::<1>(
+            _mm512_castsi256_si512(_mm256_setr_m128i(_mm_set1_epi8(bit_a), _mm_set1_epi8(bit_b))),
+            _mm256_setr_m128i(_mm_set1_epi8(bit_a), _mm_set1_epi8(bit_b)),
+        );
+        let fifth = _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(qh, select), _mm512_set1_epi8(0x10));
+        (_mm512_or_si512(nibbles, fifth), values)
     }
 
     /// Bytes of a Q6_K super-block: ql[128] (low 4 bits), qh[64] (high 2 bits), 16 signed scales
@@ -510,17 +585,28 @@ mod kernels {
         (w0, d0, w1, d1)
     }
 
-    /// A super-block of format `KIND` (Q4_K, Q6_K) as its four pairs of sub-blocks, unpacked:
-    /// each pair's weight bytes, its scales as [`apply`] takes them (Q4_K's `[d sc_a, -dmin m_a,
+    /// Pair `j` of a Q4_K or Q5_K super-block (a function, not a closure: a closure does not take
+    /// its caller's target features, and its intrinsics would not be inlined).
+    #[inline(always)]
+    unsafe fn k_pair<const KIND: u8>(sb: *const u8, j: usize, d: f32, dmin: f32) -> (__m512i, __m128) {
+        if KIND == Q4_K {
+            q4_k_pair(sb, 16, j, d, dmin)
+        } else {
+            q5_k_pair(sb, j, d, dmin)
+        }
+    }
+
+    /// A super-block of format `KIND` (Q4_K, Q5_K, Q6_K) as its four pairs of sub-blocks, unpacked:
+    /// each pair's weight bytes, its scales as [`apply`] takes them (Q4_K's and Q5_K's `[d sc_a, -dmin m_a,
     /// d sc_b, -dmin m_b]`; unused for Q6_K) and each lane's `d`.
     #[inline(always)]
     unsafe fn super_pairs<const KIND: u8>(sb: *const u8) -> [(__m512i, __m128, __m512); 4] {
-        if KIND == Q4_K {
+        if KIND == Q4_K || KIND == Q5_K {
             let (d, dmin) = q4_k_scales(sb);
-            let (w0, v0) = q4_k_pair(sb, 0, d, dmin);
-            let (w1, v1) = q4_k_pair(sb, 1, d, dmin);
-            let (w2, v2) = q4_k_pair(sb, 2, d, dmin);
-            let (w3, v3) = q4_k_pair(sb, 3, d, dmin);
+            let (w0, v0) = k_pair::<KIND>(sb, 0, d, dmin);
+            let (w1, v1) = k_pair::<KIND>(sb, 1, d, dmin);
+            let (w2, v2) = k_pair::<KIND>(sb, 2, d, dmin);
+            let (w3, v3) = k_pair::<KIND>(sb, 3, d, dmin);
             [
                 (w0, v0, per_lane(v0, 2)),
                 (w1, v1, per_lane(v1, 2)),
@@ -536,7 +622,7 @@ mod kernels {
         }
     }
 
-    /// Every row of `rows` of a super-block format `KIND` (Q4_K, Q6_K; `BYTES` a super-block,
+    /// Every row of `rows` of a super-block format `KIND` (Q4_K, Q5_K, Q6_K; `BYTES` a super-block,
     /// each row `x.blocks / 8` of them) against `T` vectors of x: `out[t][r]`. Each super-block
     /// is unpacked once for the `T` vectors, and each vector's sums are those it gets alone.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c,fma")]
