@@ -7,11 +7,12 @@
 #            issue of each 8-row variant.
 #   norm     the INT8 and NVFP4 norm outputs at 2048 x 4096 and 8192 x 8192: the staged grids
 #            of one lane a quantization block (`+s2+b+n`, `+s3+b+n`) at 16, 32 and 48 warps a
-#            multiprocessor and the squares widened by the matrix units (`+m`) against the
-#            defaults, PyTorch measured once.
+#            multiprocessor against the defaults, PyTorch measured once.
+#   lm-head-8  the default at 8 rows (4 stages) against 2 stages in alternating processes, PyTorch
+#            measured before each pair; then every row count's default.
 #   tests    the GPU tests of the LM head and of the norms side by side (bit for bit against the
 #            CPU reference, the candidates and their special-value tests included).
-#   cd bundle && ../bench/gpu_candidates.sh lm-head|norm|tests RESULTS_DIR
+#   cd bundle && ../bench/gpu_candidates.sh lm-head|lm-head-8|norm|tests RESULTS_DIR
 set -u
 part=${1:?usage: $0 lm-head|norm|tests RESULTS_DIR (run inside the bundle directory)}
 out=${2:?usage: $0 lm-head|norm|tests RESULTS_DIR (run inside the bundle directory)}
@@ -24,7 +25,7 @@ if [ "$part" = norm ]; then
   T 60 peer-norm python3 bench/peers/norm.py --out "$out/norm_torch.json"
   for w in 32 16 48; do
     KILN_NORM_STAGED_WARPS=$w T 150 bench-norm-w$w ./kiln bench norm --cases rms_norm_nvfp4,rms_norm_int8 \
-      --sizes 2048x4096,8192x8192 --variants 4w1r+s2+b+n,4w1r+s3+b+n,8w1r+s2+b+n,4w1r+b+n+m,8w1r+b+n+m,4w1r+s2+b+n+m --peer "$out/norm_torch.json"
+      --sizes 2048x4096,8192x8192 --variants 4w1r+s2+b+n,4w1r+s3+b+n,8w1r+s2+b+n --peer "$out/norm_torch.json"
   done
   grep -h -E "^rms_norm[a-z_0-9]* +[0-9]|^exit" "$out"/bench-norm-w*.txt | cut -c1-150
   echo "total $((SECONDS - t0)) s"
@@ -38,7 +39,21 @@ if [ "$part" = tests ]; then
   echo "total $((SECONDS - t0)) s"
   exit 0
 fi
-[ "$part" = lm-head ] || { echo "unknown part $part (lm-head, norm or tests)"; exit 2; }
+if [ "$part" = lm-head-8 ]; then
+  # The default's 4 stages against 2 at 8 rows in alternating orders, PyTorch measured before each
+  # pair of processes; then every row count's default.
+  for i in 1 2 3; do
+    T 60 peer-lm_head-$i python3 bench/peers/lm_head.py --out "$out/lm_head_torch-$i.json"
+    T 120 bench8-$i ./kiln bench lm-head --rows 8 --variants 16w/4v/64txs4c,16w/4v/64txs2c --peer "$out/lm_head_torch-$i.json"
+    T 120 bench8r-$i ./kiln bench lm-head --rows 8 --variants 16w/4v/64txs2c,16w/4v/64txs4c --peer "$out/lm_head_torch-$i.json"
+  done
+  T 180 bench-1248 ./kiln bench lm-head --peer "$out/lm_head_torch-3.json"
+  grep -h -E "^rows 8|^\| 151936|^exit" "$out"/bench8*-*.txt "$out"/bench-1248.txt
+  grep -h -E "rows|us" "$out"/peer-lm_head-*.txt | head -20
+  echo "total $((SECONDS - t0)) s"
+  exit 0
+fi
+[ "$part" = lm-head ] || { echo "unknown part $part (lm-head, lm-head-8, norm or tests)"; exit 2; }
 nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,clocks_event_reasons.active --format=csv -lms 100 > "$out/smi.csv" 2>&1 &
 smi=$!
 eight=16w/4v/64txs2c,16w/4v/64txs2cm,16w/4v/64txs2cmr2,16w/4v/64txs2cr2,16w/4v/64txs4c,16w/4v/64txs4cm

@@ -606,30 +606,6 @@ __device__ __forceinline__ float kiln_norm_total(float (&lane_sums)[UNITS_PER_WA
 // x holds its raw bits unless a gate before the norm changes the values.
 #define KILN_NORM_RAW (GATE != 1)
 
-// NORM_TCDEC (optional, 0 by default) 1: RMSNorm's squares take x (bf16, one segment a block, its
-// raw bits held) widened by the matrix units (kiln_tc_widen4: two instructions for 8 values
-// instead of 8 shifts and masks). A non-finite x can turn the zeros of its A row (its own and
-// three neighbouring lanes' values of the same segment) into NaN; a segment with a non-finite x has a non-finite sum of squares, so
-// where 1 / rms comes out other than a positive finite float the block computes the squares
-// again from the shifts (kiln_norm_segment). The values, sums and rounding are the same. A lane
-// past the segment's end keeps whatever its registers held (RMSNorm leaves them unset, and
-// zeroing them costs 16 instructions a lane at 8 units on the path of every lane): bits that
-// happen to be a NaN send that segment the slow way too, with the same result, later.
-#ifndef NORM_TCDEC
-#define NORM_TCDEC 0
-#endif
-#if NORM_TCDEC && !(KIND == 0 && X_T == KILN_BF16 && ROWS_PER_BLOCK == 1 && KILN_NORM_RAW)
-#error "NORM_TCDEC serves RMSNorm of bf16 x held raw, one segment a block"
-#endif
-#if NORM_TCDEC
-// The 8 values of x's raw bits in fp32 by the matrix units (kiln_tc_widen4; `sel`:
-// kiln_tc_identity), as kiln_raw8_unpack while the warp's values are finite.
-__device__ __forceinline__ void kiln_norm_tc_unpack(const KilnRaw8<KILN_BF16>& r, float v[8], unsigned int sel) {
-    kiln_tc_widen4<KILN_BF16>(r.q[0].x, r.q[0].y, sel, v);
-    kiln_tc_widen4<KILN_BF16>(r.q[0].z, r.q[0].w, sel, v + 4);
-}
-#endif
-
 // One group's inputs as loaded, for this warp: its units of x, the residual and the gate.
 struct KilnNormLoads {
     KilnRaw8<X_T> x[UNITS_PER_WARP];
@@ -884,15 +860,6 @@ __device__ __forceinline__ float kiln_bf16x16_amax(const unsigned int (&q)[8]) {
 #define KILN_NORM_PACKED_AMAX 0
 #endif
 
-// NORM_TCDEC with the packed block maximum (KILN_NORM_YQ16) and the segment filling every
-// register unit of every lane (so that a warp's lanes are all valid or all not): the block's 16
-// values are widened for the quantizer by the matrix units too, after its maximum, when no lane
-// of the warp has a non-finite value (a vote on the maxima: a NaN or infinite y could turn its
-// neighbours' widened values into NaN); otherwise by the shifts. The same values either way.
-#if defined(SEGMENT_N)
-#define KILN_NORM_TC_Y (NORM_TCDEC && KILN_NORM_PACKED_AMAX && KILN_NORM_PACKED_Q && SEGMENT_N == KILN_NORM_UNITS * 256)
-#endif
-
 // qscale where it is in the NVFP4 fast path's range, NaN otherwise: once a segment, so that each
 // block checks only its scaled maximum.
 __device__ __forceinline__ float kiln_nvfp4_qscale_fast(float qscale) {
@@ -965,10 +932,6 @@ __device__ __forceinline__ void kiln_norm_block16(const float (&y)[16], float am
         *scale_at = (unsigned char)s;
     }
 }
-#endif
-
-#ifndef KILN_NORM_TC_Y
-#define KILN_NORM_TC_Y 0
 #endif
 
 // Normalizes one segment from its loads and writes its outputs. `sums` holds the block's two
@@ -1044,49 +1007,20 @@ __device__ __forceinline__ void kiln_norm_segment(
         mean = kiln_norm_total(lane_sums, warp_in_row, units, mean_sums, [&](float t) { return t / (float)n; });
         KILN_NORM_RELOAD();
     }
-#if NORM_TCDEC
-    const unsigned int tc_sel = kiln_tc_identity<KILN_BF16>(lane);
 #pragma unroll
     for (int u = 0; u < UNITS_PER_WARP; ++u) {
         const int col = kiln_norm_col(warp_in_row, u, lane);
-        float a[8];
-        kiln_norm_tc_unpack(KILN_NORM_X(u), a, tc_sel);
+        KILN_NORM_VALUES(u, a);
         float sq[8];
 #pragma unroll
-        for (int k = 0; k < 8; ++k) sq[k] = (active && col < n) ? a[k] * a[k] : 0.0f;
+        for (int k = 0; k < 8; ++k) {
+            float d = KIND == 1 ? a[k] - mean : a[k];
+            sq[k] = (active && col < n) ? d * d : 0.0f;
+        }
         lane_sums[u] = kiln_lane_sum8(sq);
     }
-    float r = kiln_norm_total(lane_sums, warp_in_row, units, square_sums,
-                              [&](float t) { return 1.0f / sqrtf(t / (float)n + eps); });
-    // Uniform over the block (one segment): every warp finishes the same total.
-    if (!(r > 0.0f && r <= 3.40282347e38f)) {
-        __syncthreads();  // every warp has read the unit sums the squares write again
-#else
-    {
-#endif
-#pragma unroll
-        for (int u = 0; u < UNITS_PER_WARP; ++u) {
-            const int col = kiln_norm_col(warp_in_row, u, lane);
-            KILN_NORM_VALUES(u, a);
-            float sq[8];
-#pragma unroll
-            for (int k = 0; k < 8; ++k) {
-                float d = KIND == 1 ? a[k] - mean : a[k];
-                sq[k] = (active && col < n) ? d * d : 0.0f;
-            }
-            lane_sums[u] = kiln_lane_sum8(sq);
-        }
-#if NORM_TCDEC
-        r =
-#else
-    }
-    const float r =
-#endif
-            kiln_norm_total(lane_sums, warp_in_row, units, square_sums,
-                            [&](float t) { return 1.0f / sqrtf(t / (float)n + eps); });
-#if NORM_TCDEC
-    }
-#endif
+    const float r = kiln_norm_total(lane_sums, warp_in_row, units, square_sums,
+                                    [&](float t) { return 1.0f / sqrtf(t / (float)n + eps); });
     KILN_NORM_RELOAD();
 
     // BLOCK_LANE with a block-quantized output: the lane's 16 values of register units 2P, 2P + 1.
@@ -1159,8 +1093,7 @@ __device__ __forceinline__ void kiln_norm_segment(
             KILN_NORM_VALUES(u, a);
             KilnRaw8<KILN_BF16> y;
             y.q[0] = kiln_norm_packed_product(a, r, wraw.q[0]);
-            // With KILN_NORM_TC_Y the block's values are widened after its maximum (below).
-            if (!KILN_NORM_TC_Y) kiln_raw8_unpack<KILN_BF16>(y, p);
+            kiln_raw8_unpack<KILN_BF16>(y, p);
 #if KILN_NORM_YQ16
             yq16[(u & 1) * 4 + 0] = y.q[0].x;
             yq16[(u & 1) * 4 + 1] = y.q[0].y;
@@ -1242,25 +1175,13 @@ __device__ __forceinline__ void kiln_norm_segment(
         } else if (BLOCK_LANE) {
 #if BLOCK_LANE && KILN_NORM_BLOCKED
             // INT8 / NVFP4, one block a lane: its first half waits for the second.
-            if (!KILN_NORM_TC_Y) {
 #pragma unroll
-                for (int k = 0; k < 8; ++k) p16[(u & 1) * 8 + k] = p[k];
-            }
+            for (int k = 0; k < 8; ++k) p16[(u & 1) * 8 + k] = p[k];
             if ((u & 1) == 0) continue;
 #if KILN_NORM_YQ16
             const float amax = kiln_bf16x16_amax(yq16);
 #else
             const float amax = kiln_block16_amax(p16);
-#endif
-#if KILN_NORM_TC_Y
-            // Uniform over the warp: every lane is here (see KILN_NORM_TC_Y).
-            if (__any_sync(0xFFFFFFFFu, !(amax <= 3.40282347e38f))) {
-#pragma unroll
-                for (int k = 0; k < 8; ++k) kiln_unpack2<KILN_BF16>(yq16[k], p16[2 * k], p16[2 * k + 1]);
-            } else {
-#pragma unroll
-                for (int k = 0; k < 4; ++k) kiln_tc_widen4<KILN_BF16>(yq16[2 * k], yq16[2 * k + 1], tc_sel, p16 + 4 * k);
-            }
 #endif
             kiln_norm_block16(p16, amax, codes_first + kiln_norm_off(u - 1) / (OUT_T == KILN_OUT_INT8 ? 1 : 2),
                               scales_first + kiln_norm_off(u - 1) / 16 * (OUT_T == KILN_OUT_INT8 ? 4 : 1), qscale,

@@ -615,11 +615,10 @@ impl AttentionTask {
 /// A norm variant's name: `4w1r` (warps per row, rows per block), `+e` when it loads the weight
 /// early, `+p` when its grid is persistent, `+s3` for a staged grid of 3 cp.async stages, `+b` for
 /// one lane a quantization block, `+w` when it loads the weight a unit ahead, `+t` when the row's
-/// first warp alone finishes the total, `+n` when the segment length is compiled in, `+m` when
-/// RMSNorm's squares take x widened by the matrix units.
+/// first warp alone finishes the total, `+n` when the segment length is compiled in.
 pub fn norm_label(v: NormVariant) -> String {
     format!(
-        "{}w{}r{}{}{}{}{}{}{}{}",
+        "{}w{}r{}{}{}{}{}{}{}",
         v.warps_per_row,
         v.rows_per_block,
         if v.early_weight { "+e" } else { "" },
@@ -628,8 +627,7 @@ pub fn norm_label(v: NormVariant) -> String {
         if v.block_lane { "+b" } else { "" },
         if v.weight_ahead { "+w" } else { "" },
         if v.row_total { "+t" } else { "" },
-        if v.fixed_n { "+n" } else { "" },
-        if v.matrix_decode { "+m" } else { "" }
+        if v.fixed_n { "+n" } else { "" }
     )
 }
 

@@ -856,17 +856,17 @@ fn packed_conversions_match_the_reference() {
     }
 }
 
-/// RMSNorm's squares widened by the matrix units (`+m`) beside the same variants without it, on
-/// rows of special x: one infinity or one NaN among plain values (whose neighbours the widening
-/// can turn into NaN: the segment takes its squares again from the shifts), values so large that
-/// the sum of squares overflows, subnormals with signed zeros, and rows of zeros; with and without
-/// the residual, for the quantized and bf16 outputs.
+/// The default and the listed one-lane-a-block variants with the length compiled in (`+b+n`,
+/// the quantized outputs' defaults) on rows of special x: one infinity or one NaN among plain
+/// values, values so large that the sum of squares overflows, subnormals with signed zeros, and
+/// rows of zeros; with and without the residual, for the quantized and bf16 outputs.
 #[test]
-fn matrix_widened_squares_of_special_x_match_the_reference() {
+fn special_x_rows_match_the_reference_on_the_block_lane_variants() {
     let gpu = gpu();
     let mut rng = Rng::fresh();
-    let widened: Vec<NormVariant> = NORM_VARIANTS.iter().copied().filter(|v| v.matrix_decode).collect();
-    assert!(!widened.is_empty(), "no +m variant is listed");
+    let lane_blocks: Vec<NormVariant> =
+        NORM_VARIANTS.iter().copied().filter(|v| v.block_lane && v.fixed_n && v.stages == 0).collect();
+    assert!(!lane_blocks.is_empty(), "no +b+n variant is listed");
     let mut checked = 0usize;
     for out in [
         NormOutput::Quantized(Quantizer::Nvfp4 { global_scale: 448.0 }),
@@ -893,12 +893,13 @@ fn matrix_widened_squares_of_special_x_match_the_reference() {
                 }
                 row.iter_mut().for_each(|v| *v = FloatType::BF16.round(*v));
             }
-            let served: Vec<NormVariant> = widened
+            let served: Vec<NormVariant> = lane_blocks
                 .iter()
-                .flat_map(|v| [*v, NormVariant { matrix_decode: false, ..*v }])
+                .copied()
+                .chain([NormVariant::default_for(&call)])
                 .filter(|v| call.validate(*v).is_ok())
                 .collect();
-            assert!(!served.is_empty(), "no +m variant serves {hidden}");
+            assert!(served.len() > 1, "no +b+n variant serves {hidden}");
             for with_residual in [false, true] {
                 check_variants_on_weight(&gpu, &mut rng, call, &served, &x, with_residual, None);
                 checked += served.len();

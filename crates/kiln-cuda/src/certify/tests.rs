@@ -239,7 +239,6 @@ fn every_configuration_name_parses_back() {
             weight_ahead: false,
             row_total: false,
             fixed_n: false,
-            matrix_decode: false,
         }),
         "4w2r+e"
     );
@@ -313,7 +312,6 @@ fn lookups_answer_the_winner_the_default_or_a_named_error() {
         weight_ahead: false,
         row_total: false,
         fixed_n: false,
-        matrix_decode: false,
     };
     assert_eq!(norm_variant(&open(TuningMode::Strict), &task, SM90).unwrap(), want);
 

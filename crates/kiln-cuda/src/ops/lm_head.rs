@@ -223,17 +223,17 @@ pub const LM_HEAD_VARIANTS: &[LmHeadVariant] = &[
 impl LmHeadVariant {
     /// The default variant for `rows`, the fastest measured on the H200 at 151936 x 4096 bf16
     /// (`bench/results/2026-11-30-h200-kernels/step3`, measured again in
-    /// `bench/results/2026-12-04-h200`): 16 warps of 4 rows a step, tiles of 32, for 1 row
-    /// (279.0 us); the cooperative ring of 16 warps, 4 rows a step, tiles of 64, 4 stages for 2 to
-    /// 4 rows (278.6 and 283.9 us) and 2 stages for 5 to 8 rows (313.5-315.9 us at 8 rows on a
-    /// cool GPU, where 4 stages ran anywhere from 298.6 to 326.6 us from one process to the
-    /// next). A call the ring does not serve (a statistics block that is not a multiple of its
-    /// steps) runs [`LmHeadVariant::fallback_for`]: see [`LmHeadVariant::default_for_call`].
+    /// `bench/results/2026-12-04-h200` and `2026-12-05-h200`): 16 warps of 4 rows a step, tiles
+    /// of 32, for 1 row (279.0 us); the cooperative ring of 16 warps, 4 rows a step, tiles of 64,
+    /// 4 stages for 2 to 8 rows (278.6 and 283.9 us at 2 and 4 rows; at 8 rows 4 stages ran
+    /// ahead of 2 in every process of `2026-12-05-h200`, though from one process to the next its
+    /// time varies more). A call the ring does not serve (a statistics block that is not a
+    /// multiple of its steps) runs [`LmHeadVariant::fallback_for`]: see
+    /// [`LmHeadVariant::default_for_call`].
     pub fn default_for(rows: usize) -> LmHeadVariant {
         match rows {
             0 | 1 => LmHeadVariant::plain(16, 4, 32),
-            2..=4 => LmHeadVariant::coop(16, 4, 64, 4, 1),
-            _ => LmHeadVariant::coop(16, 4, 64, 2, 1),
+            _ => LmHeadVariant::coop(16, 4, 64, 4, 1),
         }
     }
 
@@ -544,7 +544,7 @@ mod tests {
         }
         // Where the ring serves the call, the call's default is the measured one.
         let bf16 = head(4096, DType::BF16);
-        assert_eq!(LmHeadVariant::default_for_call(&bf16, 8, H200_OPTIN).label(), "16w/4v/64txs2c");
+        assert_eq!(LmHeadVariant::default_for_call(&bf16, 8, H200_OPTIN).label(), "16w/4v/64txs4c");
         assert_eq!(LmHeadVariant::default_for_call(&bf16, 4, H200_OPTIN).label(), "16w/4v/64txs4c");
         assert_eq!(LmHeadVariant::default_for_call(&bf16, 4, 99 * 1024), LmHeadVariant::fallback_for(4));
         let stats8 = LmHead { stats_block: Some(8), ..bf16 };

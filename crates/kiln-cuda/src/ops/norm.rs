@@ -55,13 +55,6 @@ pub struct NormVariant {
     /// kernel per length, without the bound checks and the partial-row loops a length known only
     /// at run time needs. The same operations on the same values.
     pub fixed_n: bool,
-    /// RMSNorm's squares from x widened by the matrix units (the kernel's `NORM_TCDEC`; label
-    /// `+m`): two `mma` for 8 bf16 values instead of 8 shifts and masks; a segment whose 1 / rms
-    /// is not a positive finite float (a non-finite x) takes its squares again from the shifts.
-    /// With the NVFP4 output's packed block maximum and a segment that fills every lane, the
-    /// quantizer's values are widened the same way where a vote finds no non-finite value in the
-    /// warp. RMSNorm of bf16 x, one segment a block, no gate before the norm.
-    pub matrix_decode: bool,
 }
 
 const fn variant(warps_per_row: u32, rows_per_block: u32, early_weight: bool) -> NormVariant {
@@ -75,7 +68,6 @@ const fn variant(warps_per_row: u32, rows_per_block: u32, early_weight: bool) ->
         weight_ahead: false,
         row_total: false,
         fixed_n: false,
-        matrix_decode: false,
     }
 }
 
@@ -91,7 +83,6 @@ const fn block_lane(warps_per_row: u32, rows_per_block: u32) -> NormVariant {
         weight_ahead: false,
         row_total: false,
         fixed_n: false,
-        matrix_decode: false,
     }
 }
 
@@ -140,7 +131,6 @@ const fn persistent(warps_per_row: u32, rows_per_block: u32, early_weight: bool)
         weight_ahead: false,
         row_total: false,
         fixed_n: false,
-        matrix_decode: false,
     }
 }
 
@@ -155,7 +145,6 @@ const fn staged(warps_per_row: u32, rows_per_block: u32, early_weight: bool, sta
         weight_ahead: false,
         row_total: false,
         fixed_n: false,
-        matrix_decode: false,
     }
 }
 
@@ -165,11 +154,6 @@ const fn staged(warps_per_row: u32, rows_per_block: u32, early_weight: bool, sta
 /// quantization of earlier ones instead of a wave of reads, then a wave of quantization.
 const fn staged_block_lane(warps_per_row: u32, stages: u32) -> NormVariant {
     NormVariant { block_lane: true, fixed_n: true, ..staged(warps_per_row, 1, false, stages) }
-}
-
-/// `v` with RMSNorm's squares widened by the matrix units ([`NormVariant::matrix_decode`], label `+m`).
-const fn matrix(v: NormVariant) -> NormVariant {
-    NormVariant { matrix_decode: true, ..v }
 }
 
 /// Warps a multiprocessor a staged grid ([`NormVariant::stages`]) aims for: its blocks a
@@ -269,9 +253,6 @@ pub const NORM_VARIANTS: &[NormVariant] = &[
     staged_block_lane(4, 2),
     staged_block_lane(4, 3),
     staged_block_lane(8, 2),
-    matrix(fixed(block_lane(4, 1))),
-    matrix(fixed(block_lane(8, 1))),
-    matrix(staged_block_lane(4, 2)),
 ];
 
 /// Most units of 256 elements one warp holds in registers (16: 128 fp32 values per lane).
@@ -351,7 +332,6 @@ impl NormVariant {
                 weight_ahead: false,
                 row_total: false,
                 fixed_n: false,
-                matrix_decode: false,
             };
         }
         let two_byte_x = matches!(call.x_type, DType::BF16 | DType::F16);
@@ -379,7 +359,6 @@ impl NormVariant {
             weight_ahead: false,
             row_total: false,
             fixed_n: false,
-            matrix_decode: false,
         };
         let fixed = NormVariant { fixed_n: true, ..plain };
         let wants_fixed = two_byte_x && (block_lane || matches!(call.spec.out, NormOutput::Float(_)));
@@ -500,18 +479,6 @@ impl NormCall {
                 variant.warps_per_row as usize * variant.max_units_per_warp() * UNIT
             ),
         })?;
-        if variant.matrix_decode
-            && !(self.spec.kind == NormKind::Rms
-                && self.x_type == DType::BF16
-                && variant.rows_per_block == 1
-                && self.spec.gate != Some(Gate::Before))
-        {
-            return Err(Error::NotServed {
-                op: "norm kernel",
-                reason: "the matrix-unit widening (+m) serves RMSNorm of bf16 x, one segment a block, no gate before the norm"
-                    .into(),
-            });
-        }
         if variant.stages == 1 || (variant.stages > 0 && variant.persistent) {
             return Err(Error::InvalidArgument {
                 name: "norm variant",
@@ -595,9 +562,6 @@ impl NormCall {
         }
         if variant.fixed_n {
             defines.push(("SEGMENT_N", self.segment_len().to_string()));
-        }
-        if variant.matrix_decode {
-            defines.push(("NORM_TCDEC", "1".to_owned()));
         }
         Ok(defines)
     }
@@ -1019,25 +983,6 @@ mod tests {
             launch_defines(&q, lane_blocks, false).iter().filter(|(k, v)| k == "STAGES" && v == "3").count(),
             1
         );
-        // RMSNorm's squares widened by the matrix units: the kernel's NORM_TCDEC, for bf16 x only.
-        let widened = matrix(fixed(block_lane(4, 1)));
-        assert!(q.defines(widened).unwrap().contains(&("NORM_TCDEC", "1".to_owned())));
-        assert!(!q.defines(fixed(block_lane(4, 1))).unwrap().iter().any(|(k, _)| *k == "NORM_TCDEC"));
-        let fp16 = NormCall { x_type: DType::F16, ..q };
-        assert!(matches!(fp16.validate(widened), Err(Error::NotServed { .. })));
-        let layer = LayerNorm {
-            eps: 1e-5,
-            weight: WeightMode::Plain,
-            bias: false,
-            groups: 1,
-            out: NormOutput::Float(DType::BF16),
-        };
-        assert!(matches!(
-            call(layer.into(), 2048, 4096, DType::BF16).validate(widened),
-            Err(Error::NotServed { .. })
-        ));
-        assert!(matches!(q.validate(matrix(block_lane(1, 4))), Err(Error::NotServed { .. })));
-        assert_eq!(crate::certify::norm_label(widened), "4w1r+b+n+m");
         // One stage, or stages with the register-pipelined grid, are refused.
         for bad in [staged(4, 1, false, 1), NormVariant { persistent: true, ..staged(4, 1, false, 2) }] {
             assert!(matches!(c.validate(bad), Err(Error::InvalidArgument { .. })), "{bad:?}");
