@@ -212,7 +212,9 @@ pub const LM_HEAD_VARIANTS: &[LmHeadVariant] = &[
     // rows of bf16. SASS of the split loop a step at 8 rows (sm_90): 2 stages 373.5 without, 361
     // with it (the registers it frees go to the NaN check's way back), 351.5 with it and
     // reductions of 2 rows (16 sums: 32 SHFL a step, not 31, and 16 sums fewer held); 4 stages
-    // 371.5 without, 348.75 with it.
+    // 371.5 without, 348.75 with it. Measured slower all the same (8 rows on the H200,
+    // `bench/results/2026-12-05-h200/a-lm-head`): 64txs4cm 324.4-349.2 us and 64txs2cmr2
+    // 338.5-361.1 against the default 64txs4c's 295.4-304.4, 64txs2cr2 317.0-330.9.
     LmHeadVariant::coop(16, 4, 64, 2, 1).matrix(),
     LmHeadVariant::coop(16, 4, 64, 2, 1).matrix().reduce(2),
     LmHeadVariant::coop(16, 4, 64, 2, 1).reduce(2),
