@@ -218,6 +218,16 @@ impl Rng {
 /// formats' largest), the largest sums the integer kernels meet.
 fn random_blocks(rng: &mut Rng, dtype: DType, blocks: usize, extreme: bool) -> Vec<u8> {
     let mut bytes = Vec::new();
+    if dtype == DType::Q3_K {
+        // A super-block a 8 blocks: random bits, quants and scales (with `extreme`, every quant 7
+        // and every scale 63: the largest products), d small.
+        for _ in 0..blocks / 8 {
+            bytes.extend((0..108).map(|_| if extreme { 0xFF } else { rng.next() as u8 }));
+            let d = half::f16::from_f32(0.0005 + (rng.next() % 1000) as f32 / 100_000.0);
+            bytes.extend_from_slice(&d.to_le_bytes());
+        }
+        return bytes;
+    }
     if dtype == DType::Q6_K {
         // A super-block a 8 blocks: random quant bits and signed scales (with `extreme`, every
         // quant 63 and every scale 127), d small.
@@ -322,15 +332,17 @@ fn integer_dot_products_are_within_the_fixed_point_bound_of_float64() {
         DType::Q5_0,
         DType::Q5_1,
         DType::Q8_0,
+        DType::Q3_K,
         DType::Q4_K,
         DType::Q5_K,
         DType::Q6_K,
     ] {
-        let shapes: &[(usize, usize, bool)] = if matches!(dtype, DType::Q4_K | DType::Q5_K | DType::Q6_K) {
-            &[(8, 1, false), (24, 5, false), (48, 64, false), (16, 3, true)]
-        } else {
-            &[(1, 1, false), (3, 5, false), (18, 64, false), (48, 7, true), (5, 2, true)]
-        };
+        let shapes: &[(usize, usize, bool)] =
+            if matches!(dtype, DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K) {
+                &[(8, 1, false), (24, 5, false), (48, 64, false), (16, 3, true)]
+            } else {
+                &[(1, 1, false), (3, 5, false), (18, 64, false), (48, 7, true), (5, 2, true)]
+            };
         for &(blocks, rows, extreme) in shapes {
             let cols = blocks * 32;
             let bytes = random_blocks(&mut rng, dtype, blocks * rows, extreme);
@@ -397,13 +409,14 @@ fn many_vectors_at_once_give_the_bits_of_one_at_a_time() {
         DType::Q4_1,
         DType::Q5_0,
         DType::Q5_1,
+        DType::Q3_K,
         DType::Q4_K,
         DType::Q5_K,
         DType::Q6_K,
         DType::F16,
     ] {
         for (cols, rows, tokens) in [(96, 5, 7), (576, 9, 4), (256, 3, 9), (1536, 2, 1)] {
-            if matches!(dtype, DType::Q4_K | DType::Q5_K | DType::Q6_K) && cols % 256 != 0 {
+            if matches!(dtype, DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K) && cols % 256 != 0 {
                 continue; // K formats hold whole super-blocks of 256
             }
             let row_bytes = dtype.bytes_for(cols as u64).unwrap() as usize;

@@ -1,5 +1,5 @@
-//! The integer dot products of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K rows on CPUs
-//! with AVX-512 VNNI.
+//! The integer dot products of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K and Q6_K rows on
+//! CPUs with AVX-512 VNNI.
 //!
 //! x is written once per vector as 23-bit fixed point per block of 32 values ([`IntX`]): a block
 //! whose largest magnitude is `amax` takes the smallest power of two `s` with `amax / s` at most
@@ -13,10 +13,12 @@
 //!
 //! Q5_0 and Q5_1 are Q4_0 and Q4_1 with a fifth bit a quant (16 added to the nibble's byte, and
 //! Q5_0's `-16` off each lane). Q4_K is Q4_1 per sub-block of 32 (`(d sc) q - dmin m`, the scales
-//! unpacked once a super-block of 256), and Q5_K Q5_1 per sub-block; Q6_K's six-bit quants go in unsigned (`q`, not `q - 32`, whose `32 x` comes off each
-//! lane), with `d sc` a lane of its sub-block of 16. Q4_1's `m` term takes `m * sum(x)`, the block's sum of the exact x; Q4_0's `-8` and Q8_0's
-//! `+128` (its signed bytes made unsigned for `vpdpbusd`) come off each lane as integers, so
-//! nothing cancels in floating point.
+//! unpacked once a super-block of 256), and Q5_K is Q5_1 per sub-block. Q3_K's quants go in as
+//! `q + 4` (0..7, whose `4 x` comes off each lane) and Q6_K's as `q` (not `q - 32`, whose `32 x`
+//! comes off each lane), each with `d sc` a lane of its sub-block of 16. Q4_1's `m` term takes
+//! `m * sum(x)`, the block's sum of the exact x; Q4_0's `-8` and Q8_0's `+128` (its signed bytes
+//! made unsigned for `vpdpbusd`) come off each lane as integers, so nothing cancels in floating
+//! point.
 //!
 //! A row's result depends only on the row and x: the same bits whichever thread computes it and
 //! however the rows are split.
@@ -182,8 +184,8 @@ pub(crate) fn available() -> bool {
     false
 }
 
-/// The formats with an integer kernel: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks of 32) and Q4_K,
-/// Q5_K, Q6_K (super-blocks of 256).
+/// The formats with an integer kernel: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks of 32) and Q3_K,
+/// Q4_K, Q5_K, Q6_K (super-blocks of 256).
 pub(crate) fn served(dtype: kiln_core::DType) -> bool {
     use kiln_core::DType;
     matches!(
@@ -193,6 +195,7 @@ pub(crate) fn served(dtype: kiln_core::DType) -> bool {
             | DType::Q5_0
             | DType::Q5_1
             | DType::Q8_0
+            | DType::Q3_K
             | DType::Q4_K
             | DType::Q5_K
             | DType::Q6_K
@@ -225,6 +228,7 @@ pub(crate) unsafe fn dot_rows(dtype: kiln_core::DType, rows: &[u8], x: &IntX, ou
         DType::Q4_K => kernels::rows_k::<{ kernels::Q4_K }, { kernels::Q4_K_BYTES }, 1>(rows, [x], [out]),
         DType::Q5_K => kernels::rows_k::<{ kernels::Q5_K }, { kernels::Q5_K_BYTES }, 1>(rows, [x], [out]),
         DType::Q6_K => kernels::rows_k::<{ kernels::Q6_K }, { kernels::Q6_K_BYTES }, 1>(rows, [x], [out]),
+        DType::Q3_K => kernels::rows_k::<{ kernels::Q3_K }, { kernels::Q3_K_BYTES }, 1>(rows, [x], [out]),
         _ => out.fill(f32::NAN),
     }
 }
@@ -247,6 +251,7 @@ pub(crate) unsafe fn dot_rows4(dtype: kiln_core::DType, rows: &[u8], xs: [&IntX;
         DType::Q4_K => kernels::rows_k::<{ kernels::Q4_K }, { kernels::Q4_K_BYTES }, 4>(rows, xs, out),
         DType::Q5_K => kernels::rows_k::<{ kernels::Q5_K }, { kernels::Q5_K_BYTES }, 4>(rows, xs, out),
         DType::Q6_K => kernels::rows_k::<{ kernels::Q6_K }, { kernels::Q6_K_BYTES }, 4>(rows, xs, out),
+        DType::Q3_K => kernels::rows_k::<{ kernels::Q3_K }, { kernels::Q3_K_BYTES }, 4>(rows, xs, out),
         _ => out.into_iter().for_each(|o| o.fill(f32::NAN)),
     }
 }
@@ -265,6 +270,7 @@ mod kernels {
     pub(super) const Q5_0: u8 = 5;
     pub(super) const Q5_1: u8 = 6;
     pub(super) const Q5_K: u8 = 7;
+    pub(super) const Q3_K: u8 = 8;
 
     /// A block of zero bytes: the partner of an odd row's last block (scale 0, quants 0; its x
     /// values are zero).
@@ -461,6 +467,11 @@ mod kernels {
                 planes_q4(w, x),
                 _mm512_slli_epi32::<1>(_mm512_load_si512(x.offset8.as_ptr().cast())),
             )),
+            // Q3_K's 3-bit quants q - 4: 4 x = (8 x) / 2 (8 x a multiple of 8).
+            Q3_K => _mm512_cvtepi32_ps(_mm512_sub_epi32(
+                planes_q4(w, x),
+                _mm512_srai_epi32::<1>(_mm512_load_si512(x.offset8.as_ptr().cast())),
+            )),
             // 6-bit quants q - 32: 32 x = 4 (8 x), at most 4 * 63 * Q_MAX < 2^31 before it.
             Q6_K => _mm512_cvtepi32_ps(_mm512_sub_epi32(
                 planes_q4(w, x),
@@ -596,7 +607,48 @@ mod kernels {
         }
     }
 
-    /// A super-block of format `KIND` (Q4_K, Q5_K, Q6_K) as its four pairs of sub-blocks, unpacked:
+    /// Bytes of a Q3_K super-block: hmask[32] (the third bits: bit `k` of byte `l` for value `l`
+    /// of the 32-value group `k`), qs[64] (the low two bits, four groups a byte), 12 bytes of
+    /// 6-bit scales (one a sub-block of 16, offset by 32), d (f16).
+    pub(super) const Q3_K_BYTES: usize = 110;
+
+    /// Pair `j` of a Q3_K super-block's groups of 32 (`2j`, `2j + 1`: half `j / 2` of the qs, at
+    /// bit shifts `2 s` and `2 s + 2`, `s = 2 (j % 2)`), unpacked: the 64 quants in the pair's
+    /// order as `q + 4` (0..7: the two low bits, and 4 where the third bit is set), and each
+    /// lane's `d (sc - 32)` (its sub-block of 16).
+    #[inline(always)]
+    unsafe fn q3_k_pair(sb: *const u8, j: usize, d: f32, scales: &[i8; 16]) -> (__m512i, __m512) {
+        let (h, s) = (j / 2, 2 * (j % 2));
+        // qs 0-15 | 0-15 | 16-31 | 16-31 of the half: the pair's bytes a 0-15, b 0-15, a 16-31,
+        // b 16-31, a's at shift 2s, b's at 2s + 2.
+        let q = _mm512_castsi256_si512(_mm256_loadu_si256(sb.add(32 + 32 * h).cast()));
+        let q = _mm512_shuffle_i64x2::<0b01_01_00_00>(q, q);
+        let (shift_a, shift_b) = (2 * s as i16, 2 * s as i16 + 2);
+        let counts = _mm512_inserti64x4::<1>(
+            _mm512_castsi256_si512(_mm256_setr_m128i(_mm_set1_epi16(shift_a), _mm_set1_epi16(shift_b))),
+            _mm256_setr_m128i(_mm_set1_epi16(shift_a), _mm_set1_epi16(shift_b)),
+        );
+        let low = _mm512_and_si512(_mm512_srlv_epi16(q, counts), _mm512_set1_epi8(3));
+        let hm = _mm512_castsi256_si512(_mm256_loadu_si256(sb.cast()));
+        let hm = _mm512_shuffle_i64x2::<0b01_01_00_00>(hm, hm);
+        let (bit_a, bit_b) = ((1u8 << (4 * h + s)) as i8, (1u8 << (4 * h + s + 1)) as i8);
+        let select = _mm512_inserti64x4::<1>(
+            _mm512_castsi256_si512(_mm256_setr_m128i(_mm_set1_epi8(bit_a), _mm_set1_epi8(bit_b))),
+            _mm256_setr_m128i(_mm_set1_epi8(bit_a), _mm_set1_epi8(bit_b)),
+        );
+        let third = _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(hm, select), _mm512_set1_epi8(4));
+        // Sub-blocks of 16: group g's are 2g and 2g + 1 (values 0-15, 16-31 of the group).
+        let (ga, gb) = (2 * j, 2 * j + 1);
+        let dl = |k: usize| d * f32::from(i16::from(scales[k]) - 32);
+        let index = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+        let lanes = _mm512_permutexvar_ps(
+            index,
+            _mm512_castps128_ps512(_mm_setr_ps(dl(2 * ga), dl(2 * gb), dl(2 * ga + 1), dl(2 * gb + 1))),
+        );
+        (_mm512_or_si512(low, third), lanes)
+    }
+
+    /// A super-block of format `KIND` (Q3_K, Q4_K, Q5_K, Q6_K) as its four pairs of sub-blocks, unpacked:
     /// each pair's weight bytes, its scales as [`apply`] takes them (Q4_K's and Q5_K's `[d sc_a, -dmin m_a,
     /// d sc_b, -dmin m_b]`; unused for Q6_K) and each lane's `d`.
     #[inline(always)]
@@ -613,6 +665,15 @@ mod kernels {
                 (w2, v2, per_lane(v2, 2)),
                 (w3, v3, per_lane(v3, 2)),
             ]
+        } else if KIND == Q3_K {
+            let d = crate::formats::quant::f16_to_f32(sb.add(108).cast::<u16>().read_unaligned().to_le());
+            let scales = crate::formats::quant::q3_k_scales(std::slice::from_raw_parts(sb.add(96), 12));
+            let unused = _mm_setzero_ps();
+            let (w0, d0) = q3_k_pair(sb, 0, d, &scales);
+            let (w1, d1) = q3_k_pair(sb, 1, d, &scales);
+            let (w2, d2) = q3_k_pair(sb, 2, d, &scales);
+            let (w3, d3) = q3_k_pair(sb, 3, d, &scales);
+            [(w0, unused, d0), (w1, unused, d1), (w2, unused, d2), (w3, unused, d3)]
         } else {
             let d = crate::formats::quant::f16_to_f32(sb.add(208).cast::<u16>().read_unaligned().to_le());
             let (w0, d0, w1, d1) = q6_k_half(sb, 0, d);
@@ -622,7 +683,7 @@ mod kernels {
         }
     }
 
-    /// Every row of `rows` of a super-block format `KIND` (Q4_K, Q5_K, Q6_K; `BYTES` a super-block,
+    /// Every row of `rows` of a super-block format `KIND` (Q3_K, Q4_K, Q5_K, Q6_K; `BYTES` a super-block,
     /// each row `x.blocks / 8` of them) against `T` vectors of x: `out[t][r]`. Each super-block
     /// is unpacked once for the `T` vectors, and each vector's sums are those it gets alone.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c,fma")]

@@ -175,13 +175,12 @@ fn dequant_q2_k(b: &[u8; Q2_K_BYTES], y: &mut [f32]) {
     }
 }
 
+/// The 16 six-bit scales of a Q3_K block (its 12 bytes of scales), each still offset by 32.
 #[inline(always)]
-fn dequant_q3_k(b: &[u8; Q3_K_BYTES], y: &mut [f32]) {
-    // hmask[32] | qs[64] | scales[12] | d f16
+pub(crate) fn q3_k_scales(packed: &[u8]) -> [i8; 16] {
     const KMASK1: u32 = 0x0303_0303;
     const KMASK2: u32 = 0x0f0f_0f0f;
-    let d_all = f16_at(b, 108);
-    let word = |i: usize| u32::from_le_bytes([b[96 + i], b[97 + i], b[98 + i], b[99 + i]]);
+    let word = |i: usize| u32::from_le_bytes([packed[i], packed[i + 1], packed[i + 2], packed[i + 3]]);
     let (a0, a1, tmp) = (word(0), word(4), word(8));
     let aux = [
         (a0 & KMASK2) | ((tmp & KMASK1) << 4),
@@ -193,6 +192,14 @@ fn dequant_q3_k(b: &[u8; Q3_K_BYTES], y: &mut [f32]) {
     for (i, s) in scales.iter_mut().enumerate() {
         *s = aux[i / 4].to_le_bytes()[i % 4] as i8;
     }
+    scales
+}
+
+#[inline(always)]
+fn dequant_q3_k(b: &[u8; Q3_K_BYTES], y: &mut [f32]) {
+    // hmask[32] | qs[64] | scales[12] | d f16
+    let d_all = f16_at(b, 108);
+    let scales = q3_k_scales(&b[96..108]);
     let hm = &b[0..32];
     let mut out = 0;
     let mut is = 0;
