@@ -371,6 +371,39 @@ mod kernels {
         _mm512_maskz_mov_epi8(mask, _mm512_set1_epi8(0x10))
     }
 
+    /// 64 bytes whose 128-bit lanes are `a`, `b`, `a`, `b`: one value for the pair's bytes of
+    /// block a (0-15 and 32-47), another for block b's.
+    #[inline(always)]
+    unsafe fn alternate(a: __m128i, b: __m128i) -> __m512i {
+        let ab = _mm256_setr_m128i(a, b);
+        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(ab), ab)
+    }
+
+    /// The 32 bytes at `p` as `0-15 | 0-15 | 16-31 | 16-31`: byte `l` under the pair's bytes of
+    /// value `l` of both blocks (a super-block's bytes shared by two groups of 32).
+    #[inline(always)]
+    unsafe fn shared_bytes(p: *const u8) -> __m512i {
+        let v = _mm512_castsi256_si512(_mm256_loadu_si256(p.cast()));
+        _mm512_shuffle_i64x2::<0b01_01_00_00>(v, v)
+    }
+
+    /// `value` on each of the pair's bytes whose bit is set in the 32 bytes at `bits`
+    /// ([`shared_bytes`]), bit `bit_a` for block a's bytes and `bit_b` for block b's; 0 elsewhere.
+    #[inline(always)]
+    unsafe fn bit_bytes(bits: *const u8, bit_a: u32, bit_b: u32, value: i8) -> __m512i {
+        let v = shared_bytes(bits);
+        let select = alternate(_mm_set1_epi8((1u8 << bit_a) as i8), _mm_set1_epi8((1u8 << bit_b) as i8));
+        _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(v, select), _mm512_set1_epi8(value))
+    }
+
+    /// Four floats spread over 16 lanes, four lanes each: `[v0 x4, v1 x4, v2 x4, v3 x4]` (each
+    /// lane's `d` when a pair's four sub-blocks of 16 have their own scales).
+    #[inline(always)]
+    unsafe fn four_lanes_each(v: __m128) -> __m512 {
+        let index = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+        _mm512_permutexvar_ps(index, _mm512_castps128_ps512(v))
+    }
+
     /// The f16 values at `a` and `b` (their 16-bit words, and with `pairs` the word after each
     /// too), as f32 lanes `[a, b]` or `[a, a', b, b']`.
     #[inline(always)]
@@ -432,7 +465,7 @@ mod kernels {
     /// The per-lane `d` of an unpacked pair's scales.
     #[inline(always)]
     unsafe fn lane_scales<const KIND: u8>(scales: __m128) -> __m512 {
-        per_lane(scales, if KIND == Q4_1 || KIND == Q5_1 { 2 } else { 1 })
+        per_lane(scales, if has_min(KIND) { 2 } else { 1 })
     }
 
     /// Whether format `KIND`'s values are `d q + m` (Q4_1, Q5_1; Q4_K, Q5_K per sub-block): its
@@ -442,8 +475,8 @@ mod kernels {
     }
 
     /// An unpacked pair against x's pair: adds the products, scaled to floats, into `acc`, and
-    /// the `m` term of the formats with one into `side`. Q8_0 keeps `p1`'s products apart from the others' so that no
-    /// lane passes 32 bits.
+    /// the `m` term of the formats with one into `side`. Q8_0 keeps `p1`'s products apart from
+    /// the others' so that no lane passes 32 bits.
     #[inline(always)]
     unsafe fn apply<const KIND: u8>(
         w: __m512i,
@@ -550,16 +583,8 @@ mod kernels {
     #[inline(always)]
     unsafe fn q5_k_pair(sb: *const u8, j: usize, d: f32, dmin: f32) -> (__m512i, __m128) {
         let (nibbles, values) = q4_k_pair(sb, 48, j, d, dmin);
-        // qh 0-15 | 0-15 | 16-31 | 16-31: the pair's bytes a 0-15, b 0-15, a 16-31, b 16-31.
-        let qh = _mm512_castsi256_si512(_mm256_loadu_si256(sb.add(16).cast()));
-        let qh = _mm512_shuffle_i64x2::<0b01_01_00_00>(qh, qh);
-        let (bit_a, bit_b) = (1i8 << (2 * j), (2u8 << (2 * j)) as i8);
-        let select = _mm512_inserti64x4::<1>(
-            _mm512_castsi256_si512(_mm256_setr_m128i(_mm_set1_epi8(bit_a), _mm_set1_epi8(bit_b))),
-            _mm256_setr_m128i(_mm_set1_epi8(bit_a), _mm_set1_epi8(bit_b)),
-        );
-        let fifth = _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(qh, select), _mm512_set1_epi8(0x10));
-        (_mm512_or_si512(nibbles, fifth), values)
+        let j = j as u32;
+        (_mm512_or_si512(nibbles, bit_bytes(sb.add(16), 2 * j, 2 * j + 1, 0x10)), values)
     }
 
     /// Bytes of a Q6_K super-block: ql[128] (low 4 bits), qh[64] (high 2 bits), 16 signed scales
@@ -589,10 +614,9 @@ mod kernels {
         );
         let sc = sb.add(192 + 8 * h).cast::<i8>();
         let s = |k: usize| d * f32::from(sc.add(k).read());
-        let index = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
         // Lanes: a 0-15 (sub-block 0 of the pair), b 0-15 (2), a 16-31 (1), b 16-31 (3).
-        let d0 = _mm512_permutexvar_ps(index, _mm512_castps128_ps512(_mm_setr_ps(s(0), s(2), s(1), s(3))));
-        let d1 = _mm512_permutexvar_ps(index, _mm512_castps128_ps512(_mm_setr_ps(s(4), s(6), s(5), s(7))));
+        let d0 = four_lanes_each(_mm_setr_ps(s(0), s(2), s(1), s(3)));
+        let d1 = four_lanes_each(_mm_setr_ps(s(4), s(6), s(5), s(7)));
         (w0, d0, w1, d1)
     }
 
@@ -621,30 +645,15 @@ mod kernels {
         let (h, s) = (j / 2, 2 * (j % 2));
         // qs 0-15 | 0-15 | 16-31 | 16-31 of the half: the pair's bytes a 0-15, b 0-15, a 16-31,
         // b 16-31, a's at shift 2s, b's at 2s + 2.
-        let q = _mm512_castsi256_si512(_mm256_loadu_si256(sb.add(32 + 32 * h).cast()));
-        let q = _mm512_shuffle_i64x2::<0b01_01_00_00>(q, q);
-        let (shift_a, shift_b) = (2 * s as i16, 2 * s as i16 + 2);
-        let counts = _mm512_inserti64x4::<1>(
-            _mm512_castsi256_si512(_mm256_setr_m128i(_mm_set1_epi16(shift_a), _mm_set1_epi16(shift_b))),
-            _mm256_setr_m128i(_mm_set1_epi16(shift_a), _mm_set1_epi16(shift_b)),
-        );
+        let q = shared_bytes(sb.add(32 + 32 * h));
+        let counts = alternate(_mm_set1_epi16(2 * s as i16), _mm_set1_epi16(2 * s as i16 + 2));
         let low = _mm512_and_si512(_mm512_srlv_epi16(q, counts), _mm512_set1_epi8(3));
-        let hm = _mm512_castsi256_si512(_mm256_loadu_si256(sb.cast()));
-        let hm = _mm512_shuffle_i64x2::<0b01_01_00_00>(hm, hm);
-        let (bit_a, bit_b) = ((1u8 << (4 * h + s)) as i8, (1u8 << (4 * h + s + 1)) as i8);
-        let select = _mm512_inserti64x4::<1>(
-            _mm512_castsi256_si512(_mm256_setr_m128i(_mm_set1_epi8(bit_a), _mm_set1_epi8(bit_b))),
-            _mm256_setr_m128i(_mm_set1_epi8(bit_a), _mm_set1_epi8(bit_b)),
-        );
-        let third = _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(hm, select), _mm512_set1_epi8(4));
+        let third_bit = (4 * h + s) as u32;
+        let third = bit_bytes(sb, third_bit, third_bit + 1, 4);
         // Sub-blocks of 16: group g's are 2g and 2g + 1 (values 0-15, 16-31 of the group).
         let (ga, gb) = (2 * j, 2 * j + 1);
         let dl = |k: usize| d * f32::from(i16::from(scales[k]) - 32);
-        let index = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-        let lanes = _mm512_permutexvar_ps(
-            index,
-            _mm512_castps128_ps512(_mm_setr_ps(dl(2 * ga), dl(2 * gb), dl(2 * ga + 1), dl(2 * gb + 1))),
-        );
+        let lanes = four_lanes_each(_mm_setr_ps(dl(2 * ga), dl(2 * gb), dl(2 * ga + 1), dl(2 * gb + 1)));
         (_mm512_or_si512(low, third), lanes)
     }
 

@@ -11,11 +11,10 @@
 //! function is compiled twice, once for the baseline target and once with AVX2 and FMA enabled,
 //! and the second is chosen at run time when the CPU has them.
 //!
-//! On CPUs with AVX-512 VNNI, Q4_0, Q4_1, Q8_0, Q4_K and Q6_K rows take the integer kernels of
-//! `int_dot`
-//! instead: x is prepared once per vector ([`DotX`]) as 23-bit fixed point per block of 32 in three
-//! int8 planes, each block's products are exact 32-bit sums (`vpdpbusd`), scaled once per block
-//! in fp32; the error stays at fp32's level (`sum |w| * amax * 2^-23` per block, `amax` the
+//! On CPUs with AVX-512 VNNI, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q3_K-Q6_K rows take the integer
+//! kernels of `int_dot` instead: x is prepared once per vector ([`DotX`]) as 23-bit fixed point
+//! per block of 32 in three int8 planes, each block's products are exact 32-bit sums
+//! (`vpdpbusd`), scaled once per block in fp32; the error stays at fp32's level (`sum |w| * amax * 2^-23` per block, `amax` the
 //! block's largest |x|). [`dot_rows_many`] unpacks each row once for four vectors (a prompt's
 //! tokens). A single vector's Q8_0 rows keep the float kernel: there the integer one read a
 //! 49152 x 576 matrix (SmolLM2's output layer) from memory at half the float kernel's speed, while
@@ -711,8 +710,8 @@ mod avx2 {
 
 /// x prepared once for the dot products of many rows: the floats, and where the CPU has AVX-512
 /// VNNI and x is finite with a length a multiple of 32, x in fixed point for the integer kernels
-/// of Q4_0, Q4_1, Q8_0, Q4_K and Q6_K (`int_dot`: 23 bits a value against its block's largest
-/// magnitude).
+/// of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q3_K-Q6_K (`int_dot`: 23 bits a value against its block's
+/// largest magnitude).
 pub struct DotX {
     x: Vec<f32>,
     int: Option<IntX>,
@@ -733,7 +732,7 @@ impl DotX {
     /// Whether the rows of `dtype` go through the integer kernels for this vector alone
     /// ([`dot_rows_x`]; [`dot_rows_many`] takes them for Q8_0 too).
     pub fn uses_integer_kernel(&self, dtype: DType) -> bool {
-        self.int.is_some() && int_dot::served(dtype) && int_dot::single_vector(dtype)
+        self.int.is_some() && int_dot::single_vector(dtype)
     }
 }
 
@@ -810,7 +809,7 @@ pub fn dot_rows_x(dtype: DType, rows_bytes: &[u8], x: &DotX, out: &mut [f32]) ->
         return Ok(());
     }
     #[cfg(target_arch = "x86_64")]
-    if let (Some(int), true, true) = (&x.int, int_dot::served(dtype), int_dot::single_vector(dtype)) {
+    if let (Some(int), true) = (&x.int, int_dot::single_vector(dtype)) {
         // SAFETY: `int` exists only where int_dot::available() held and holds `cols / 32`
         // blocks; the rows hold `out.len()` rows of `cols` values of `dtype` (checked above:
         // `bytes_for` took whole blocks of it).

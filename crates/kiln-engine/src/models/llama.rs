@@ -667,19 +667,23 @@ fn append_keys(keys: &mut Vec<f32>, start: usize, k: &[f32], kv_width: usize) {
     }
 }
 
-/// The scores `q . k_p * scale` of a tile's KEY_TILE positions (`tile`: `[head_dim][KEY_TILE]`):
-/// each position's running sum over the head dimension, in order, from -0.0 (as
-/// `Iterator::sum`), so every score is the sum one position at a time would give, and the
-/// positions are the lanes of SIMD registers.
+/// The scores `q . k_p * scale` of `N` tiles' KEY_TILE positions each (a tile:
+/// `[head_dim][KEY_TILE]`): each position's running sum over the head dimension, in order, from
+/// -0.0 (as `Iterator::sum`), so every score is the sum one position at a time would give; the
+/// positions are the lanes of SIMD registers, and the `N` tiles `N` independent chains in flight.
 #[inline(always)]
-fn tile_scores(qh: &[f32], tile: &[f32], scale: f32) -> [f32; KEY_TILE] {
-    let mut sums = [-0.0f32; KEY_TILE];
-    for (&qd, kd) in qh.iter().zip(tile.chunks_exact(KEY_TILE)) {
-        for (sum, &kv) in sums.iter_mut().zip(kd) {
-            *sum += qd * kv;
+fn tile_scores<const N: usize>(qh: &[f32], tiles: [&[f32]; N], scale: f32) -> [[f32; KEY_TILE]; N] {
+    let mut sums = [[-0.0f32; KEY_TILE]; N];
+    for (d, &qd) in qh.iter().enumerate() {
+        for (tile_sums, tile) in sums.iter_mut().zip(tiles) {
+            if let Some(kd) = tile[d * KEY_TILE..].first_chunk::<KEY_TILE>() {
+                for (sum, &kv) in tile_sums.iter_mut().zip(kd) {
+                    *sum += qd * kv;
+                }
+            }
         }
     }
-    sums.map(|s| s * scale)
+    sums.map(|tile| tile.map(|s| s * scale))
 }
 
 /// One KV head of a layer's cache as attention reads it: the tiled keys, the values, and where
@@ -707,12 +711,12 @@ fn head_attention(qh: &[f32], cache: HeadCache<'_>, scale: f32, visible: usize, 
         for (group, dst) in (&mut groups).enumerate() {
             let tiles: [&[f32]; 4] =
                 std::array::from_fn(|i| &keys[tile_at(4 * group + i)..][..hd * KEY_TILE]);
-            dst.copy_from_slice(tile_scores4(qh, tiles, scale).as_flattened());
+            dst.copy_from_slice(tile_scores(qh, tiles, scale).as_flattened());
         }
         let done = visible - groups.into_remainder().len();
         for (i, dst) in scores[done..].chunks_mut(KEY_TILE).enumerate() {
             let at = tile_at(done / KEY_TILE + i);
-            let sums = tile_scores(qh, &keys[at..at + hd * KEY_TILE], scale);
+            let [sums] = tile_scores(qh, [&keys[at..at + hd * KEY_TILE]], scale);
             dst.copy_from_slice(&sums[..dst.len()]);
         }
         let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -759,22 +763,6 @@ fn head_attention(qh: &[f32], cache: HeadCache<'_>, scale: f32, visible: usize, 
         return unsafe { run_avx512(qh, cache, scale, visible, o) };
     }
     run(qh, cache, scale, visible, o)
-}
-
-/// [`tile_scores`] of four tiles at once: the same sums, four independent chains in flight.
-#[inline(always)]
-fn tile_scores4(qh: &[f32], tiles: [&[f32]; 4], scale: f32) -> [[f32; KEY_TILE]; 4] {
-    let mut sums = [[-0.0f32; KEY_TILE]; 4];
-    for (d, &qd) in qh.iter().enumerate() {
-        for (tile_sums, tile) in sums.iter_mut().zip(tiles) {
-            if let Some(kd) = tile[d * KEY_TILE..].first_chunk::<KEY_TILE>() {
-                for (sum, &kv) in tile_sums.iter_mut().zip(kd) {
-                    *sum += qd * kv;
-                }
-            }
-        }
-    }
-    sums.map(|tile| tile.map(|s| s * scale))
 }
 
 /// The head counts and size of an attention.
