@@ -33,6 +33,7 @@ fn main() -> kiln_core::Result<()> {
         DType::Q4_0,
         DType::Q5_0,
         DType::Q5_1,
+        DType::Q2_K,
         DType::Q3_K,
         DType::Q6_K,
         DType::Q4_K,

@@ -213,11 +213,23 @@ impl Rng {
     }
 }
 
-/// Random blocks of `dtype` (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K): finite f16 scales,
+/// Random blocks of `dtype` (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K): finite f16 scales,
 /// and with `extreme` every quant at an end of its range (Q8_0's -128, Q4's 0, Q5's and the K
 /// formats' largest), the largest sums the integer kernels meet.
 fn random_blocks(rng: &mut Rng, dtype: DType, blocks: usize, extreme: bool) -> Vec<u8> {
     let mut bytes = Vec::new();
+    if dtype == DType::Q2_K {
+        // A super-block a 8 blocks: random scales, mins and quants (with `extreme`, every scale,
+        // min and quant at its largest), d and dmin small.
+        for _ in 0..blocks / 8 {
+            bytes.extend((0..80).map(|_| if extreme { 0xFF } else { rng.next() as u8 }));
+            for _ in 0..2 {
+                let v = half::f16::from_f32(0.0005 + (rng.next() % 1000) as f32 / 100_000.0);
+                bytes.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        return bytes;
+    }
     if dtype == DType::Q3_K {
         // A super-block a 8 blocks: random bits, quants and scales (with `extreme`, every quant 7
         // and every scale 63: the largest products), d small.
@@ -332,13 +344,14 @@ fn integer_dot_products_are_within_the_fixed_point_bound_of_float64() {
         DType::Q5_0,
         DType::Q5_1,
         DType::Q8_0,
+        DType::Q2_K,
         DType::Q3_K,
         DType::Q4_K,
         DType::Q5_K,
         DType::Q6_K,
     ] {
         let shapes: &[(usize, usize, bool)] =
-            if matches!(dtype, DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K) {
+            if matches!(dtype, DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K) {
                 &[(8, 1, false), (24, 5, false), (48, 64, false), (16, 3, true)]
             } else {
                 &[(1, 1, false), (3, 5, false), (18, 64, false), (48, 7, true), (5, 2, true)]
@@ -409,6 +422,7 @@ fn many_vectors_at_once_give_the_bits_of_one_at_a_time() {
         DType::Q4_1,
         DType::Q5_0,
         DType::Q5_1,
+        DType::Q2_K,
         DType::Q3_K,
         DType::Q4_K,
         DType::Q5_K,
@@ -416,7 +430,9 @@ fn many_vectors_at_once_give_the_bits_of_one_at_a_time() {
         DType::F16,
     ] {
         for (cols, rows, tokens) in [(96, 5, 7), (576, 9, 4), (256, 3, 9), (1536, 2, 1)] {
-            if matches!(dtype, DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K) && cols % 256 != 0 {
+            if matches!(dtype, DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K)
+                && cols % 256 != 0
+            {
                 continue; // K formats hold whole super-blocks of 256
             }
             let row_bytes = dtype.bytes_for(cols as u64).unwrap() as usize;

@@ -1,5 +1,5 @@
-//! The integer dot products of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K and Q6_K rows on
-//! CPUs with AVX-512 VNNI.
+//! The integer dot products of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K rows
+//! on CPUs with AVX-512 VNNI.
 //!
 //! x is written once per vector as 23-bit fixed point per block of 32 values ([`IntX`]): a block
 //! whose largest magnitude is `amax` takes the smallest power of two `s` with `amax / s` at most
@@ -15,7 +15,11 @@
 //! Q5_0's `-16` off each lane). Q4_K is Q4_1 per sub-block of 32 (`(d sc) q - dmin m`, the scales
 //! unpacked once a super-block of 256), and Q5_K is Q5_1 per sub-block. Q3_K's quants go in as
 //! `q + 4` (0..7, whose `4 x` comes off each lane) and Q6_K's as `q` (not `q - 32`, whose `32 x`
-//! comes off each lane), each with `d sc` a lane of its sub-block of 16. Q4_1's `m` term takes
+//! comes off each lane), each with `d sc` a lane of its sub-block of 16. Q2_K's quants go in as
+//! they are (0..3), with `d sc` a lane of its sub-block of 16, and its `-dmin m` term takes each
+//! lane's sum of the fixed-point x (`offset8 / 8`, exact integers): a sub-block of 16 is four
+//! lanes of a pair, so `sum((d sc q - dmin m) x)` is `s (d sc P - dmin m Q)` lane by lane, P the
+//! lane's products and Q its sum of x's integers. Q4_1's `m` term takes
 //! `m * sum(x)`, the block's sum of the exact x; Q4_0's `-8` and Q8_0's `+128` (its signed bytes
 //! made unsigned for `vpdpbusd`) come off each lane as integers, so nothing cancels in floating
 //! point.
@@ -184,8 +188,8 @@ pub(crate) fn available() -> bool {
     false
 }
 
-/// The formats with an integer kernel: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks of 32) and Q3_K,
-/// Q4_K, Q5_K, Q6_K (super-blocks of 256).
+/// The formats with an integer kernel: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks of 32) and Q2_K,
+/// Q3_K, Q4_K, Q5_K, Q6_K (super-blocks of 256).
 pub(crate) fn served(dtype: kiln_core::DType) -> bool {
     use kiln_core::DType;
     matches!(
@@ -195,6 +199,7 @@ pub(crate) fn served(dtype: kiln_core::DType) -> bool {
             | DType::Q5_0
             | DType::Q5_1
             | DType::Q8_0
+            | DType::Q2_K
             | DType::Q3_K
             | DType::Q4_K
             | DType::Q5_K
@@ -229,6 +234,7 @@ pub(crate) unsafe fn dot_rows(dtype: kiln_core::DType, rows: &[u8], x: &IntX, ou
         DType::Q5_K => kernels::rows_k::<{ kernels::Q5_K }, { kernels::Q5_K_BYTES }, 1>(rows, [x], [out]),
         DType::Q6_K => kernels::rows_k::<{ kernels::Q6_K }, { kernels::Q6_K_BYTES }, 1>(rows, [x], [out]),
         DType::Q3_K => kernels::rows_k::<{ kernels::Q3_K }, { kernels::Q3_K_BYTES }, 1>(rows, [x], [out]),
+        DType::Q2_K => kernels::rows_k::<{ kernels::Q2_K }, { kernels::Q2_K_BYTES }, 1>(rows, [x], [out]),
         _ => out.fill(f32::NAN),
     }
 }
@@ -252,6 +258,7 @@ pub(crate) unsafe fn dot_rows4(dtype: kiln_core::DType, rows: &[u8], xs: [&IntX;
         DType::Q5_K => kernels::rows_k::<{ kernels::Q5_K }, { kernels::Q5_K_BYTES }, 4>(rows, xs, out),
         DType::Q6_K => kernels::rows_k::<{ kernels::Q6_K }, { kernels::Q6_K_BYTES }, 4>(rows, xs, out),
         DType::Q3_K => kernels::rows_k::<{ kernels::Q3_K }, { kernels::Q3_K_BYTES }, 4>(rows, xs, out),
+        DType::Q2_K => kernels::rows_k::<{ kernels::Q2_K }, { kernels::Q2_K_BYTES }, 4>(rows, xs, out),
         _ => out.into_iter().for_each(|o| o.fill(f32::NAN)),
     }
 }
@@ -271,6 +278,7 @@ mod kernels {
     pub(super) const Q5_1: u8 = 6;
     pub(super) const Q5_K: u8 = 7;
     pub(super) const Q3_K: u8 = 8;
+    pub(super) const Q2_K: u8 = 9;
 
     /// A block of zero bytes: the partner of an odd row's last block (scale 0, quants 0; its x
     /// values are zero).
@@ -489,8 +497,8 @@ mod kernels {
         let scale = _mm512_load_ps(x.scale.as_ptr());
         let sums = match KIND {
             // Q4_K's (Q5_K's) sub-blocks are Q4_1 (Q5_1) blocks (`d sc`, `-dmin m`); five-bit
-            // quants: at most 4 * 31 * Q_MAX < 2^30 a lane.
-            Q4_1 | Q4_K | Q5_1 | Q5_K => _mm512_cvtepi32_ps(planes_q4(w, x)),
+            // quants: at most 4 * 31 * Q_MAX < 2^30 a lane. Q2_K's quants as they are.
+            Q4_1 | Q4_K | Q5_1 | Q5_K | Q2_K => _mm512_cvtepi32_ps(planes_q4(w, x)),
             Q4_0 => _mm512_cvtepi32_ps(_mm512_sub_epi32(
                 planes_q4(w, x),
                 _mm512_load_si512(x.offset8.as_ptr().cast()),
@@ -521,6 +529,12 @@ mod kernels {
             }
         };
         *acc = _mm512_fmadd_ps(_mm512_mul_ps(sums, scale), d, *acc);
+        if KIND == Q2_K {
+            // `-dmin m` of each lane's sub-block (`scales`: `-dmin m / 8` of the pair's four
+            // sub-blocks in lane order) times the lane's x: `8 Q` as integers, exact in 32 bits.
+            let q8 = _mm512_cvtepi32_ps(_mm512_load_si512(x.offset8.as_ptr().cast()));
+            *acc = _mm512_fmadd_ps(_mm512_mul_ps(q8, scale), four_lanes_each(scales), *acc);
+        }
         if has_min(KIND) {
             *side = _mm_fmadd_ps(scales, _mm_loadu_ps(x.sums.as_ptr()), *side);
         }
@@ -657,9 +671,33 @@ mod kernels {
         (_mm512_or_si512(low, third), lanes)
     }
 
-    /// A super-block of format `KIND` (Q3_K, Q4_K, Q5_K, Q6_K) as its four pairs of sub-blocks, unpacked:
-    /// each pair's weight bytes, its scales as [`apply`] takes them (Q4_K's and Q5_K's `[d sc_a, -dmin m_a,
-    /// d sc_b, -dmin m_b]`; unused for Q6_K) and each lane's `d`.
+    /// Bytes of a Q2_K super-block: 16 scales (a sub-block of 16: `sc` the low nibble, `m` the
+    /// high), qs[64] (two bits a quant, four groups of 32 a byte as in Q3_K), d, dmin (f16).
+    pub(super) const Q2_K_BYTES: usize = 84;
+
+    /// Pair `j` of a Q2_K super-block's groups of 32 (`2j`, `2j + 1`, laid out as Q3_K's low
+    /// bits), unpacked: the 64 quants (0..3) in the pair's order, `-dmin m / 8` of the pair's
+    /// four sub-blocks of 16 in lane order (a 0-15, b 0-15, a 16-31, b 16-31) and each lane's
+    /// `d sc`. `d sc` and `dmin m` are exact in f32 (11 by 4 bits), as the reference's.
+    #[inline(always)]
+    unsafe fn q2_k_pair(sb: *const u8, j: usize, d: f32, dmin: f32) -> (__m512i, __m128, __m512) {
+        let (h, s) = (j / 2, 2 * (j % 2));
+        let q = shared_bytes(sb.add(16 + 32 * h));
+        let counts = alternate(_mm_set1_epi16(2 * s as i16), _mm_set1_epi16(2 * s as i16 + 2));
+        let w = _mm512_and_si512(_mm512_srlv_epi16(q, counts), _mm512_set1_epi8(3));
+        // Sub-blocks 4j, 4j + 2 (values 0-15 of groups 2j, 2j + 1), then 4j + 1, 4j + 3.
+        let order = [4 * j, 4 * j + 2, 4 * j + 1, 4 * j + 3];
+        let sc = |k: usize| sb.add(order[k]).read();
+        let dl = |k: usize| d * f32::from(sc(k) & 0x0F);
+        let ml = |k: usize| dmin * f32::from(sc(k) >> 4) * -0.125;
+        let mins = _mm_setr_ps(ml(0), ml(1), ml(2), ml(3));
+        (w, mins, four_lanes_each(_mm_setr_ps(dl(0), dl(1), dl(2), dl(3))))
+    }
+
+    /// A super-block of format `KIND` (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) as its four pairs of sub-blocks,
+    /// unpacked: each pair's weight bytes, its scales as [`apply`] takes them (Q4_K's and Q5_K's `[d sc_a,
+    /// -dmin m_a, d sc_b, -dmin m_b]`, Q2_K's `-dmin m / 8` of its four sub-blocks; unused for Q3_K and
+    /// Q6_K) and each lane's `d`.
     #[inline(always)]
     unsafe fn super_pairs<const KIND: u8>(sb: *const u8) -> [(__m512i, __m128, __m512); 4] {
         if KIND == Q4_K || KIND == Q5_K {
@@ -673,6 +711,15 @@ mod kernels {
                 (w1, v1, per_lane(v1, 2)),
                 (w2, v2, per_lane(v2, 2)),
                 (w3, v3, per_lane(v3, 2)),
+            ]
+        } else if KIND == Q2_K {
+            let d = crate::formats::quant::f16_to_f32(sb.add(80).cast::<u16>().read_unaligned().to_le());
+            let dmin = crate::formats::quant::f16_to_f32(sb.add(82).cast::<u16>().read_unaligned().to_le());
+            [
+                q2_k_pair(sb, 0, d, dmin),
+                q2_k_pair(sb, 1, d, dmin),
+                q2_k_pair(sb, 2, d, dmin),
+                q2_k_pair(sb, 3, d, dmin),
             ]
         } else if KIND == Q3_K {
             let d = crate::formats::quant::f16_to_f32(sb.add(108).cast::<u16>().read_unaligned().to_le());
@@ -692,7 +739,7 @@ mod kernels {
         }
     }
 
-    /// Every row of `rows` of a super-block format `KIND` (Q3_K, Q4_K, Q5_K, Q6_K; `BYTES` a super-block,
+    /// Every row of `rows` of a super-block format `KIND` (Q2_K-Q6_K; `BYTES` a super-block,
     /// each row `x.blocks / 8` of them) against `T` vectors of x: `out[t][r]`. Each super-block
     /// is unpacked once for the `T` vectors, and each vector's sums are those it gets alone.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c,fma")]

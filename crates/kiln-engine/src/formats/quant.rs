@@ -11,7 +11,7 @@
 //! function is compiled twice, once for the baseline target and once with AVX2 and FMA enabled,
 //! and the second is chosen at run time when the CPU has them.
 //!
-//! On CPUs with AVX-512 VNNI, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q3_K-Q6_K rows take the integer
+//! On CPUs with AVX-512 VNNI, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K-Q6_K rows take the integer
 //! kernels of `int_dot` instead: x is prepared once per vector ([`DotX`]) as 23-bit fixed point
 //! per block of 32 in three int8 planes, each block's products are exact 32-bit sums
 //! (`vpdpbusd`), scaled once per block in fp32; the error stays at fp32's level (`sum |w| * amax * 2^-23` per block, `amax` the
@@ -710,7 +710,7 @@ mod avx2 {
 
 /// x prepared once for the dot products of many rows: the floats, and where the CPU has AVX-512
 /// VNNI and x is finite with a length a multiple of 32, x in fixed point for the integer kernels
-/// of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q3_K-Q6_K (`int_dot`: 23 bits a value against its block's
+/// of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K-Q6_K (`int_dot`: 23 bits a value against its block's
 /// largest magnitude).
 pub struct DotX {
     x: Vec<f32>,
