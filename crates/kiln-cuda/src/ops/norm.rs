@@ -720,6 +720,8 @@ fn norm_launch(
         )?;
         row_groups.min(per_multiprocessor * multiprocessors)
     } else {
+        // One block a group of segments; with one segment a block, exactly one block a segment,
+        // which the kernel relies on (KILN_NORM_EXACT_GRID: no check that the segment exists).
         row_groups
     };
     let blocks = u32::try_from(blocks)
