@@ -13,7 +13,8 @@ use kiln_engine::fetch::{self, DEFAULT_MODEL};
 use kiln_engine::generate::{
     generate, generate_batch_gpu, generate_gpu, GenerateOptions, Request, StopReason,
 };
-use kiln_engine::models::gpu::{GpuEngine, GpuOptions};
+use kiln_engine::models::gpu::{check_formats, GpuEngine, GpuOptions};
+use kiln_engine::models::llama::LlamaModel;
 use kiln_engine::models::load_path;
 
 use crate::pull::BarProgress;
@@ -41,7 +42,8 @@ impl KvCache {
 /// Where the model runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum DeviceChoice {
-    /// The first CUDA GPU when one works (driver, NVRTC and a device found), else the CPU.
+    /// The first CUDA GPU when one works (driver, NVRTC and a device found) and its kernels take
+    /// every weight format of the model, else the CPU.
     Auto,
     /// The CPU, every core (rayon).
     Cpu,
@@ -134,6 +136,35 @@ fn read_prompt(prompt: &str) -> Result<String> {
     Ok(text)
 }
 
+/// FP8 KV pages are the GPU engine's.
+fn check_kv_cache(args: &GenerateArgs, use_gpu: bool) -> Result<()> {
+    if !use_gpu && args.kv_cache != KvCache::Bf16 {
+        return Err(Error::NotServed {
+            op: "--kv-cache fp8",
+            reason: "FP8 KV pages are the GPU engine's; the CPU engine runs on the CPU here".into(),
+        });
+    }
+    Ok(())
+}
+
+/// Whether the GPU runs `model`, `use_gpu` being the device's choice: under `--device auto`, a
+/// model with a weight format the CUDA kernels do not take ([`check_formats`]) runs on the CPU,
+/// with a warning naming the tensor; `--device cuda` fails there, before any upload.
+fn gpu_serves(args: &GenerateArgs, use_gpu: bool, model: &LlamaModel) -> Result<bool> {
+    if !use_gpu {
+        return Ok(false);
+    }
+    match check_formats(model) {
+        Ok(()) => Ok(true),
+        Err(e) if args.device == DeviceChoice::Auto && matches!(e.root(), Error::DTypeNotServed { .. }) => {
+            tracing::warn!("{e}: {}; running on the CPU", e.root());
+            check_kv_cache(args, false)?;
+            Ok(false)
+        }
+        Err(e) => Err(e),
+    }
+}
+
 pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
     let use_gpu = match args.device {
         DeviceChoice::Cpu => false,
@@ -143,12 +174,7 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
         }
         DeviceChoice::Auto => kiln_cuda::probe().cuda_works(),
     };
-    if !use_gpu && args.kv_cache != KvCache::Bf16 {
-        return Err(Error::NotServed {
-            op: "--kv-cache fp8",
-            reason: "FP8 KV pages are the GPU engine's; the CPU engine runs on the CPU here".into(),
-        });
-    }
+    check_kv_cache(args, use_gpu)?;
     if let Some(threads) = args.threads {
         if threads == 0 {
             return Err(Error::InvalidArgument {
@@ -179,6 +205,7 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
     let path = fetch::resolve_model(&args.model, &mut BarProgress::new())?;
     let load_started = Instant::now();
     let (model, tokenizer) = load_path(&path)?;
+    let use_gpu = gpu_serves(args, use_gpu, &model)?;
     let load_time = load_started.elapsed();
     tracing::debug!(config = ?model.config(), "model loaded");
 
@@ -297,6 +324,7 @@ fn run_batch(
     }
     let path = fetch::resolve_model(&args.model, &mut BarProgress::new())?;
     let (model, tokenizer) = load_path(&path)?;
+    let use_gpu = gpu_serves(args, use_gpu, &model)?;
     let mut requests = Vec::with_capacity(lines.len());
     for line in &lines {
         let (text, add_special) = if args.chat {

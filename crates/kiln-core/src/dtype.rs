@@ -245,6 +245,8 @@ mod tests {
             (DType::Q5_K, 256, 2 + 2 + 12 + 32 + 128),
             (DType::Q6_K, 256, 128 + 64 + 16 + 2),
             (DType::Q8_K, 256, 4 + 256 + 32),
+            (DType::IQ4_NL, 32, 2 + 16),
+            (DType::IQ4_XS, 256, 2 + 2 + 4 + 128),
         ];
         for &(d, block, bytes) in expected {
             assert_eq!((d.block_size(), d.block_bytes()), (block, bytes), "{d}");
@@ -280,7 +282,7 @@ mod tests {
 
     #[test]
     fn iq_types_are_listed_not_served() {
-        for d in [DType::IQ2_XXS, DType::IQ4_XS, DType::IQ1_M, DType::TQ2_0] {
+        for d in [DType::IQ2_XXS, DType::IQ2_S, DType::IQ1_M, DType::TQ2_0] {
             assert!(!d.is_served(), "{d}");
         }
     }

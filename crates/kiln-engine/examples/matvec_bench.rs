@@ -38,6 +38,8 @@ fn main() -> kiln_core::Result<()> {
         DType::Q6_K,
         DType::Q4_K,
         DType::Q5_K,
+        DType::IQ4_NL,
+        DType::IQ4_XS,
         DType::F32,
         DType::F16,
         DType::BF16,

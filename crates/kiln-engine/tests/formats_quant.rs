@@ -11,7 +11,7 @@ use kiln_engine::formats::quant::{dequantize_row, dot_row, matvec, SERVED};
 
 const TYPES: &[&str] = &[
     "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-    "Q8_K",
+    "Q8_K", "IQ4_NL", "IQ4_XS",
 ];
 
 fn fixture(name: &str) -> (DType, Vec<u8>, Vec<f32>) {
@@ -213,11 +213,21 @@ impl Rng {
     }
 }
 
-/// Random blocks of `dtype` (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K): finite f16 scales,
+/// Random blocks of `dtype` (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K-Q6_K, IQ4_XS): finite f16 scales,
 /// and with `extreme` every quant at an end of its range (Q8_0's -128, Q4's 0, Q5's and the K
 /// formats' largest), the largest sums the integer kernels meet.
 fn random_blocks(rng: &mut Rng, dtype: DType, blocks: usize, extreme: bool) -> Vec<u8> {
     let mut bytes = Vec::new();
+    if dtype == DType::IQ4_XS {
+        // A super-block a 8 blocks: d small, random scales and codes (with `extreme`, every scale
+        // 0 and every code 0: d (0 - 32) times the grid's -127, the largest products).
+        for _ in 0..blocks / 8 {
+            let d = half::f16::from_f32(0.0005 + (rng.next() % 1000) as f32 / 100_000.0);
+            bytes.extend_from_slice(&d.to_le_bytes());
+            bytes.extend((0..134).map(|_| if extreme { 0x00 } else { rng.next() as u8 }));
+        }
+        return bytes;
+    }
     if dtype == DType::Q2_K {
         // A super-block a 8 blocks: random scales, mins and quants (with `extreme`, every scale,
         // min and quant at its largest), d and dmin small.
@@ -286,12 +296,13 @@ fn random_blocks(rng: &mut Rng, dtype: DType, blocks: usize, extreme: bool) -> V
                     4 + 16
                 }
             }
-            DType::Q4_0 => 16,
+            DType::Q4_0 | DType::IQ4_NL => 16,
             // qh (the fifth bits), then the nibbles.
             DType::Q5_0 => 4 + 16,
             _ => 32,
         };
-        // Q5's largest quants (31), Q8_0's most negative (-128), Q4's smallest (0).
+        // Q5's largest quants (31), Q8_0's most negative (-128), Q4's smallest (0), IQ4_NL's code
+        // 0 (-127).
         let fill = match dtype {
             DType::Q8_0 => 0x80,
             DType::Q5_0 | DType::Q5_1 => 0xFF,
@@ -344,18 +355,22 @@ fn integer_dot_products_are_within_the_fixed_point_bound_of_float64() {
         DType::Q5_0,
         DType::Q5_1,
         DType::Q8_0,
+        DType::IQ4_NL,
         DType::Q2_K,
         DType::Q3_K,
         DType::Q4_K,
         DType::Q5_K,
         DType::Q6_K,
+        DType::IQ4_XS,
     ] {
-        let shapes: &[(usize, usize, bool)] =
-            if matches!(dtype, DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K) {
-                &[(8, 1, false), (24, 5, false), (48, 64, false), (16, 3, true)]
-            } else {
-                &[(1, 1, false), (3, 5, false), (18, 64, false), (48, 7, true), (5, 2, true)]
-            };
+        let shapes: &[(usize, usize, bool)] = if matches!(
+            dtype,
+            DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::IQ4_XS
+        ) {
+            &[(8, 1, false), (24, 5, false), (48, 64, false), (16, 3, true)]
+        } else {
+            &[(1, 1, false), (3, 5, false), (18, 64, false), (48, 7, true), (5, 2, true)]
+        };
         for &(blocks, rows, extreme) in shapes {
             let cols = blocks * 32;
             let bytes = random_blocks(&mut rng, dtype, blocks * rows, extreme);
@@ -399,7 +414,7 @@ fn integer_dot_products_are_within_the_fixed_point_bound_of_float64() {
 #[test]
 fn integer_dot_products_keep_infinities_and_nan() {
     let mut rng = Rng::from_clock();
-    for dtype in [DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q8_0] {
+    for dtype in [DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q8_0, DType::IQ4_NL] {
         let bytes = random_blocks(&mut rng, dtype, 4, false);
         let mut x: Vec<f32> = (0..128).map(|_| rng.unit()).collect();
         x[77] = f32::NAN;
@@ -422,16 +437,20 @@ fn many_vectors_at_once_give_the_bits_of_one_at_a_time() {
         DType::Q4_1,
         DType::Q5_0,
         DType::Q5_1,
+        DType::IQ4_NL,
         DType::Q2_K,
         DType::Q3_K,
         DType::Q4_K,
         DType::Q5_K,
         DType::Q6_K,
+        DType::IQ4_XS,
         DType::F16,
     ] {
         for (cols, rows, tokens) in [(96, 5, 7), (576, 9, 4), (256, 3, 9), (1536, 2, 1)] {
-            if matches!(dtype, DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K)
-                && cols % 256 != 0
+            if matches!(
+                dtype,
+                DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::IQ4_XS
+            ) && cols % 256 != 0
             {
                 continue; // K formats hold whole super-blocks of 256
             }

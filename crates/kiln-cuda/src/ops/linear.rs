@@ -334,6 +334,12 @@ impl LinearVariant {
     }
 }
 
+/// Whether the linear kernels take weights of `dtype` (F32, BF16, F16, Q8_0, Q4_0, Q4_1, Q4_K,
+/// Q6_K): `Ok`, or [`Error::DTypeNotServed`].
+pub fn serves_weight(dtype: DType) -> Result<()> {
+    weight_code(dtype).map(|_| ())
+}
+
 /// The kernel's code of a weight dtype.
 fn weight_code(dtype: DType) -> Result<u32> {
     Ok(match dtype {

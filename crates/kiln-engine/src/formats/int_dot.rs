@@ -1,5 +1,5 @@
-//! The integer dot products of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K rows
-//! on CPUs with AVX-512 VNNI.
+//! The integer dot products of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL
+//! and IQ4_XS rows on CPUs with AVX-512 VNNI.
 //!
 //! x is written once per vector as 23-bit fixed point per block of 32 values ([`IntX`]): a block
 //! whose largest magnitude is `amax` takes the smallest power of two `s` with `amax / s` at most
@@ -19,7 +19,9 @@
 //! they are (0..3), with `d sc` a lane of its sub-block of 16, and its `-dmin m` term takes each
 //! lane's sum of the fixed-point x (`offset8 / 8`, exact integers): a sub-block of 16 is four
 //! lanes of a pair, so `sum((d sc q - dmin m) x)` is `s (d sc P - dmin m Q)` lane by lane, P the
-//! lane's products and Q its sum of x's integers. Q4_1's `m` term takes
+//! lane's products and Q its sum of x's integers. IQ4_NL's and IQ4_XS's 4-bit codes become their
+//! grid's signed bytes by a byte shuffle and go in as Q8_0's do (`+128`, made unsigned), with
+//! IQ4_XS's `d (ls - 32)` a lane of its sub-block of 32. Q4_1's `m` term takes
 //! `m * sum(x)`, the block's sum of the exact x; Q4_0's `-8` and Q8_0's `+128` (its signed bytes
 //! made unsigned for `vpdpbusd`) come off each lane as integers, so nothing cancels in floating
 //! point.
@@ -188,8 +190,8 @@ pub(crate) fn available() -> bool {
     false
 }
 
-/// The formats with an integer kernel: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks of 32) and Q2_K,
-/// Q3_K, Q4_K, Q5_K, Q6_K (super-blocks of 256).
+/// The formats with an integer kernel: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL (blocks of 32) and
+/// Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS (super-blocks of 256).
 pub(crate) fn served(dtype: kiln_core::DType) -> bool {
     use kiln_core::DType;
     matches!(
@@ -204,6 +206,8 @@ pub(crate) fn served(dtype: kiln_core::DType) -> bool {
             | DType::Q4_K
             | DType::Q5_K
             | DType::Q6_K
+            | DType::IQ4_NL
+            | DType::IQ4_XS
     )
 }
 
@@ -235,6 +239,10 @@ pub(crate) unsafe fn dot_rows(dtype: kiln_core::DType, rows: &[u8], x: &IntX, ou
         DType::Q6_K => kernels::rows_k::<{ kernels::Q6_K }, { kernels::Q6_K_BYTES }, 1>(rows, [x], [out]),
         DType::Q3_K => kernels::rows_k::<{ kernels::Q3_K }, { kernels::Q3_K_BYTES }, 1>(rows, [x], [out]),
         DType::Q2_K => kernels::rows_k::<{ kernels::Q2_K }, { kernels::Q2_K_BYTES }, 1>(rows, [x], [out]),
+        DType::IQ4_NL => kernels::rows::<18, { kernels::IQ4_NL }>(rows, x, out),
+        DType::IQ4_XS => {
+            kernels::rows_k::<{ kernels::IQ4_XS }, { kernels::IQ4_XS_BYTES }, 1>(rows, [x], [out])
+        }
         _ => out.fill(f32::NAN),
     }
 }
@@ -259,6 +267,8 @@ pub(crate) unsafe fn dot_rows4(dtype: kiln_core::DType, rows: &[u8], xs: [&IntX;
         DType::Q6_K => kernels::rows_k::<{ kernels::Q6_K }, { kernels::Q6_K_BYTES }, 4>(rows, xs, out),
         DType::Q3_K => kernels::rows_k::<{ kernels::Q3_K }, { kernels::Q3_K_BYTES }, 4>(rows, xs, out),
         DType::Q2_K => kernels::rows_k::<{ kernels::Q2_K }, { kernels::Q2_K_BYTES }, 4>(rows, xs, out),
+        DType::IQ4_NL => kernels::rows4::<18, { kernels::IQ4_NL }>(rows, xs, out),
+        DType::IQ4_XS => kernels::rows_k::<{ kernels::IQ4_XS }, { kernels::IQ4_XS_BYTES }, 4>(rows, xs, out),
         _ => out.into_iter().for_each(|o| o.fill(f32::NAN)),
     }
 }
@@ -279,6 +289,8 @@ mod kernels {
     pub(super) const Q5_K: u8 = 7;
     pub(super) const Q3_K: u8 = 8;
     pub(super) const Q2_K: u8 = 9;
+    pub(super) const IQ4_NL: u8 = 10;
+    pub(super) const IQ4_XS: u8 = 11;
 
     /// A block of zero bytes: the partner of an odd row's last block (scale 0, quants 0; its x
     /// values are zero).
@@ -379,6 +391,17 @@ mod kernels {
         _mm512_maskz_mov_epi8(mask, _mm512_set1_epi8(0x10))
     }
 
+    /// 64 four-bit IQ4 codes (one a byte) as their grid's values plus 128 (unsigned bytes 1..241).
+    #[inline(always)]
+    unsafe fn iq4_grid(codes: __m512i) -> __m512i {
+        let v = crate::formats::quant::IQ4_VALUES.map(|c| (i16::from(c) + 128) as u8 as i8);
+        let table = _mm512_broadcast_i32x4(_mm_setr_epi8(
+            v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9], v[10], v[11], v[12], v[13], v[14],
+            v[15],
+        ));
+        _mm512_shuffle_epi8(table, codes)
+    }
+
     /// 64 bytes whose 128-bit lanes are `a`, `b`, `a`, `b`: one value for the pair's bytes of
     /// block a (0-15 and 32-47), another for block b's.
     #[inline(always)]
@@ -441,7 +464,8 @@ mod kernels {
     ///
     /// Q4_1: `d q + m` per value, `d` at byte 0, `m` at 2, quants at 4. Q4_0: `d (q - 8)`, `d`
     /// at 0, quants at 2. Q5_1: Q4_1's with the fifth bits (`qh`) at 4 and the nibbles at 8.
-    /// Q5_0: `d (q - 16)`, `d` at 0, `qh` at 2, nibbles at 6. Q8_0: `d q` for signed bytes q,
+    /// Q5_0: `d (q - 16)`, `d` at 0, `qh` at 2, nibbles at 6. IQ4_NL: `d v` for v the grid's
+    /// value of each nibble (nibbles at 2), in as `v + 128` as Q8_0's. Q8_0: `d q` for signed bytes q,
     /// `d` at 0, quants at 2: the bytes go in as `q + 128` (unsigned) and each lane's `128 x`
     /// sums come off again.
     #[inline(always)]
@@ -457,6 +481,7 @@ mod kernels {
                 _mm512_or_si512(nibbles(a.add(6), b.add(6)), fifth_bits(a.add(2), b.add(2))),
                 halves::<false>(a, b),
             ),
+            IQ4_NL => (iq4_grid(nibbles(a.add(2), b.add(2))), halves::<false>(a, b)),
             _ => {
                 let ab = _mm512_inserti64x4::<1>(
                     _mm512_castsi256_si512(_mm256_loadu_si256(a.add(2).cast())),
@@ -518,6 +543,8 @@ mod kernels {
                 planes_q4(w, x),
                 _mm512_slli_epi32::<2>(_mm512_load_si512(x.offset8.as_ptr().cast())),
             )),
+            // Q8_0's bytes and the IQ4 grids' values, both `v + 128`: at most 4 * 255 * 127 a lane
+            // for p1, and the lower planes apart.
             _ => {
                 let p = x.planes.as_ptr().cast::<__m512i>();
                 let hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_load_si512(p));
@@ -694,10 +721,25 @@ mod kernels {
         (w, mins, four_lanes_each(_mm_setr_ps(dl(0), dl(1), dl(2), dl(3))))
     }
 
-    /// A super-block of format `KIND` (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) as its four pairs of sub-blocks,
+    /// Bytes of an IQ4_XS super-block: d (f16), scales_h (u16: two high bits a sub-block of 32),
+    /// scales_l[4] (four low bits a sub-block), qs[128] (IQ4_NL's nibbles, 16 bytes a sub-block).
+    pub(super) const IQ4_XS_BYTES: usize = 136;
+
+    /// Pair `j` of an IQ4_XS super-block's sub-blocks (`2j`, `2j + 1`), unpacked as an IQ4_NL
+    /// pair: the 64 grid values plus 128 in the pair's order, and each lane's `d (ls - 32)`
+    /// (exact in f32: 11 by 6 bits, as the reference's).
+    #[inline(always)]
+    unsafe fn iq4_xs_pair(sb: *const u8, j: usize, d: f32) -> (__m512i, __m128, __m512) {
+        let block = std::slice::from_raw_parts(sb, IQ4_XS_BYTES);
+        let dl = |ib: usize| d * (crate::formats::quant::iq4_xs_scale(block, ib) - 32) as f32;
+        let w = iq4_grid(nibbles(sb.add(8 + 32 * j), sb.add(8 + 32 * j + 16)));
+        (w, _mm_setzero_ps(), per_lane(_mm_setr_ps(dl(2 * j), dl(2 * j + 1), 0.0, 0.0), 1))
+    }
+
+    /// A super-block of format `KIND` (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS) as its four pairs of sub-blocks,
     /// unpacked: each pair's weight bytes, its scales as [`apply`] takes them (Q4_K's and Q5_K's `[d sc_a,
-    /// -dmin m_a, d sc_b, -dmin m_b]`, Q2_K's `-dmin m / 8` of its four sub-blocks; unused for Q3_K and
-    /// Q6_K) and each lane's `d`.
+    /// -dmin m_a, d sc_b, -dmin m_b]`, Q2_K's `-dmin m / 8` of its four sub-blocks; unused for Q3_K,
+    /// Q6_K and IQ4_XS) and each lane's `d`.
     #[inline(always)]
     unsafe fn super_pairs<const KIND: u8>(sb: *const u8) -> [(__m512i, __m128, __m512); 4] {
         if KIND == Q4_K || KIND == Q5_K {
@@ -712,6 +754,9 @@ mod kernels {
                 (w2, v2, per_lane(v2, 2)),
                 (w3, v3, per_lane(v3, 2)),
             ]
+        } else if KIND == IQ4_XS {
+            let d = crate::formats::quant::f16_to_f32(sb.cast::<u16>().read_unaligned().to_le());
+            [iq4_xs_pair(sb, 0, d), iq4_xs_pair(sb, 1, d), iq4_xs_pair(sb, 2, d), iq4_xs_pair(sb, 3, d)]
         } else if KIND == Q2_K {
             let d = crate::formats::quant::f16_to_f32(sb.add(80).cast::<u16>().read_unaligned().to_le());
             let dmin = crate::formats::quant::f16_to_f32(sb.add(82).cast::<u16>().read_unaligned().to_le());
@@ -739,7 +784,7 @@ mod kernels {
         }
     }
 
-    /// Every row of `rows` of a super-block format `KIND` (Q2_K-Q6_K; `BYTES` a super-block,
+    /// Every row of `rows` of a super-block format `KIND` (Q2_K-Q6_K, IQ4_XS; `BYTES` a super-block,
     /// each row `x.blocks / 8` of them) against `T` vectors of x: `out[t][r]`. Each super-block
     /// is unpacked once for the `T` vectors, and each vector's sums are those it gets alone.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c,fma")]

@@ -11,7 +11,7 @@
 //! function is compiled twice, once for the baseline target and once with AVX2 and FMA enabled,
 //! and the second is chosen at run time when the CPU has them.
 //!
-//! On CPUs with AVX-512 VNNI, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K-Q6_K rows take the integer
+//! On CPUs with AVX-512 VNNI, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K, IQ4_NL and IQ4_XS rows take the integer
 //! kernels of `int_dot` instead: x is prepared once per vector ([`DotX`]) as 23-bit fixed point
 //! per block of 32 in three int8 planes, each block's products are exact 32-bit sums
 //! (`vpdpbusd`), scaled once per block in fp32; the error stays at fp32's level (`sum |w| * amax * 2^-23` per block, `amax` the
@@ -41,6 +41,8 @@ const Q4_K_BYTES: usize = 144;
 const Q5_K_BYTES: usize = 176;
 const Q6_K_BYTES: usize = 210;
 const Q8_K_BYTES: usize = 292;
+const IQ4_NL_BYTES: usize = 18;
+const IQ4_XS_BYTES: usize = 136;
 
 /// The dtypes [`dequantize_row`] and [`dot_row`] serve.
 pub const SERVED: &[DType] = &[
@@ -58,6 +60,8 @@ pub const SERVED: &[DType] = &[
     DType::Q5_K,
     DType::Q6_K,
     DType::Q8_K,
+    DType::IQ4_NL,
+    DType::IQ4_XS,
 ];
 
 /// f16 bits to f32, exactly (normals, subnormals, infinities, NaN payloads), without branches
@@ -149,6 +153,44 @@ fn dequant_q8_0(b: &[u8; Q8_0_BYTES], y: &mut [f32]) {
     let d = f16_at(b, 0);
     for j in 0..32 {
         y[j] = (b[2 + j] as i8) as f32 * d;
+    }
+}
+
+/// The 16 values of IQ4_NL's (and IQ4_XS's) 4-bit codes: a non-linear grid of signed bytes.
+pub(crate) const IQ4_VALUES: [i8; 16] =
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+
+#[inline(always)]
+fn dequant_iq4_nl(b: &[u8; IQ4_NL_BYTES], y: &mut [f32]) {
+    // d f16 | qs[16]: low nibbles values 0-15, high nibbles 16-31, each a code of IQ4_VALUES.
+    let d = f16_at(b, 0);
+    for j in 0..16 {
+        y[j] = d * f32::from(IQ4_VALUES[usize::from(b[2 + j] & 0x0F)]);
+        y[j + 16] = d * f32::from(IQ4_VALUES[usize::from(b[2 + j] >> 4)]);
+    }
+}
+
+/// The scale of sub-block `ib` (of 32 values) of an IQ4_XS block, still offset by 32: its low
+/// four bits from `scales_l`, its high two from `scales_h`.
+#[inline(always)]
+pub(crate) fn iq4_xs_scale(b: &[u8], ib: usize) -> i32 {
+    let high = u16::from_le_bytes([b[2], b[3]]);
+    let low = (b[4 + ib / 2] >> (4 * (ib % 2))) & 0x0F;
+    i32::from(low) | (i32::from((high >> (2 * ib)) & 3) << 4)
+}
+
+#[inline(always)]
+fn dequant_iq4_xs(b: &[u8; IQ4_XS_BYTES], y: &mut [f32]) {
+    // d f16 | scales_h u16 | scales_l[4] | qs[128]: eight sub-blocks of 32, each IQ4_NL's layout
+    // with its own scale d (ls - 32), rounded once in f32 before the code's value multiplies it.
+    let d = f16_at(b, 0);
+    for ib in 0..8 {
+        let dl = d * (iq4_xs_scale(b, ib) - 32) as f32;
+        let qs = &b[8 + 16 * ib..8 + 16 * ib + 16];
+        for j in 0..16 {
+            y[32 * ib + j] = dl * f32::from(IQ4_VALUES[usize::from(qs[j] & 0x0F)]);
+            y[32 * ib + j + 16] = dl * f32::from(IQ4_VALUES[usize::from(qs[j] >> 4)]);
+        }
     }
 }
 
@@ -343,6 +385,8 @@ pub fn dequantize_row(dtype: DType, bytes: &[u8], out: &mut [f32]) -> Result<()>
         DType::Q5_K => each_block!(Q5_K_BYTES, QK_K, dequant_q5_k),
         DType::Q6_K => each_block!(Q6_K_BYTES, QK_K, dequant_q6_k),
         DType::Q8_K => each_block!(Q8_K_BYTES, QK_K, dequant_q8_k),
+        DType::IQ4_NL => each_block!(IQ4_NL_BYTES, 32, dequant_iq4_nl),
+        DType::IQ4_XS => each_block!(IQ4_XS_BYTES, QK_K, dequant_iq4_xs),
         other => return Err(Error::DTypeNotServed { dtype: other.name(), op: "dequantize_row" }),
     }
     Ok(())
@@ -480,6 +524,8 @@ fn dot_row_unchecked(dtype: DType, bytes: &[u8], x: &[f32]) -> f32 {
         DType::Q5_K => dot_decoded::<Q5_K_BYTES, QK_K>(bytes, x, dequant_q5_k),
         DType::Q6_K => dot_decoded::<Q6_K_BYTES, QK_K>(bytes, x, dequant_q6_k),
         DType::Q8_K => dot_decoded::<Q8_K_BYTES, QK_K>(bytes, x, dequant_q8_k),
+        DType::IQ4_NL => dot_decoded::<IQ4_NL_BYTES, 32>(bytes, x, dequant_iq4_nl),
+        DType::IQ4_XS => dot_decoded::<IQ4_XS_BYTES, QK_K>(bytes, x, dequant_iq4_xs),
         // check_row() refused every other dtype.
         _ => f32::NAN,
     }
@@ -710,7 +756,7 @@ mod avx2 {
 
 /// x prepared once for the dot products of many rows: the floats, and where the CPU has AVX-512
 /// VNNI and x is finite with a length a multiple of 32, x in fixed point for the integer kernels
-/// of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K-Q6_K (`int_dot`: 23 bits a value against its block's
+/// of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K, IQ4_NL and IQ4_XS (`int_dot`: 23 bits a value against its block's
 /// largest magnitude).
 pub struct DotX {
     x: Vec<f32>,

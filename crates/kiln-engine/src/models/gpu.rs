@@ -307,11 +307,36 @@ fn int8_scratch_bytes(model: &LlamaModel) -> usize {
     linear::int8_scratch_bytes(MATVEC_TOKENS, cols)
 }
 
+/// Whether the CUDA kernels take every weight of `model` in its format: each matrix of the layers
+/// and the output head through the linear kernels, the token embedding through the embedding
+/// kernel. The first that does not is [`Error::DTypeNotServed`] in the context of its tensor's
+/// name (`--device cpu` serves every format the loader accepts).
+pub fn check_formats(model: &LlamaModel) -> Result<()> {
+    let matrices = model
+        .layers()
+        .iter()
+        .flat_map(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down])
+        .chain([model.output()]);
+    first_unserved(matrices, model.embedding())
+}
+
+fn first_unserved<'a>(matrices: impl IntoIterator<Item = &'a Linear>, embedding: &Linear) -> Result<()> {
+    let named = |l: &Linear, e: Error| {
+        e.context(format!("tensor `{}` on the GPU (`--device cpu` serves it)", l.name))
+    };
+    for l in matrices {
+        linear::serves_weight(l.dtype).map_err(|e| named(l, e))?;
+    }
+    kiln_cuda::ops::embedding::serves_table(embedding.dtype).map_err(|e| named(embedding, e))
+}
+
 impl GpuPlan {
-    /// The plan of `model` under `options`.
+    /// The plan of `model` under `options` (an error where [`check_formats`] finds a weight the
+    /// kernels do not take).
     pub fn new(model: &LlamaModel, options: &GpuOptions) -> Result<GpuPlan> {
         let c = model.config();
         validate_options(c, options)?;
+        check_formats(model)?;
         let weight_bytes = size_class(arena_bytes(model)?) as u64;
         let rope_positions = options.max_context;
         let rotary = c.rope.rotary_dim;
@@ -1816,6 +1841,30 @@ mod tests {
         let tied = crate::models::load_model(&tiny_llama("tied", true)).unwrap();
         assert_eq!(arena_bytes(&model).unwrap() - arena_bytes(&tied).unwrap(), align(100 * 128 * 2));
         let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// A weight format the CUDA kernels do not take is named with its tensor: a layer's matrix
+    /// (IQ4_XS, Q5_0), the output head, or an embedding table outside the embedding kernel's
+    /// (Q4_K, which the linear kernels take).
+    #[test]
+    fn weights_the_kernels_do_not_take_are_named_with_their_tensor() {
+        let linear =
+            |name: &str, dtype| Linear { name: name.into(), dtype, rows: 256, cols: 256, bias: None };
+        let embed = linear("token_embd.weight", DType::Q8_0);
+        let served = [linear("blk.0.attn_q.weight", DType::Q4_K), linear("output.weight", DType::Q6_K)];
+        assert!(first_unserved(&served, &embed).is_ok());
+        for (bad, dtype) in [("blk.0.ffn_down.weight", DType::IQ4_XS), ("blk.1.attn_v.weight", DType::Q5_0)] {
+            let matrices = [linear("blk.0.attn_q.weight", DType::Q4_0), linear(bad, dtype)];
+            let err = first_unserved(&matrices, &embed).unwrap_err();
+            assert!(err.to_string().contains(bad), "{err}");
+            assert!(
+                matches!(err.root(), Error::DTypeNotServed { dtype: d, .. } if *d == dtype.name()),
+                "{err:?}"
+            );
+        }
+        let err = first_unserved(&served, &linear("token_embd.weight", DType::Q4_K)).unwrap_err();
+        assert!(err.to_string().contains("token_embd.weight"), "{err}");
+        assert!(matches!(err.root(), Error::DTypeNotServed { dtype: "Q4_K", .. }), "{err:?}");
     }
 
     #[test]
