@@ -408,6 +408,53 @@ fn integer_dot_products_are_within_the_fixed_point_bound_of_float64() {
     }
 }
 
+/// The float kernels (the CPUs without AVX-512 VNNI; on x86-64 with AVX2 the hand-written ones
+/// of Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, IQ4_NL and IQ4_XS) against the float64 dot of the dequantized
+/// rows, on random blocks of every block format, one and four vectors: within fp32's rounding of
+/// the sum of |terms|.
+#[test]
+fn float_kernels_match_float64_on_every_block_format() {
+    use kiln_engine::formats::quant::{dot_rows_many, dot_rows_x, DotX};
+    let mut rng = Rng::from_clock();
+    for dtype in [
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q5_0,
+        DType::Q5_1,
+        DType::Q8_0,
+        DType::IQ4_NL,
+        DType::Q2_K,
+        DType::Q3_K,
+        DType::Q4_K,
+        DType::Q5_K,
+        DType::Q6_K,
+        DType::IQ4_XS,
+    ] {
+        for &(blocks, rows, extreme) in &[(8, 3, false), (24, 5, false), (16, 2, true)] {
+            let cols = blocks * 32;
+            let bytes = random_blocks(&mut rng, dtype, blocks * rows, extreme);
+            let x: Vec<f32> = (0..cols).map(|_| rng.unit()).collect();
+            let mut out = vec![f32::NAN; rows];
+            dot_rows_x(dtype, &bytes, &DotX::float(&x), &mut out).unwrap();
+            let four: Vec<DotX> = (0..4).map(|_| DotX::float(&x)).collect();
+            let mut out4 = vec![f32::NAN; 4 * rows];
+            dot_rows_many(dtype, &bytes, &four, &mut out4).unwrap();
+            let row_bytes = bytes.len() / rows;
+            for (r, &got) in out.iter().chain(&out4).enumerate() {
+                let r = r % rows;
+                let mut w = vec![0f32; cols];
+                dequantize_row(dtype, &bytes[r * row_bytes..(r + 1) * row_bytes], &mut w).unwrap();
+                let want: f64 = w.iter().zip(&x).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum();
+                let terms: f64 = w.iter().zip(&x).map(|(&a, &b)| (f64::from(a) * f64::from(b)).abs()).sum();
+                assert!(
+                    (f64::from(got) - want).abs() <= 1e-5 * terms + 1e-30,
+                    "{dtype}, {blocks} blocks, row {r}: {got} vs float64 {want} (sum of |terms| {terms:e})"
+                );
+            }
+        }
+    }
+}
+
 /// x with a value that is not finite is not written in fixed point: a NaN gives NaN, an infinity
 /// never a finite result (Q4_1's `d q x + m x` may meet Inf - Inf and give NaN, as the float
 /// kernels always have).

@@ -579,6 +579,10 @@ fn dot_row_dispatch(dtype: DType, bytes: &[u8], x: &[f32]) -> f32 {
                 DType::Q8_0 => avx2::dot_q8_0(bytes, x),
                 DType::Q4_1 => avx2::dot_q4_1(bytes, x),
                 DType::Q4_0 => avx2::dot_q4_0(bytes, x),
+                DType::Q4_K => avx2::dot_q4_k(bytes, x),
+                DType::Q6_K => avx2::dot_q6_k(bytes, x),
+                DType::IQ4_NL => avx2::dot_iq4_nl(bytes, x),
+                DType::IQ4_XS => avx2::dot_iq4_xs(bytes, x),
                 _ => dot_row_avx2(dtype, bytes, x),
             }
         };
@@ -661,14 +665,19 @@ mod avx512 {
     }
 }
 
-/// Hand-written AVX2/FMA kernels for the formats of the default model: per block, the integer
-/// quants widened to 8 f32 lanes at a time and multiplied into a block sum with FMA, then the
-/// block sum scaled into the running accumulator.
+/// Hand-written AVX2/FMA kernels for the formats of the default model and the common K and IQ4
+/// formats (the float path of CPUs without AVX-512 VNNI): per block of 32 (of 16 for Q6_K's
+/// scales), the integer quants widened to 8 f32 lanes at a time and multiplied into a block sum
+/// with FMA, then the block sum scaled into the running accumulator; Q4_K's `dmin m` term takes
+/// the block's sum of x. IQ4 codes become the grid's signed bytes by a byte shuffle.
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{f16_at, Q4_0_BYTES, Q4_1_BYTES, Q8_0_BYTES};
+    use super::{
+        f16_at, iq4_xs_scale, scale_min_k4, IQ4_NL_BYTES, IQ4_VALUES, IQ4_XS_BYTES, Q4_0_BYTES, Q4_1_BYTES,
+        Q4_K_BYTES, Q6_K_BYTES, Q8_0_BYTES,
+    };
 
     #[inline(always)]
     unsafe fn horizontal_sum(v: __m256) -> f32 {
@@ -736,6 +745,143 @@ mod avx2 {
         horizontal_sum(_mm256_add_ps(acc, acc_min))
     }
 
+    /// The sum over 16 elements of `q[j] * x[j]` (`q` 16 signed bytes).
+    #[inline(always)]
+    unsafe fn half_dot(q: __m128i, x: *const f32) -> __m256 {
+        let (q0, q1) = widen_i8(q);
+        _mm256_fmadd_ps(q1, _mm256_loadu_ps(x.add(8)), _mm256_mul_ps(q0, _mm256_loadu_ps(x)))
+    }
+
+    /// The sum of 32 elements of x, as 8 lanes.
+    #[inline(always)]
+    unsafe fn block_sum(x: *const f32) -> __m256 {
+        _mm256_add_ps(
+            _mm256_add_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x.add(8))),
+            _mm256_add_ps(_mm256_loadu_ps(x.add(16)), _mm256_loadu_ps(x.add(24))),
+        )
+    }
+
+    /// IQ4 codes (16 bytes of nibbles at `q`: low nibbles values 0-15, high 16-31) as the grid's
+    /// signed bytes `(lo, hi)`.
+    #[inline(always)]
+    unsafe fn iq4_codes(q: *const u8) -> (__m128i, __m128i) {
+        let table = _mm_loadu_si128(IQ4_VALUES.as_ptr().cast());
+        let nibble = _mm_set1_epi8(0x0F);
+        let qs = _mm_loadu_si128(q.cast());
+        (
+            _mm_shuffle_epi8(table, _mm_and_si128(qs, nibble)),
+            _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(qs, 4), nibble)),
+        )
+    }
+
+    /// # Safety
+    /// AVX2 and FMA are present; `bytes.len() == x.len() / 32 * 18`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_iq4_nl(bytes: &[u8], x: &[f32]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        for (i, b) in bytes.chunks_exact(IQ4_NL_BYTES).enumerate() {
+            let (lo, hi) = iq4_codes(b.as_ptr().add(2));
+            acc =
+                _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b, 0)), block_dot(lo, hi, x.as_ptr().add(32 * i)), acc);
+        }
+        horizontal_sum(acc)
+    }
+
+    /// # Safety
+    /// AVX2 and FMA are present; `bytes.len() == x.len() / 256 * 136`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_iq4_xs(bytes: &[u8], x: &[f32]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        for (i, b) in bytes.chunks_exact(IQ4_XS_BYTES).enumerate() {
+            let d = f16_at(b, 0);
+            for ib in 0..8 {
+                let (lo, hi) = iq4_codes(b.as_ptr().add(8 + 16 * ib));
+                let dl = _mm256_set1_ps(d * (iq4_xs_scale(b, ib) - 32) as f32);
+                acc = _mm256_fmadd_ps(dl, block_dot(lo, hi, x.as_ptr().add(256 * i + 32 * ib)), acc);
+            }
+        }
+        horizontal_sum(acc)
+    }
+
+    /// # Safety
+    /// AVX2 and FMA are present; `bytes.len() == x.len() / 256 * 144`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_q4_k(bytes: &[u8], x: &[f32]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        let mut acc_min = _mm256_setzero_ps();
+        let nibble = _mm_set1_epi8(0x0F);
+        for (i, b) in bytes.chunks_exact(Q4_K_BYTES).enumerate() {
+            let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+            let scales = &b[4..16];
+            for chunk in 0..4 {
+                // 32 bytes: low nibbles sub-block 2 chunk, high nibbles 2 chunk + 1.
+                let q = b.as_ptr().add(16 + 32 * chunk);
+                let (q0, q1) = (_mm_loadu_si128(q.cast()), _mm_loadu_si128(q.add(16).cast()));
+                for (half, (lo, hi)) in [
+                    (_mm_and_si128(q0, nibble), _mm_and_si128(q1, nibble)),
+                    (
+                        _mm_and_si128(_mm_srli_epi16(q0, 4), nibble),
+                        _mm_and_si128(_mm_srli_epi16(q1, 4), nibble),
+                    ),
+                ]
+                .into_iter()
+                .enumerate()
+                {
+                    let (sc, m) = scale_min_k4(2 * chunk + half, scales);
+                    let xp = x.as_ptr().add(256 * i + 64 * chunk + 32 * half);
+                    acc = _mm256_fmadd_ps(_mm256_set1_ps(d * f32::from(sc)), block_dot(lo, hi, xp), acc);
+                    acc_min = _mm256_fmadd_ps(_mm256_set1_ps(dmin * f32::from(m)), block_sum(xp), acc_min);
+                }
+            }
+        }
+        horizontal_sum(_mm256_sub_ps(acc, acc_min))
+    }
+
+    /// 16 six-bit Q6_K quants less 32 as signed bytes: four bits of `l` from bit `shift_l` (0 or
+    /// 4), two of `h` from bit `shift_h` (a function, not a closure: a closure does not take its
+    /// caller's target features).
+    #[inline(always)]
+    unsafe fn q6_k_quants(l: __m128i, h: __m128i, shift_l: i32, shift_h: i32) -> __m128i {
+        let low = _mm_and_si128(_mm_srl_epi16(l, _mm_cvtsi32_si128(shift_l)), _mm_set1_epi8(0x0F));
+        let high = _mm_and_si128(_mm_srl_epi16(h, _mm_cvtsi32_si128(shift_h)), _mm_set1_epi8(0x03));
+        _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16(high, 4)), _mm_set1_epi8(32))
+    }
+
+    /// # Safety
+    /// AVX2 and FMA are present; `bytes.len() == x.len() / 256 * 210`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_q6_k(bytes: &[u8], x: &[f32]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        for (i, b) in bytes.chunks_exact(Q6_K_BYTES).enumerate() {
+            let d = f16_at(b, 208);
+            for half in 0..2 {
+                // Groups of 32 of the half: ql[0..32] low nibbles with qh bits 0-1, ql[32..64]
+                // low with bits 2-3, ql[0..32] high with bits 4-5, ql[32..64] high with 6-7.
+                let ql = b.as_ptr().add(64 * half);
+                let qh = b.as_ptr().add(128 + 32 * half);
+                let sc = b.as_ptr().add(192 + 8 * half).cast::<i8>();
+                for part in 0..2 {
+                    // Values 16 part .. 16 part + 16 of each group.
+                    let l0 = _mm_loadu_si128(ql.add(16 * part).cast());
+                    let l1 = _mm_loadu_si128(ql.add(32 + 16 * part).cast());
+                    let h = _mm_loadu_si128(qh.add(16 * part).cast());
+                    let groups = [
+                        q6_k_quants(l0, h, 0, 0),
+                        q6_k_quants(l1, h, 0, 2),
+                        q6_k_quants(l0, h, 4, 4),
+                        q6_k_quants(l1, h, 4, 6),
+                    ];
+                    for (g, q) in groups.into_iter().enumerate() {
+                        let scale = d * f32::from(sc.add(2 * g + part).read());
+                        let xp = x.as_ptr().add(256 * i + 128 * half + 32 * g + 16 * part);
+                        acc = _mm256_fmadd_ps(_mm256_set1_ps(scale), half_dot(q, xp), acc);
+                    }
+                }
+            }
+        }
+        horizontal_sum(acc)
+    }
+
     /// # Safety
     /// AVX2 and FMA are present; `bytes.len() == x.len() / 32 * 18`.
     #[target_feature(enable = "avx2,fma")]
@@ -768,6 +914,12 @@ impl DotX {
     pub fn new(x: &[f32]) -> DotX {
         let int = if int_dot::available() { IntX::new(x) } else { None };
         DotX { x: x.to_vec(), int }
+    }
+
+    /// `x` for the float kernels only, whatever the CPU (as `KILN_CPU_NO_VNNI=1` gives every
+    /// vector): what the CPUs without AVX-512 VNNI run.
+    pub fn float(x: &[f32]) -> DotX {
+        DotX { x: x.to_vec(), int: None }
     }
 
     /// The floats.
