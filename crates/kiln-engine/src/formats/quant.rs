@@ -579,7 +579,10 @@ fn dot_row_dispatch(dtype: DType, bytes: &[u8], x: &[f32]) -> f32 {
                 DType::Q8_0 => avx2::dot_q8_0(bytes, x),
                 DType::Q4_1 => avx2::dot_q4_1(bytes, x),
                 DType::Q4_0 => avx2::dot_q4_0(bytes, x),
+                DType::Q5_0 => avx2::dot_q5_0(bytes, x),
+                DType::Q5_1 => avx2::dot_q5_1(bytes, x),
                 DType::Q4_K => avx2::dot_q4_k(bytes, x),
+                DType::Q5_K => avx2::dot_q5_k(bytes, x),
                 DType::Q6_K => avx2::dot_q6_k(bytes, x),
                 DType::IQ4_NL => avx2::dot_iq4_nl(bytes, x),
                 DType::IQ4_XS => avx2::dot_iq4_xs(bytes, x),
@@ -668,15 +671,16 @@ mod avx512 {
 /// Hand-written AVX2/FMA kernels for the formats of the default model and the common K and IQ4
 /// formats (the float path of CPUs without AVX-512 VNNI): per block of 32 (of 16 for Q6_K's
 /// scales), the integer quants widened to 8 f32 lanes at a time and multiplied into a block sum
-/// with FMA, then the block sum scaled into the running accumulator; Q4_K's `dmin m` term takes
-/// the block's sum of x. IQ4 codes become the grid's signed bytes by a byte shuffle.
+/// with FMA, then the block sum scaled into the running accumulator; the `m` terms of Q4_1, Q5_1,
+/// Q4_K and Q5_K take the block's sum of x. IQ4 codes become the grid's signed bytes by a byte
+/// shuffle; Q5 fifth bits become 16 on their bytes by a compare.
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
 
     use super::{
         f16_at, iq4_xs_scale, scale_min_k4, IQ4_NL_BYTES, IQ4_VALUES, IQ4_XS_BYTES, Q4_0_BYTES, Q4_1_BYTES,
-        Q4_K_BYTES, Q6_K_BYTES, Q8_0_BYTES,
+        Q4_K_BYTES, Q5_0_BYTES, Q5_1_BYTES, Q5_K_BYTES, Q6_K_BYTES, Q8_0_BYTES,
     };
 
     #[inline(always)]
@@ -801,6 +805,98 @@ mod avx2 {
             }
         }
         horizontal_sum(acc)
+    }
+
+    /// 16 bytes, 16 where bit `j` of `bits` is set (byte `j`), 0 elsewhere: a Q5 block's fifth bits.
+    #[inline(always)]
+    unsafe fn fifth_bits(bits: u16) -> __m128i {
+        let spread = _mm_shuffle_epi8(
+            _mm_set1_epi16(bits as i16),
+            _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+        );
+        let select = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
+        bit_bytes(spread, select)
+    }
+
+    /// 16 on the bytes of `v` where the bit of `select` (on the same byte) is set, 0 elsewhere.
+    #[inline(always)]
+    unsafe fn bit_bytes(v: __m128i, select: __m128i) -> __m128i {
+        _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(v, select), select), _mm_set1_epi8(0x10))
+    }
+
+    /// A Q5 block's 32 quants (nibbles at `qs`, fifth bits `qh`: bit `j` that of value `j`) as
+    /// `(values 0-15, values 16-31)` in bytes, less `offset`.
+    #[inline(always)]
+    unsafe fn q5_quants(qs: *const u8, qh: u32, offset: i8) -> (__m128i, __m128i) {
+        let nibble = _mm_set1_epi8(0x0F);
+        let q = _mm_loadu_si128(qs.cast());
+        let lo = _mm_or_si128(_mm_and_si128(q, nibble), fifth_bits(qh as u16));
+        let hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(q, 4), nibble), fifth_bits((qh >> 16) as u16));
+        let offset = _mm_set1_epi8(offset);
+        (_mm_sub_epi8(lo, offset), _mm_sub_epi8(hi, offset))
+    }
+
+    /// # Safety
+    /// AVX2 and FMA are present; `bytes.len() == x.len() / 32 * 22`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_q5_0(bytes: &[u8], x: &[f32]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        for (i, b) in bytes.chunks_exact(Q5_0_BYTES).enumerate() {
+            let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+            let (lo, hi) = q5_quants(b.as_ptr().add(6), qh, 16);
+            acc =
+                _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b, 0)), block_dot(lo, hi, x.as_ptr().add(32 * i)), acc);
+        }
+        horizontal_sum(acc)
+    }
+
+    /// # Safety
+    /// AVX2 and FMA are present; `bytes.len() == x.len() / 32 * 24`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_q5_1(bytes: &[u8], x: &[f32]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        let mut acc_min = _mm256_setzero_ps();
+        for (i, b) in bytes.chunks_exact(Q5_1_BYTES).enumerate() {
+            let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+            let (lo, hi) = q5_quants(b.as_ptr().add(8), qh, 0);
+            let xp = x.as_ptr().add(32 * i);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b, 0)), block_dot(lo, hi, xp), acc);
+            acc_min = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b, 2)), block_sum(xp), acc_min);
+        }
+        horizontal_sum(_mm256_add_ps(acc, acc_min))
+    }
+
+    /// # Safety
+    /// AVX2 and FMA are present; `bytes.len() == x.len() / 256 * 176`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_q5_k(bytes: &[u8], x: &[f32]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        let mut acc_min = _mm256_setzero_ps();
+        let nibble = _mm_set1_epi8(0x0F);
+        for (i, b) in bytes.chunks_exact(Q5_K_BYTES).enumerate() {
+            let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+            let scales = &b[4..16];
+            let (h0, h1) =
+                (_mm_loadu_si128(b.as_ptr().add(16).cast()), _mm_loadu_si128(b.as_ptr().add(32).cast()));
+            for chunk in 0..4 {
+                // 32 bytes: low nibbles sub-block 2 chunk (fifth bits: bit 2 chunk of qh),
+                // high nibbles 2 chunk + 1 (bit 2 chunk + 1).
+                let q = b.as_ptr().add(48 + 32 * chunk);
+                let (q0, q1) = (_mm_loadu_si128(q.cast()), _mm_loadu_si128(q.add(16).cast()));
+                for half in 0..2 {
+                    let bit = _mm_set1_epi8((1u8 << (2 * chunk + half)) as i8);
+                    let (l0, l1) =
+                        if half == 0 { (q0, q1) } else { (_mm_srli_epi16(q0, 4), _mm_srli_epi16(q1, 4)) };
+                    let lo = _mm_or_si128(_mm_and_si128(l0, nibble), bit_bytes(h0, bit));
+                    let hi = _mm_or_si128(_mm_and_si128(l1, nibble), bit_bytes(h1, bit));
+                    let (sc, m) = scale_min_k4(2 * chunk + half, scales);
+                    let xp = x.as_ptr().add(256 * i + 64 * chunk + 32 * half);
+                    acc = _mm256_fmadd_ps(_mm256_set1_ps(d * f32::from(sc)), block_dot(lo, hi, xp), acc);
+                    acc_min = _mm256_fmadd_ps(_mm256_set1_ps(dmin * f32::from(m)), block_sum(xp), acc_min);
+                }
+            }
+        }
+        horizontal_sum(_mm256_sub_ps(acc, acc_min))
     }
 
     /// # Safety
