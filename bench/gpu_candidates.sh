@@ -12,10 +12,12 @@
 #            measured before each pair; then every row count's default.
 #   tests    the GPU tests of the LM head and of the norms side by side (bit for bit against the
 #            CPU reference, the candidates and their special-value tests included).
-#   cd bundle && ../bench/gpu_candidates.sh lm-head|lm-head-8|norm|tests RESULTS_DIR
+#   norm-check  the norms' acceptance in one call: every gpu_norm test, then PyTorch's norms and
+#            three processes of `kiln bench norm --default-only` against them (about 450 s).
+#   cd bundle && ../bench/gpu_candidates.sh lm-head|lm-head-8|norm|tests|norm-check RESULTS_DIR
 set -u
-part=${1:?usage: $0 lm-head|norm|tests RESULTS_DIR (run inside the bundle directory)}
-out=${2:?usage: $0 lm-head|norm|tests RESULTS_DIR (run inside the bundle directory)}
+part=${1:?usage: $0 lm-head|lm-head-8|norm|tests|norm-check RESULTS_DIR (run inside the bundle directory)}
+out=${2:?usage: $0 lm-head|lm-head-8|norm|tests|norm-check RESULTS_DIR (run inside the bundle directory)}
 mkdir -p "$out"
 t0=$SECONDS
 T() { local limit=$1 name=$2; shift 2; timeout "$limit" "$@" > "$out/$name.txt" 2>&1; echo "exit $? at $((SECONDS - t0)) s" >> "$out/$name.txt"; }
@@ -39,6 +41,17 @@ if [ "$part" = tests ]; then
   echo "total $((SECONDS - t0)) s"
   exit 0
 fi
+if [ "$part" = norm-check ]; then
+  T 330 test-gpu_norm tests/gpu_norm --test-threads=8
+  grep -E "^test |test result|^exit" "$out/test-gpu_norm.txt"
+  T 150 peer-norm python3 bench/peers/norm.py --out "$out/norm_torch.json"
+  for i in 1 2 3; do
+    T 40 bench-norm-$i ./kiln bench norm --default-only --peer "$out/norm_torch.json"
+  done
+  grep -h -E "^[a-z_0-9]* +[0-9]|^exit|copy" "$out"/bench-norm-*.txt | cut -c1-160
+  echo "total $((SECONDS - t0)) s"
+  exit 0
+fi
 if [ "$part" = lm-head-8 ]; then
   # The default's 4 stages against 2 at 8 rows in alternating orders, PyTorch measured before each
   # pair of processes; then every row count's default.
@@ -53,7 +66,7 @@ if [ "$part" = lm-head-8 ]; then
   echo "total $((SECONDS - t0)) s"
   exit 0
 fi
-[ "$part" = lm-head ] || { echo "unknown part $part (lm-head, lm-head-8, norm or tests)"; exit 2; }
+[ "$part" = lm-head ] || { echo "unknown part $part (lm-head, lm-head-8, norm, tests or norm-check)"; exit 2; }
 nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,clocks_event_reasons.active --format=csv -lms 100 > "$out/smi.csv" 2>&1 &
 smi=$!
 eight=16w/4v/64txs2c,16w/4v/64txs2cm,16w/4v/64txs2cmr2,16w/4v/64txs2cr2,16w/4v/64txs4c,16w/4v/64txs4cm
