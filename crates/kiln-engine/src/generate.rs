@@ -65,7 +65,8 @@ pub fn generate(
     on_token: &mut dyn FnMut(u32) -> Result<bool>,
 ) -> Result<Generation> {
     options.sampling.validate()?;
-    let mut cache = model.new_cache(prompt.len() + options.max_tokens)?;
+    // One position past the prompt even for no new token (`max_tokens` 0 runs the prompt alone).
+    let mut cache = model.new_cache(prompt.len() + options.max_tokens.max(1))?;
     check_prompt(prompt, cache.max_positions(), "the model's context")?;
     let started = Instant::now();
     let mut logits = Vec::new();
@@ -581,5 +582,49 @@ mod batch_tests {
         let err = generate_batch_gpu(&mut e, &requests, &mut |_, _| Ok(true)).unwrap_err();
         assert!(matches!(err, Error::NotServed { op: "fake", .. }), "{err}");
         assert_eq!(e.used, 0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::models::test_models::{write_tiny_model, TinySpec};
+
+    /// `max_tokens` 0 runs the prompt alone (no token, the prompt counted); more tokens follow the
+    /// greedy argmax of the logits, the first one that of the prompt's forward; an empty prompt is a
+    /// named argument error.
+    #[test]
+    fn a_generation_runs_the_prompt_alone_or_greedy_tokens_after_it() {
+        let dir = std::env::temp_dir().join(format!("kiln-generate-{}", std::process::id()));
+        let model =
+            crate::models::load_model(&write_tiny_model(&dir, &TinySpec::llama(), 7).unwrap()).unwrap();
+        let prompt = [5u32, 17, 42, 99];
+        let options = |max_tokens| GenerateOptions {
+            max_tokens,
+            sampling: SamplingParams::greedy(),
+            stop_tokens: Vec::new(),
+            prefill_chunk: 3,
+        };
+        let none = generate(&model, &prompt, &options(0), &mut |_| Ok(true)).unwrap();
+        assert!(none.tokens.is_empty());
+        assert_eq!((none.stop, none.prompt_tokens), (StopReason::MaxTokens, prompt.len()));
+
+        let mut streamed = Vec::new();
+        let three = generate(&model, &prompt, &options(3), &mut |t| {
+            streamed.push(t);
+            Ok(true)
+        })
+        .unwrap();
+        assert_eq!((three.tokens.len(), three.stop), (3, StopReason::MaxTokens));
+        assert_eq!(streamed, three.tokens);
+        let mut cache = model.new_cache(prompt.len() + 1).unwrap();
+        let logits = model.forward(&prompt, &mut cache).unwrap();
+        assert_eq!(Some(three.tokens[0]), kiln_core::ops::sample::argmax(&logits));
+
+        match generate(&model, &[], &options(3), &mut |_| Ok(true)) {
+            Err(Error::InvalidArgument { name: "prompt", .. }) => {}
+            other => panic!("expected a prompt error, got {other:?}"),
+        }
+        let _ = std::fs::remove_dir_all(dir);
     }
 }
