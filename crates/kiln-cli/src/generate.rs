@@ -66,7 +66,7 @@ pub struct GenerateArgs {
     /// A system message for `--chat` (default: the template's own).
     #[arg(long, requires = "chat")]
     pub system: Option<String>,
-    /// The most tokens to generate.
+    /// The most tokens to generate (0 runs the prompt alone: its speed, no token).
     #[arg(long, short = 'n', default_value_t = 256)]
     pub max_tokens: usize,
     /// Sampling temperature; 0 is greedy (the most likely token each step).
