@@ -340,56 +340,81 @@ fn adversarial_x(rng: &mut Rng, blocks: usize) -> Vec<f32> {
     x
 }
 
-/// `dot_rows_x` and `dot_rows_many` (four vectors) over the Q4, Q5, Q8_0 and K rows (the integer
-/// kernels where the CPU has AVX-512 VNNI, but for one vector's Q8_0 rows; the float ones
-/// elsewhere), odd and even block counts and row counts, against the float64
-/// dot of the dequantized rows: within the fixed point's bound, `sum |w| * amax * 2^-23` per
-/// block, plus fp32 rounding (1e-6 of the sum of |terms|).
+/// Every block format the dot products serve: blocks of 32, then super-blocks of 256.
+const BLOCK_FORMATS: [DType; 12] = [
+    DType::Q4_0,
+    DType::Q4_1,
+    DType::Q5_0,
+    DType::Q5_1,
+    DType::Q8_0,
+    DType::IQ4_NL,
+    DType::Q2_K,
+    DType::Q3_K,
+    DType::Q4_K,
+    DType::Q5_K,
+    DType::Q6_K,
+    DType::IQ4_XS,
+];
+
+/// Whether `dtype` comes in super-blocks of 256 (rows of whole super-blocks).
+fn super_blocks(dtype: DType) -> bool {
+    dtype.block_size() == 256
+}
+
+/// `dot_rows_x` of one vector and `dot_rows_many` of four (each x prepared by `prepare`) over
+/// `rows` rows of `dtype` in `bytes`, each result within `bound(w, x, terms)` of the float64 dot
+/// of the dequantized row `w` with x (`terms`: the sum of |w x|).
+fn check_against_float64(
+    dtype: DType,
+    bytes: &[u8],
+    rows: usize,
+    x: &[f32],
+    prepare: impl Fn(&[f32]) -> kiln_engine::formats::quant::DotX,
+    bound: impl Fn(&[f32], &[f32], f64) -> f64,
+) {
+    use kiln_engine::formats::quant::{dot_rows_many, dot_rows_x};
+    let mut out = vec![f32::NAN; rows];
+    dot_rows_x(dtype, bytes, &prepare(x), &mut out).unwrap();
+    let four: Vec<_> = (0..4).map(|_| prepare(x)).collect();
+    let mut out4 = vec![f32::NAN; 4 * rows];
+    dot_rows_many(dtype, bytes, &four, &mut out4).unwrap();
+    let row_bytes = bytes.len() / rows;
+    for (r, &got) in out.iter().chain(&out4).enumerate() {
+        let r = r % rows;
+        let mut w = vec![0f32; x.len()];
+        dequantize_row(dtype, &bytes[r * row_bytes..(r + 1) * row_bytes], &mut w).unwrap();
+        let want: f64 = w.iter().zip(x).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum();
+        let terms: f64 = w.iter().zip(x).map(|(&a, &b)| (f64::from(a) * f64::from(b)).abs()).sum();
+        let bound = bound(&w, x, terms);
+        assert!(
+            (f64::from(got) - want).abs() <= bound,
+            "{dtype}, {} blocks, row {r} of {rows}: {got} vs float64 {want} (bound {bound:e})",
+            x.len() / 32
+        );
+    }
+}
+
+/// `dot_rows_x` and `dot_rows_many` (four vectors) over every block format (the integer kernels
+/// where the CPU has AVX-512 VNNI, but for one vector's Q8_0 rows; the float ones elsewhere), odd
+/// and even block counts and row counts, against the float64 dot of the dequantized rows: within
+/// the fixed point's bound, `sum |w| * amax * 2^-23` per block, plus fp32 rounding (1e-6 of the
+/// sum of |terms|).
 #[test]
 fn integer_dot_products_are_within_the_fixed_point_bound_of_float64() {
-    use kiln_engine::formats::quant::{dot_rows_many, dot_rows_x, DotX};
+    use kiln_engine::formats::quant::DotX;
     let mut rng = Rng::from_clock();
-    for dtype in [
-        DType::Q4_0,
-        DType::Q4_1,
-        DType::Q5_0,
-        DType::Q5_1,
-        DType::Q8_0,
-        DType::IQ4_NL,
-        DType::Q2_K,
-        DType::Q3_K,
-        DType::Q4_K,
-        DType::Q5_K,
-        DType::Q6_K,
-        DType::IQ4_XS,
-    ] {
-        let shapes: &[(usize, usize, bool)] = if matches!(
-            dtype,
-            DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::IQ4_XS
-        ) {
+    for dtype in BLOCK_FORMATS {
+        let shapes: &[(usize, usize, bool)] = if super_blocks(dtype) {
             &[(8, 1, false), (24, 5, false), (48, 64, false), (16, 3, true)]
         } else {
             &[(1, 1, false), (3, 5, false), (18, 64, false), (48, 7, true), (5, 2, true)]
         };
         for &(blocks, rows, extreme) in shapes {
-            let cols = blocks * 32;
             let bytes = random_blocks(&mut rng, dtype, blocks * rows, extreme);
-            let x = if extreme { vec![-0.75f32; cols] } else { adversarial_x(&mut rng, blocks) };
-            let prepared = DotX::new(&x);
-            println!("{dtype} {blocks} blocks: integer kernel {}", prepared.uses_integer_kernel(dtype));
-            let mut out = vec![f32::NAN; rows];
-            dot_rows_x(dtype, &bytes, &prepared, &mut out).unwrap();
+            let x = if extreme { vec![-0.75f32; blocks * 32] } else { adversarial_x(&mut rng, blocks) };
+            println!("{dtype} {blocks} blocks: integer kernel {}", DotX::new(&x).uses_integer_kernel(dtype));
             // Four vectors at once: the integer kernels for Q8_0 too.
-            let four: Vec<DotX> = (0..4).map(|_| DotX::new(&x)).collect();
-            let mut out4 = vec![f32::NAN; 4 * rows];
-            dot_rows_many(dtype, &bytes, &four, &mut out4).unwrap();
-            let row_bytes = bytes.len() / rows;
-            for (r, &got) in out.iter().chain(&out4).enumerate() {
-                let r = r % rows;
-                let mut w = vec![0f32; cols];
-                dequantize_row(dtype, &bytes[r * row_bytes..(r + 1) * row_bytes], &mut w).unwrap();
-                let want: f64 = w.iter().zip(&x).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum();
-                let terms: f64 = w.iter().zip(&x).map(|(&a, &b)| (f64::from(a) * f64::from(b)).abs()).sum();
+            check_against_float64(dtype, &bytes, rows, &x, DotX::new, |w, x, terms| {
                 let fixed: f64 = w
                     .chunks(32)
                     .zip(x.chunks(32))
@@ -398,59 +423,25 @@ fn integer_dot_products_are_within_the_fixed_point_bound_of_float64() {
                         wb.iter().map(|&v| f64::from(v).abs()).sum::<f64>() * amax * 2f64.powi(-23)
                     })
                     .sum();
-                let bound = fixed + 1e-6 * terms + 1e-35;
-                assert!(
-                    (f64::from(got) - want).abs() <= bound,
-                    "{dtype}, {blocks} blocks, row {r} of {rows}: {got} vs float64 {want} (bound {bound:e})"
-                );
-            }
+                fixed + 1e-6 * terms + 1e-35
+            });
         }
     }
 }
 
 /// The float kernels (the CPUs without AVX-512 VNNI; on x86-64 with AVX2 the hand-written ones
-/// of Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, IQ4_NL and IQ4_XS) against the float64 dot of the dequantized
-/// rows, on random blocks of every block format, one and four vectors: within fp32's rounding of
-/// the sum of |terms|.
+/// of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS) against the float64 dot
+/// of the dequantized rows, on random blocks of every block format, one and four vectors: within
+/// fp32's rounding of the sum of |terms|.
 #[test]
 fn float_kernels_match_float64_on_every_block_format() {
-    use kiln_engine::formats::quant::{dot_rows_many, dot_rows_x, DotX};
+    use kiln_engine::formats::quant::DotX;
     let mut rng = Rng::from_clock();
-    for dtype in [
-        DType::Q4_0,
-        DType::Q4_1,
-        DType::Q5_0,
-        DType::Q5_1,
-        DType::Q8_0,
-        DType::IQ4_NL,
-        DType::Q2_K,
-        DType::Q3_K,
-        DType::Q4_K,
-        DType::Q5_K,
-        DType::Q6_K,
-        DType::IQ4_XS,
-    ] {
+    for dtype in BLOCK_FORMATS {
         for &(blocks, rows, extreme) in &[(8, 3, false), (24, 5, false), (16, 2, true)] {
-            let cols = blocks * 32;
             let bytes = random_blocks(&mut rng, dtype, blocks * rows, extreme);
-            let x: Vec<f32> = (0..cols).map(|_| rng.unit()).collect();
-            let mut out = vec![f32::NAN; rows];
-            dot_rows_x(dtype, &bytes, &DotX::float(&x), &mut out).unwrap();
-            let four: Vec<DotX> = (0..4).map(|_| DotX::float(&x)).collect();
-            let mut out4 = vec![f32::NAN; 4 * rows];
-            dot_rows_many(dtype, &bytes, &four, &mut out4).unwrap();
-            let row_bytes = bytes.len() / rows;
-            for (r, &got) in out.iter().chain(&out4).enumerate() {
-                let r = r % rows;
-                let mut w = vec![0f32; cols];
-                dequantize_row(dtype, &bytes[r * row_bytes..(r + 1) * row_bytes], &mut w).unwrap();
-                let want: f64 = w.iter().zip(&x).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum();
-                let terms: f64 = w.iter().zip(&x).map(|(&a, &b)| (f64::from(a) * f64::from(b)).abs()).sum();
-                assert!(
-                    (f64::from(got) - want).abs() <= 1e-5 * terms + 1e-30,
-                    "{dtype}, {blocks} blocks, row {r}: {got} vs float64 {want} (sum of |terms| {terms:e})"
-                );
-            }
+            let x: Vec<f32> = (0..blocks * 32).map(|_| rng.unit()).collect();
+            check_against_float64(dtype, &bytes, rows, &x, DotX::float, |_, _, terms| 1e-5 * terms + 1e-30);
         }
     }
 }
@@ -479,26 +470,9 @@ fn integer_dot_products_keep_infinities_and_nan() {
 fn many_vectors_at_once_give_the_bits_of_one_at_a_time() {
     use kiln_engine::formats::quant::{dot_rows_many, dot_rows_x, DotX};
     let mut rng = Rng::from_clock();
-    for dtype in [
-        DType::Q4_0,
-        DType::Q4_1,
-        DType::Q5_0,
-        DType::Q5_1,
-        DType::IQ4_NL,
-        DType::Q2_K,
-        DType::Q3_K,
-        DType::Q4_K,
-        DType::Q5_K,
-        DType::Q6_K,
-        DType::IQ4_XS,
-        DType::F16,
-    ] {
+    for dtype in BLOCK_FORMATS.into_iter().filter(|&d| d != DType::Q8_0).chain([DType::F16]) {
         for (cols, rows, tokens) in [(96, 5, 7), (576, 9, 4), (256, 3, 9), (1536, 2, 1)] {
-            if matches!(
-                dtype,
-                DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::IQ4_XS
-            ) && cols % 256 != 0
-            {
+            if dtype != DType::F16 && super_blocks(dtype) && cols % 256 != 0 {
                 continue; // K formats hold whole super-blocks of 256
             }
             let row_bytes = dtype.bytes_for(cols as u64).unwrap() as usize;

@@ -867,62 +867,45 @@ mod avx2 {
     }
 
     /// # Safety
+    /// AVX2 and FMA are present; `bytes.len() == x.len() / 256 * 144`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_q4_k(bytes: &[u8], x: &[f32]) -> f32 {
+        dot_k::<false>(bytes, x)
+    }
+
+    /// # Safety
     /// AVX2 and FMA are present; `bytes.len() == x.len() / 256 * 176`.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn dot_q5_k(bytes: &[u8], x: &[f32]) -> f32 {
+        dot_k::<true>(bytes, x)
+    }
+
+    /// Q4_K (`FIFTH` false) and Q5_K (true): d, dmin, 12 bytes of 6-bit scales and mins, for Q5_K
+    /// qh[32] (bit `k` of byte `l` the fifth bit of value `l` of sub-block `k`), then the nibbles,
+    /// 32 bytes per two sub-blocks (low nibbles the first, high the second).
+    #[inline(always)]
+    unsafe fn dot_k<const FIFTH: bool>(bytes: &[u8], x: &[f32]) -> f32 {
+        let (block_bytes, quants) = if FIFTH { (Q5_K_BYTES, 48) } else { (Q4_K_BYTES, 16) };
         let mut acc = _mm256_setzero_ps();
         let mut acc_min = _mm256_setzero_ps();
         let nibble = _mm_set1_epi8(0x0F);
-        for (i, b) in bytes.chunks_exact(Q5_K_BYTES).enumerate() {
+        for (i, b) in bytes.chunks_exact(block_bytes).enumerate() {
             let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
             let scales = &b[4..16];
             let (h0, h1) =
                 (_mm_loadu_si128(b.as_ptr().add(16).cast()), _mm_loadu_si128(b.as_ptr().add(32).cast()));
             for chunk in 0..4 {
-                // 32 bytes: low nibbles sub-block 2 chunk (fifth bits: bit 2 chunk of qh),
-                // high nibbles 2 chunk + 1 (bit 2 chunk + 1).
-                let q = b.as_ptr().add(48 + 32 * chunk);
+                let q = b.as_ptr().add(quants + 32 * chunk);
                 let (q0, q1) = (_mm_loadu_si128(q.cast()), _mm_loadu_si128(q.add(16).cast()));
                 for half in 0..2 {
-                    let bit = _mm_set1_epi8((1u8 << (2 * chunk + half)) as i8);
                     let (l0, l1) =
                         if half == 0 { (q0, q1) } else { (_mm_srli_epi16(q0, 4), _mm_srli_epi16(q1, 4)) };
-                    let lo = _mm_or_si128(_mm_and_si128(l0, nibble), bit_bytes(h0, bit));
-                    let hi = _mm_or_si128(_mm_and_si128(l1, nibble), bit_bytes(h1, bit));
-                    let (sc, m) = scale_min_k4(2 * chunk + half, scales);
-                    let xp = x.as_ptr().add(256 * i + 64 * chunk + 32 * half);
-                    acc = _mm256_fmadd_ps(_mm256_set1_ps(d * f32::from(sc)), block_dot(lo, hi, xp), acc);
-                    acc_min = _mm256_fmadd_ps(_mm256_set1_ps(dmin * f32::from(m)), block_sum(xp), acc_min);
-                }
-            }
-        }
-        horizontal_sum(_mm256_sub_ps(acc, acc_min))
-    }
-
-    /// # Safety
-    /// AVX2 and FMA are present; `bytes.len() == x.len() / 256 * 144`.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot_q4_k(bytes: &[u8], x: &[f32]) -> f32 {
-        let mut acc = _mm256_setzero_ps();
-        let mut acc_min = _mm256_setzero_ps();
-        let nibble = _mm_set1_epi8(0x0F);
-        for (i, b) in bytes.chunks_exact(Q4_K_BYTES).enumerate() {
-            let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
-            let scales = &b[4..16];
-            for chunk in 0..4 {
-                // 32 bytes: low nibbles sub-block 2 chunk, high nibbles 2 chunk + 1.
-                let q = b.as_ptr().add(16 + 32 * chunk);
-                let (q0, q1) = (_mm_loadu_si128(q.cast()), _mm_loadu_si128(q.add(16).cast()));
-                for (half, (lo, hi)) in [
-                    (_mm_and_si128(q0, nibble), _mm_and_si128(q1, nibble)),
-                    (
-                        _mm_and_si128(_mm_srli_epi16(q0, 4), nibble),
-                        _mm_and_si128(_mm_srli_epi16(q1, 4), nibble),
-                    ),
-                ]
-                .into_iter()
-                .enumerate()
-                {
+                    let (mut lo, mut hi) = (_mm_and_si128(l0, nibble), _mm_and_si128(l1, nibble));
+                    if FIFTH {
+                        let bit = _mm_set1_epi8((1u8 << (2 * chunk + half)) as i8);
+                        lo = _mm_or_si128(lo, bit_bytes(h0, bit));
+                        hi = _mm_or_si128(hi, bit_bytes(h1, bit));
+                    }
                     let (sc, m) = scale_min_k4(2 * chunk + half, scales);
                     let xp = x.as_ptr().add(256 * i + 64 * chunk + 32 * half);
                     acc = _mm256_fmadd_ps(_mm256_set1_ps(d * f32::from(sc)), block_dot(lo, hi, xp), acc);
