@@ -9,13 +9,15 @@
 //! block's integer-by-float products by the block's scale, and accumulates in 16 or 32 independent
 //! lanes (fixed-size arrays) so the compiler turns the lanes into SIMD registers. The whole
 //! function is compiled twice, once for the baseline target and once with AVX2 and FMA enabled,
-//! and the second is chosen at run time when the CPU has them.
+//! and the second is chosen at run time when the CPU has them; with AVX2, Q4_0, Q4_1, Q5_0, Q5_1,
+//! Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS take hand-written kernels (`avx2`), the other formats
+//! decode a block at a time into a buffer.
 //!
-//! On CPUs with AVX-512 VNNI, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K, IQ4_NL and IQ4_XS rows take the integer
-//! kernels of `int_dot` instead: x is prepared once per vector ([`DotX`]) as 23-bit fixed point
-//! per block of 32 in three int8 planes, each block's products are exact 32-bit sums
-//! (`vpdpbusd`), scaled once per block in fp32; the error stays at fp32's level (`sum |w| * amax * 2^-23` per block, `amax` the
-//! block's largest |x|). [`dot_rows_many`] unpacks each row once for four vectors (a prompt's
+//! On CPUs with AVX-512 VNNI, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K, IQ4_NL and IQ4_XS rows take
+//! the integer kernels of `int_dot` instead: x is prepared once per vector ([`DotX`]) as 23-bit
+//! fixed point per block of 32 in three int8 planes, each block's products are exact 32-bit sums
+//! (`vpdpbusd`), scaled once per block in fp32; the error stays at fp32's level
+//! (`sum |w| * amax * 2^-23` per block, `amax` the block's largest |x|). [`dot_rows_many`] unpacks each row once for four vectors (a prompt's
 //! tokens). A single vector's Q8_0 rows keep the float kernel: there the integer one read a
 //! 49152 x 576 matrix (SmolLM2's output layer) from memory at half the float kernel's speed, while
 //! over four vectors it takes 0.56x the float kernel's time a vector (`matvec_bench`).
