@@ -9,9 +9,8 @@
 //! block's integer-by-float products by the block's scale, and accumulates in 16 or 32 independent
 //! lanes (fixed-size arrays) so the compiler turns the lanes into SIMD registers. The whole
 //! function is compiled twice, once for the baseline target and once with AVX2 and FMA enabled,
-//! and the second is chosen at run time when the CPU has them; with AVX2, Q4_0, Q4_1, Q5_0, Q5_1,
-//! Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS take hand-written kernels (`avx2`), the other formats
-//! decode a block at a time into a buffer.
+//! and the second is chosen at run time when the CPU has them; with AVX2 every block format but
+//! Q8_K takes a hand-written kernel (`avx2`); Q8_K decodes a block at a time into a buffer.
 //!
 //! On CPUs with AVX-512 VNNI, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K, IQ4_NL and IQ4_XS rows take
 //! the integer kernels of `int_dot` instead: x is prepared once per vector ([`DotX`]) as 23-bit
@@ -583,6 +582,8 @@ fn dot_row_dispatch(dtype: DType, bytes: &[u8], x: &[f32]) -> f32 {
                 DType::Q4_0 => avx2::dot_q4_0(bytes, x),
                 DType::Q5_0 => avx2::dot_q5_0(bytes, x),
                 DType::Q5_1 => avx2::dot_q5_1(bytes, x),
+                DType::Q2_K => avx2::dot_q2_k(bytes, x),
+                DType::Q3_K => avx2::dot_q3_k(bytes, x),
                 DType::Q4_K => avx2::dot_q4_k(bytes, x),
                 DType::Q5_K => avx2::dot_q5_k(bytes, x),
                 DType::Q6_K => avx2::dot_q6_k(bytes, x),
@@ -681,8 +682,9 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use super::{
-        f16_at, iq4_xs_scale, scale_min_k4, IQ4_NL_BYTES, IQ4_VALUES, IQ4_XS_BYTES, Q4_0_BYTES, Q4_1_BYTES,
-        Q4_K_BYTES, Q5_0_BYTES, Q5_1_BYTES, Q5_K_BYTES, Q6_K_BYTES, Q8_0_BYTES,
+        f16_at, iq4_xs_scale, q3_k_scales, scale_min_k4, IQ4_NL_BYTES, IQ4_VALUES, IQ4_XS_BYTES, Q2_K_BYTES,
+        Q3_K_BYTES, Q4_0_BYTES, Q4_1_BYTES, Q4_K_BYTES, Q5_0_BYTES, Q5_1_BYTES, Q5_K_BYTES, Q6_K_BYTES,
+        Q8_0_BYTES,
     };
 
     #[inline(always)]
@@ -817,13 +819,88 @@ mod avx2 {
             _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
         );
         let select = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
-        bit_bytes(spread, select)
+        bit_bytes(spread, select, 0x10)
     }
 
-    /// 16 on the bytes of `v` where the bit of `select` (on the same byte) is set, 0 elsewhere.
+    /// `value` on the bytes of `v` where the bit of `select` (on the same byte) is set, 0
+    /// elsewhere.
     #[inline(always)]
-    unsafe fn bit_bytes(v: __m128i, select: __m128i) -> __m128i {
-        _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(v, select), select), _mm_set1_epi8(0x10))
+    unsafe fn bit_bytes(v: __m128i, select: __m128i, value: i8) -> __m128i {
+        _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(v, select), select), _mm_set1_epi8(value))
+    }
+
+    /// The sum of 16 elements of x, as 8 lanes.
+    #[inline(always)]
+    unsafe fn half_sum(x: *const f32) -> __m256 {
+        _mm256_add_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x.add(8)))
+    }
+
+    /// The two bits at `shift` (0, 2, 4 or 6) of each of 16 bytes.
+    #[inline(always)]
+    unsafe fn two_bits(q: __m128i, shift: i32) -> __m128i {
+        _mm_and_si128(_mm_srl_epi16(q, _mm_cvtsi32_si128(shift)), _mm_set1_epi8(3))
+    }
+
+    /// # Safety
+    /// AVX2 and FMA are present; `bytes.len() == x.len() / 256 * 84`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_q2_k(bytes: &[u8], x: &[f32]) -> f32 {
+        // scales[16] (a sub-block of 16: `sc` the low nibble, `m` the high) | qs[64] | d | dmin:
+        // group g of 32 (half g / 4 of the qs, shift 2 (g % 4)) holds sub-blocks 2g (qs bytes
+        // 0-15) and 2g + 1 (16-31); a value is `d sc q - dmin m`.
+        let mut acc = _mm256_setzero_ps();
+        let mut acc_min = _mm256_setzero_ps();
+        for (i, b) in bytes.chunks_exact(Q2_K_BYTES).enumerate() {
+            let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
+            for half in 0..2 {
+                let q = b.as_ptr().add(16 + 32 * half);
+                let (q0, q1) = (_mm_loadu_si128(q.cast()), _mm_loadu_si128(q.add(16).cast()));
+                for k in 0..4 {
+                    let g = 4 * half + k;
+                    for (part, qs) in [q0, q1].into_iter().enumerate() {
+                        let sc = b[2 * g + part];
+                        let xp = x.as_ptr().add(256 * i + 32 * g + 16 * part);
+                        let dl = _mm256_set1_ps(d * f32::from(sc & 0x0F));
+                        acc = _mm256_fmadd_ps(dl, half_dot(two_bits(qs, 2 * k as i32), xp), acc);
+                        acc_min =
+                            _mm256_fmadd_ps(_mm256_set1_ps(dmin * f32::from(sc >> 4)), half_sum(xp), acc_min);
+                    }
+                }
+            }
+        }
+        horizontal_sum(_mm256_sub_ps(acc, acc_min))
+    }
+
+    /// # Safety
+    /// AVX2 and FMA are present; `bytes.len() == x.len() / 256 * 110`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_q3_k(bytes: &[u8], x: &[f32]) -> f32 {
+        // hmask[32] | qs[64] | scales[12] | d: group g of 32 as Q2_K's, a value `d (sc - 32) (q -
+        // 4)` where q is the two bits plus 4 when bit g of hmask byte l (value l of the group) is
+        // set.
+        let mut acc = _mm256_setzero_ps();
+        for (i, b) in bytes.chunks_exact(Q3_K_BYTES).enumerate() {
+            let d = f16_at(b, 108);
+            let scales = q3_k_scales(&b[96..108]);
+            let hm = [_mm_loadu_si128(b.as_ptr().cast()), _mm_loadu_si128(b.as_ptr().add(16).cast())];
+            for half in 0..2 {
+                let q = b.as_ptr().add(32 + 32 * half);
+                let (q0, q1) = (_mm_loadu_si128(q.cast()), _mm_loadu_si128(q.add(16).cast()));
+                for k in 0..4 {
+                    let g = 4 * half + k;
+                    let bit = _mm_set1_epi8((1u8 << g) as i8);
+                    for (part, qs) in [q0, q1].into_iter().enumerate() {
+                        let third = bit_bytes(hm[part], bit, 4);
+                        let quants =
+                            _mm_sub_epi8(_mm_or_si128(two_bits(qs, 2 * k as i32), third), _mm_set1_epi8(4));
+                        let dl = _mm256_set1_ps(d * f32::from(i16::from(scales[2 * g + part]) - 32));
+                        let xp = x.as_ptr().add(256 * i + 32 * g + 16 * part);
+                        acc = _mm256_fmadd_ps(dl, half_dot(quants, xp), acc);
+                    }
+                }
+            }
+        }
+        horizontal_sum(acc)
     }
 
     /// A Q5 block's 32 quants (nibbles at `qs`, fifth bits `qh`: bit `j` that of value `j`) as
@@ -905,8 +982,8 @@ mod avx2 {
                     let (mut lo, mut hi) = (_mm_and_si128(l0, nibble), _mm_and_si128(l1, nibble));
                     if FIFTH {
                         let bit = _mm_set1_epi8((1u8 << (2 * chunk + half)) as i8);
-                        lo = _mm_or_si128(lo, bit_bytes(h0, bit));
-                        hi = _mm_or_si128(hi, bit_bytes(h1, bit));
+                        lo = _mm_or_si128(lo, bit_bytes(h0, bit, 0x10));
+                        hi = _mm_or_si128(hi, bit_bytes(h1, bit, 0x10));
                     }
                     let (sc, m) = scale_min_k4(2 * chunk + half, scales);
                     let xp = x.as_ptr().add(256 * i + 64 * chunk + 32 * half);
