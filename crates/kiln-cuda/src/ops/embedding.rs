@@ -79,20 +79,6 @@ fn not_served(reason: String) -> Error {
     Error::NotServed { op: "embedding kernel", reason }
 }
 
-/// Whether the embedding kernel reads tables of `dtype` (F32, F16, BF16, Q8_0): `Ok`, or
-/// [`Error::DTypeNotServed`].
-pub fn serves_table(dtype: DType) -> Result<()> {
-    let call = EmbeddingCall {
-        rows: 1,
-        vocab: 1,
-        hidden: Q8_0_BLOCK,
-        table_type: dtype,
-        out_type: DType::F32,
-        sum_squares: false,
-    };
-    call.row_bytes().map(|_| ())
-}
-
 impl EmbeddingCall {
     /// Bytes of one table row.
     pub fn row_bytes(&self) -> Result<usize> {

@@ -308,26 +308,24 @@ fn int8_scratch_bytes(model: &LlamaModel) -> usize {
 }
 
 /// Whether the CUDA kernels take every weight of `model` in its format: each matrix of the layers
-/// and the output head through the linear kernels, the token embedding through the embedding
-/// kernel. The first that does not is [`Error::DTypeNotServed`] in the context of its tensor's
-/// name (`--device cpu` serves every format the loader accepts).
+/// and the output head, and the token embedding's rows (`linear::embed_rows`), all through the
+/// linear kernels' formats. The first that does not is [`Error::DTypeNotServed`] in the context of
+/// its tensor's name (`--device cpu` serves every format the loader accepts).
 pub fn check_formats(model: &LlamaModel) -> Result<()> {
-    let matrices = model
+    let weights = model
         .layers()
         .iter()
         .flat_map(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down])
-        .chain([model.output()]);
-    first_unserved(matrices, model.embedding())
+        .chain([model.output(), model.embedding()]);
+    first_unserved(weights)
 }
 
-fn first_unserved<'a>(matrices: impl IntoIterator<Item = &'a Linear>, embedding: &Linear) -> Result<()> {
-    let named = |l: &Linear, e: Error| {
-        e.context(format!("tensor `{}` on the GPU (`--device cpu` serves it)", l.name))
-    };
-    for l in matrices {
-        linear::serves_weight(l.dtype).map_err(|e| named(l, e))?;
+fn first_unserved<'a>(weights: impl IntoIterator<Item = &'a Linear>) -> Result<()> {
+    for l in weights {
+        linear::serves_weight(l.dtype)
+            .map_err(|e| e.context(format!("tensor `{}` on the GPU (`--device cpu` serves it)", l.name)))?;
     }
-    kiln_cuda::ops::embedding::serves_table(embedding.dtype).map_err(|e| named(embedding, e))
+    Ok(())
 }
 
 impl GpuPlan {
@@ -1843,28 +1841,34 @@ mod tests {
         let _ = std::fs::remove_dir_all(dir);
     }
 
-    /// A weight format the CUDA kernels do not take is named with its tensor: a layer's matrix
-    /// (IQ4_XS, Q5_0), the output head, or an embedding table outside the embedding kernel's
-    /// (Q4_K, which the linear kernels take).
+    /// A weight format the CUDA kernels do not take is named with its tensor (a layer's matrix,
+    /// the output head or the embedding table); every format of the linear kernels passes, Q4_K
+    /// and Q6_K embedding tables (common in Q4_K_M files) among them.
     #[test]
     fn weights_the_kernels_do_not_take_are_named_with_their_tensor() {
         let linear =
             |name: &str, dtype| Linear { name: name.into(), dtype, rows: 256, cols: 256, bias: None };
-        let embed = linear("token_embd.weight", DType::Q8_0);
-        let served = [linear("blk.0.attn_q.weight", DType::Q4_K), linear("output.weight", DType::Q6_K)];
-        assert!(first_unserved(&served, &embed).is_ok());
-        for (bad, dtype) in [("blk.0.ffn_down.weight", DType::IQ4_XS), ("blk.1.attn_v.weight", DType::Q5_0)] {
-            let matrices = [linear("blk.0.attn_q.weight", DType::Q4_0), linear(bad, dtype)];
-            let err = first_unserved(&matrices, &embed).unwrap_err();
+        let served = [
+            linear("token_embd.weight", DType::Q6_K),
+            linear("blk.0.attn_q.weight", DType::Q4_K),
+            linear("blk.0.attn_k.weight", DType::Q8_0),
+            linear("blk.0.attn_v.weight", DType::BF16),
+            linear("output.weight", DType::Q4_1),
+        ];
+        assert!(first_unserved(&served).is_ok());
+        for (bad, dtype) in [
+            ("blk.0.ffn_down.weight", DType::IQ4_XS),
+            ("blk.1.attn_v.weight", DType::Q5_0),
+            ("token_embd.weight", DType::Q5_K),
+        ] {
+            let weights = [linear("blk.0.attn_q.weight", DType::Q4_0), linear(bad, dtype)];
+            let err = first_unserved(&weights).unwrap_err();
             assert!(err.to_string().contains(bad), "{err}");
             assert!(
                 matches!(err.root(), Error::DTypeNotServed { dtype: d, .. } if *d == dtype.name()),
                 "{err:?}"
             );
         }
-        let err = first_unserved(&served, &linear("token_embd.weight", DType::Q4_K)).unwrap_err();
-        assert!(err.to_string().contains("token_embd.weight"), "{err}");
-        assert!(matches!(err.root(), Error::DTypeNotServed { dtype: "Q4_K", .. }), "{err:?}");
     }
 
     #[test]
