@@ -13,7 +13,8 @@
 #   tests    the GPU tests of the LM head and of the norms side by side (bit for bit against the
 #            CPU reference, the candidates and their special-value tests included).
 #   norm-check  the norms' acceptance in one call: every gpu_norm test, then PyTorch's norms and
-#            three processes of `kiln bench norm --default-only` against them (about 450 s).
+#            three processes of `kiln bench norm --default-only` against them, then every
+#            one-lane-a-block variant of INT8 and NVFP4 at the large shapes (about 500 s).
 #   cd bundle && ../bench/gpu_candidates.sh lm-head|lm-head-8|norm|tests|norm-check RESULTS_DIR
 set -u
 part=${1:?usage: $0 lm-head|lm-head-8|norm|tests|norm-check RESULTS_DIR (run inside the bundle directory)}
@@ -48,6 +49,10 @@ if [ "$part" = norm-check ]; then
   for i in 1 2 3; do
     T 40 bench-norm-$i ./kiln bench norm --default-only --peer "$out/norm_torch.json"
   done
+  # Every one-lane-a-block variant of the quantized outputs at the two large shapes (their
+  # registers moved with KILN_NORM_EXACT_GRID, so the defaults' ranking is measured again).
+  T 120 bench-norm-lanes ./kiln bench norm --cases rms_norm_nvfp4,rms_norm_int8 --sizes 2048x4096,8192x8192 \
+    --variants lanes --peer "$out/norm_torch.json"
   grep -h -E "^[a-z_0-9]* +[0-9]|^exit|copy" "$out"/bench-norm-*.txt | cut -c1-160
   echo "total $((SECONDS - t0)) s"
   exit 0
