@@ -584,11 +584,29 @@ mod kernels {
     /// quants (32 bytes per two sub-blocks: low nibbles the first, high nibbles the second).
     pub(super) const Q4_K_BYTES: usize = 144;
 
+    /// The f16 value at byte `offset` of `p`, as f32.
+    #[inline(always)]
+    unsafe fn f16_at(p: *const u8, offset: usize) -> f32 {
+        crate::formats::quant::f16_to_f32(p.add(offset).cast::<u16>().read_unaligned().to_le())
+    }
+
+    /// The two-bit quants of pair `j` of a Q2_K or Q3_K super-block's groups of 32 (`2j`, `2j +
+    /// 1`: half `j / 2` of the 64 bytes at `qs`, at bit shifts `2 s` and `2 s + 2`, `s = 2 (j %
+    /// 2)`) in the pair's order: bytes 0-15 and 16-31 of the half under both groups' values
+    /// ([`shared_bytes`]), group 2j's at shift 2s, 2j + 1's at 2s + 2.
+    #[inline(always)]
+    unsafe fn two_bit_quants(qs: *const u8, j: usize) -> __m512i {
+        let (h, s) = (j / 2, 2 * (j % 2));
+        let q = shared_bytes(qs.add(32 * h));
+        let counts = alternate(_mm_set1_epi16(2 * s as i16), _mm_set1_epi16(2 * s as i16 + 2));
+        _mm512_and_si512(_mm512_srlv_epi16(q, counts), _mm512_set1_epi8(3))
+    }
+
     /// A Q4_K super-block's `(d, dmin)`.
     #[inline(always)]
     unsafe fn q4_k_scales(sb: *const u8) -> (f32, f32) {
-        let d = crate::formats::quant::f16_to_f32(sb.cast::<u16>().read_unaligned().to_le());
-        let dmin = crate::formats::quant::f16_to_f32(sb.add(2).cast::<u16>().read_unaligned().to_le());
+        let d = f16_at(sb, 0);
+        let dmin = f16_at(sb, 2);
         (d, dmin)
     }
 
@@ -677,19 +695,14 @@ mod kernels {
     /// 6-bit scales (one a sub-block of 16, offset by 32), d (f16).
     pub(super) const Q3_K_BYTES: usize = 110;
 
-    /// Pair `j` of a Q3_K super-block's groups of 32 (`2j`, `2j + 1`: half `j / 2` of the qs, at
-    /// bit shifts `2 s` and `2 s + 2`, `s = 2 (j % 2)`), unpacked: the 64 quants in the pair's
-    /// order as `q + 4` (0..7: the two low bits, and 4 where the third bit is set), and each
-    /// lane's `d (sc - 32)` (its sub-block of 16).
+    /// Pair `j` of a Q3_K super-block's groups of 32 (`2j`, `2j + 1`), unpacked: the 64 quants in
+    /// the pair's order as `q + 4` (0..7: the two low bits, [`two_bit_quants`], and 4 where the
+    /// third bit is set), and each lane's `d (sc - 32)` (its sub-block of 16).
     #[inline(always)]
     unsafe fn q3_k_pair(sb: *const u8, j: usize, d: f32, scales: &[i8; 16]) -> (__m512i, __m512) {
-        let (h, s) = (j / 2, 2 * (j % 2));
-        // qs 0-15 | 0-15 | 16-31 | 16-31 of the half: the pair's bytes a 0-15, b 0-15, a 16-31,
-        // b 16-31, a's at shift 2s, b's at 2s + 2.
-        let q = shared_bytes(sb.add(32 + 32 * h));
-        let counts = alternate(_mm_set1_epi16(2 * s as i16), _mm_set1_epi16(2 * s as i16 + 2));
-        let low = _mm512_and_si512(_mm512_srlv_epi16(q, counts), _mm512_set1_epi8(3));
-        let third_bit = (4 * h + s) as u32;
+        let low = two_bit_quants(sb.add(32), j);
+        // Group g's third bits are bit g of the hmask bytes.
+        let third_bit = 2 * j as u32;
         let third = bit_bytes(sb, third_bit, third_bit + 1, 4);
         // Sub-blocks of 16: group g's are 2g and 2g + 1 (values 0-15, 16-31 of the group).
         let (ga, gb) = (2 * j, 2 * j + 1);
@@ -708,10 +721,7 @@ mod kernels {
     /// `d sc`. `d sc` and `dmin m` are exact in f32 (11 by 4 bits), as the reference's.
     #[inline(always)]
     unsafe fn q2_k_pair(sb: *const u8, j: usize, d: f32, dmin: f32) -> (__m512i, __m128, __m512) {
-        let (h, s) = (j / 2, 2 * (j % 2));
-        let q = shared_bytes(sb.add(16 + 32 * h));
-        let counts = alternate(_mm_set1_epi16(2 * s as i16), _mm_set1_epi16(2 * s as i16 + 2));
-        let w = _mm512_and_si512(_mm512_srlv_epi16(q, counts), _mm512_set1_epi8(3));
+        let w = two_bit_quants(sb.add(16), j);
         // Sub-blocks 4j, 4j + 2 (values 0-15 of groups 2j, 2j + 1), then 4j + 1, 4j + 3.
         let order = [4 * j, 4 * j + 2, 4 * j + 1, 4 * j + 3];
         let sc = |k: usize| sb.add(order[k]).read();
@@ -755,11 +765,11 @@ mod kernels {
                 (w3, v3, per_lane(v3, 2)),
             ]
         } else if KIND == IQ4_XS {
-            let d = crate::formats::quant::f16_to_f32(sb.cast::<u16>().read_unaligned().to_le());
+            let d = f16_at(sb, 0);
             [iq4_xs_pair(sb, 0, d), iq4_xs_pair(sb, 1, d), iq4_xs_pair(sb, 2, d), iq4_xs_pair(sb, 3, d)]
         } else if KIND == Q2_K {
-            let d = crate::formats::quant::f16_to_f32(sb.add(80).cast::<u16>().read_unaligned().to_le());
-            let dmin = crate::formats::quant::f16_to_f32(sb.add(82).cast::<u16>().read_unaligned().to_le());
+            let d = f16_at(sb, 80);
+            let dmin = f16_at(sb, 82);
             [
                 q2_k_pair(sb, 0, d, dmin),
                 q2_k_pair(sb, 1, d, dmin),
@@ -767,7 +777,7 @@ mod kernels {
                 q2_k_pair(sb, 3, d, dmin),
             ]
         } else if KIND == Q3_K {
-            let d = crate::formats::quant::f16_to_f32(sb.add(108).cast::<u16>().read_unaligned().to_le());
+            let d = f16_at(sb, 108);
             let scales = crate::formats::quant::q3_k_scales(std::slice::from_raw_parts(sb.add(96), 12));
             let unused = _mm_setzero_ps();
             let (w0, d0) = q3_k_pair(sb, 0, d, &scales);
@@ -776,7 +786,7 @@ mod kernels {
             let (w3, d3) = q3_k_pair(sb, 3, d, &scales);
             [(w0, unused, d0), (w1, unused, d1), (w2, unused, d2), (w3, unused, d3)]
         } else {
-            let d = crate::formats::quant::f16_to_f32(sb.add(208).cast::<u16>().read_unaligned().to_le());
+            let d = f16_at(sb, 208);
             let (w0, d0, w1, d1) = q6_k_half(sb, 0, d);
             let (w2, d2, w3, d3) = q6_k_half(sb, 1, d);
             let unused = _mm_setzero_ps();

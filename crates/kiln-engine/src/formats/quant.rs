@@ -16,10 +16,11 @@
 //! the integer kernels of `int_dot` instead: x is prepared once per vector ([`DotX`]) as 23-bit
 //! fixed point per block of 32 in three int8 planes, each block's products are exact 32-bit sums
 //! (`vpdpbusd`), scaled once per block in fp32; the error stays at fp32's level
-//! (`sum |w| * amax * 2^-23` per block, `amax` the block's largest |x|). [`dot_rows_many`] unpacks each row once for four vectors (a prompt's
-//! tokens). A single vector's Q8_0 rows keep the float kernel: there the integer one read a
-//! 49152 x 576 matrix (SmolLM2's output layer) from memory at half the float kernel's speed, while
-//! over four vectors it takes 0.56x the float kernel's time a vector (`matvec_bench`).
+//! (`sum |w| * amax * 2^-23` per block, `amax` the block's largest |x|). [`dot_rows_many`]
+//! unpacks each row once for four vectors (a prompt's tokens). A single vector's Q8_0 rows keep
+//! the float kernel: there the integer one read a 49152 x 576 matrix (SmolLM2's output layer)
+//! from memory at half the float kernel's speed, while over four vectors it takes 0.56x the float
+//! kernel's time a vector (`matvec_bench`).
 //! `KILN_CPU_NO_VNNI=1` (or `KILN_CPU_NO_AVX512=1`) keeps the float kernels throughout.
 
 use half::{bf16, f16};
@@ -161,14 +162,20 @@ fn dequant_q8_0(b: &[u8; Q8_0_BYTES], y: &mut [f32]) {
 pub(crate) const IQ4_VALUES: [i8; 16] =
     [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
 
+/// 32 values of IQ4 codes: `qs` 16 bytes, low nibbles values 0-15, high nibbles 16-31, each
+/// `scale` times the code's value in IQ4_VALUES.
+#[inline(always)]
+fn iq4_values(scale: f32, qs: &[u8], y: &mut [f32]) {
+    for j in 0..16 {
+        y[j] = scale * f32::from(IQ4_VALUES[usize::from(qs[j] & 0x0F)]);
+        y[j + 16] = scale * f32::from(IQ4_VALUES[usize::from(qs[j] >> 4)]);
+    }
+}
+
 #[inline(always)]
 fn dequant_iq4_nl(b: &[u8; IQ4_NL_BYTES], y: &mut [f32]) {
-    // d f16 | qs[16]: low nibbles values 0-15, high nibbles 16-31, each a code of IQ4_VALUES.
-    let d = f16_at(b, 0);
-    for j in 0..16 {
-        y[j] = d * f32::from(IQ4_VALUES[usize::from(b[2 + j] & 0x0F)]);
-        y[j + 16] = d * f32::from(IQ4_VALUES[usize::from(b[2 + j] >> 4)]);
-    }
+    // d f16 | qs[16]
+    iq4_values(f16_at(b, 0), &b[2..], y);
 }
 
 /// The scale of sub-block `ib` (of 32 values) of an IQ4_XS block, still offset by 32: its low
@@ -187,11 +194,7 @@ fn dequant_iq4_xs(b: &[u8; IQ4_XS_BYTES], y: &mut [f32]) {
     let d = f16_at(b, 0);
     for ib in 0..8 {
         let dl = d * (iq4_xs_scale(b, ib) - 32) as f32;
-        let qs = &b[8 + 16 * ib..8 + 16 * ib + 16];
-        for j in 0..16 {
-            y[32 * ib + j] = dl * f32::from(IQ4_VALUES[usize::from(qs[j] & 0x0F)]);
-            y[32 * ib + j + 16] = dl * f32::from(IQ4_VALUES[usize::from(qs[j] >> 4)]);
-        }
+        iq4_values(dl, &b[8 + 16 * ib..], &mut y[32 * ib..]);
     }
 }
 
@@ -1060,8 +1063,8 @@ mod avx2 {
 
 /// x prepared once for the dot products of many rows: the floats, and where the CPU has AVX-512
 /// VNNI and x is finite with a length a multiple of 32, x in fixed point for the integer kernels
-/// of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K, IQ4_NL and IQ4_XS (`int_dot`: 23 bits a value against its block's
-/// largest magnitude).
+/// of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K, IQ4_NL and IQ4_XS (`int_dot`: 23 bits a value
+/// against its block's largest magnitude).
 pub struct DotX {
     x: Vec<f32>,
     int: Option<IntX>,
