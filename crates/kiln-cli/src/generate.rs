@@ -70,25 +70,25 @@ pub struct GenerateArgs {
     #[arg(long, short = 'n', default_value_t = 256)]
     pub max_tokens: usize,
     /// Sampling temperature; 0 is greedy (the most likely token each step).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub temperature: f32,
     /// Keep only the k most likely tokens (0: all).
     #[arg(long, default_value_t = 0)]
     pub top_k: u32,
     /// Keep the smallest set of most likely tokens holding this share of the probability.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     pub top_p: f32,
     /// Drop tokens less likely than this share of the most likely one.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub min_p: f32,
     /// Divide positive (multiply negative) logits of tokens already seen.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     pub repetition_penalty: f32,
-    /// Subtract from the logit of every token already seen.
-    #[arg(long, default_value_t = 0.0)]
+    /// Subtract from the logit of every token already seen (negative: favour them).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub presence_penalty: f32,
-    /// Subtract this times the count of each token already seen.
-    #[arg(long, default_value_t = 0.0)]
+    /// Subtract this times the count of each token already seen (negative: favour them).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub frequency_penalty: f32,
     /// Seed of the sampler: the same seed, prompt and flags give the same tokens.
     #[arg(long, default_value_t = 0)]

@@ -147,6 +147,27 @@ mod tests {
         Cli::command_for_test();
     }
 
+    /// Negative sampling values reach the sampler's named checks: negative presence and frequency
+    /// penalties are valid (they favour tokens already seen), a negative temperature is refused
+    /// by `SamplingParams::validate`, not taken for a flag by the parser.
+    #[test]
+    fn negative_sampling_values_are_values_not_flags() {
+        let args =
+            ["kiln", "generate", "-p", "hi", "--presence-penalty", "-0.5", "--frequency-penalty", "-1"];
+        let cli = Cli::try_parse_from(args.iter().chain(&["--temperature", "-1"])).map_err(|e| e.to_string());
+        match cli {
+            Ok(Cli { command: Command::Generate(g), .. }) => {
+                assert_eq!((g.presence_penalty, g.frequency_penalty, g.temperature), (-0.5, -1.0, -1.0));
+            }
+            other => panic!("expected generate arguments, got {other:?}"),
+        }
+        let cli = Cli::try_parse_from(args.iter().chain(&["--top-p", "-0.25"])).map_err(|e| e.to_string());
+        assert!(
+            matches!(cli, Ok(Cli { command: Command::Generate(ref g), .. }) if g.top_p == -0.25),
+            "{cli:?}"
+        );
+    }
+
     impl Cli {
         fn command_for_test() {
             use clap::CommandFactory;

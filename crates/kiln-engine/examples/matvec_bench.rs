@@ -1,11 +1,11 @@
-//! Times `dot_rows_x` (one thread, x prepared once as `DotX`), `dot_rows_many` over four vectors
-//! (one thread, the time per vector) and `matvec` (the rayon pool, x
+//! Times `dot_rows_x` (one thread, x prepared once as `DotX`), `dot_rows_many` over four and
+//! eight vectors (one thread, the time per vector) and `matvec` (the rayon pool, x
 //! prepared per call) on random weights of each hot dtype, and prints the weight bytes read per
 //! second, and the time to prepare x (`DotX::new`). `KILN_CPU_NO_VNNI=1` times the float kernels
 //! in place of the integer ones.
 //!
-//! `cargo run --release -p kiln-engine --example matvec_bench [rows cols]` (default 576 × 1536,
-//! SmolLM2's FFN down projection).
+//! `cargo run --release -p kiln-engine --example matvec_bench [rows cols] [DTYPE ...]` (default
+//! 576 × 1536, SmolLM2's FFN down projection; every hot dtype unless some are named).
 
 use std::time::Instant;
 
@@ -14,6 +14,7 @@ use kiln_engine::formats::{dot_rows_many, dot_rows_x, matvec, DotX};
 
 fn main() -> kiln_core::Result<()> {
     let args: Vec<usize> = std::env::args().skip(1).filter_map(|a| a.parse().ok()).collect();
+    let named: Vec<String> = std::env::args().skip(1).filter(|a| a.parse::<usize>().is_err()).collect();
     let (rows, cols) = match args[..] {
         [r, c] => (r, c),
         _ => (576, 1536),
@@ -44,6 +45,9 @@ fn main() -> kiln_core::Result<()> {
         DType::F16,
         DType::BF16,
     ] {
+        if !named.is_empty() && !named.iter().any(|n| n.eq_ignore_ascii_case(dtype.name())) {
+            continue;
+        }
         let row_bytes = dtype.bytes_for(cols as u64)? as usize;
         let mut matrix: Vec<u8> = (0..rows * row_bytes).map(|_| next() as u8).collect();
         // Finite scales: set every f16 field that could be a scale to a small value by writing
@@ -66,15 +70,18 @@ fn main() -> kiln_core::Result<()> {
             sink += out[0];
         }
         let single = start.elapsed().as_secs_f64() / reps as f64;
-        // Four vectors at once (a prompt's tokens), per vector.
-        let four: Vec<DotX> = (0..4).map(|_| DotX::new(&x)).collect();
-        let mut out4 = vec![0f32; 4 * rows];
-        let start = Instant::now();
-        for _ in 0..reps {
-            dot_rows_many(dtype, &matrix, &four, &mut out4)?;
-            sink += out4[0];
+        // Four and eight vectors at once (a prompt's tokens), per vector.
+        let mut per_token = [0f64; 2];
+        for (slot, count) in [4usize, 8].into_iter().enumerate() {
+            let many: Vec<DotX> = (0..count).map(|_| DotX::new(&x)).collect();
+            let mut out_many = vec![0f32; count * rows];
+            let start = Instant::now();
+            for _ in 0..reps {
+                dot_rows_many(dtype, &matrix, &many, &mut out_many)?;
+                sink += out_many[0];
+            }
+            per_token[slot] = start.elapsed().as_secs_f64() / reps as f64 / count as f64;
         }
-        let per_token = start.elapsed().as_secs_f64() / reps as f64 / 4.0;
         let start = Instant::now();
         for _ in 0..reps {
             matvec(dtype, &matrix, rows, cols, &x, &mut out)?;
@@ -83,11 +90,12 @@ fn main() -> kiln_core::Result<()> {
         let parallel = start.elapsed().as_secs_f64() / reps as f64;
         let gb = matrix.len() as f64 / 1e9;
         println!(
-            "{dtype:>5}: {:>8.1} us/matvec 1 thread ({:>5.1} GB/s), {:>8.1} a vector of four, {:>8.1} us pooled \
+            "{dtype:>5}: {:>8.1} us/matvec 1 thread ({:>5.1} GB/s), {:>8.1} a vector of four, {:>8.1} of eight, {:>8.1} us pooled \
              ({:>5.1} GB/s), x prepared in {:.2} us{} [{}]",
             single * 1e6,
             gb / single,
-            per_token * 1e6,
+            per_token[0] * 1e6,
+            per_token[1] * 1e6,
             parallel * 1e6,
             gb / parallel,
             prepare * 1e6,

@@ -66,8 +66,8 @@ pub fn generate(
 ) -> Result<Generation> {
     options.sampling.validate()?;
     // One position past the prompt even for no new token (`max_tokens` 0 runs the prompt alone).
+    check_prompt(prompt, model.config().context_length.max(1), "the model's context")?;
     let mut cache = model.new_cache(prompt.len() + options.max_tokens.max(1))?;
-    check_prompt(prompt, cache.max_positions(), "the model's context")?;
     let started = Instant::now();
     let mut logits = Vec::new();
     for chunk in prompt.chunks(options.prefill_chunk.max(1)) {
@@ -175,14 +175,14 @@ fn run_gpu(
 
 /// `Error::InvalidArgument` for an empty prompt or one that fills `positions` (what `holder` holds).
 fn check_prompt(prompt: &[u32], positions: usize, holder: &str) -> Result<()> {
-    if prompt.is_empty() || prompt.len() >= positions {
-        return Err(Error::InvalidArgument {
-            name: "prompt",
-            value: format!("{} tokens", prompt.len()),
-            reason: format!("a generation needs at least one prompt token and room for one more; {holder} hold {positions} positions"),
-        });
-    }
-    Ok(())
+    let reason = if prompt.is_empty() {
+        "a generation needs at least one prompt token (the prompt made none)".to_string()
+    } else if prompt.len() >= positions {
+        format!("a generation needs room for one more token; {holder} holds {positions} positions")
+    } else {
+        return Ok(());
+    };
+    Err(Error::InvalidArgument { name: "prompt", value: format!("{} tokens", prompt.len()), reason })
 }
 
 /// One request of a batched generation.
@@ -591,8 +591,8 @@ mod tests {
     use crate::models::test_models::{write_tiny_model, TinySpec};
 
     /// `max_tokens` 0 runs the prompt alone (no token, the prompt counted); more tokens follow the
-    /// greedy argmax of the logits, the first one that of the prompt's forward; an empty prompt is a
-    /// named argument error.
+    /// greedy argmax of the logits, the first one that of the prompt's forward; an empty prompt, and
+    /// one that fills the model's context, are named argument errors.
     #[test]
     fn a_generation_runs_the_prompt_alone_or_greedy_tokens_after_it() {
         let dir = std::env::temp_dir().join(format!("kiln-generate-{}", std::process::id()));
@@ -622,7 +622,19 @@ mod tests {
         assert_eq!(Some(three.tokens[0]), kiln_core::ops::sample::argmax(&logits));
 
         match generate(&model, &[], &options(3), &mut |_| Ok(true)) {
-            Err(Error::InvalidArgument { name: "prompt", .. }) => {}
+            Err(Error::InvalidArgument { name: "prompt", reason, .. }) => {
+                assert!(reason.contains("the prompt made none"), "{reason}")
+            }
+            other => panic!("expected a prompt error, got {other:?}"),
+        }
+        // A prompt that fills the model's context leaves no room: the error names the context's
+        // length, not the cache sized for this generation.
+        let context = model.config().context_length;
+        let long = vec![5u32; context];
+        match generate(&model, &long, &options(3), &mut |_| Ok(true)) {
+            Err(Error::InvalidArgument { name: "prompt", reason, .. }) => {
+                assert!(reason.contains(&format!("holds {context} positions")), "{reason}")
+            }
             other => panic!("expected a prompt error, got {other:?}"),
         }
         let _ = std::fs::remove_dir_all(dir);
