@@ -13,8 +13,10 @@
 #   tests    the GPU tests of the LM head and of the norms side by side (bit for bit against the
 #            CPU reference, the candidates and their special-value tests included).
 #   norm-check  the norms' acceptance in one call: every gpu_norm test, then PyTorch's norms and
-#            three processes of `kiln bench norm --default-only` against them, then every
-#            one-lane-a-block variant of INT8 and NVFP4 at the large shapes (about 500 s).
+#            three processes of `kiln bench norm --default-only` against them (each followed by
+#            INT8 and NVFP4 at 2048 x 4096 with the 2-warp one-wave candidate beside the
+#            defaults), then every one-lane-a-block variant of INT8 and NVFP4 at the large shapes
+#            (about 520 s).
 #   cd bundle && ../bench/gpu_candidates.sh lm-head|lm-head-8|norm|tests|norm-check RESULTS_DIR
 set -u
 part=${1:?usage: $0 lm-head|lm-head-8|norm|tests|norm-check RESULTS_DIR (run inside the bundle directory)}
@@ -43,11 +45,14 @@ if [ "$part" = tests ]; then
   exit 0
 fi
 if [ "$part" = norm-check ]; then
-  T 330 test-gpu_norm tests/gpu_norm --test-threads=8
+  T 350 test-gpu_norm tests/gpu_norm --test-threads=8
   grep -E "^test |test result|^exit" "$out/test-gpu_norm.txt"
   T 150 peer-norm python3 bench/peers/norm.py --out "$out/norm_torch.json"
   for i in 1 2 3; do
     T 40 bench-norm-$i ./kiln bench norm --default-only --peer "$out/norm_torch.json"
+    # The one-wave candidate at 2048 x 4096 (2 warps a row, 62 registers) beside the defaults.
+    T 40 bench-norm-2w-$i ./kiln bench norm --cases rms_norm_nvfp4,rms_norm_int8 --sizes 2048x4096 \
+      --variants 2w1r+b+n --peer "$out/norm_torch.json"
   done
   # Every one-lane-a-block variant of the quantized outputs at the two large shapes (their
   # registers moved with KILN_NORM_EXACT_GRID, so the defaults' ranking is measured again).

@@ -573,8 +573,27 @@ pub const NORM: KernelSource = KernelSource {
             ("PERSISTENT", "1"),
         ],
         // The segment length compiled in (SEGMENT_N): the benchmark's NVFP4 RMSNorm at 8192, its
-        // default of 4 warps a row, one lane a block, and its INT8 RMSNorm default at 4096 (4
-        // warps a row, one lane a block).
+        // default of 4 warps a row, one lane a block; at 4096 with 2 warps a row (8 units a warp,
+        // the one-wave candidate at 2048 x 4096); and its INT8 RMSNorm default at 4096 (4 warps a
+        // row, one lane a block).
+        &[
+            ("KIND", "0"),
+            ("X_T", "2"),
+            ("W_T", "2"),
+            ("OUT_T", "4"),
+            ("WEIGHT", "0"),
+            ("HAS_BIAS", "0"),
+            ("HAS_RESIDUAL", "0"),
+            ("HF_ROUNDING", "1"),
+            ("GATE", "0"),
+            ("WARPS_PER_ROW", "2"),
+            ("ROWS_PER_BLOCK", "1"),
+            ("UNITS_PER_WARP", "8"),
+            ("EARLY_WEIGHT", "0"),
+            ("PERSISTENT", "0"),
+            ("BLOCK_LANE", "1"),
+            ("SEGMENT_N", "4096"),
+        ],
         &[
             ("KIND", "0"),
             ("X_T", "2"),
