@@ -248,8 +248,9 @@ pub const NORM_VARIANTS: &[NormVariant] = &[
     fixed(variant(2, 1, false)),
     fixed(variant(4, 1, false)),
     // 2 warps a row at 2048 x 4096 (8 units a warp): 62 registers on sm_90 for NVFP4 and INT8
-    // since KILN_NORM_EXACT_GRID (72 and 64 before), so 16 blocks of 64 threads fit a
-    // multiprocessor and the 2048 rows one wave on 132 (14 before: a second wave of 200 rows).
+    // since KILN_NORM_EXACT_GRID, so 16 blocks of 64 threads fit a multiprocessor and the 2048
+    // rows are one wave on 132. NVFP4 took 72 before (14 blocks: a second wave of 200 rows, and
+    // 10.2 us against the 4-warp default's 8.9 in 2026-12-01-h200-g/g1); INT8 64.
     fixed(block_lane(2, 1)),
     fixed(block_lane(4, 1)),
     fixed(block_lane(8, 1)),
