@@ -470,18 +470,24 @@ fn integer_dot_products_keep_infinities_and_nan() {
 fn many_vectors_at_once_give_the_bits_of_one_at_a_time() {
     use kiln_engine::formats::quant::{dot_rows_many, dot_rows_x, DotX};
     let mut rng = Rng::from_clock();
-    for dtype in BLOCK_FORMATS.into_iter().filter(|&d| d != DType::Q8_0).chain([DType::F16]) {
+    for dtype in
+        BLOCK_FORMATS.into_iter().filter(|&d| d != DType::Q8_0).chain([DType::F32, DType::F16, DType::BF16])
+    {
         for (cols, rows, tokens) in [(96, 5, 7), (576, 9, 4), (256, 3, 9), (1536, 2, 1)] {
-            if dtype != DType::F16 && super_blocks(dtype) && cols % 256 != 0 {
+            let float = matches!(dtype, DType::F32 | DType::F16 | DType::BF16);
+            if !float && super_blocks(dtype) && cols % 256 != 0 {
                 continue; // K formats hold whole super-blocks of 256
             }
             let row_bytes = dtype.bytes_for(cols as u64).unwrap() as usize;
-            let bytes: Vec<u8> = if dtype != DType::F16 {
+            let width = row_bytes / cols;
+            let bytes: Vec<u8> = if !float {
                 random_blocks(&mut rng, dtype, rows * cols / 32, false)
             } else {
-                // Small f16 values (and K-block scales): the top byte of each pair bounded.
+                // Small finite values: the top byte of each value bounded.
                 (0..rows * row_bytes)
-                    .map(|i| if i % 2 == 1 { (rng.next() % 0x2c) as u8 } else { rng.next() as u8 })
+                    .map(
+                        |i| if i % width == width - 1 { (rng.next() % 0x2c) as u8 } else { rng.next() as u8 },
+                    )
                     .collect()
             };
             let xs: Vec<DotX> = (0..tokens).map(|_| DotX::new(&adversarial_x(&mut rng, cols / 32))).collect();
@@ -508,4 +514,67 @@ fn many_vectors_at_once_give_the_bits_of_one_at_a_time() {
         dot_rows_many(DType::Q4_1, &[0u8; 40], &xs, &mut out),
         Err(Error::ShapeMismatch { .. })
     ));
+}
+
+/// F32, F16 and BF16 rows (the AVX-512 float kernels where the CPU has them) over lengths around
+/// the kernels' 16-value lanes and 64-value steps, against the float64 dot of the widened
+/// values: within fp32's rounding of a fused multiply-add chain a lane plus the lanes' tree
+/// (`(steps + 8) 2^-24` of the sum of |terms|); six vectors at once give each the bits it gets
+/// alone. Row 1 of F16 is all subnormals: a widening that flushed them to zero would miss the
+/// float64 dot by the whole of it.
+#[test]
+fn float_rows_match_float64_one_vector_or_many() {
+    use kiln_engine::formats::quant::{dot_rows_many, dot_rows_x, DotX};
+    let mut rng = Rng::from_clock();
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        for cols in [1usize, 5, 16, 63, 64, 65, 130, 576, 1000] {
+            let rows = 3;
+            let encode = |v: f32| -> Vec<u8> {
+                match dtype {
+                    DType::F32 => v.to_le_bytes().to_vec(),
+                    DType::F16 => half::f16::from_f32(v).to_le_bytes().to_vec(),
+                    _ => half::bf16::from_f32(v).to_le_bytes().to_vec(),
+                }
+            };
+            // Row 1 of F16 holds subnormals (|v| < 2^-14).
+            let values: Vec<f32> =
+                (0..rows * cols)
+                    .map(|i| {
+                        if dtype == DType::F16 && i / cols == 1 {
+                            rng.unit() * 6e-5
+                        } else {
+                            rng.unit() * 4.0
+                        }
+                    })
+                    .collect();
+            let bytes: Vec<u8> = values.iter().flat_map(|&v| encode(v)).collect();
+            let xs: Vec<DotX> =
+                (0..6).map(|_| DotX::new(&(0..cols).map(|_| rng.unit()).collect::<Vec<_>>())).collect();
+            let mut many = vec![f32::NAN; 6 * rows];
+            dot_rows_many(dtype, &bytes, &xs, &mut many).unwrap();
+            let row_bytes = bytes.len() / rows;
+            for (t, x) in xs.iter().enumerate() {
+                let mut one = vec![f32::NAN; rows];
+                dot_rows_x(dtype, &bytes, x, &mut one).unwrap();
+                for r in 0..rows {
+                    assert_eq!(
+                        many[t * rows + r].to_bits(),
+                        one[r].to_bits(),
+                        "{dtype} {cols} cols, vector {t}, row {r}"
+                    );
+                    let mut w = vec![0f32; cols];
+                    dequantize_row(dtype, &bytes[r * row_bytes..(r + 1) * row_bytes], &mut w).unwrap();
+                    let terms = w.iter().zip(x.values()).map(|(&a, &b)| f64::from(a) * f64::from(b));
+                    let want: f64 = terms.clone().sum();
+                    let size: f64 = terms.map(f64::abs).sum();
+                    let bound = (cols.div_ceil(64) + 8) as f64 * 2f64.powi(-24) * size + 1e-40;
+                    assert!(
+                        (f64::from(one[r]) - want).abs() <= bound,
+                        "{dtype} {cols} cols, row {r}: {} vs float64 {want} (bound {bound:e})",
+                        one[r]
+                    );
+                }
+            }
+        }
+    }
 }

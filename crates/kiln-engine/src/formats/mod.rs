@@ -5,6 +5,8 @@
 //! - [`WeightSource`]: one view of a file's tensors, so a model loads from either format the same
 //!   way.
 
+#[cfg(target_arch = "x86_64")]
+mod float_dot;
 pub mod gguf;
 mod int_dot;
 pub mod quant;

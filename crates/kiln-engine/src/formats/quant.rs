@@ -27,6 +27,8 @@ use half::{bf16, f16};
 use kiln_core::{DType, Error, Result};
 use rayon::prelude::*;
 
+#[cfg(target_arch = "x86_64")]
+use super::float_dot;
 use super::int_dot::{self, IntX};
 
 /// Elements per super-block of the K formats.
@@ -1112,7 +1114,8 @@ pub fn dot_rows(dtype: DType, rows_bytes: &[u8], x: &[f32], out: &mut [f32]) -> 
 
 /// `out[t * rows + r] = dot(row r of `rows_bytes`, xs[t])` for several vectors of the same
 /// length: the same bits as [`dot_rows_x`] for each vector, with the integer kernels unpacking
-/// each row once for four vectors.
+/// each row once for four vectors, and the AVX-512 float kernels (F32, F16, BF16) widening it
+/// once for four.
 pub fn dot_rows_many(dtype: DType, rows_bytes: &[u8], xs: &[DotX], out: &mut [f32]) -> Result<()> {
     let Some(first) = xs.first() else {
         return Ok(());
@@ -1127,6 +1130,23 @@ pub fn dot_rows_many(dtype: DType, rows_bytes: &[u8], xs: &[DotX], out: &mut [f3
     }
     let rows = out.len() / xs.len();
     let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if float_dot::kind(dtype).is_some()
+        && float_dot::available()
+        && (rows as u64).checked_mul(dtype.bytes_for(cols as u64)?) == Some(rows_bytes.len() as u64)
+    {
+        // Four vectors a pass over the rows; the rest one at a time (the same bits).
+        for (group, outs) in xs.chunks_exact(4).zip(out.chunks_exact_mut(4 * rows)) {
+            let (o0, rest) = outs.split_at_mut(rows);
+            let (o1, rest) = rest.split_at_mut(rows);
+            let (o2, o3) = rest.split_at_mut(rows);
+            let x = [0, 1, 2, 3].map(|t| &group[t].x[..]);
+            // SAFETY: the CPU was checked at run time; every vector holds `cols` values and the
+            // rows `rows` rows of `cols` values of `dtype` (checked above).
+            unsafe { float_dot::rows_of::<4>(dtype, rows_bytes, x, [o0, o1, o2, o3]) };
+            done += 4;
+        }
+    }
     #[cfg(target_arch = "x86_64")]
     if int_dot::served(dtype)
         && (rows as u64).checked_mul(dtype.bytes_for(cols as u64)?) == Some(rows_bytes.len() as u64)
@@ -1165,6 +1185,13 @@ pub fn dot_rows_x(dtype: DType, rows_bytes: &[u8], x: &DotX, out: &mut [f32]) ->
     }
     if row_bytes == 0 {
         out.fill(0.0);
+        return Ok(());
+    }
+    #[cfg(target_arch = "x86_64")]
+    if float_dot::kind(dtype).is_some() && float_dot::available() {
+        // SAFETY: the CPU was checked at run time; the rows hold `out.len()` rows of `x.len()`
+        // values of `dtype` (checked above).
+        unsafe { float_dot::rows_of::<1>(dtype, rows_bytes, [&x.x], [out]) };
         return Ok(());
     }
     #[cfg(target_arch = "x86_64")]
