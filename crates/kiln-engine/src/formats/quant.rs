@@ -1079,6 +1079,17 @@ impl DotX {
         DotX { x: x.to_vec(), int }
     }
 
+    /// `x` prepared for rows of `dtypes` only: its fixed-point form only where one of them has an
+    /// integer kernel (F32, F16 and BF16 rows never read it). The same results as [`DotX::new`]
+    /// for those rows.
+    pub fn for_dtypes(x: &[f32], dtypes: impl IntoIterator<Item = DType>) -> DotX {
+        if dtypes.into_iter().any(int_dot::served) {
+            DotX::new(x)
+        } else {
+            DotX::float(x)
+        }
+    }
+
     /// `x` for the float kernels only, whatever the CPU (as `KILN_CPU_NO_VNNI=1` gives every
     /// vector): what the CPUs without AVX-512 VNNI run.
     pub fn float(x: &[f32]) -> DotX {

@@ -410,7 +410,7 @@ impl LlamaModel {
             // Result [chunk][token][row in chunk], so each task owns a contiguous block.
             let mut blocked = vec![0f32; rows * n];
             // x prepared once a token for every chunk of rows.
-            let xs: Vec<DotX> = x.chunks_exact(cols).map(DotX::new).collect();
+            let xs: Vec<DotX> = x.chunks_exact(cols).map(|x| DotX::for_dtypes(x, [linear.dtype])).collect();
             blocked.par_chunks_mut(rows_per_chunk * n).enumerate().try_for_each(|(chunk, dst)| {
                 let first = chunk * rows_per_chunk;
                 let count = dst.len() / n;
@@ -549,7 +549,7 @@ impl<'w> DecodeTeam<'w> {
     ) -> Result<()> {
         let count = parts.len();
         let job = Arc::new(MatvecJob {
-            x: DotX::new(x),
+            x: DotX::for_dtypes(x, parts.iter().map(|p| p.dtype)),
             parts,
             next: AtomicUsize::new(0),
             unfinished: AtomicUsize::new(count),
