@@ -145,7 +145,7 @@ fn wrong_lengths_and_unserved_types_are_named_errors() {
     ));
 }
 
-/// `dot_rows` (which pairs Q4_1 rows on AVX-512) equals the float64 dot of each dequantized row,
+/// `dot_rows` (Q4_1's AVX-512 float kernel, or the integer one) equals the float64 dot of each dequantized row,
 /// for even and odd row counts.
 #[test]
 fn dot_rows_matches_float64_for_every_row() {

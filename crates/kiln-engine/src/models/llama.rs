@@ -366,8 +366,7 @@ impl LlamaModel {
             }
             return Ok(());
         }
-        // Two parts per thread: small enough to even out, few enough to claim cheaply. An even
-        // row count keeps the two-row kernel on every pair.
+        // Two parts per thread: small enough to even out, few enough to claim cheaply.
         let parts_per_layer = 2 * rayon::current_num_threads().max(1);
         let mut parts = Vec::new();
         for (output, (linear, out)) in layers.iter().enumerate() {
@@ -380,7 +379,7 @@ impl LlamaModel {
             }
             let bytes = self.bytes(linear)?;
             let row_bytes = linear.dtype.bytes_for(linear.cols as u64)? as usize;
-            let rows_per_part = (linear.rows.div_ceil(parts_per_layer).max(1) + 1) & !1;
+            let rows_per_part = linear.rows.div_ceil(parts_per_layer).max(1);
             let mut first_row = 0;
             while first_row < linear.rows {
                 let rows = rows_per_part.min(linear.rows - first_row);
