@@ -168,6 +168,19 @@ pub fn run(args: &BenchNormArgs) -> Result<()> {
     } else {
         Some(builtin_cases(args)?)
     };
+    // The arguments first: a wrong label is named without a GPU.
+    for l in &args.variants {
+        if !["staged", "lanes", "ahead", "total"].contains(&l.as_str())
+            && !NORM_VARIANTS.iter().any(|v| label(*v) == *l)
+        {
+            return Err(Error::InvalidArgument {
+                name: "--variants",
+                value: l.clone(),
+                reason: "not the label of a listed norm variant (nor `staged`, `lanes`, `ahead` or `total`)"
+                    .into(),
+            });
+        }
+    }
     let gpu = Gpu::open(0)?;
     let peer: BTreeMap<String, BTreeMap<String, f64>> = match &args.peer {
         Some(path) => {
@@ -180,17 +193,6 @@ pub fn run(args: &BenchNormArgs) -> Result<()> {
         }
         None => BTreeMap::new(),
     };
-    for l in &args.variants {
-        if !["staged", "lanes", "ahead", "total"].contains(&l.as_str())
-            && !NORM_VARIANTS.iter().any(|v| label(*v) == *l)
-        {
-            return Err(Error::InvalidArgument {
-                name: "--variants",
-                value: l.clone(),
-                reason: "not the label of a listed norm variant (nor `staged`, `lanes` or `ahead`)".into(),
-            });
-        }
-    }
     let l2 = gpu.facts().l2_cache_bytes as usize;
 
     // The copy ceiling: a large device-to-device copy, bytes read plus bytes written.

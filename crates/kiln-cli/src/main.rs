@@ -168,6 +168,21 @@ mod tests {
         );
     }
 
+    /// A `--variants` label that names no variant is refused by name before the GPU is opened (on
+    /// a machine without one, opening it first answered with the missing driver instead).
+    #[test]
+    fn a_wrong_norm_variant_label_is_named_before_the_gpu() {
+        let args = ["kiln", "bench", "norm", "--sizes", "2048x4096", "--variants", "2w1r+b+nx"];
+        let cli = Cli::try_parse_from(args).map_err(|e| e.to_string());
+        let Ok(Cli { command: Command::Bench(bench::BenchCommand::Norm(norm)), .. }) = cli else {
+            panic!("expected bench norm arguments, got {cli:?}");
+        };
+        match bench_norm::run(&norm) {
+            Err(Error::InvalidArgument { name: "--variants", value, .. }) => assert_eq!(value, "2w1r+b+nx"),
+            other => panic!("expected the label refused by name, got {other:?}"),
+        }
+    }
+
     impl Cli {
         fn command_for_test() {
             use clap::CommandFactory;
