@@ -578,3 +578,31 @@ fn float_rows_match_float64_one_vector_or_many() {
         }
     }
 }
+
+/// Vectors prepared for the float kernels alone (`DotX::float`: what CPUs without AVX-512 VNNI
+/// run): `dot_rows_many` of five of them (Q4_0, Q4_1 and Q8_0 unpack each block once for four on
+/// AVX2) gives each the bits `dot_rows_x` gives it alone, over odd and even block counts.
+#[test]
+fn many_float_vectors_give_the_bits_of_one_at_a_time() {
+    use kiln_engine::formats::quant::{dot_rows_many, dot_rows_x, DotX};
+    let mut rng = Rng::from_clock();
+    for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
+        for (blocks, rows) in [(1, 3), (18, 5), (7, 2)] {
+            let bytes = random_blocks(&mut rng, dtype, blocks * rows, false);
+            let xs: Vec<DotX> = (0..5).map(|_| DotX::float(&adversarial_x(&mut rng, blocks))).collect();
+            let mut many = vec![f32::NAN; 5 * rows];
+            dot_rows_many(dtype, &bytes, &xs, &mut many).unwrap();
+            for (t, x) in xs.iter().enumerate() {
+                let mut one = vec![f32::NAN; rows];
+                dot_rows_x(dtype, &bytes, x, &mut one).unwrap();
+                for r in 0..rows {
+                    assert_eq!(
+                        many[t * rows + r].to_bits(),
+                        one[r].to_bits(),
+                        "{dtype} {blocks} blocks, vector {t}, row {r}"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -665,9 +665,9 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use super::{
-        f16_at, iq4_xs_scale, q3_k_scales, scale_min_k4, IQ4_NL_BYTES, IQ4_VALUES, IQ4_XS_BYTES, Q2_K_BYTES,
-        Q3_K_BYTES, Q4_0_BYTES, Q4_1_BYTES, Q4_K_BYTES, Q5_0_BYTES, Q5_1_BYTES, Q5_K_BYTES, Q6_K_BYTES,
-        Q8_0_BYTES,
+        f16_at, iq4_xs_scale, q3_k_scales, scale_min_k4, DType, IQ4_NL_BYTES, IQ4_VALUES, IQ4_XS_BYTES,
+        Q2_K_BYTES, Q3_K_BYTES, Q4_0_BYTES, Q4_1_BYTES, Q4_K_BYTES, Q5_0_BYTES, Q5_1_BYTES, Q5_K_BYTES,
+        Q6_K_BYTES, Q8_0_BYTES,
     };
 
     #[inline(always)]
@@ -1023,6 +1023,81 @@ mod avx2 {
         horizontal_sum(acc)
     }
 
+    /// One block's 32 quants (`lo`: 0..16, `hi`: 16..32, signed bytes) as four vectors of 8 f32,
+    /// as [`block_dot`] widens them.
+    #[inline(always)]
+    unsafe fn widen_block(lo: __m128i, hi: __m128i) -> [__m256; 4] {
+        let (q0, q1) = widen_i8(lo);
+        let (q2, q3) = widen_i8(hi);
+        [q0, q1, q2, q3]
+    }
+
+    /// [`block_dot`] of quants already widened.
+    #[inline(always)]
+    unsafe fn widened_dot(q: &[__m256; 4], x: *const f32) -> __m256 {
+        let mut s = _mm256_mul_ps(q[0], _mm256_loadu_ps(x));
+        s = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(x.add(8)), s);
+        s = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(x.add(16)), s);
+        _mm256_fmadd_ps(q[3], _mm256_loadu_ps(x.add(24)), s)
+    }
+
+    /// One row of Q4_0, Q4_1 or Q8_0 (`dtype`) against `T` vectors: each block unpacked and widened
+    /// once for the `T`, and each vector's sum by the operations of [`dot_q4_0`], [`dot_q4_1`] or
+    /// [`dot_q8_0`] alone, in their order (the same bits).
+    ///
+    /// # Safety
+    /// AVX2 and FMA are present; `dtype` is Q4_0, Q4_1 or Q8_0 and `bytes` holds `xs[t].len()` of
+    /// its values for every `t`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_many<const T: usize>(dtype: DType, bytes: &[u8], xs: [&[f32]; T]) -> [f32; T] {
+        let mut acc = [_mm256_setzero_ps(); T];
+        let mut acc_min = [_mm256_setzero_ps(); T];
+        let nibble = _mm_set1_epi8(0x0F);
+        let eight = _mm_set1_epi8(8);
+        let block_bytes = match dtype {
+            DType::Q4_0 => Q4_0_BYTES,
+            DType::Q4_1 => Q4_1_BYTES,
+            _ => Q8_0_BYTES,
+        };
+        for (i, b) in bytes.chunks_exact(block_bytes).enumerate() {
+            let d = _mm256_set1_ps(f16_at(b, 0));
+            let q = match dtype {
+                DType::Q4_0 => {
+                    let qs = _mm_loadu_si128(b.as_ptr().add(2).cast());
+                    let lo = _mm_sub_epi8(_mm_and_si128(qs, nibble), eight);
+                    widen_block(lo, _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(qs, 4), nibble), eight))
+                }
+                DType::Q4_1 => {
+                    let qs = _mm_loadu_si128(b.as_ptr().add(4).cast());
+                    widen_block(_mm_and_si128(qs, nibble), _mm_and_si128(_mm_srli_epi16(qs, 4), nibble))
+                }
+                _ => {
+                    let q = b.as_ptr().add(2);
+                    widen_block(_mm_loadu_si128(q.cast()), _mm_loadu_si128(q.add(16).cast()))
+                }
+            };
+            for t in 0..T {
+                let xp = xs[t].as_ptr().add(32 * i);
+                acc[t] = _mm256_fmadd_ps(d, widened_dot(&q, xp), acc[t]);
+                if dtype == DType::Q4_1 {
+                    let m = _mm256_set1_ps(f16_at(b, 2));
+                    let sum = _mm256_add_ps(
+                        _mm256_add_ps(_mm256_loadu_ps(xp), _mm256_loadu_ps(xp.add(8))),
+                        _mm256_add_ps(_mm256_loadu_ps(xp.add(16)), _mm256_loadu_ps(xp.add(24))),
+                    );
+                    acc_min[t] = _mm256_fmadd_ps(m, sum, acc_min[t]);
+                }
+            }
+        }
+        std::array::from_fn(|t| {
+            if dtype == DType::Q4_1 {
+                horizontal_sum(_mm256_add_ps(acc[t], acc_min[t]))
+            } else {
+                horizontal_sum(acc[t])
+            }
+        })
+    }
+
     /// # Safety
     /// AVX2 and FMA are present; `bytes.len() == x.len() / 32 * 18`.
     #[target_feature(enable = "avx2,fma")]
@@ -1150,6 +1225,32 @@ pub fn dot_rows_many(dtype: DType, rows_bytes: &[u8], xs: &[DotX], out: &mut [f3
             // SAFETY: an IntX exists only where int_dot::available() held, and holds `cols / 32`
             // blocks; the rows hold `rows` rows of `cols` values of `dtype` (checked above).
             unsafe { int_dot::dot_rows4(dtype, rows_bytes, [a, b, c, d], [o0, o1, o2, o3]) };
+            done += 4;
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    if matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q8_0)
+        && has_avx2()
+        && !(dtype == DType::Q4_1 && has_avx512())
+        && (rows as u64).checked_mul(dtype.bytes_for(cols as u64)?) == Some(rows_bytes.len() as u64)
+        && cols.is_multiple_of(32)
+    {
+        // The AVX2 float kernels (CPUs without AVX-512 VNNI): four vectors a row unpack, for the
+        // groups whose every vector takes those kernels alone in dot_rows_x.
+        let row_bytes = rows_bytes.len() / rows.max(1);
+        for (group, outs) in xs[done..].chunks_exact(4).zip(out[done * rows..].chunks_exact_mut(4 * rows)) {
+            if group.iter().any(|x| x.int.is_some() && int_dot::single_vector(dtype)) {
+                break;
+            }
+            let x = [0, 1, 2, 3].map(|t| &group[t].x[..]);
+            for (r, row) in rows_bytes.chunks_exact(row_bytes).enumerate() {
+                // SAFETY: AVX2 and FMA were checked; the row holds `cols` values of `dtype`, a
+                // whole number of its blocks (checked above).
+                let sums = unsafe { avx2::dot_many::<4>(dtype, row, x) };
+                for (t, sum) in sums.into_iter().enumerate() {
+                    outs[t * rows + r] = sum;
+                }
+            }
             done += 4;
         }
     }
