@@ -16,6 +16,8 @@ use std::arch::x86_64::*;
 
 use kiln_core::DType;
 
+use super::quant::has_avx2;
+
 /// Values a step: two 16-lane registers.
 const STEP: usize = 32;
 
@@ -34,17 +36,6 @@ fn has_avx512() -> bool {
             && is_x86_feature_detected!("f16c")
             && is_x86_feature_detected!("fma")
             && std::env::var_os("KILN_CPU_NO_AVX512").is_none()
-    })
-}
-
-/// Whether the running CPU has AVX2, F16C and FMA (checked once): the 8-lane kernels.
-fn has_avx2() -> bool {
-    use std::sync::OnceLock;
-    static HAS: OnceLock<bool> = OnceLock::new();
-    *HAS.get_or_init(|| {
-        is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("f16c")
-            && is_x86_feature_detected!("fma")
     })
 }
 

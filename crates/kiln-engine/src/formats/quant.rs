@@ -545,7 +545,7 @@ unsafe fn dot_row_avx2(dtype: DType, bytes: &[u8], x: &[f32]) -> f32 {
 
 /// Whether the running CPU has AVX2, FMA and F16C (checked once).
 #[cfg(target_arch = "x86_64")]
-fn has_avx2() -> bool {
+pub(crate) fn has_avx2() -> bool {
     use std::sync::OnceLock;
     static HAS: OnceLock<bool> = OnceLock::new();
     *HAS.get_or_init(|| {
