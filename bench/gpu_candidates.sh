@@ -17,10 +17,12 @@
 #            INT8 and NVFP4 at 2048 x 4096 with the 2-warp one-wave candidate beside the
 #            defaults), then every one-lane-a-block variant of INT8 and NVFP4 at the large shapes
 #            (about 520 s).
-#   cd bundle && ../bench/gpu_candidates.sh lm-head|lm-head-8|norm|tests|norm-check RESULTS_DIR
+#   norm-bench  norm-check without the tests: PyTorch's norms, three processes of the defaults,
+#            then every one-lane-a-block variant of INT8 and NVFP4 (about 100 s).
+#   cd bundle && ../bench/gpu_candidates.sh lm-head|lm-head-8|norm|tests|norm-check|norm-bench RESULTS_DIR
 set -u
-part=${1:?usage: $0 lm-head|lm-head-8|norm|tests|norm-check RESULTS_DIR (run inside the bundle directory)}
-out=${2:?usage: $0 lm-head|lm-head-8|norm|tests|norm-check RESULTS_DIR (run inside the bundle directory)}
+part=${1:?usage: $0 lm-head|lm-head-8|norm|tests|norm-check|norm-bench RESULTS_DIR (run inside the bundle directory)}
+out=${2:?usage: $0 lm-head|lm-head-8|norm|tests|norm-check|norm-bench RESULTS_DIR (run inside the bundle directory)}
 mkdir -p "$out"
 t0=$SECONDS
 T() { local limit=$1 name=$2; shift 2; timeout "$limit" "$@" > "$out/$name.txt" 2>&1; echo "exit $? at $((SECONDS - t0)) s" >> "$out/$name.txt"; }
@@ -44,9 +46,11 @@ if [ "$part" = tests ]; then
   echo "total $((SECONDS - t0)) s"
   exit 0
 fi
-if [ "$part" = norm-check ]; then
-  T 350 test-gpu_norm tests/gpu_norm --test-threads=8
-  grep -E "^test |test result|^exit" "$out/test-gpu_norm.txt"
+if [ "$part" = norm-check ] || [ "$part" = norm-bench ]; then
+  if [ "$part" = norm-check ]; then
+    T 350 test-gpu_norm tests/gpu_norm --test-threads=8
+    grep -E "^test |test result|^exit" "$out/test-gpu_norm.txt"
+  fi
   T 150 peer-norm python3 bench/peers/norm.py --out "$out/norm_torch.json"
   for i in 1 2 3; do
     T 40 bench-norm-$i ./kiln bench norm --default-only --peer "$out/norm_torch.json"
@@ -76,7 +80,7 @@ if [ "$part" = lm-head-8 ]; then
   echo "total $((SECONDS - t0)) s"
   exit 0
 fi
-[ "$part" = lm-head ] || { echo "unknown part $part (lm-head, lm-head-8, norm, tests or norm-check)"; exit 2; }
+[ "$part" = lm-head ] || { echo "unknown part $part (lm-head, lm-head-8, norm, tests, norm-check or norm-bench)"; exit 2; }
 nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,clocks_event_reasons.active --format=csv -lms 100 > "$out/smi.csv" 2>&1 &
 smi=$!
 eight=16w/4v/64txs2c,16w/4v/64txs2cm,16w/4v/64txs2cmr2,16w/4v/64txs2cr2,16w/4v/64txs4c,16w/4v/64txs4cm
