@@ -685,6 +685,37 @@ fn tile_scores<const N: usize>(qh: &[f32], tiles: [&[f32]; N], scale: f32) -> [[
     sums.map(|tile| tile.map(|s| s * scale))
 }
 
+/// `acc[i] += w_p v_p[i]` for the positions of `weights` in order, row `p` of the values at
+/// `values[first + p * stride..]` (the first `acc.len()` of it when shorter than `N`), the sums
+/// kept in registers.
+#[inline(always)]
+fn weighted_rows<const N: usize>(
+    mut acc: [f32; N],
+    weights: &[f32],
+    values: &[f32],
+    first: usize,
+    stride: usize,
+    width: usize,
+) -> [f32; N] {
+    if width == N {
+        for (p, &w) in weights.iter().enumerate() {
+            if let Some(vp) = values[first + p * stride..].first_chunk::<N>() {
+                for (a, &v) in acc.iter_mut().zip(vp) {
+                    *a += w * v;
+                }
+            }
+        }
+    } else {
+        for (p, &w) in weights.iter().enumerate() {
+            let at = first + p * stride;
+            for (a, &v) in acc.iter_mut().zip(&values[at..at + width]) {
+                *a += w * v;
+            }
+        }
+    }
+    acc
+}
+
 /// One KV head of a layer's cache as attention reads it: the tiled keys, the values, and where
 /// the head sits in a position's row.
 #[derive(Clone, Copy)]
@@ -695,73 +726,108 @@ struct HeadCache<'a> {
     kv_head: usize,
 }
 
-/// One (token, head) of attention over `visible` positions: the scores tile by tile, the softmax
-/// and the weighted sum of the values into `o`. Compiled for AVX-512 too and chosen at run time
-/// (the same operations in the same order, so the same bits).
-fn head_attention(qh: &[f32], cache: HeadCache<'_>, scale: f32, visible: usize, o: &mut [f32]) {
+/// Query heads that share a KV head taken together, at most this many: their scores and outputs
+/// read each tile of keys and each row of values once.
+const HEADS_TOGETHER: usize = 4;
+
+/// `G` query heads of one token (each `head_dim` long, one after the other in `q`) sharing one KV
+/// head, over `visible` positions, into `o` (the same layout): for each head the scores tile by
+/// tile, the softmax and the weighted sum of the values, each head's operations in the order one
+/// head alone takes them (the same bits). Compiled for AVX-512 too and chosen at run time.
+fn heads_attention<const G: usize>(
+    q: &[f32],
+    cache: HeadCache<'_>,
+    scale: f32,
+    visible: usize,
+    o: &mut [f32],
+) {
     #[inline(always)]
-    fn run(qh: &[f32], cache: HeadCache<'_>, scale: f32, visible: usize, o: &mut [f32]) {
+    fn run<const G: usize>(q: &[f32], cache: HeadCache<'_>, scale: f32, visible: usize, o: &mut [f32]) {
         let HeadCache { keys, values, kv_width, kv_head } = cache;
-        let hd = qh.len();
-        let mut scores = vec![0f32; visible];
+        let hd = q.len() / G;
+        let qs: [&[f32]; G] = std::array::from_fn(|g| &q[g * hd..][..hd]);
+        let mut all_scores = vec![0f32; G * visible];
+        let mut scores: [&mut [f32]; G] = {
+            let mut rest = all_scores.as_mut_slice();
+            std::array::from_fn(|_| {
+                let (head, tail) = std::mem::take(&mut rest).split_at_mut(visible);
+                rest = tail;
+                head
+            })
+        };
         let tile_at = |tile: usize| tile * KEY_TILE * kv_width + kv_head * hd * KEY_TILE;
-        // Four tiles side by side (four independent chains of additions), then the rest.
-        let mut groups = scores.chunks_exact_mut(4 * KEY_TILE);
-        for (group, dst) in (&mut groups).enumerate() {
+        // Four tiles side by side (four independent chains of additions a head), then the rest.
+        let groups = visible / (4 * KEY_TILE);
+        // The G heads one after another over the same four tiles (16 KiB at a head size of 64),
+        // which the first head brought into the L1 cache.
+        for group in 0..groups {
             let tiles: [&[f32]; 4] =
                 std::array::from_fn(|i| &keys[tile_at(4 * group + i)..][..hd * KEY_TILE]);
-            dst.copy_from_slice(tile_scores(qh, tiles, scale).as_flattened());
+            for (dst, qh) in scores.iter_mut().zip(qs) {
+                let sums = tile_scores(qh, tiles, scale);
+                dst[group * 4 * KEY_TILE..][..4 * KEY_TILE].copy_from_slice(sums.as_flattened());
+            }
         }
-        let done = visible - groups.into_remainder().len();
-        for (i, dst) in scores[done..].chunks_mut(KEY_TILE).enumerate() {
+        let done = groups * 4 * KEY_TILE;
+        for (i, first) in (done..visible).step_by(KEY_TILE).enumerate() {
             let at = tile_at(done / KEY_TILE + i);
-            let [sums] = tile_scores(qh, [&keys[at..at + hd * KEY_TILE]], scale);
-            dst.copy_from_slice(&sums[..dst.len()]);
+            let len = KEY_TILE.min(visible - first);
+            for (dst, qh) in scores.iter_mut().zip(qs) {
+                let [sums] = tile_scores(qh, [&keys[at..at + hd * KEY_TILE]], scale);
+                dst[first..first + len].copy_from_slice(&sums[..len]);
+            }
         }
-        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut total = 0f32;
-        for s in scores.iter_mut() {
-            *s = (*s - max).exp();
-            total += *s;
-        }
-        for s in scores.iter_mut() {
-            *s /= total;
+        for head in scores.iter_mut() {
+            let max = head.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            // The exponentials, then their sum in order: a sum kept across the calls would pass
+            // through memory at each one.
+            for s in head.iter_mut() {
+                *s = (*s - max).exp();
+            }
+            let total = head.iter().fold(0f32, |total, &s| total + s);
+            for s in head.iter_mut() {
+                *s /= total;
+            }
         }
         // o[d] = sum over positions, in order from +0.0, of w_p v_p[d]: VALUE_CHUNK values of d
-        // at a time held in registers across the positions.
+        // of a head at a time held in registers across VALUE_BLOCK positions, the G heads one
+        // after another over the same block of rows (16 KiB at most), which the first head
+        // brought into the L1 cache.
         const VALUE_CHUNK: usize = 64;
-        for (c, oc) in o.chunks_mut(VALUE_CHUNK).enumerate() {
-            let mut acc = [0f32; VALUE_CHUNK];
+        const VALUE_BLOCK: usize = 64;
+        for c in 0..hd.div_ceil(VALUE_CHUNK) {
+            let width = VALUE_CHUNK.min(hd - c * VALUE_CHUNK);
+            let mut sums = [[0f32; VALUE_CHUNK]; G];
             let first = kv_head * hd + c * VALUE_CHUNK;
-            if oc.len() == VALUE_CHUNK {
-                for (p, &w) in scores.iter().enumerate() {
-                    if let Some(vp) = values[p * kv_width + first..].first_chunk::<VALUE_CHUNK>() {
-                        for (a, &v) in acc.iter_mut().zip(vp) {
-                            *a += w * v;
-                        }
-                    }
-                }
-            } else {
-                for (p, &w) in scores.iter().enumerate() {
-                    for (a, &v) in acc.iter_mut().zip(&values[p * kv_width + first..][..oc.len()]) {
-                        *a += w * v;
-                    }
+            for block in (0..visible).step_by(VALUE_BLOCK) {
+                let end = visible.min(block + VALUE_BLOCK);
+                for (head_sums, head) in sums.iter_mut().zip(&scores) {
+                    let at = block * kv_width + first;
+                    *head_sums = weighted_rows(*head_sums, &head[block..end], values, at, kv_width, width);
                 }
             }
-            oc.copy_from_slice(&acc[..oc.len()]);
+            for (g, head_sums) in sums.iter().enumerate() {
+                o[g * hd + c * VALUE_CHUNK..][..width].copy_from_slice(&head_sums[..width]);
+            }
         }
     }
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f")]
-    unsafe fn run_avx512(qh: &[f32], cache: HeadCache<'_>, scale: f32, visible: usize, o: &mut [f32]) {
-        run(qh, cache, scale, visible, o)
+    unsafe fn run_avx512<const G: usize>(
+        q: &[f32],
+        cache: HeadCache<'_>,
+        scale: f32,
+        visible: usize,
+        o: &mut [f32],
+    ) {
+        run::<G>(q, cache, scale, visible, o)
     }
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx512f") {
         // SAFETY: the CPU has AVX-512F.
-        return unsafe { run_avx512(qh, cache, scale, visible, o) };
+        return unsafe { run_avx512::<G>(q, cache, scale, visible, o) };
     }
-    run(qh, cache, scale, visible, o)
+    run::<G>(q, cache, scale, visible, o)
 }
 
 /// The head counts and size of an attention.
@@ -773,25 +839,54 @@ struct AttentionShape {
 }
 
 /// Causal grouped-query attention of `n` new tokens at positions `start..start + n` over every
-/// cached position (`keys` tiled, see [`KvCache`]), one (token, head) pair per task.
+/// cached position (`keys` tiled, see [`KvCache`]), a task one token's heads of a KV head's group.
 fn attention(c: AttentionShape, q: &[f32], keys: &[f32], values: &[f32], start: usize, out: &mut [f32]) {
     let hd = c.head_dim;
     let group = c.heads / c.kv_heads;
     let kv_width = c.kv_heads * hd;
     let scale = 1.0 / (hd as f32).sqrt();
-    let one = |(task, o): (usize, &mut [f32])| {
-        let (t, head) = (task / c.heads, task % c.heads);
-        let qh = &q[t * c.heads * hd + head * hd..][..hd];
-        let cache = HeadCache { keys, values, kv_width, kv_head: head / group };
-        head_attention(qh, cache, scale, start + t + 1, o);
+    let tokens = out.len() / (c.heads * hd);
+    // A task: one token's heads `first..first + count` of one KV head's group. A prompt's tasks
+    // take up to HEADS_TOGETHER heads of a group together (each tile of keys and row of values
+    // read once for them); a few tokens' tasks are single heads, so that a decode step's heads
+    // spread over the threads.
+    let together = if tokens >= 8 { HEADS_TOGETHER.min(group) } else { 1 };
+    let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
+    for t in 0..tokens {
+        for kv in 0..c.kv_heads {
+            let mut first = kv * group;
+            while first < (kv + 1) * group {
+                let count = together.min((kv + 1) * group - first);
+                tasks.push((t, first, count));
+                first += count;
+            }
+        }
+    }
+    let mut outs: Vec<&mut [f32]> = Vec::with_capacity(tasks.len());
+    let mut rest = out;
+    for &(_, _, count) in &tasks {
+        let (o, tail) = std::mem::take(&mut rest).split_at_mut(count * hd);
+        outs.push(o);
+        rest = tail;
+    }
+    let one = |(&(t, first, count), o): (&(usize, usize, usize), &mut &mut [f32])| {
+        let q = &q[t * c.heads * hd + first * hd..][..count * hd];
+        let cache = HeadCache { keys, values, kv_width, kv_head: first / group };
+        let visible = start + t + 1;
+        match count {
+            4 => heads_attention::<4>(q, cache, scale, visible, o),
+            3 => heads_attention::<3>(q, cache, scale, visible, o),
+            2 => heads_attention::<2>(q, cache, scale, visible, o),
+            _ => heads_attention::<1>(q, cache, scale, visible, o),
+        }
     };
     // Waking the pool costs more than a short step's attention; during a decode step the pool's
     // other threads are the step's team, which take the heads between products.
-    let work = out.len() / hd * (start + out.len() / (c.heads * hd)) * hd;
+    let work = tokens * c.heads * (start + tokens) * hd;
     if work < 1 << 14 {
-        out.chunks_mut(hd).enumerate().for_each(one);
+        tasks.iter().zip(outs.iter_mut()).for_each(one);
     } else {
-        out.par_chunks_mut(hd).enumerate().for_each(one);
+        tasks.par_iter().zip(outs.par_iter_mut()).for_each(one);
     }
 }
 
@@ -866,6 +961,9 @@ mod tests {
             AttentionShape { heads: 9, kv_heads: 3, head_dim: 64 },
             AttentionShape { heads: 4, kv_heads: 4, head_dim: 80 },
             AttentionShape { heads: 2, kv_heads: 1, head_dim: 8 },
+            // Groups of 7 and 5: a prompt's tasks take 4 + 3 and 4 + 1 heads together.
+            AttentionShape { heads: 14, kv_heads: 2, head_dim: 16 },
+            AttentionShape { heads: 5, kv_heads: 1, head_dim: 96 },
         ] {
             let (hd, kv_width) = (shape.head_dim, shape.kv_heads * shape.head_dim);
             let q_width = shape.heads * hd;
