@@ -685,6 +685,27 @@ fn tile_scores<const N: usize>(qh: &[f32], tiles: [&[f32]; N], scale: f32) -> [[
     sums.map(|tile| tile.map(|s| s * scale))
 }
 
+/// Rows of values requested this far ahead of the weighted sum: a row of a KV head is a few
+/// cache lines every `kv_width` values, a stride the hardware's prefetchers follow late.
+const PREFETCH_ROWS: usize = 16;
+
+/// Asks for the cache lines of `values[at..at + len]` (nothing past the end; a hint only).
+#[inline(always)]
+fn prefetch_row(values: &[f32], at: usize, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if at + len <= values.len() {
+        for line in (0..len).step_by(16) {
+            // SAFETY: a prefetch reads nothing and faults on nothing; the address is in `values`.
+            unsafe {
+                use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+                _mm_prefetch::<_MM_HINT_T0>(values.as_ptr().add(at + line).cast());
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (values, at, len);
+}
+
 /// `acc[i] += w_p v_p[i]` for the positions of `weights` in order, row `p` of the values at
 /// `values[first + p * stride..]` (the first `acc.len()` of it when shorter than `N`), the sums
 /// kept in registers.
@@ -699,6 +720,7 @@ fn weighted_rows<const N: usize>(
 ) -> [f32; N] {
     if width == N {
         for (p, &w) in weights.iter().enumerate() {
+            prefetch_row(values, first + (p + PREFETCH_ROWS) * stride, N);
             if let Some(vp) = values[first + p * stride..].first_chunk::<N>() {
                 for (a, &v) in acc.iter_mut().zip(vp) {
                     *a += w * v;
