@@ -768,15 +768,8 @@ fn heads_attention<const G: usize>(
         let HeadCache { keys, values, kv_width, kv_head } = cache;
         let hd = q.len() / G;
         let qs: [&[f32]; G] = std::array::from_fn(|g| &q[g * hd..][..hd]);
-        let mut all_scores = vec![0f32; G * visible];
-        let mut scores: [&mut [f32]; G] = {
-            let mut rest = all_scores.as_mut_slice();
-            std::array::from_fn(|_| {
-                let (head, tail) = std::mem::take(&mut rest).split_at_mut(visible);
-                rest = tail;
-                head
-            })
-        };
+        // Each head's scores, `visible` of them, one head after another.
+        let mut scores = vec![0f32; G * visible];
         let tile_at = |tile: usize| tile * KEY_TILE * kv_width + kv_head * hd * KEY_TILE;
         // Four tiles side by side (four independent chains of additions a head), then the rest.
         let groups = visible / (4 * KEY_TILE);
@@ -785,7 +778,7 @@ fn heads_attention<const G: usize>(
         for group in 0..groups {
             let tiles: [&[f32]; 4] =
                 std::array::from_fn(|i| &keys[tile_at(4 * group + i)..][..hd * KEY_TILE]);
-            for (dst, qh) in scores.iter_mut().zip(qs) {
+            for (dst, qh) in scores.chunks_exact_mut(visible).zip(qs) {
                 let sums = tile_scores(qh, tiles, scale);
                 dst[group * 4 * KEY_TILE..][..4 * KEY_TILE].copy_from_slice(sums.as_flattened());
             }
@@ -794,12 +787,12 @@ fn heads_attention<const G: usize>(
         for (i, first) in (done..visible).step_by(KEY_TILE).enumerate() {
             let at = tile_at(done / KEY_TILE + i);
             let len = KEY_TILE.min(visible - first);
-            for (dst, qh) in scores.iter_mut().zip(qs) {
+            for (dst, qh) in scores.chunks_exact_mut(visible).zip(qs) {
                 let [sums] = tile_scores(qh, [&keys[at..at + hd * KEY_TILE]], scale);
                 dst[first..first + len].copy_from_slice(&sums[..len]);
             }
         }
-        for head in scores.iter_mut() {
+        for head in scores.chunks_exact_mut(visible) {
             let max = head.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             // The exponentials, then their sum in order: a sum kept across the calls would pass
             // through memory at each one.
@@ -823,7 +816,7 @@ fn heads_attention<const G: usize>(
             let first = kv_head * hd + c * VALUE_CHUNK;
             for block in (0..visible).step_by(VALUE_BLOCK) {
                 let end = visible.min(block + VALUE_BLOCK);
-                for (head_sums, head) in sums.iter_mut().zip(&scores) {
+                for (head_sums, head) in sums.iter_mut().zip(scores.chunks_exact(visible)) {
                     let at = block * kv_width + first;
                     *head_sums = weighted_rows(*head_sums, &head[block..end], values, at, kv_width, width);
                 }
@@ -868,47 +861,31 @@ fn attention(c: AttentionShape, q: &[f32], keys: &[f32], values: &[f32], start: 
     let kv_width = c.kv_heads * hd;
     let scale = 1.0 / (hd as f32).sqrt();
     let tokens = out.len() / (c.heads * hd);
-    // A task: one token's heads `first..first + count` of one KV head's group. A prompt's tasks
-    // take up to HEADS_TOGETHER heads of a group together (each tile of keys and row of values
-    // read once for them); a few tokens' tasks are single heads, so that a decode step's heads
-    // spread over the threads.
-    let together = if tokens >= 8 { HEADS_TOGETHER.min(group) } else { 1 };
-    let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
-    for t in 0..tokens {
-        for kv in 0..c.kv_heads {
-            let mut first = kv * group;
-            while first < (kv + 1) * group {
-                let count = together.min((kv + 1) * group - first);
-                tasks.push((t, first, count));
-                first += count;
-            }
-        }
-    }
-    let mut outs: Vec<&mut [f32]> = Vec::with_capacity(tasks.len());
-    let mut rest = out;
-    for &(_, _, count) in &tasks {
-        let (o, tail) = std::mem::take(&mut rest).split_at_mut(count * hd);
-        outs.push(o);
-        rest = tail;
-    }
-    let one = |(&(t, first, count), o): (&(usize, usize, usize), &mut &mut [f32])| {
-        let q = &q[t * c.heads * hd + first * hd..][..count * hd];
+    // A task: one token's heads of one KV head's group for a prompt, taken HEADS_TOGETHER at a
+    // time (each tile of keys and row of values read once for them); one token's single head for
+    // a few tokens, so that a decode step's heads spread over the threads.
+    let task_heads = if tokens >= 8 { group } else { 1 };
+    let one = |(task, o): (usize, &mut [f32])| {
+        let (t, first) = (task * task_heads / c.heads, task * task_heads % c.heads);
+        let q = &q[t * c.heads * hd + first * hd..][..task_heads * hd];
         let cache = HeadCache { keys, values, kv_width, kv_head: first / group };
         let visible = start + t + 1;
-        match count {
-            4 => heads_attention::<4>(q, cache, scale, visible, o),
-            3 => heads_attention::<3>(q, cache, scale, visible, o),
-            2 => heads_attention::<2>(q, cache, scale, visible, o),
-            _ => heads_attention::<1>(q, cache, scale, visible, o),
+        for (q, o) in q.chunks(HEADS_TOGETHER * hd).zip(o.chunks_mut(HEADS_TOGETHER * hd)) {
+            match o.len() / hd {
+                4 => heads_attention::<4>(q, cache, scale, visible, o),
+                3 => heads_attention::<3>(q, cache, scale, visible, o),
+                2 => heads_attention::<2>(q, cache, scale, visible, o),
+                _ => heads_attention::<1>(q, cache, scale, visible, o),
+            }
         }
     };
     // Waking the pool costs more than a short step's attention; during a decode step the pool's
     // other threads are the step's team, which take the heads between products.
     let work = tokens * c.heads * (start + tokens) * hd;
     if work < 1 << 14 {
-        tasks.iter().zip(outs.iter_mut()).for_each(one);
+        out.chunks_mut(task_heads * hd).enumerate().for_each(one);
     } else {
-        tasks.par_iter().zip(outs.par_iter_mut()).for_each(one);
+        out.par_chunks_mut(task_heads * hd).enumerate().for_each(one);
     }
 }
 
@@ -983,7 +960,7 @@ mod tests {
             AttentionShape { heads: 9, kv_heads: 3, head_dim: 64 },
             AttentionShape { heads: 4, kv_heads: 4, head_dim: 80 },
             AttentionShape { heads: 2, kv_heads: 1, head_dim: 8 },
-            // Groups of 7 and 5: a prompt's tasks take 4 + 3 and 4 + 1 heads together.
+            // Groups of 7 and 5: a prompt's tasks take 4 then 3, and 4 then 1, heads together.
             AttentionShape { heads: 14, kv_heads: 2, head_dim: 16 },
             AttentionShape { heads: 5, kv_heads: 1, head_dim: 96 },
         ] {
