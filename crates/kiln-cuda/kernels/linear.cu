@@ -1,6 +1,6 @@
 // The decode-side linear layer: out[t][r] = epilogue(sum_c W[r][c] * x[t][c] (+ bias[r])) for
 // TOKENS (1..8) tokens at once, W in f32, bf16, f16 or a GGUF block format (Q8_0, Q4_0, Q4_1,
-// Q4_K, Q6_K), dequantized in registers; fp32 accumulation. Beside it: the gather of embedding
+// Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), dequantized in registers; fp32 accumulation. Beside it: the gather of embedding
 // rows, the conversion of weights to bf16 (the prefill path's cuBLAS input) and fp32 -> bf16.
 //
 // Memory floor: W read once for all tokens (rows x row_bytes); x (at most 8 x cols fp32) stays in
@@ -24,9 +24,9 @@
 //
 // Loads: 16-byte streaming loads (no L1 allocation) for f32 / bf16 / f16 rows (16-byte aligned when
 // cols is a multiple of 8) and Q4_K's quants (its 144-byte blocks keep 16-byte alignment);
-// Q4_1's 20-byte blocks are 4-byte aligned (4-byte loads); Q8_0, Q4_0 (34, 18 bytes) and Q6_K
-// (210) are only 2-byte aligned: their bytes come from aligned 4-byte loads joined by byte
-// permutes. Such a load may read up to 2 bytes past the bytes it needs, never past the aligned
+// Q5_K's quants and high bits (176-byte blocks) too; Q4_1's and Q5_1's 20- and 24-byte blocks
+// are 4-byte aligned (4-byte loads); Q8_0, Q4_0, Q5_0 (34, 18, 22 bytes) and Q6_K (210) are only
+// 2-byte aligned: their bytes come from aligned 4-byte loads joined by byte permutes. Such a load may read up to 2 bytes past the bytes it needs, never past the aligned
 // 4-byte word that holds the last of them.
 //
 // Dequantization equals `dequantize_row` of the CPU reference bit for bit: small integers become
@@ -34,7 +34,8 @@
 // and every rounding of the reference is an explicit __fmul_rn / __fadd_rn / __fsub_rn, which the
 // compiler never contracts. The dot products use explicit FMAs.
 //
-// Compile-time constants: W_T (0 f32, 1 bf16, 2 f16, 3 Q8_0, 4 Q4_0, 5 Q4_1, 6 Q4_K, 7 Q6_K),
+// Compile-time constants: W_T (0 f32, 1 bf16, 2 f16, 3 Q8_0, 4 Q4_0, 5 Q4_1, 6 Q4_K, 7 Q6_K,
+// 8 Q5_0, 9 Q5_1, 10 Q5_K),
 // X_T (0 f32, 1 bf16), TOKENS (1..8), EPI (0 store, 1 accumulate, 2 SwiGLU), HAS_BIAS, WARPS,
 // ROWS, UNROLL, STAGE (0 x from global memory, 1 staged in shared memory), MMA (1: the tensor-core
 // path below, for bf16 / f16 weights).
@@ -104,8 +105,14 @@ static_assert(EPI != 2 || HAS_BIAS == 0, "SwiGLU takes no bias");
 #elif W_T == 7
 #define PIECE 32
 #define RAW_WORDS 9
+#elif W_T == 8 || W_T == 9
+#define PIECE 32
+#define RAW_WORDS 6
+#elif W_T == 10
+#define PIECE 32
+#define RAW_WORDS 12
 #else
-#error "W_T must be 0..7"
+#error "W_T must be 0..10"
 #endif
 #define SUBS (PIECE / 8)
 #define QUADS (PIECE / 4)
@@ -187,9 +194,9 @@ __device__ __forceinline__ int lin_piece_element(int p, int s) {
     return 8 * p + 8 * s;
 #elif W_T == 3
     return 16 * p + 8 * s;
-#elif W_T == 4 || W_T == 5
+#elif W_T == 4 || W_T == 5 || W_T == 8 || W_T == 9
     return 32 * p + 8 * s;
-#elif W_T == 6
+#elif W_T == 6 || W_T == 10
     // Piece q of a super-block: quant bytes 16q .. 16q + 16 (chunk q / 2, half q % 2); groups 0, 1
     // are their low nibbles, groups 2, 3 their high nibbles.
     const int q = p & 7;
@@ -230,6 +237,27 @@ __device__ __forceinline__ void lin_load_piece(const kiln_u8* row, int p, LinRaw
     for (int k = 0; k < 4; ++k) r.v[k] = lin_load32(head + k);  // d, dmin | scales[12]
     const uint4 q = lin_load_stream16(block + 16 + 16 * (p & 7));
     r.v[4] = q.x; r.v[5] = q.y; r.v[6] = q.z; r.v[7] = q.w;
+#elif W_T == 8
+    // d | qh (4 bytes) | qs[16]: the high bits and quants are 20 bytes from block + 2.
+    const kiln_u8* block = row + 22ll * p;
+    r.v[0] = lin_load16(block);
+    lin_load_words<5>(block + 2, r.v + 1);
+#elif W_T == 9
+    // d, m | qh | qs[16]
+    const kiln_u32* block = reinterpret_cast<const kiln_u32*>(row + 24ll * p);
+#pragma unroll
+    for (int k = 0; k < 6; ++k) r.v[k] = lin_load32(block + k);
+#elif W_T == 10
+    // d, dmin | scales[12] | qh[32] | qs[128]: piece q takes quant bytes 16q .. 16q + 16 (as Q4_K)
+    // and the high-bit bytes of the same positions in its chunk, 16 (q % 2) .. + 16.
+    const kiln_u8* block = row + 176ll * (p >> 3);
+    const kiln_u32* head = reinterpret_cast<const kiln_u32*>(block);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) r.v[k] = lin_load32(head + k);
+    const uint4 q = lin_load_stream16(block + 48 + 16 * (p & 7));
+    r.v[4] = q.x; r.v[5] = q.y; r.v[6] = q.z; r.v[7] = q.w;
+    const uint4 h = lin_load_stream16(block + 16 + 16 * (p & 1));
+    r.v[8] = h.x; r.v[9] = h.y; r.v[10] = h.z; r.v[11] = h.w;
 #else
     const kiln_u8* block = row + 210ll * (p >> 3);
     const int q = p & 7, half = q >> 2, l0 = 8 * (q & 3);
@@ -254,6 +282,23 @@ __device__ __forceinline__ kiln_u32 lin_byte(kiln_u32 word, int k) { return (wor
 __device__ __forceinline__ kiln_u32 lin_byte3(kiln_u32 a, kiln_u32 b, kiln_u32 c, int i) {
     const kiln_u32 word = i < 4 ? a : (i < 8 ? b : c);
     return lin_byte(word, i & 3);
+}
+
+// Bits 0 .. 4 of `bits` moved to bit 4 of bytes 0 .. 4 (the products' terms do not overlap, so
+// no carry).
+__device__ __forceinline__ kiln_u32 lin_spread4(kiln_u32 bits) { return ((bits * 0x00204081u) & 0x01010101u) << 4; }
+
+// The 6-bit scale and min of sub-block j of a Q4_K / Q5_K block, whose scales[12] are raw words
+// 1 .. 3 (`get_scale_min_k4`).
+__device__ __forceinline__ void lin_scale_min_k4(const LinRaw& r, int j, kiln_u32& sc, kiln_u32& mn) {
+    if (j < 4) {
+        sc = lin_byte3(r.v[1], r.v[2], r.v[3], j) & 63u;
+        mn = lin_byte3(r.v[1], r.v[2], r.v[3], j + 4) & 63u;
+    } else {
+        const kiln_u32 b = lin_byte3(r.v[1], r.v[2], r.v[3], j + 4);
+        sc = (b & 0x0Fu) | ((lin_byte3(r.v[1], r.v[2], r.v[3], j - 4) >> 6) << 4);
+        mn = (b >> 4) | ((lin_byte3(r.v[1], r.v[2], r.v[3], j) >> 6) << 4);
+    }
 }
 
 // The 8 values of group s of piece p (the piece's raw words r), as `dequantize_row` gives them.
@@ -314,14 +359,7 @@ __device__ __forceinline__ void lin_decode(const LinRaw& r, int p, int s, float 
     const float dmin = kiln_f16_to_f32((kiln_u16)(r.v[0] >> 16));
     const int j = 2 * ((p & 7) >> 1) + (s >> 1);
     kiln_u32 sc, mn;
-    if (j < 4) {
-        sc = lin_byte3(r.v[1], r.v[2], r.v[3], j) & 63u;
-        mn = lin_byte3(r.v[1], r.v[2], r.v[3], j + 4) & 63u;
-    } else {
-        const kiln_u32 b = lin_byte3(r.v[1], r.v[2], r.v[3], j + 4);
-        sc = (b & 0x0Fu) | ((lin_byte3(r.v[1], r.v[2], r.v[3], j - 4) >> 6) << 4);
-        mn = (b >> 4) | ((lin_byte3(r.v[1], r.v[2], r.v[3], j) >> 6) << 4);
-    }
+    lin_scale_min_k4(r, j, sc, mn);
     const float d1 = __fmul_rn(d, __fsub_rn(lin_biased(sc), 8388608.0f));
     const float m1 = __fmul_rn(dmin, __fsub_rn(lin_biased(mn), 8388608.0f));
 #pragma unroll
@@ -331,6 +369,54 @@ __device__ __forceinline__ void lin_decode(const LinRaw& r, int p, int s, float 
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             const float q = __fsub_rn(lin_biased_byte(nibbles, k), 8388608.0f);
+            w[4 * jj + k] = __fsub_rn(__fmul_rn(d1, q), m1);
+        }
+    }
+#elif W_T == 8 || W_T == 9
+    // Q5_0: y = d * (q - 16); Q5_1: y = d * q + m; q = a nibble | bit e of qh << 4 for element e
+    // of the block. Group s: as Q4_0 / Q4_1, with bits 8 s .. 8 s + 8 of qh.
+#if W_T == 8
+    const float d = kiln_f16_to_f32((kiln_u16)r.v[0]);
+    const float offset = 8388624.0f;  // 2^23 + 16
+#else
+    const float d = kiln_f16_to_f32((kiln_u16)(r.v[0] & 0xFFFFu));
+    const float m = kiln_f16_to_f32((kiln_u16)(r.v[0] >> 16));
+    const float offset = 8388608.0f;
+#endif
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const kiln_u32 word = r.v[2 + 2 * (s & 1) + j];
+        const kiln_u32 nibbles = (s >> 1) ? (word >> 4) & 0x0F0F0F0Fu : word & 0x0F0F0F0Fu;
+        const kiln_u32 q5 = nibbles | lin_spread4((r.v[1] >> (8 * s + 4 * j)) & 0xFu);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const float q = __fsub_rn(lin_biased_byte(q5, k), offset);
+#if W_T == 8
+            w[4 * j + k] = __fmul_rn(d, q);
+#else
+            w[4 * j + k] = __fadd_rn(__fmul_rn(d, q), m);
+#endif
+        }
+    }
+#elif W_T == 10
+    // As Q4_K, with q = a nibble | bit 2 chunk + (s >= 2) of the value's qh byte << 4.
+    const float d = kiln_f16_to_f32((kiln_u16)(r.v[0] & 0xFFFFu));
+    const float dmin = kiln_f16_to_f32((kiln_u16)(r.v[0] >> 16));
+    const int chunk = (p & 7) >> 1;
+    const int j = 2 * chunk + (s >> 1);
+    kiln_u32 sc, mn;
+    lin_scale_min_k4(r, j, sc, mn);
+    const float d1 = __fmul_rn(d, __fsub_rn(lin_biased(sc), 8388608.0f));
+    const float m1 = __fmul_rn(dmin, __fsub_rn(lin_biased(mn), 8388608.0f));
+#pragma unroll
+    for (int jj = 0; jj < 2; ++jj) {
+        const kiln_u32 word = r.v[4 + 2 * (s & 1) + jj];
+        const kiln_u32 nibbles = (s >> 1) ? (word >> 4) & 0x0F0F0F0Fu : word & 0x0F0F0F0Fu;
+        const kiln_u32 high = ((r.v[8 + 2 * (s & 1) + jj] >> j) & 0x01010101u) << 4;
+        const kiln_u32 q5 = nibbles | high;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const float q = __fsub_rn(lin_biased_byte(q5, k), 8388608.0f);
             w[4 * jj + k] = __fsub_rn(__fmul_rn(d1, q), m1);
         }
     }

@@ -9,7 +9,8 @@
 //!   every such configuration by a test of their own;
 //! - `embed_rows`, `to_bf16_weights` and `f32_to_bf16`: equal to the reference bit for bit.
 //!
-//! Fresh random inputs every run (the seed is printed). Needs an NVIDIA GPU:
+//! Fresh random inputs every run (the seed is printed). `KILN_LINEAR_DTYPES=Q5_0,Q5_K` takes only
+//! those weight dtypes in the products' tests (printed). Needs an NVIDIA GPU:
 //! `cargo test --release -p kiln-engine --features gpu-tests --test gpu_linear`
 //! (and `-- --ignored --nocapture` for the bandwidth table; `KILN_LINEAR_DTYPES=BF16,F16` limits it
 //! to those weight dtypes).
@@ -44,13 +45,24 @@ impl Rng {
     }
 }
 
-const DTYPES: [DType; 8] =
-    [DType::F32, DType::BF16, DType::F16, DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q4_K, DType::Q6_K];
+const DTYPES: [DType; 11] = [
+    DType::F32,
+    DType::BF16,
+    DType::F16,
+    DType::Q8_0,
+    DType::Q4_0,
+    DType::Q4_1,
+    DType::Q5_0,
+    DType::Q5_1,
+    DType::Q4_K,
+    DType::Q5_K,
+    DType::Q6_K,
+];
 
 const GUARD_BYTES: usize = 256;
 
 fn is_k(dtype: DType) -> bool {
-    matches!(dtype, DType::Q4_K | DType::Q6_K)
+    matches!(dtype, DType::Q4_K | DType::Q5_K | DType::Q6_K)
 }
 
 /// (rows, cols): one row, odd rows, 2048 + 3 rows, 576 and 1536 columns, and one 14336.
@@ -60,6 +72,26 @@ fn shapes(dtype: DType) -> Vec<(usize, usize)> {
     } else {
         vec![(1, 32), (37, 1536), (576, 576), (2051, 4096), (64, 14336), (5, 96)]
     }
+}
+
+/// [`DTYPES`], or those `KILN_LINEAR_DTYPES` names (comma-separated; an unknown name fails),
+/// printed: each dtype of the products' tests compiles every variant, so a run on new formats can
+/// take only them.
+fn selected_dtypes() -> Vec<DType> {
+    let Ok(names) = std::env::var("KILN_LINEAR_DTYPES") else { return DTYPES.to_vec() };
+    let selected: Vec<DType> = names
+        .split(',')
+        .map(|name| {
+            let name = name.trim();
+            DTYPES
+                .into_iter()
+                .find(|t| t.to_string().eq_ignore_ascii_case(name))
+                .unwrap_or_else(|| panic!("KILN_LINEAR_DTYPES names {name:?}, not one of {DTYPES:?}"))
+        })
+        .collect();
+    assert!(!selected.is_empty(), "KILN_LINEAR_DTYPES names no dtype");
+    println!("KILN_LINEAR_DTYPES: only {selected:?} of {DTYPES:?}");
+    selected
 }
 
 /// `rows` random rows of `dtype`: random floats for the float types; random quants with sane f16
@@ -75,21 +107,27 @@ fn random_weights(rng: &mut Rng, dtype: DType, rows: usize, cols: usize) -> Vec<
         DType::F16 => {
             (0..n).for_each(|_| out.extend(f16::from_f32(rng.uniform(-1.0, 1.0)).to_bits().to_le_bytes()))
         }
-        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => {
+        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 => {
             for _ in 0..n / 32 {
                 out.extend(rng.f16_bytes(-0.05, 0.05));
-                if dtype == DType::Q4_1 {
+                if matches!(dtype, DType::Q4_1 | DType::Q5_1) {
                     out.extend(rng.f16_bytes(-0.2, 0.2));
                 }
-                let quants = if dtype == DType::Q8_0 { 32 } else { 16 };
+                // Q5_0 / Q5_1: 4 bytes of high bits before the 16 bytes of nibbles.
+                let quants = match dtype {
+                    DType::Q8_0 => 32,
+                    DType::Q5_0 | DType::Q5_1 => 4 + 16,
+                    _ => 16,
+                };
                 out.extend(rng.bytes(quants));
             }
         }
-        DType::Q4_K => {
+        DType::Q4_K | DType::Q5_K => {
             for _ in 0..n / 256 {
                 out.extend(rng.f16_bytes(-0.01, 0.01));
                 out.extend(rng.f16_bytes(-0.01, 0.01));
-                out.extend(rng.bytes(12 + 128));
+                // scales[12], (Q5_K: qh[32]), qs[128]
+                out.extend(rng.bytes(if dtype == DType::Q5_K { 12 + 32 + 128 } else { 12 + 128 }));
             }
         }
         DType::Q6_K => {
@@ -355,7 +393,7 @@ fn linear_matches_a_float64_reference_for_every_dtype_epilogue_token_count_and_v
     let mut checked = 0usize;
     let mut skipped = 0usize;
     let mut failures = Vec::new();
-    for (d, dtype) in DTYPES.into_iter().enumerate() {
+    for (d, dtype) in selected_dtypes().into_iter().enumerate() {
         let weights: Vec<Weights> = shapes(dtype)
             .into_iter()
             .map(|(rows, cols)| {
@@ -760,21 +798,7 @@ fn bandwidth_of_one_token_products() {
     let launches = 50;
     // KILN_LINEAR_DTYPES=BF16,F16 limits the table to those weight dtypes (each variant of each
     // dtype and token count is a compile: the whole table takes minutes).
-    let only: Option<Vec<String>> = std::env::var("KILN_LINEAR_DTYPES")
-        .ok()
-        .map(|v| v.split(',').map(|d| d.trim().to_ascii_uppercase()).collect());
-    if let Some(only) = &only {
-        let unknown: Vec<&String> =
-            only.iter().filter(|d| !DTYPES.iter().any(|t| t.to_string().eq_ignore_ascii_case(d))).collect();
-        assert!(
-            unknown.is_empty(),
-            "KILN_LINEAR_DTYPES names unknown dtypes {unknown:?} (known: {DTYPES:?})"
-        );
-    }
-    let selected = DTYPES.into_iter().filter(|d| {
-        only.as_ref().is_none_or(|only| only.iter().any(|o| d.to_string().eq_ignore_ascii_case(o)))
-    });
-    for dtype in selected {
+    for dtype in selected_dtypes() {
         let shapes = [(4096usize, 4096usize), (14336, 4096)];
         let uploaded: Vec<(Vec<DeviceMemory>, usize)> = shapes
             .iter()

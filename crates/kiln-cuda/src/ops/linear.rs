@@ -1,5 +1,6 @@
 //! Launcher of `kernels/linear.cu` and `kernels/linear_i8.cu`: the decode-side linear layer (a
-//! matrix-vector product for 1 to 8 tokens over f32, bf16, f16, Q8_0, Q4_0, Q4_1, Q4_K or Q6_K
+//! matrix-vector product for 1 to 8 tokens over f32, bf16, f16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+//! Q4_K, Q5_K or Q6_K
 //! weights, with a store, residual-add or SwiGLU epilogue), the gather of embedding rows, the
 //! conversion of weights to bf16 for the prefill path, and fp32 -> bf16.
 //!
@@ -70,7 +71,7 @@ impl Epilogue {
 /// The shape and types of one linear call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct LinearCall {
-    /// F32, BF16, F16, Q8_0, Q4_0, Q4_1, Q4_K or Q6_K.
+    /// F32, BF16, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K.
     pub weight: DType,
     /// Outputs per token (for SwiGlu the weight holds `2 x rows` rows).
     pub rows: usize,
@@ -284,8 +285,7 @@ impl LinearVariant {
     /// [`LinearVariant::default_for`] off the integer path: every format dequantized in
     /// registers against x as given.
     pub fn dequantizing_default_for(call: &LinearCall) -> LinearVariant {
-        let quantized =
-            matches!(call.weight, DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q4_K | DType::Q6_K);
+        let quantized = call.weight.is_quantized();
         let gates = call.epilogue.weight_rows_per_output();
         if quantized {
             // Measured on the H200 (bench/results/2026-11-30-h200/linear-bandwidth.txt): four warps,
@@ -334,8 +334,8 @@ impl LinearVariant {
     }
 }
 
-/// Whether the linear kernels take weights of `dtype` (F32, BF16, F16, Q8_0, Q4_0, Q4_1, Q4_K,
-/// Q6_K): `Ok`, or [`Error::DTypeNotServed`].
+/// Whether the linear kernels take weights of `dtype` (F32, BF16, F16, Q8_0, Q4_0, Q4_1, Q5_0,
+/// Q5_1, Q4_K, Q5_K, Q6_K): `Ok`, or [`Error::DTypeNotServed`].
 pub fn serves_weight(dtype: DType) -> Result<()> {
     weight_code(dtype).map(|_| ())
 }
@@ -351,6 +351,9 @@ fn weight_code(dtype: DType) -> Result<u32> {
         DType::Q4_1 => 5,
         DType::Q4_K => 6,
         DType::Q6_K => 7,
+        DType::Q5_0 => 8,
+        DType::Q5_1 => 9,
+        DType::Q5_K => 10,
         other => return Err(Error::DTypeNotServed { dtype: other.name(), op: "linear kernel weights" }),
     })
 }
@@ -360,7 +363,7 @@ fn piece_values(dtype: DType) -> Result<usize> {
     Ok(match weight_code(dtype)? {
         0..=2 => 8,
         3 => 16,
-        4 | 5 => 32,
+        4 | 5 | 8 | 9 => 32,
         _ => 256, // a piece is 32 values, but the K formats come in super-blocks of 256
     })
 }
@@ -921,7 +924,10 @@ mod tests {
             DType::Q8_0,
             DType::Q4_0,
             DType::Q4_1,
+            DType::Q5_0,
+            DType::Q5_1,
             DType::Q4_K,
+            DType::Q5_K,
             DType::Q6_K,
         ] {
             for epilogue in [Epilogue::Store, Epilogue::Accumulate, Epilogue::SwiGlu] {
@@ -1014,8 +1020,10 @@ mod tests {
         let v = variant(4, 1, 2);
         let ok = call(DType::BF16, 64, 64, 1, Epilogue::Store);
         assert!(ok.defines(v, true).is_ok());
-        let q5 = LinearCall { weight: DType::Q5_K, ..ok };
-        assert!(matches!(q5.defines(v, false), Err(Error::DTypeNotServed { .. })));
+        for dtype in [DType::Q3_K, DType::Q2_K, DType::IQ4_NL, DType::IQ4_XS, DType::Q8_K] {
+            let unserved = LinearCall { weight: dtype, cols: 256, ..ok };
+            assert!(matches!(unserved.defines(v, false), Err(Error::DTypeNotServed { .. })), "{dtype}");
+        }
         let f16_x = LinearCall { input: DType::F16, ..ok };
         assert!(matches!(f16_x.defines(v, false), Err(Error::DTypeNotServed { .. })));
         for tokens in [0, 9] {
@@ -1055,7 +1063,17 @@ mod tests {
                     );
                 }
             }
-            for dtype in [DType::F32, DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q4_K, DType::Q6_K] {
+            for dtype in [
+                DType::F32,
+                DType::Q8_0,
+                DType::Q4_0,
+                DType::Q4_1,
+                DType::Q5_0,
+                DType::Q5_1,
+                DType::Q4_K,
+                DType::Q5_K,
+                DType::Q6_K,
+            ] {
                 let c = call(dtype, 64, 256, 8, Epilogue::Store);
                 assert!(
                     matches!(c.defines(*v, false), Err(Error::NotServed { reason, .. }) if reason.contains(&v.label())),
@@ -1087,5 +1105,18 @@ mod tests {
         assert_eq!(c.buffer_bytes().unwrap(), (6 * 420, 2 * 512 * 4, 2 * 3 * 4));
         let c = LinearCall { input: DType::BF16, ..call(DType::Q4_0, 5, 64, 3, Epilogue::Store) };
         assert_eq!(c.buffer_bytes().unwrap(), (5 * 36, 3 * 64 * 2, 3 * 5 * 4));
+        // Q5_0, Q5_1: 22 and 24 bytes a block of 32; Q5_K 176 a super-block of 256.
+        assert_eq!(call(DType::Q5_0, 3, 96, 1, Epilogue::Store).buffer_bytes().unwrap().0, 3 * 3 * 22);
+        assert_eq!(call(DType::Q5_1, 3, 96, 1, Epilogue::Store).buffer_bytes().unwrap().0, 3 * 3 * 24);
+        assert_eq!(call(DType::Q5_K, 2, 512, 1, Epilogue::Store).buffer_bytes().unwrap().0, 2 * 2 * 176);
+        // Q5_K rows come in super-blocks of 256 values, Q5_0 / Q5_1 rows in blocks of 32.
+        assert!(matches!(
+            call(DType::Q5_K, 2, 288, 1, Epilogue::Store).buffer_bytes(),
+            Err(Error::NotServed { .. })
+        ));
+        assert!(matches!(
+            call(DType::Q5_0, 2, 48, 1, Epilogue::Store).buffer_bytes(),
+            Err(Error::NotServed { .. })
+        ));
     }
 }

@@ -1,0 +1,169 @@
+"""Writes a Q5_0, Q5_1 or Q5_K copy of an F16/BF16/F32 GGUF: every 2-D weight (the token embedding
+and the output layer too) in that format, the rest (norms) as they are; metadata copied. For GPU
+machines without llama-quantize: the models of `kiln bench generate` and `gpu_parity` in the Q5
+formats.
+
+- Q5_0 and Q5_1: ggml's reference rounding (Q5_0: d = the block's value of largest magnitude / -16,
+  q = min(31, trunc(x / d + 16.5)); Q5_1: d = (max - min) / 31, m = min,
+  q = min(31, trunc((x - m) / d + 0.5))), checked bit for bit against gguf-py's quantizer on the
+  first rows of each tensor.
+- Q5_K: a plain min-max rounding, not llama-quantize's search: each sub-block of 32 takes
+  scale (max - min') / 31 and offset -min' (min' = min(min, 0)); the super-block's d and dmin are
+  the largest of them over 63 (f16), the 6-bit sub-block scales and offsets are rounded from them,
+  and q = round((x + dmin m) / (d sc)) clamped to 0..31. Checked by gguf-py's dequantizer: every
+  value within half a step (plus the scales' rounding) of its input.
+
+usage: quantize_q5.py IN.gguf OUT.gguf Q5_0|Q5_1|Q5_K   (needs gguf-py on PYTHONPATH and torch;
+the GPU when there is one)
+"""
+import sys
+import time
+
+import gguf
+import numpy as np
+import torch
+
+src, dst, kind = sys.argv[1], sys.argv[2], sys.argv[3]
+QT = {"Q5_0": gguf.GGMLQuantizationType.Q5_0, "Q5_1": gguf.GGMLQuantizationType.Q5_1,
+      "Q5_K": gguf.GGMLQuantizationType.Q5_K}
+FILE_TYPE = {"Q5_0": 8, "Q5_1": 9, "Q5_K": 17}  # MOSTLY_Q5_0, MOSTLY_Q5_1, MOSTLY_Q5_K_M
+if kind not in QT:
+    sys.exit(f"type must be one of {sorted(QT)}, not {kind}")
+qtype = QT[kind]
+block = 256 if kind == "Q5_K" else 32
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+
+r = gguf.GGUFReader(src)
+arch = r.fields["general.architecture"].contents()
+w = gguf.GGUFWriter(dst, arch)
+for name, field in r.fields.items():
+    if name.startswith("GGUF.") or name == "general.architecture":
+        continue
+    if name == "general.file_type":
+        w.add_uint32(name, FILE_TYPE[kind])
+        continue
+    vtype = field.types[0]
+    sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+    w.add_key_value(name, field.contents(), vtype, sub_type=sub)
+
+
+def f16_bytes(t):
+    """float32 [..., 1] -> uint8 [..., 2] (the f16 bits, little-endian)"""
+    return t.to(torch.float16).view(torch.uint8)
+
+
+def pack_high(q):
+    """q: int [..., 32] of 5-bit values -> (qh uint8 [..., 4] with bit j = bit 4 of q[j], qs [..., 16])"""
+    bits = ((q >> 4) & 1).to(torch.int64)
+    qh = (bits << torch.arange(32, device=q.device)).sum(-1, keepdim=True)
+    qh = torch.cat([(qh >> (8 * i)) & 0xFF for i in range(4)], -1).to(torch.uint8)
+    qs = ((q[..., :16] & 0xF) | ((q[..., 16:] & 0xF) << 4)).to(torch.uint8)
+    return qh, qs
+
+
+def q5_0(x):
+    """x: float32 [blocks, 32] -> uint8 [blocks, 22]"""
+    idx = x.abs().argmax(-1, keepdim=True)
+    mx = torch.gather(x, -1, idx)
+    d = mx / -16.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.clamp((x * inv + 16.5).to(torch.int32), max=31)
+    qh, qs = pack_high(q)
+    return torch.cat([f16_bytes(d), qh, qs], -1)
+
+
+def q5_1(x):
+    """x: float32 [blocks, 32] -> uint8 [blocks, 24]"""
+    mn = x.min(-1, keepdim=True).values
+    mx = x.max(-1, keepdim=True).values
+    d = (mx - mn) / 31.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.clamp(((x - mn) * inv + 0.5).to(torch.int32), max=31)
+    qh, qs = pack_high(q)
+    return torch.cat([f16_bytes(d), f16_bytes(mn), qh, qs], -1)
+
+
+def q5_k(x):
+    """x: float32 [blocks, 256] -> uint8 [blocks, 176]"""
+    n = x.shape[0]
+    sub = x.view(n, 8, 32)
+    lo = torch.clamp(sub.min(-1).values, max=0.0)
+    scale = (sub.max(-1).values - lo) / 31.0  # [n, 8]
+    offset = -lo
+    d = (scale.max(-1, keepdim=True).values / 63.0).to(torch.float16).float()
+    dmin = (offset.max(-1, keepdim=True).values / 63.0).to(torch.float16).float()
+    sc = torch.where(d > 0, torch.round(scale / torch.where(d > 0, d, 1.0)), 0.0).clamp(0, 63).to(torch.int32)
+    m = torch.where(dmin > 0, torch.round(offset / torch.where(dmin > 0, dmin, 1.0)), 0.0).clamp(0, 63).to(torch.int32)
+    d1 = (d * sc).unsqueeze(-1)
+    m1 = (dmin * m).unsqueeze(-1)
+    q = torch.where(d1 > 0, torch.round((sub + m1) / torch.where(d1 > 0, d1, 1.0)), 0.0).clamp(0, 31).to(torch.int32)
+    # scales[12] as get_scale_min_k4 reads them.
+    s = torch.empty(n, 12, dtype=torch.int32, device=x.device)
+    s[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
+    s[:, 4:8] = m[:, 0:4] | ((m[:, 4:8] >> 4) << 6)
+    s[:, 8:12] = (sc[:, 4:8] & 0xF) | ((m[:, 4:8] & 0xF) << 4)
+    # Chunk c (64 values: sub-blocks 2c, 2c + 1): qs[32c + l] = low nibbles of value l and l + 32;
+    # qh[l] bit 2c: bit 4 of value 64c + l, bit 2c + 1: of value 64c + 32 + l.
+    q = q.view(n, 4, 2, 32)
+    qs = ((q[:, :, 0] & 0xF) | ((q[:, :, 1] & 0xF) << 4)).reshape(n, 128)
+    shifts = (2 * torch.arange(4, device=x.device)).view(1, 4, 1)
+    qh = ((((q[:, :, 0] >> 4) & 1) << shifts) | (((q[:, :, 1] >> 4) & 1) << (shifts + 1))).sum(1)
+    return torch.cat([f16_bytes(d), f16_bytes(dmin), s.to(torch.uint8), qh.to(torch.uint8), qs.to(torch.uint8)], -1)
+
+
+QUANTIZE = {"Q5_0": q5_0, "Q5_1": q5_1, "Q5_K": q5_k}
+
+
+def quantize(a):
+    """a: float32 [rows, cols] -> uint8 [rows, cols / block * bytes]"""
+    rows, cols = a.shape
+    out = []
+    step = max(1, (1 << 26) // cols)  # rows per slice: 64 Mi values
+    for r0 in range(0, rows, step):
+        x = torch.from_numpy(a[r0:r0 + step]).to(dev).reshape(-1, block)
+        out.append(QUANTIZE[kind](x).reshape(min(step, rows - r0), -1).cpu().numpy())
+    return np.concatenate(out)
+
+
+def check(name, a, q):
+    """The first rows against gguf-py: the same bytes (Q5_0, Q5_1), or every value within its step."""
+    head = a[:16]
+    if kind in ("Q5_0", "Q5_1"):
+        ref = gguf.quants.quantize(head, qtype)
+        assert np.array_equal(ref, q[:16]), f"{name}: {kind} differs from gguf-py's quantizer"
+        return
+    back = gguf.quants.dequantize(q[:16], qtype).reshape(head.shape)
+    blocks = q[:16].reshape(-1, 176)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    # Half a step of the largest sub-block scale, the sub-block scales' and offsets' rounding
+    # (half a step of d and dmin, times 31 and 1), and f16's rounding of d and dmin.
+    span = np.abs(head.reshape(-1, 256)).max(-1, keepdims=True)
+    bound = 0.5 * d * 63 + 16 * d + 0.5 * dmin + 1e-2 * span + 1e-7
+    err = np.abs(back.reshape(-1, 256) - head.reshape(-1, 256))
+    assert (err <= bound).all(), f"{name}: Q5_K error {err.max()} past its bound"
+
+
+t0 = time.time()
+counts = {}
+for t in r.tensors:
+    data = np.array(t.data)
+    shape = [int(v) for v in reversed(t.shape.tolist())]  # rows first
+    floats = (gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.BF16)
+    if len(shape) == 2 and t.tensor_type in floats and shape[1] % block == 0:
+        if t.tensor_type == gguf.GGMLQuantizationType.BF16:
+            a = (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
+        else:
+            a = data.astype(np.float32).reshape(shape)
+        q = quantize(np.ascontiguousarray(a))
+        check(t.name, a, q)
+        w.add_tensor(t.name, q, raw_shape=q.shape, raw_dtype=qtype)
+        counts[kind] = counts.get(kind, 0) + 1
+    else:
+        w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+        counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+w.write_header_to_file()
+w.write_kv_data_to_file()
+w.write_tensors_to_file()
+w.close()
+print(f"{dst}: {len(r.tensors)} tensors {counts} in {time.time() - t0:.1f} s")
