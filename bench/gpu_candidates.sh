@@ -19,48 +19,48 @@
 #            (about 520 s).
 #   norm-bench  norm-check without the tests: PyTorch's norms, three processes of the defaults,
 #            then every one-lane-a-block variant of INT8 and NVFP4 (about 100 s).
-#   q5       the Q5_0, Q5_1 and Q5_K weights: gpu_linear's product test on them (every epilogue,
-#            token count and variant), its embedding-gather and bf16-conversion tests on every
-#            format, greedy GPU-vs-CPU parity on the tiny random model quantized to each
-#            (bench/peers/quantize_q5.py; needs gguf-py in the bundle), and the one-token
-#            bandwidth table of the 4- and 5-bit formats (about 450 s).
-#   q5-1b    the Llama-3.2-1B shape (random weights) in Q5_K and Q5_0: decode speed at batch 1
+#   quant    the Q5_0, Q5_1, Q5_K, IQ4_NL and IQ4_XS weights: gpu_linear's product test on them
+#            (every epilogue, token count and variant), its embedding-gather and bf16-conversion
+#            tests on every format, greedy GPU-vs-CPU parity on the tiny random model quantized to
+#            each (bench/peers/quantize_gguf.py; needs gguf-py in the bundle), and the one-token
+#            bandwidth table of the 4- and 5-bit formats (about 500 s).
+#   quant-1b the Llama-3.2-1B shape (random weights) in Q5_K and IQ4_XS: decode speed at batch 1
 #            and 8 against the memory floor, and GPU-vs-CPU parity over 16 steps.
-#   cd bundle && ../bench/gpu_candidates.sh lm-head|lm-head-8|norm|tests|norm-check|norm-bench|q5|q5-1b RESULTS_DIR
+#   cd bundle && ../bench/gpu_candidates.sh lm-head|lm-head-8|norm|tests|norm-check|norm-bench|quant|quant-1b RESULTS_DIR
 set -u
-part=${1:?usage: $0 lm-head|lm-head-8|norm|tests|norm-check|norm-bench|q5|q5-1b RESULTS_DIR (run inside the bundle directory)}
-out=${2:?usage: $0 lm-head|lm-head-8|norm|tests|norm-check|norm-bench|q5|q5-1b RESULTS_DIR (run inside the bundle directory)}
+part=${1:?usage: $0 lm-head|lm-head-8|norm|tests|norm-check|norm-bench|quant|quant-1b RESULTS_DIR (run inside the bundle directory)}
+out=${2:?usage: $0 lm-head|lm-head-8|norm|tests|norm-check|norm-bench|quant|quant-1b RESULTS_DIR (run inside the bundle directory)}
 mkdir -p "$out"
 t0=$SECONDS
 T() { local limit=$1 name=$2; shift 2; timeout "$limit" "$@" > "$out/$name.txt" 2>&1; echo "exit $? at $((SECONDS - t0)) s" >> "$out/$name.txt"; }
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1
 [ -f COMMIT ] && cp COMMIT "$out/commit.txt"
-if [ "$part" = q5 ]; then
+if [ "$part" = quant ]; then
   export PYTHONPATH="$PWD/gguf-py"
-  KILN_LINEAR_DTYPES=Q5_0,Q5_1,Q5_K T 280 test-gpu_linear-q5 tests/gpu_linear --test-threads=4 linear_matches
+  KILN_LINEAR_DTYPES=Q5_0,Q5_1,Q5_K,IQ4_NL,IQ4_XS T 300 test-gpu_linear-new tests/gpu_linear --test-threads=4 linear_matches
   T 120 test-gpu_linear-rest tests/gpu_linear embed_rows bf16_weights every_variant_serves
   grep -h -E "^test |test result|^exit" "$out"/test-gpu_linear-*.txt
   mkdir -p /tmp/m && python3 peers/make_models.py tiny /tmp/m/tiny > "$out/make-models.txt" 2>&1
-  for q in Q5_0 Q5_1 Q5_K; do
+  for q in Q5_0 Q5_1 Q5_K IQ4_NL IQ4_XS; do
     l=$(echo "$q" | tr A-Z a-z)
-    python3 bench/peers/quantize_q5.py /tmp/m/tiny/tiny-f16.gguf "/tmp/m/tiny/tiny-$l.gguf" "$q" >> "$out/make-models.txt" 2>&1
+    python3 bench/peers/quantize_gguf.py /tmp/m/tiny/tiny-f16.gguf "/tmp/m/tiny/tiny-$l.gguf" "$q" >> "$out/make-models.txt" 2>&1
     T 120 "parity-tiny-$l" ./gpu_parity "/tmp/m/tiny/tiny-$l.gguf" - --steps 32
     tail -3 "$out/parity-tiny-$l.txt"
   done
   T 60 generate-tiny-q5_k ./kiln generate --device cuda -m /tmp/m/tiny/tiny-q5_k.gguf -p "Hello there" -n 24 --print-ids
   T 60 generate-tiny-q5_k-cpu ./kiln generate --device cpu -m /tmp/m/tiny/tiny-q5_k.gguf -p "Hello there" -n 24 --print-ids
   grep -h "^ids" "$out"/generate-tiny-*.txt
-  KILN_LINEAR_DTYPES=Q4_0,Q4_1,Q5_0,Q5_1,Q4_K,Q5_K T 150 linear-bandwidth tests/gpu_linear --ignored --nocapture bandwidth
+  KILN_LINEAR_DTYPES=Q4_0,Q5_0,Q4_K,Q5_K,IQ4_NL,IQ4_XS T 150 linear-bandwidth tests/gpu_linear --ignored --nocapture bandwidth
   grep -iE "copy|default" "$out/linear-bandwidth.txt" | head -40
   echo "total $((SECONDS - t0)) s"
   exit 0
 fi
-if [ "$part" = q5-1b ]; then
+if [ "$part" = quant-1b ]; then
   export PYTHONPATH="$PWD/gguf-py"
   mkdir -p /tmp/m && python3 peers/make_models.py llama3.2-1b /tmp/m/1b > "$out/make-models.txt" 2>&1
-  for q in Q5_K Q5_0; do
+  for q in Q5_K IQ4_XS; do
     l=$(echo "$q" | tr A-Z a-z)
-    python3 bench/peers/quantize_q5.py /tmp/m/1b/llama3.2-1b-f16.gguf "/tmp/m/1b/1b-$l.gguf" "$q" >> "$out/make-models.txt" 2>&1
+    python3 bench/peers/quantize_gguf.py /tmp/m/1b/llama3.2-1b-f16.gguf "/tmp/m/1b/1b-$l.gguf" "$q" >> "$out/make-models.txt" 2>&1
     T 150 "gen-1b-$l" ./kiln bench generate -m "/tmp/m/1b/1b-$l.gguf" --batch 1,8
     tail -6 "$out/gen-1b-$l.txt"
   done

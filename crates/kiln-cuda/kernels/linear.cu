@@ -1,6 +1,6 @@
 // The decode-side linear layer: out[t][r] = epilogue(sum_c W[r][c] * x[t][c] (+ bias[r])) for
 // TOKENS (1..8) tokens at once, W in f32, bf16, f16 or a GGUF block format (Q8_0, Q4_0, Q4_1,
-// Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), dequantized in registers; fp32 accumulation. Beside it: the gather of embedding
+// Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS), dequantized in registers; fp32 accumulation. Beside it: the gather of embedding
 // rows, the conversion of weights to bf16 (the prefill path's cuBLAS input) and fp32 -> bf16.
 //
 // Memory floor: W read once for all tokens (rows x row_bytes); x (at most 8 x cols fp32) stays in
@@ -24,9 +24,9 @@
 //
 // Loads: 16-byte streaming loads (no L1 allocation) for f32 / bf16 / f16 rows (16-byte aligned when
 // cols is a multiple of 8) and Q4_K's quants (its 144-byte blocks keep 16-byte alignment);
-// Q5_K's quants and high bits (176-byte blocks) too; Q4_1's and Q5_1's 20- and 24-byte blocks
-// are 4-byte aligned (4-byte loads); Q8_0, Q4_0, Q5_0 (34, 18, 22 bytes) and Q6_K (210) are only
-// 2-byte aligned: their bytes come from aligned 4-byte loads joined by byte permutes. Such a load may read up to 2 bytes past the bytes it needs, never past the aligned
+// Q5_K's quants and high bits (176-byte blocks) too; Q4_1's, Q5_1's and IQ4_XS's 20-, 24- and
+// 136-byte blocks are 4-byte aligned (4-byte loads); Q8_0, Q4_0, Q5_0, IQ4_NL (34, 18, 22, 18
+// bytes) and Q6_K (210) are only 2-byte aligned: their bytes come from aligned 4-byte loads joined by byte permutes. Such a load may read up to 2 bytes past the bytes it needs, never past the aligned
 // 4-byte word that holds the last of them.
 //
 // Dequantization equals `dequantize_row` of the CPU reference bit for bit: small integers become
@@ -35,7 +35,7 @@
 // compiler never contracts. The dot products use explicit FMAs.
 //
 // Compile-time constants: W_T (0 f32, 1 bf16, 2 f16, 3 Q8_0, 4 Q4_0, 5 Q4_1, 6 Q4_K, 7 Q6_K,
-// 8 Q5_0, 9 Q5_1, 10 Q5_K),
+// 8 Q5_0, 9 Q5_1, 10 Q5_K, 11 IQ4_NL, 12 IQ4_XS),
 // X_T (0 f32, 1 bf16), TOKENS (1..8), EPI (0 store, 1 accumulate, 2 SwiGLU), HAS_BIAS, WARPS,
 // ROWS, UNROLL, STAGE (0 x from global memory, 1 staged in shared memory), MMA (1: the tensor-core
 // path below, for bf16 / f16 weights).
@@ -111,8 +111,14 @@ static_assert(EPI != 2 || HAS_BIAS == 0, "SwiGLU takes no bias");
 #elif W_T == 10
 #define PIECE 32
 #define RAW_WORDS 12
+#elif W_T == 11
+#define PIECE 32
+#define RAW_WORDS 5
+#elif W_T == 12
+#define PIECE 32
+#define RAW_WORDS 6
 #else
-#error "W_T must be 0..10"
+#error "W_T must be 0..12"
 #endif
 #define SUBS (PIECE / 8)
 #define QUADS (PIECE / 4)
@@ -194,7 +200,8 @@ __device__ __forceinline__ int lin_piece_element(int p, int s) {
     return 8 * p + 8 * s;
 #elif W_T == 3
     return 16 * p + 8 * s;
-#elif W_T == 4 || W_T == 5 || W_T == 8 || W_T == 9
+#elif W_T == 4 || W_T == 5 || W_T == 8 || W_T == 9 || W_T == 11 || W_T == 12
+    // (IQ4_XS: a super-block's eight sub-blocks of 32 are consecutive pieces.)
     return 32 * p + 8 * s;
 #elif W_T == 6 || W_T == 10
     // Piece q of a super-block: quant bytes 16q .. 16q + 16 (chunk q / 2, half q % 2); groups 0, 1
@@ -222,7 +229,7 @@ __device__ __forceinline__ void lin_load_piece(const kiln_u8* row, int p, LinRaw
     const kiln_u8* block = row + 34ll * (p >> 1);
     r.v[0] = lin_load16(block);
     lin_load_words<4>(block + 2 + 16 * (p & 1), r.v + 1);
-#elif W_T == 4
+#elif W_T == 4 || W_T == 11
     const kiln_u8* block = row + 18ll * p;
     r.v[0] = lin_load16(block);
     lin_load_words<4>(block + 2, r.v + 1);
@@ -258,6 +265,15 @@ __device__ __forceinline__ void lin_load_piece(const kiln_u8* row, int p, LinRaw
     r.v[4] = q.x; r.v[5] = q.y; r.v[6] = q.z; r.v[7] = q.w;
     const uint4 h = lin_load_stream16(block + 16 + 16 * (p & 1));
     r.v[8] = h.x; r.v[9] = h.y; r.v[10] = h.z; r.v[11] = h.w;
+#elif W_T == 12
+    // d, scales_h | scales_l[4] | qs[128]: piece q of a super-block takes sub-block q's 16 bytes.
+    const kiln_u8* block = row + 136ll * (p >> 3);
+    const kiln_u32* head = reinterpret_cast<const kiln_u32*>(block);
+    r.v[0] = lin_load32(head);
+    r.v[1] = lin_load32(head + 1);
+    const kiln_u32* q = reinterpret_cast<const kiln_u32*>(block + 8 + 16 * (p & 7));
+#pragma unroll
+    for (int k = 0; k < 4; ++k) r.v[2 + k] = lin_load32(q + k);
 #else
     const kiln_u8* block = row + 210ll * (p >> 3);
     const int q = p & 7, half = q >> 2, l0 = 8 * (q & 3);
@@ -299,6 +315,20 @@ __device__ __forceinline__ void lin_scale_min_k4(const LinRaw& r, int j, kiln_u3
         sc = (b & 0x0Fu) | ((lin_byte3(r.v[1], r.v[2], r.v[3], j - 4) >> 6) << 4);
         mn = (b >> 4) | ((lin_byte3(r.v[1], r.v[2], r.v[3], j) >> 6) << 4);
     }
+}
+
+// The IQ4 table's signed byte values of four codes (one 0 .. 15 a byte): two byte permutes pick
+// each code's value from the table's low and high halves (3 bits of selector a code), and the
+// code's bit 3 chooses between them.
+__device__ __forceinline__ kiln_u32 lin_iq4_values(kiln_u32 nibbles) {
+    // -127, -104, -83, -65 | -49, -35, -22, -10 | 1, 13, 25, 38 | 53, 69, 89, 113
+    const kiln_u32 t = nibbles & 0x07070707u;
+    const kiln_u32 a = t | (t >> 4);                           // byte 0: c0 | c1 << 4, byte 2: c2 | c3 << 4
+    const kiln_u32 selector = (a & 0xFFu) | ((a >> 8) & 0xFF00u);
+    const kiln_u32 low = __byte_perm(0xBFAD9881u, 0xF6EADDCFu, selector);
+    const kiln_u32 high = __byte_perm(0x26190D01u, 0x71594535u, selector);
+    const kiln_u32 upper = ((nibbles >> 3) & 0x01010101u) * 0xFFu;
+    return (high & upper) | (low & ~upper);
 }
 
 // The 8 values of group s of piece p (the piece's raw words r), as `dequantize_row` gives them.
@@ -418,6 +448,31 @@ __device__ __forceinline__ void lin_decode(const LinRaw& r, int p, int s, float 
         for (int k = 0; k < 4; ++k) {
             const float q = __fsub_rn(lin_biased_byte(q5, k), 8388608.0f);
             w[4 * jj + k] = __fsub_rn(__fmul_rn(d1, q), m1);
+        }
+    }
+#elif W_T == 11 || W_T == 12
+    // y = scale * the code's value in the IQ4 table, scale = d (IQ4_NL) or d * (ls - 32) for
+    // sub-block ls of an IQ4_XS super-block (rounded once, as the reference does). Group s: as
+    // Q4_0, from the quant words at 1 (IQ4_NL) or 2 (IQ4_XS).
+#if W_T == 11
+    const float scale = kiln_f16_to_f32((kiln_u16)r.v[0]);
+    const int first = 1;
+#else
+    const int ib = p & 7;
+    const kiln_u32 ls = ((r.v[1] >> (4 * ib)) & 0xFu) | (((r.v[0] >> (16 + 2 * ib)) & 3u) << 4);
+    const float scale = __fmul_rn(kiln_f16_to_f32((kiln_u16)(r.v[0] & 0xFFFFu)),
+                                  __fsub_rn(lin_biased(ls), 8388640.0f));  // ls - 32, exact
+    const int first = 2;
+#endif
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const kiln_u32 word = r.v[first + 2 * (s & 1) + j];
+        const kiln_u32 nibbles = (s >> 1) ? (word >> 4) & 0x0F0F0F0Fu : word & 0x0F0F0F0Fu;
+        const kiln_u32 codes = lin_iq4_values(nibbles) ^ 0x80808080u;  // value + 128 per byte
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const float q = __fsub_rn(lin_biased_byte(codes, k), 8388736.0f);
+            w[4 * j + k] = __fmul_rn(scale, q);
         }
     }
 #else

@@ -45,7 +45,7 @@ impl Rng {
     }
 }
 
-const DTYPES: [DType; 11] = [
+const DTYPES: [DType; 13] = [
     DType::F32,
     DType::BF16,
     DType::F16,
@@ -57,12 +57,14 @@ const DTYPES: [DType; 11] = [
     DType::Q4_K,
     DType::Q5_K,
     DType::Q6_K,
+    DType::IQ4_NL,
+    DType::IQ4_XS,
 ];
 
 const GUARD_BYTES: usize = 256;
 
 fn is_k(dtype: DType) -> bool {
-    matches!(dtype, DType::Q4_K | DType::Q5_K | DType::Q6_K)
+    matches!(dtype, DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::IQ4_XS)
 }
 
 /// (rows, cols): one row, odd rows, 2048 + 3 rows, 576 and 1536 columns, and one 14336.
@@ -128,6 +130,19 @@ fn random_weights(rng: &mut Rng, dtype: DType, rows: usize, cols: usize) -> Vec<
                 out.extend(rng.f16_bytes(-0.01, 0.01));
                 // scales[12], (Q5_K: qh[32]), qs[128]
                 out.extend(rng.bytes(if dtype == DType::Q5_K { 12 + 32 + 128 } else { 12 + 128 }));
+            }
+        }
+        DType::IQ4_NL => {
+            for _ in 0..n / 32 {
+                out.extend(rng.f16_bytes(-0.0005, 0.0005));
+                out.extend(rng.bytes(16));
+            }
+        }
+        DType::IQ4_XS => {
+            for _ in 0..n / 256 {
+                // d, scales_h, scales_l[4], qs[128]
+                out.extend(rng.f16_bytes(-0.00003, 0.00003));
+                out.extend(rng.bytes(2 + 4 + 128));
             }
         }
         DType::Q6_K => {

@@ -1,6 +1,6 @@
 //! Launcher of `kernels/linear.cu` and `kernels/linear_i8.cu`: the decode-side linear layer (a
 //! matrix-vector product for 1 to 8 tokens over f32, bf16, f16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
-//! Q4_K, Q5_K or Q6_K
+//! Q4_K, Q5_K, Q6_K, IQ4_NL or IQ4_XS
 //! weights, with a store, residual-add or SwiGLU epilogue), the gather of embedding rows, the
 //! conversion of weights to bf16 for the prefill path, and fp32 -> bf16.
 //!
@@ -71,7 +71,7 @@ impl Epilogue {
 /// The shape and types of one linear call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct LinearCall {
-    /// F32, BF16, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K.
+    /// F32, BF16, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL or IQ4_XS.
     pub weight: DType,
     /// Outputs per token (for SwiGlu the weight holds `2 x rows` rows).
     pub rows: usize,
@@ -335,7 +335,7 @@ impl LinearVariant {
 }
 
 /// Whether the linear kernels take weights of `dtype` (F32, BF16, F16, Q8_0, Q4_0, Q4_1, Q5_0,
-/// Q5_1, Q4_K, Q5_K, Q6_K): `Ok`, or [`Error::DTypeNotServed`].
+/// Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS): `Ok`, or [`Error::DTypeNotServed`].
 pub fn serves_weight(dtype: DType) -> Result<()> {
     weight_code(dtype).map(|_| ())
 }
@@ -354,6 +354,8 @@ fn weight_code(dtype: DType) -> Result<u32> {
         DType::Q5_0 => 8,
         DType::Q5_1 => 9,
         DType::Q5_K => 10,
+        DType::IQ4_NL => 11,
+        DType::IQ4_XS => 12,
         other => return Err(Error::DTypeNotServed { dtype: other.name(), op: "linear kernel weights" }),
     })
 }
@@ -363,7 +365,7 @@ fn piece_values(dtype: DType) -> Result<usize> {
     Ok(match weight_code(dtype)? {
         0..=2 => 8,
         3 => 16,
-        4 | 5 | 8 | 9 => 32,
+        4 | 5 | 8 | 9 | 11 => 32,
         _ => 256, // a piece is 32 values, but the K formats come in super-blocks of 256
     })
 }
@@ -929,6 +931,8 @@ mod tests {
             DType::Q4_K,
             DType::Q5_K,
             DType::Q6_K,
+            DType::IQ4_NL,
+            DType::IQ4_XS,
         ] {
             for epilogue in [Epilogue::Store, Epilogue::Accumulate, Epilogue::SwiGlu] {
                 for tokens in 1..=MAX_TOKENS {
@@ -1020,7 +1024,7 @@ mod tests {
         let v = variant(4, 1, 2);
         let ok = call(DType::BF16, 64, 64, 1, Epilogue::Store);
         assert!(ok.defines(v, true).is_ok());
-        for dtype in [DType::Q3_K, DType::Q2_K, DType::IQ4_NL, DType::IQ4_XS, DType::Q8_K] {
+        for dtype in [DType::Q3_K, DType::Q2_K, DType::Q8_K, DType::F8_E4M3] {
             let unserved = LinearCall { weight: dtype, cols: 256, ..ok };
             assert!(matches!(unserved.defines(v, false), Err(Error::DTypeNotServed { .. })), "{dtype}");
         }
@@ -1116,6 +1120,13 @@ mod tests {
         ));
         assert!(matches!(
             call(DType::Q5_0, 2, 48, 1, Epilogue::Store).buffer_bytes(),
+            Err(Error::NotServed { .. })
+        ));
+        // IQ4_NL: 18 bytes a block of 32; IQ4_XS: 136 a super-block of 256.
+        assert_eq!(call(DType::IQ4_NL, 3, 96, 1, Epilogue::Store).buffer_bytes().unwrap().0, 3 * 3 * 18);
+        assert_eq!(call(DType::IQ4_XS, 2, 512, 1, Epilogue::Store).buffer_bytes().unwrap().0, 2 * 2 * 136);
+        assert!(matches!(
+            call(DType::IQ4_XS, 2, 288, 1, Epilogue::Store).buffer_bytes(),
             Err(Error::NotServed { .. })
         ));
     }

@@ -1,7 +1,7 @@
-"""Writes a Q5_0, Q5_1 or Q5_K copy of an F16/BF16/F32 GGUF: every 2-D weight (the token embedding
-and the output layer too) in that format, the rest (norms) as they are; metadata copied. For GPU
-machines without llama-quantize: the models of `kiln bench generate` and `gpu_parity` in the Q5
-formats.
+"""Writes a Q5_0, Q5_1, Q5_K, IQ4_NL or IQ4_XS copy of an F16/BF16/F32 GGUF: every 2-D weight (the
+token embedding and the output layer too) in that format, the rest (norms) as they are; metadata
+copied. For GPU machines without llama-quantize: the models of `kiln bench generate` and
+`gpu_parity` in those formats.
 
 - Q5_0 and Q5_1: ggml's reference rounding (Q5_0: d = the block's value of largest magnitude / -16,
   q = min(31, trunc(x / d + 16.5)); Q5_1: d = (max - min) / 31, m = min,
@@ -12,9 +12,14 @@ formats.
   the largest of them over 63 (f16), the 6-bit sub-block scales and offsets are rounded from them,
   and q = round((x + dmin m) / (d sc)) clamped to 0..31. Checked by gguf-py's dequantizer: every
   value within half a step (plus the scales' rounding) of its input.
+- IQ4_NL and IQ4_XS: a plain rounding, not llama-quantize's search: a block's (IQ4_XS: a
+  sub-block's) scale is its value of largest magnitude over -127 (IQ4_XS: the sub-block scales
+  are d (ls - 32) with d their largest magnitude over 31, f16), and each code the table value
+  nearest x / scale. Checked by gguf-py's dequantizer: every value within the table's largest
+  half gap (12 steps) of its input.
 
-usage: quantize_q5.py IN.gguf OUT.gguf Q5_0|Q5_1|Q5_K   (needs gguf-py on PYTHONPATH and torch;
-the GPU when there is one)
+usage: quantize_gguf.py IN.gguf OUT.gguf Q5_0|Q5_1|Q5_K|IQ4_NL|IQ4_XS   (needs gguf-py on
+PYTHONPATH and torch; the GPU when there is one)
 """
 import sys
 import time
@@ -25,12 +30,14 @@ import torch
 
 src, dst, kind = sys.argv[1], sys.argv[2], sys.argv[3]
 QT = {"Q5_0": gguf.GGMLQuantizationType.Q5_0, "Q5_1": gguf.GGMLQuantizationType.Q5_1,
-      "Q5_K": gguf.GGMLQuantizationType.Q5_K}
-FILE_TYPE = {"Q5_0": 8, "Q5_1": 9, "Q5_K": 17}  # MOSTLY_Q5_0, MOSTLY_Q5_1, MOSTLY_Q5_K_M
+      "Q5_K": gguf.GGMLQuantizationType.Q5_K, "IQ4_NL": gguf.GGMLQuantizationType.IQ4_NL,
+      "IQ4_XS": gguf.GGMLQuantizationType.IQ4_XS}
+# MOSTLY_Q5_0, MOSTLY_Q5_1, MOSTLY_Q5_K_M, MOSTLY_IQ4_NL, MOSTLY_IQ4_XS
+FILE_TYPE = {"Q5_0": 8, "Q5_1": 9, "Q5_K": 17, "IQ4_NL": 25, "IQ4_XS": 30}
 if kind not in QT:
     sys.exit(f"type must be one of {sorted(QT)}, not {kind}")
 qtype = QT[kind]
-block = 256 if kind == "Q5_K" else 32
+block = 256 if kind in ("Q5_K", "IQ4_XS") else 32
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 
 r = gguf.GGUFReader(src)
@@ -111,7 +118,44 @@ def q5_k(x):
     return torch.cat([f16_bytes(d), f16_bytes(dmin), s.to(torch.uint8), qh.to(torch.uint8), qs.to(torch.uint8)], -1)
 
 
-QUANTIZE = {"Q5_0": q5_0, "Q5_1": q5_1, "Q5_K": q5_k}
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def iq4_codes(x, scale):
+    """x: float32 [..., 32], scale [..., 1] -> qs uint8 [..., 16]: the nearest table value's index"""
+    table = torch.tensor(IQ4_VALUES, dtype=torch.float32, device=x.device)
+    y = torch.where(scale != 0, x / torch.where(scale != 0, scale, 1.0), torch.zeros_like(x))
+    code = (y.unsqueeze(-1) - table).abs().argmin(-1).to(torch.int32)
+    return ((code[..., :16] & 0xF) | ((code[..., 16:] & 0xF) << 4)).to(torch.uint8)
+
+
+def signed_max(x):
+    """The value of largest magnitude of each row of x [..., n], with its sign: [..., 1]"""
+    return torch.gather(x, -1, x.abs().argmax(-1, keepdim=True))
+
+
+def iq4_nl(x):
+    """x: float32 [blocks, 32] -> uint8 [blocks, 18]"""
+    d = (signed_max(x) / -127.0).to(torch.float16)
+    return torch.cat([d.view(torch.uint8), iq4_codes(x, d.float())], -1)
+
+
+def iq4_xs(x):
+    """x: float32 [blocks, 256] -> uint8 [blocks, 136]"""
+    n = x.shape[0]
+    sub = x.view(n, 8, 32)
+    scale = signed_max(sub).squeeze(-1) / -127.0  # [n, 8]
+    d = (scale.abs().max(-1, keepdim=True).values / 31.0).to(torch.float16).float()
+    ls = torch.where(d > 0, torch.round(scale / torch.where(d > 0, d, 1.0)), 0.0).clamp(-32, 31).to(torch.int32) + 32
+    dl = (d * (ls - 32)).unsqueeze(-1)
+    qs = iq4_codes(sub, dl).reshape(n, 128)
+    high = (((ls >> 4) & 3) << (2 * torch.arange(8, device=x.device))).sum(-1, keepdim=True)
+    scales_h = torch.cat([high & 0xFF, (high >> 8) & 0xFF], -1).to(torch.uint8)
+    scales_l = ((ls[:, 0::2] & 0xF) | ((ls[:, 1::2] & 0xF) << 4)).to(torch.uint8)
+    return torch.cat([f16_bytes(d), scales_h, scales_l, qs], -1)
+
+
+QUANTIZE = {"Q5_0": q5_0, "Q5_1": q5_1, "Q5_K": q5_k, "IQ4_NL": iq4_nl, "IQ4_XS": iq4_xs}
 
 
 def quantize(a):
@@ -133,6 +177,20 @@ def check(name, a, q):
         assert np.array_equal(ref, q[:16]), f"{name}: {kind} differs from gguf-py's quantizer"
         return
     back = gguf.quants.dequantize(q[:16], qtype).reshape(head.shape)
+    if kind in ("IQ4_NL", "IQ4_XS"):
+        # A block's (sub-block's) scale is m / 127, m its largest |x|: the codes' values are
+        # -127 .. 113 in gaps of at most 24, so a value lands within 14 steps of the scale (113
+        # for 127 at the top). IQ4_XS rounds each sub-block's scale to a multiple of d (its
+        # super-block's largest over 31, f16): at most d / 2 off, on codes up to 127.
+        sub = head.reshape(-1, 32)
+        m = np.abs(sub).max(-1, keepdims=True)
+        bound = 14.5 / 127.0 * m * (1 + 2e-3)
+        if kind == "IQ4_XS":
+            d = np.abs(head.reshape(-1, 256)).max(-1, keepdims=True) / 127.0 / 31.0
+            bound = (bound.reshape(-1, 8) + 64.0 * d * (1 + 2e-3)).reshape(-1, 1)
+        err = np.abs(back - head).reshape(-1, 32)
+        assert (err <= bound + 1e-7).all(), f"{name}: {kind} error {(err - bound).max()} past its bound"
+        return
     blocks = q[:16].reshape(-1, 176)
     d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
     dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
