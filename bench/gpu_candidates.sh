@@ -31,6 +31,7 @@ set -u
 part=${1:?usage: $0 lm-head|lm-head-8|norm|tests|norm-check|norm-bench|quant|quant-1b RESULTS_DIR (run inside the bundle directory)}
 out=${2:?usage: $0 lm-head|lm-head-8|norm|tests|norm-check|norm-bench|quant|quant-1b RESULTS_DIR (run inside the bundle directory)}
 mkdir -p "$out"
+here=$(cd "$(dirname "$0")" && pwd)  # bench/ of the checkout this script runs from
 t0=$SECONDS
 T() { local limit=$1 name=$2; shift 2; timeout "$limit" "$@" > "$out/$name.txt" 2>&1; echo "exit $? at $((SECONDS - t0)) s" >> "$out/$name.txt"; }
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1
@@ -43,7 +44,7 @@ if [ "$part" = quant ]; then
   mkdir -p /tmp/m && python3 peers/make_models.py tiny /tmp/m/tiny > "$out/make-models.txt" 2>&1
   for q in Q5_0 Q5_1 Q5_K IQ4_NL IQ4_XS; do
     l=$(echo "$q" | tr A-Z a-z)
-    python3 bench/peers/quantize_gguf.py /tmp/m/tiny/tiny-f16.gguf "/tmp/m/tiny/tiny-$l.gguf" "$q" >> "$out/make-models.txt" 2>&1
+    python3 "$here/peers/quantize_gguf.py" /tmp/m/tiny/tiny-f16.gguf "/tmp/m/tiny/tiny-$l.gguf" "$q" >> "$out/make-models.txt" 2>&1
     T 120 "parity-tiny-$l" ./gpu_parity "/tmp/m/tiny/tiny-$l.gguf" - --steps 32
     tail -3 "$out/parity-tiny-$l.txt"
   done
@@ -60,7 +61,7 @@ if [ "$part" = quant-1b ]; then
   mkdir -p /tmp/m && python3 peers/make_models.py llama3.2-1b /tmp/m/1b > "$out/make-models.txt" 2>&1
   for q in Q5_K IQ4_XS; do
     l=$(echo "$q" | tr A-Z a-z)
-    python3 bench/peers/quantize_gguf.py /tmp/m/1b/llama3.2-1b-f16.gguf "/tmp/m/1b/1b-$l.gguf" "$q" >> "$out/make-models.txt" 2>&1
+    python3 "$here/peers/quantize_gguf.py" /tmp/m/1b/llama3.2-1b-f16.gguf "/tmp/m/1b/1b-$l.gguf" "$q" >> "$out/make-models.txt" 2>&1
     T 150 "gen-1b-$l" ./kiln bench generate -m "/tmp/m/1b/1b-$l.gguf" --batch 1,8
     tail -6 "$out/gen-1b-$l.txt"
   done

@@ -54,6 +54,12 @@ for name, field in r.fields.items():
     w.add_key_value(name, field.contents(), vtype, sub_type=sub)
 
 
+def div(a, b):
+    """a / b rounded as IEEE division: PyTorch on CUDA divides by a host scalar as a product with
+    its reciprocal, which can differ from the division in the last bit (and from numpy's)."""
+    return a / torch.full_like(a, b)
+
+
 def f16_bytes(t):
     """float32 [..., 1] -> uint8 [..., 2] (the f16 bits, little-endian)"""
     return t.to(torch.float16).view(torch.uint8)
@@ -72,7 +78,7 @@ def q5_0(x):
     """x: float32 [blocks, 32] -> uint8 [blocks, 22]"""
     idx = x.abs().argmax(-1, keepdim=True)
     mx = torch.gather(x, -1, idx)
-    d = mx / -16.0
+    d = div(mx, -16.0)
     inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
     q = torch.clamp((x * inv + 16.5).to(torch.int32), max=31)
     qh, qs = pack_high(q)
@@ -83,7 +89,7 @@ def q5_1(x):
     """x: float32 [blocks, 32] -> uint8 [blocks, 24]"""
     mn = x.min(-1, keepdim=True).values
     mx = x.max(-1, keepdim=True).values
-    d = (mx - mn) / 31.0
+    d = div(mx - mn, 31.0)
     inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
     q = torch.clamp(((x - mn) * inv + 0.5).to(torch.int32), max=31)
     qh, qs = pack_high(q)
@@ -95,10 +101,10 @@ def q5_k(x):
     n = x.shape[0]
     sub = x.view(n, 8, 32)
     lo = torch.clamp(sub.min(-1).values, max=0.0)
-    scale = (sub.max(-1).values - lo) / 31.0  # [n, 8]
+    scale = div(sub.max(-1).values - lo, 31.0)  # [n, 8]
     offset = -lo
-    d = (scale.max(-1, keepdim=True).values / 63.0).to(torch.float16).float()
-    dmin = (offset.max(-1, keepdim=True).values / 63.0).to(torch.float16).float()
+    d = div(scale.max(-1, keepdim=True).values, 63.0).to(torch.float16).float()
+    dmin = div(offset.max(-1, keepdim=True).values, 63.0).to(torch.float16).float()
     sc = torch.where(d > 0, torch.round(scale / torch.where(d > 0, d, 1.0)), 0.0).clamp(0, 63).to(torch.int32)
     m = torch.where(dmin > 0, torch.round(offset / torch.where(dmin > 0, dmin, 1.0)), 0.0).clamp(0, 63).to(torch.int32)
     d1 = (d * sc).unsqueeze(-1)
@@ -136,7 +142,7 @@ def signed_max(x):
 
 def iq4_nl(x):
     """x: float32 [blocks, 32] -> uint8 [blocks, 18]"""
-    d = (signed_max(x) / -127.0).to(torch.float16)
+    d = div(signed_max(x), -127.0).to(torch.float16)
     return torch.cat([d.view(torch.uint8), iq4_codes(x, d.float())], -1)
 
 
@@ -144,8 +150,8 @@ def iq4_xs(x):
     """x: float32 [blocks, 256] -> uint8 [blocks, 136]"""
     n = x.shape[0]
     sub = x.view(n, 8, 32)
-    scale = signed_max(sub).squeeze(-1) / -127.0  # [n, 8]
-    d = (scale.abs().max(-1, keepdim=True).values / 31.0).to(torch.float16).float()
+    scale = div(signed_max(sub).squeeze(-1), -127.0)  # [n, 8]
+    d = div(scale.abs().max(-1, keepdim=True).values, 31.0).to(torch.float16).float()
     ls = torch.where(d > 0, torch.round(scale / torch.where(d > 0, d, 1.0)), 0.0).clamp(-32, 31).to(torch.int32) + 32
     dl = (d * (ls - 32)).unsqueeze(-1)
     qs = iq4_codes(sub, dl).reshape(n, 128)
