@@ -2,9 +2,10 @@
 //! layer.
 //!
 //! - **Weights** live in one arena: every matrix in its file's format (bf16, fp16, fp32, Q8_0,
-//!   Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS), q|k|v and gate|up placed back to back so that one launch serves
-//!   each pair when their formats agree; biases and q/k norm weights as fp32. The norms' weights
-//!   are fp32 blocks of their own (the norm kernel takes whole blocks).
+//!   Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS), q|k|v and gate|up placed back
+//!   to back so that one launch serves each pair when their formats agree; biases and q/k norm
+//!   weights as fp32. The norms' weights are fp32 blocks of their own (the norm kernel takes
+//!   whole blocks).
 //! - **Activations** are blocks sized by the [`GpuPlan`] once, before the first token; a step
 //!   allocates nothing, so a decode step can be captured as a CUDA graph and replayed.
 //! - **KV cache**: bf16 pages (`kiln_engine::kv` bookkeeping, `[page][kv_head][slot][head_dim]`),
