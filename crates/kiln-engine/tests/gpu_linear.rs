@@ -21,7 +21,7 @@ use half::{bf16, f16};
 use kiln_core::{DType, Error};
 use kiln_cuda::ops::linear::{
     embed_rows, f32_to_bf16, int8_fused_shared_bytes, linear, linear_with_scratch, to_bf16_weights, Epilogue,
-    LinearCall, LinearVariant, INT8_FUSED_ENV, INT8_VARIANTS, LINEAR_VARIANTS,
+    LinearCall, LinearVariant, INT8_FUSED_ENV, INT8_VARIANTS, LINEAR_VARIANTS, WEIGHT_DTYPES,
 };
 use kiln_cuda::{DeviceMemory, Gpu};
 use kiln_engine::formats::quant::dequantize_row;
@@ -45,21 +45,7 @@ impl Rng {
     }
 }
 
-const DTYPES: [DType; 13] = [
-    DType::F32,
-    DType::BF16,
-    DType::F16,
-    DType::Q8_0,
-    DType::Q4_0,
-    DType::Q4_1,
-    DType::Q5_0,
-    DType::Q5_1,
-    DType::Q4_K,
-    DType::Q5_K,
-    DType::Q6_K,
-    DType::IQ4_NL,
-    DType::IQ4_XS,
-];
+const DTYPES: [DType; 13] = WEIGHT_DTYPES;
 
 const GUARD_BYTES: usize = 256;
 

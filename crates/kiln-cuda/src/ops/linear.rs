@@ -334,8 +334,25 @@ impl LinearVariant {
     }
 }
 
-/// Whether the linear kernels take weights of `dtype` (F32, BF16, F16, Q8_0, Q4_0, Q4_1, Q5_0,
-/// Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS): `Ok`, or [`Error::DTypeNotServed`].
+/// Every weight dtype the linear kernels take (embedding gather and bf16 conversion included).
+pub const WEIGHT_DTYPES: [DType; 13] = [
+    DType::F32,
+    DType::BF16,
+    DType::F16,
+    DType::Q8_0,
+    DType::Q4_0,
+    DType::Q4_1,
+    DType::Q5_0,
+    DType::Q5_1,
+    DType::Q4_K,
+    DType::Q5_K,
+    DType::Q6_K,
+    DType::IQ4_NL,
+    DType::IQ4_XS,
+];
+
+/// Whether the linear kernels take weights of `dtype` (one of [`WEIGHT_DTYPES`]): `Ok`, or
+/// [`Error::DTypeNotServed`].
 pub fn serves_weight(dtype: DType) -> Result<()> {
     weight_code(dtype).map(|_| ())
 }
@@ -918,22 +935,18 @@ mod tests {
     }
 
     #[test]
+    fn the_weight_dtypes_are_those_the_kernel_codes_serve() {
+        let mut codes: Vec<u32> = WEIGHT_DTYPES.iter().map(|&d| weight_code(d).unwrap()).collect();
+        codes.sort_unstable();
+        assert_eq!(codes, (0..13).collect::<Vec<u32>>(), "one kernel code a dtype");
+        for &dtype in DType::ALL {
+            assert_eq!(serves_weight(dtype).is_ok(), WEIGHT_DTYPES.contains(&dtype), "{dtype}");
+        }
+    }
+
+    #[test]
     fn every_default_variant_is_served() {
-        for dtype in [
-            DType::F32,
-            DType::BF16,
-            DType::F16,
-            DType::Q8_0,
-            DType::Q4_0,
-            DType::Q4_1,
-            DType::Q5_0,
-            DType::Q5_1,
-            DType::Q4_K,
-            DType::Q5_K,
-            DType::Q6_K,
-            DType::IQ4_NL,
-            DType::IQ4_XS,
-        ] {
+        for dtype in WEIGHT_DTYPES {
             for epilogue in [Epilogue::Store, Epilogue::Accumulate, Epilogue::SwiGlu] {
                 for tokens in 1..=MAX_TOKENS {
                     for (rows, cols) in [(1, 256), (2048, 2048), (14336, 4096), (4096, 14336)] {
@@ -1067,17 +1080,7 @@ mod tests {
                     );
                 }
             }
-            for dtype in [
-                DType::F32,
-                DType::Q8_0,
-                DType::Q4_0,
-                DType::Q4_1,
-                DType::Q5_0,
-                DType::Q5_1,
-                DType::Q4_K,
-                DType::Q5_K,
-                DType::Q6_K,
-            ] {
+            for dtype in WEIGHT_DTYPES.into_iter().filter(|d| !matches!(d, DType::BF16 | DType::F16)) {
                 let c = call(dtype, 64, 256, 8, Epilogue::Store);
                 assert!(
                     matches!(c.defines(*v, false), Err(Error::NotServed { reason, .. }) if reason.contains(&v.label())),
