@@ -229,42 +229,29 @@ __device__ __forceinline__ void lin_load_piece(const kiln_u8* row, int p, LinRaw
     const kiln_u8* block = row + 34ll * (p >> 1);
     r.v[0] = lin_load16(block);
     lin_load_words<4>(block + 2 + 16 * (p & 1), r.v + 1);
-#elif W_T == 4 || W_T == 11
-    const kiln_u8* block = row + 18ll * p;
+#elif W_T == 4 || W_T == 8 || W_T == 11
+    // d | (Q5_0: qh, 4 bytes |) qs[16]
+    const kiln_u8* block = row + (W_T == 8 ? 22ll : 18ll) * p;
     r.v[0] = lin_load16(block);
-    lin_load_words<4>(block + 2, r.v + 1);
-#elif W_T == 5
-    const kiln_u32* block = reinterpret_cast<const kiln_u32*>(row + 20ll * p);
+    lin_load_words<RAW_WORDS - 1>(block + 2, r.v + 1);
+#elif W_T == 5 || W_T == 9
+    // d, m | (Q5_1: qh |) qs[16]
+    const kiln_u32* block = reinterpret_cast<const kiln_u32*>(row + 4ll * RAW_WORDS * p);
 #pragma unroll
-    for (int k = 0; k < 5; ++k) r.v[k] = lin_load32(block + k);
-#elif W_T == 6
-    const kiln_u8* block = row + 144ll * (p >> 3);
-    const kiln_u32* head = reinterpret_cast<const kiln_u32*>(block);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) r.v[k] = lin_load32(head + k);  // d, dmin | scales[12]
-    const uint4 q = lin_load_stream16(block + 16 + 16 * (p & 7));
-    r.v[4] = q.x; r.v[5] = q.y; r.v[6] = q.z; r.v[7] = q.w;
-#elif W_T == 8
-    // d | qh (4 bytes) | qs[16]: the high bits and quants are 20 bytes from block + 2.
-    const kiln_u8* block = row + 22ll * p;
-    r.v[0] = lin_load16(block);
-    lin_load_words<5>(block + 2, r.v + 1);
-#elif W_T == 9
-    // d, m | qh | qs[16]
-    const kiln_u32* block = reinterpret_cast<const kiln_u32*>(row + 24ll * p);
-#pragma unroll
-    for (int k = 0; k < 6; ++k) r.v[k] = lin_load32(block + k);
-#elif W_T == 10
-    // d, dmin | scales[12] | qh[32] | qs[128]: piece q takes quant bytes 16q .. 16q + 16 (as Q4_K)
-    // and the high-bit bytes of the same positions in its chunk, 16 (q % 2) .. + 16.
-    const kiln_u8* block = row + 176ll * (p >> 3);
+    for (int k = 0; k < RAW_WORDS; ++k) r.v[k] = lin_load32(block + k);
+#elif W_T == 6 || W_T == 10
+    // d, dmin | scales[12] | (Q5_K: qh[32] |) qs[128]: piece q takes quant bytes 16q .. 16q + 16
+    // (Q5_K: and the high-bit bytes of the same positions in its chunk, 16 (q % 2) .. + 16).
+    const kiln_u8* block = row + (W_T == 6 ? 144ll : 176ll) * (p >> 3);
     const kiln_u32* head = reinterpret_cast<const kiln_u32*>(block);
 #pragma unroll
     for (int k = 0; k < 4; ++k) r.v[k] = lin_load32(head + k);
-    const uint4 q = lin_load_stream16(block + 48 + 16 * (p & 7));
+    const uint4 q = lin_load_stream16(block + (W_T == 6 ? 16 : 48) + 16 * (p & 7));
     r.v[4] = q.x; r.v[5] = q.y; r.v[6] = q.z; r.v[7] = q.w;
+#if W_T == 10
     const uint4 h = lin_load_stream16(block + 16 + 16 * (p & 1));
     r.v[8] = h.x; r.v[9] = h.y; r.v[10] = h.z; r.v[11] = h.w;
+#endif
 #elif W_T == 12
     // d, scales_h | scales_l[4] | qs[128]: piece q of a super-block takes sub-block q's 16 bytes.
     const kiln_u8* block = row + 136ll * (p >> 3);
@@ -359,32 +346,40 @@ __device__ __forceinline__ void lin_decode(const LinRaw& r, int p, int s, float 
             w[4 * j + k] = __fmul_rn(q, d);
         }
     }
-#elif W_T == 4 || W_T == 5
-#if W_T == 4
-    const float d = kiln_f16_to_f32((kiln_u16)r.v[0]);
-    const float offset = 8388616.0f;  // 2^23 + 8: y = d * (q - 8)
-#else
+#elif W_T == 4 || W_T == 5 || W_T == 8 || W_T == 9
+    // Q4_0: y = d * (q - 8), Q5_0: d * (q - 16), Q4_1 and Q5_1: d * q + m, q a nibble (the Q5
+    // formats: | bit e of qh << 4 for element e of the block). Group s: quant bytes
+    // 8 (s % 2) .. + 8, low nibbles for s < 2, high nibbles after (the Q5 formats: bits
+    // 8 s .. 8 s + 8 of qh, word 1, before the quants).
+#define LIN_Q5 (W_T == 8 || W_T == 9)
+#define LIN_WITH_MIN (W_T == 5 || W_T == 9)
     const float d = kiln_f16_to_f32((kiln_u16)(r.v[0] & 0xFFFFu));
+#if LIN_WITH_MIN
     const float m = kiln_f16_to_f32((kiln_u16)(r.v[0] >> 16));
-    const float offset = 8388608.0f;  // y = d * q + m
+    const float offset = 8388608.0f;  // 2^23
+#else
+    const float offset = W_T == 4 ? 8388616.0f : 8388624.0f;  // 2^23 + 8, 2^23 + 16
 #endif
-    // Group s: quant bytes 8 (s % 2) .. + 8, low nibbles for s < 2, high nibbles after.
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-        const kiln_u32 word = r.v[1 + 2 * (s & 1) + j];
-        const kiln_u32 nibbles = (s >> 1) ? (word >> 4) & 0x0F0F0F0Fu : word & 0x0F0F0F0Fu;
+        const kiln_u32 word = r.v[(LIN_Q5 ? 2 : 1) + 2 * (s & 1) + j];
+        kiln_u32 q4 = (s >> 1) ? (word >> 4) & 0x0F0F0F0Fu : word & 0x0F0F0F0Fu;
+        if (LIN_Q5) q4 |= lin_spread4((r.v[1] >> (8 * s + 4 * j)) & 0xFu);
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-            const float q = __fsub_rn(lin_biased_byte(nibbles, k), offset);
-#if W_T == 4
-            w[4 * j + k] = __fmul_rn(d, q);
-#else
+            const float q = __fsub_rn(lin_biased_byte(q4, k), offset);
+#if LIN_WITH_MIN
             w[4 * j + k] = __fadd_rn(__fmul_rn(d, q), m);
+#else
+            w[4 * j + k] = __fmul_rn(d, q);
 #endif
         }
     }
-#elif W_T == 6
-    // Sub-block j = 2 (chunk) + (s >= 2): y = (d * sc_j) * q - dmin * m_j (get_scale_min_k4).
+#undef LIN_Q5
+#undef LIN_WITH_MIN
+#elif W_T == 6 || W_T == 10
+    // Sub-block j = 2 (chunk) + (s >= 2): y = (d * sc_j) * q - dmin * m_j (get_scale_min_k4), q a
+    // nibble (Q5_K: | bit j of the value's qh byte << 4, words 8 .. 12).
     const float d = kiln_f16_to_f32((kiln_u16)(r.v[0] & 0xFFFFu));
     const float dmin = kiln_f16_to_f32((kiln_u16)(r.v[0] >> 16));
     const int j = 2 * ((p & 7) >> 1) + (s >> 1);
@@ -395,55 +390,10 @@ __device__ __forceinline__ void lin_decode(const LinRaw& r, int p, int s, float 
 #pragma unroll
     for (int jj = 0; jj < 2; ++jj) {
         const kiln_u32 word = r.v[4 + 2 * (s & 1) + jj];
-        const kiln_u32 nibbles = (s >> 1) ? (word >> 4) & 0x0F0F0F0Fu : word & 0x0F0F0F0Fu;
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const float q = __fsub_rn(lin_biased_byte(nibbles, k), 8388608.0f);
-            w[4 * jj + k] = __fsub_rn(__fmul_rn(d1, q), m1);
-        }
-    }
-#elif W_T == 8 || W_T == 9
-    // Q5_0: y = d * (q - 16); Q5_1: y = d * q + m; q = a nibble | bit e of qh << 4 for element e
-    // of the block. Group s: as Q4_0 / Q4_1, with bits 8 s .. 8 s + 8 of qh.
-#if W_T == 8
-    const float d = kiln_f16_to_f32((kiln_u16)r.v[0]);
-    const float offset = 8388624.0f;  // 2^23 + 16
-#else
-    const float d = kiln_f16_to_f32((kiln_u16)(r.v[0] & 0xFFFFu));
-    const float m = kiln_f16_to_f32((kiln_u16)(r.v[0] >> 16));
-    const float offset = 8388608.0f;
+        kiln_u32 q5 = (s >> 1) ? (word >> 4) & 0x0F0F0F0Fu : word & 0x0F0F0F0Fu;
+#if W_T == 10
+        q5 |= ((r.v[8 + 2 * (s & 1) + jj] >> j) & 0x01010101u) << 4;
 #endif
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-        const kiln_u32 word = r.v[2 + 2 * (s & 1) + j];
-        const kiln_u32 nibbles = (s >> 1) ? (word >> 4) & 0x0F0F0F0Fu : word & 0x0F0F0F0Fu;
-        const kiln_u32 q5 = nibbles | lin_spread4((r.v[1] >> (8 * s + 4 * j)) & 0xFu);
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const float q = __fsub_rn(lin_biased_byte(q5, k), offset);
-#if W_T == 8
-            w[4 * j + k] = __fmul_rn(d, q);
-#else
-            w[4 * j + k] = __fadd_rn(__fmul_rn(d, q), m);
-#endif
-        }
-    }
-#elif W_T == 10
-    // As Q4_K, with q = a nibble | bit 2 chunk + (s >= 2) of the value's qh byte << 4.
-    const float d = kiln_f16_to_f32((kiln_u16)(r.v[0] & 0xFFFFu));
-    const float dmin = kiln_f16_to_f32((kiln_u16)(r.v[0] >> 16));
-    const int chunk = (p & 7) >> 1;
-    const int j = 2 * chunk + (s >> 1);
-    kiln_u32 sc, mn;
-    lin_scale_min_k4(r, j, sc, mn);
-    const float d1 = __fmul_rn(d, __fsub_rn(lin_biased(sc), 8388608.0f));
-    const float m1 = __fmul_rn(dmin, __fsub_rn(lin_biased(mn), 8388608.0f));
-#pragma unroll
-    for (int jj = 0; jj < 2; ++jj) {
-        const kiln_u32 word = r.v[4 + 2 * (s & 1) + jj];
-        const kiln_u32 nibbles = (s >> 1) ? (word >> 4) & 0x0F0F0F0Fu : word & 0x0F0F0F0Fu;
-        const kiln_u32 high = ((r.v[8 + 2 * (s & 1) + jj] >> j) & 0x01010101u) << 4;
-        const kiln_u32 q5 = nibbles | high;
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             const float q = __fsub_rn(lin_biased_byte(q5, k), 8388608.0f);
