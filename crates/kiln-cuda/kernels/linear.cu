@@ -1,6 +1,7 @@
 // The decode-side linear layer: out[t][r] = epilogue(sum_c W[r][c] * x[t][c] (+ bias[r])) for
 // TOKENS (1..8) tokens at once, W in f32, bf16, f16 or a GGUF block format (Q8_0, Q4_0, Q4_1,
-// Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS), dequantized in registers; fp32 accumulation. Beside it: the gather of embedding
+// Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS), dequantized in registers; fp32
+// accumulation. Beside it: the gather of embedding
 // rows, the conversion of weights to bf16 (the prefill path's cuBLAS input) and fp32 -> bf16.
 //
 // Memory floor: W read once for all tokens (rows x row_bytes); x (at most 8 x cols fp32) stays in
@@ -24,9 +25,9 @@
 //
 // Loads: 16-byte streaming loads (no L1 allocation) for f32 / bf16 / f16 rows (16-byte aligned when
 // cols is a multiple of 8) and Q4_K's quants (its 144-byte blocks keep 16-byte alignment);
-// Q5_K's quants and high bits (176-byte blocks) too; Q4_1's, Q5_1's and IQ4_XS's 20-, 24- and
-// 136-byte blocks are 4-byte aligned (4-byte loads); Q8_0, Q4_0, Q5_0, IQ4_NL (34, 18, 22, 18
-// bytes) and Q6_K (210) are only 2-byte aligned: their bytes come from aligned 4-byte loads joined by byte permutes. Such a load may read up to 2 bytes past the bytes it needs, never past the aligned
+// Q5_K's quants and high bits (176-byte blocks) too; Q4_1's, Q5_1's, Q2_K's and IQ4_XS's 20-,
+// 24-, 84- and 136-byte blocks are 4-byte aligned (4-byte loads); Q8_0, Q4_0, Q5_0, IQ4_NL (34,
+// 18, 22, 18 bytes), Q3_K (110) and Q6_K (210) are only 2-byte aligned: their bytes come from aligned 4-byte loads joined by byte permutes. Such a load may read up to 2 bytes past the bytes it needs, never past the aligned
 // 4-byte word that holds the last of them.
 //
 // Dequantization equals `dequantize_row` of the CPU reference bit for bit: small integers become
@@ -35,7 +36,7 @@
 // compiler never contracts. The dot products use explicit FMAs.
 //
 // Compile-time constants: W_T (0 f32, 1 bf16, 2 f16, 3 Q8_0, 4 Q4_0, 5 Q4_1, 6 Q4_K, 7 Q6_K,
-// 8 Q5_0, 9 Q5_1, 10 Q5_K, 11 IQ4_NL, 12 IQ4_XS),
+// 8 Q5_0, 9 Q5_1, 10 Q5_K, 11 IQ4_NL, 12 IQ4_XS, 13 Q2_K, 14 Q3_K),
 // X_T (0 f32, 1 bf16), TOKENS (1..8), EPI (0 store, 1 accumulate, 2 SwiGLU), HAS_BIAS, WARPS,
 // ROWS, UNROLL, STAGE (0 x from global memory, 1 staged in shared memory), MMA (1: the tensor-core
 // path below, for bf16 / f16 weights).
@@ -117,8 +118,14 @@ static_assert(EPI != 2 || HAS_BIAS == 0, "SwiGLU takes no bias");
 #elif W_T == 12
 #define PIECE 32
 #define RAW_WORDS 6
+#elif W_T == 13
+#define PIECE 32
+#define RAW_WORDS 5
+#elif W_T == 14
+#define PIECE 32
+#define RAW_WORDS 8
 #else
-#error "W_T must be 0..12"
+#error "W_T must be 0..14"
 #endif
 #define SUBS (PIECE / 8)
 #define QUADS (PIECE / 4)
@@ -209,8 +216,9 @@ __device__ __forceinline__ int lin_piece_element(int p, int s) {
     const int q = p & 7;
     return 256 * (p >> 3) + 64 * (q >> 1) + 16 * (q & 1) + 8 * (s & 1) + 32 * (s >> 1);
 #else
-    // Piece q of a super-block: half q / 4, l0 = 8 (q % 4); group s holds values 32 s + l0 .. + 8
-    // of the half.
+    // Q6_K, Q2_K, Q3_K: piece q of a super-block: half q / 4, l0 = 8 (q % 4); group s holds
+    // values 32 s + l0 .. + 8 of the half (Q2_K, Q3_K: the 2-bit field s of the quant bytes
+    // l0 .. l0 + 8 of the half).
     const int q = p & 7;
     return 256 * (p >> 3) + 128 * (q >> 2) + 32 * s + 8 * (q & 3);
 #endif
@@ -252,6 +260,28 @@ __device__ __forceinline__ void lin_load_piece(const kiln_u8* row, int p, LinRaw
     const uint4 h = lin_load_stream16(block + 16 + 16 * (p & 1));
     r.v[8] = h.x; r.v[9] = h.y; r.v[10] = h.z; r.v[11] = h.w;
 #endif
+#elif W_T == 13
+    // scales[16] | qs[64] | d, dmin: piece q (half q / 4, l0 = 8 (q % 4)) takes quant bytes
+    // 32 half + l0 .. + 8 (their four 2-bit fields are its four groups), the half's 8 scale
+    // bytes, and d, dmin.
+    const kiln_u8* block = row + 84ll * (p >> 3);
+    const int q = p & 7, half = q >> 2, l0 = 8 * (q & 3);
+    const kiln_u32* qs = reinterpret_cast<const kiln_u32*>(block + 16 + 32 * half + l0);
+    const kiln_u32* scales = reinterpret_cast<const kiln_u32*>(block + 8 * half);
+    r.v[0] = lin_load32(qs);
+    r.v[1] = lin_load32(qs + 1);
+    r.v[2] = lin_load32(scales);
+    r.v[3] = lin_load32(scales + 1);
+    r.v[4] = lin_load32(block + 80);
+#elif W_T == 14
+    // hmask[32] | qs[64] | scales[12] | d: piece q (half q / 4, l0 = 8 (q % 4)) takes quant bytes
+    // 32 half + l0 .. + 8, the high-bit bytes l0 % 32 .. + 8, the 12 packed scale bytes and d.
+    const kiln_u8* block = row + 110ll * (p >> 3);
+    const int q = p & 7, half = q >> 2, l0 = 8 * (q & 3);
+    lin_load_words<2>(block + 32 + 32 * half + l0, r.v);  // qs
+    lin_load_words<2>(block + l0, r.v + 2);                // hmask
+    lin_load_words<3>(block + 96, r.v + 4);                // scales
+    r.v[7] = lin_load16(block + 108);                      // d
 #elif W_T == 12
     // d, scales_h | scales_l[4] | qs[128]: piece q of a super-block takes sub-block q's 16 bytes.
     const kiln_u8* block = row + 136ll * (p >> 3);
@@ -423,6 +453,45 @@ __device__ __forceinline__ void lin_decode(const LinRaw& r, int p, int s, float 
         for (int k = 0; k < 4; ++k) {
             const float q = __fsub_rn(lin_biased_byte(codes, k), 8388736.0f);
             w[4 * j + k] = __fmul_rn(scale, q);
+        }
+    }
+#elif W_T == 13
+    // Scale byte 8 half + 2 s + (l0 >= 16) of the block: y = (d * (sc & 15)) * q - dmin * (sc >> 4),
+    // q the 2-bit field s of each quant byte.
+    const float d = kiln_f16_to_f32((kiln_u16)(r.v[4] & 0xFFFFu));
+    const float dmin = kiln_f16_to_f32((kiln_u16)(r.v[4] >> 16));
+    const int index = 2 * s + ((p & 3) >> 1);
+    const kiln_u32 sc = lin_byte(index < 4 ? r.v[2] : r.v[3], index & 3);
+    const float dl = __fmul_rn(d, __fsub_rn(lin_biased(sc & 0xFu), 8388608.0f));
+    const float ml = __fmul_rn(dmin, __fsub_rn(lin_biased(sc >> 4), 8388608.0f));
+#pragma unroll
+    for (int jj = 0; jj < 2; ++jj) {
+        const kiln_u32 q2 = (r.v[jj] >> (2 * s)) & 0x03030303u;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const float q = __fsub_rn(lin_biased_byte(q2, k), 8388608.0f);
+            w[4 * jj + k] = __fsub_rn(__fmul_rn(dl, q), ml);
+        }
+    }
+#elif W_T == 14
+    // Scale 8 half + 2 s + (l0 >= 16) of the 16 six-bit scales: its low 4 bits from packed word
+    // (g & 1) (g = the scale / 4; the high nibbles for g >= 2), its high 2 from word 2.
+    // y = (d * (scale - 32)) * (q - 4), q + 4 = the 2-bit field s | (high-bit set ? 4 : 0), the
+    // high bit being bit 4 half + s of the value's hmask byte.
+    const float d = kiln_f16_to_f32((kiln_u16)r.v[7]);
+    const int half = (p & 7) >> 2;
+    const int index = 8 * half + 2 * s + ((p & 3) >> 1), g = index >> 2, b = index & 3;
+    const kiln_u32 low4 = (lin_byte(r.v[4 + (g & 1)], b) >> (4 * (g >> 1))) & 0xFu;
+    const kiln_u32 high2 = (lin_byte(r.v[6], b) >> (2 * g)) & 3u;
+    const float dl = __fmul_rn(d, __fsub_rn(lin_biased(low4 | (high2 << 4)), 8388640.0f));  // - 32
+    const int bit = 4 * half + s;
+#pragma unroll
+    for (int jj = 0; jj < 2; ++jj) {
+        const kiln_u32 q3 = ((r.v[jj] >> (2 * s)) & 0x03030303u) | (((r.v[2 + jj] >> bit) & 0x01010101u) << 2);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const float q = __fsub_rn(lin_biased_byte(q3, k), 8388612.0f);  // 2^23 + 4
+            w[4 * jj + k] = __fmul_rn(dl, q);
         }
     }
 #else

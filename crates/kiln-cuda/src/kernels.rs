@@ -1581,7 +1581,7 @@ pub const FORWARD: KernelSource = KernelSource {
 };
 
 /// The decode-side linear layer (1..8 tokens, f32 / bf16 / f16 / Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 /
-/// Q4_K / Q5_K / Q6_K / IQ4_NL / IQ4_XS weights dequantized in registers, store / residual-add / SwiGLU epilogues), the embedding-row
+/// Q2_K / Q3_K / Q4_K / Q5_K / Q6_K / IQ4_NL / IQ4_XS weights dequantized in registers, store / residual-add / SwiGLU epilogues), the embedding-row
 /// gather, weights to bf16 and fp32 -> bf16. Defines: `W_T`, `X_T`, `TOKENS`, `EPI`, `HAS_BIAS`,
 /// `WARPS`, `ROWS`, `UNROLL`, `STAGE`.
 pub const LINEAR: KernelSource = KernelSource {
@@ -1684,6 +1684,27 @@ pub const LINEAR: KernelSource = KernelSource {
             ("TOKENS", "8"),
             ("EPI", "0"),
             ("HAS_BIAS", "1"),
+            ("WARPS", "4"),
+            ("ROWS", "2"),
+            ("UNROLL", "1"),
+            ("STAGE", "1"),
+        ],
+        &[
+            ("W_T", "13"),
+            ("X_T", "0"),
+            ("TOKENS", "1"),
+            ("EPI", "0"),
+            ("HAS_BIAS", "1"),
+            ("WARPS", "4"),
+            ("ROWS", "4"),
+            ("UNROLL", "1"),
+        ],
+        &[
+            ("W_T", "14"),
+            ("X_T", "1"),
+            ("TOKENS", "8"),
+            ("EPI", "2"),
+            ("HAS_BIAS", "0"),
             ("WARPS", "4"),
             ("ROWS", "2"),
             ("UNROLL", "1"),

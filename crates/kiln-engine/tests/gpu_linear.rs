@@ -45,12 +45,12 @@ impl Rng {
     }
 }
 
-const DTYPES: [DType; 13] = WEIGHT_DTYPES;
+const DTYPES: [DType; 15] = WEIGHT_DTYPES;
 
 const GUARD_BYTES: usize = 256;
 
 fn is_k(dtype: DType) -> bool {
-    matches!(dtype, DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::IQ4_XS)
+    matches!(dtype, DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::IQ4_XS)
 }
 
 /// (rows, cols): one row, odd rows, 2048 + 3 rows, 576 and 1536 columns, and one 14336.
@@ -116,6 +116,21 @@ fn random_weights(rng: &mut Rng, dtype: DType, rows: usize, cols: usize) -> Vec<
                 out.extend(rng.f16_bytes(-0.01, 0.01));
                 // scales[12], (Q5_K: qh[32]), qs[128]
                 out.extend(rng.bytes(if dtype == DType::Q5_K { 12 + 32 + 128 } else { 12 + 128 }));
+            }
+        }
+        DType::Q2_K => {
+            for _ in 0..n / 256 {
+                // scales[16], qs[64], d, dmin
+                out.extend(rng.bytes(16 + 64));
+                out.extend(rng.f16_bytes(-0.01, 0.01));
+                out.extend(rng.f16_bytes(-0.01, 0.01));
+            }
+        }
+        DType::Q3_K => {
+            for _ in 0..n / 256 {
+                // hmask[32], qs[64], scales[12], d
+                out.extend(rng.bytes(32 + 64 + 12));
+                out.extend(rng.f16_bytes(-0.002, 0.002));
             }
         }
         DType::IQ4_NL => {

@@ -1,6 +1,6 @@
 //! Launcher of `kernels/linear.cu` and `kernels/linear_i8.cu`: the decode-side linear layer (a
 //! matrix-vector product for 1 to 8 tokens over f32, bf16, f16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
-//! Q4_K, Q5_K, Q6_K, IQ4_NL or IQ4_XS
+//! Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL or IQ4_XS
 //! weights, with a store, residual-add or SwiGLU epilogue), the gather of embedding rows, the
 //! conversion of weights to bf16 for the prefill path, and fp32 -> bf16.
 //!
@@ -71,7 +71,7 @@ impl Epilogue {
 /// The shape and types of one linear call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct LinearCall {
-    /// F32, BF16, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL or IQ4_XS.
+    /// One of [`WEIGHT_DTYPES`].
     pub weight: DType,
     /// Outputs per token (for SwiGlu the weight holds `2 x rows` rows).
     pub rows: usize,
@@ -335,7 +335,7 @@ impl LinearVariant {
 }
 
 /// Every weight dtype the linear kernels take (embedding gather and bf16 conversion included).
-pub const WEIGHT_DTYPES: [DType; 13] = [
+pub const WEIGHT_DTYPES: [DType; 15] = [
     DType::F32,
     DType::BF16,
     DType::F16,
@@ -344,6 +344,8 @@ pub const WEIGHT_DTYPES: [DType; 13] = [
     DType::Q4_1,
     DType::Q5_0,
     DType::Q5_1,
+    DType::Q2_K,
+    DType::Q3_K,
     DType::Q4_K,
     DType::Q5_K,
     DType::Q6_K,
@@ -373,6 +375,8 @@ fn weight_code(dtype: DType) -> Result<u32> {
         DType::Q5_K => 10,
         DType::IQ4_NL => 11,
         DType::IQ4_XS => 12,
+        DType::Q2_K => 13,
+        DType::Q3_K => 14,
         other => return Err(Error::DTypeNotServed { dtype: other.name(), op: "linear kernel weights" }),
     })
 }
@@ -938,7 +942,7 @@ mod tests {
     fn the_weight_dtypes_are_those_the_kernel_codes_serve() {
         let mut codes: Vec<u32> = WEIGHT_DTYPES.iter().map(|&d| weight_code(d).unwrap()).collect();
         codes.sort_unstable();
-        assert_eq!(codes, (0..13).collect::<Vec<u32>>(), "one kernel code a dtype");
+        assert_eq!(codes, (0..15).collect::<Vec<u32>>(), "one kernel code a dtype");
         for &dtype in DType::ALL {
             assert_eq!(serves_weight(dtype).is_ok(), WEIGHT_DTYPES.contains(&dtype), "{dtype}");
         }
@@ -1037,7 +1041,7 @@ mod tests {
         let v = variant(4, 1, 2);
         let ok = call(DType::BF16, 64, 64, 1, Epilogue::Store);
         assert!(ok.defines(v, true).is_ok());
-        for dtype in [DType::Q3_K, DType::Q2_K, DType::Q8_K, DType::F8_E4M3] {
+        for dtype in [DType::Q8_K, DType::F8_E4M3, DType::F64, DType::I32] {
             let unserved = LinearCall { weight: dtype, cols: 256, ..ok };
             assert!(matches!(unserved.defines(v, false), Err(Error::DTypeNotServed { .. })), "{dtype}");
         }
@@ -1125,6 +1129,9 @@ mod tests {
             call(DType::Q5_0, 2, 48, 1, Epilogue::Store).buffer_bytes(),
             Err(Error::NotServed { .. })
         ));
+        // Q2_K, Q3_K: 84 and 110 bytes a super-block of 256.
+        assert_eq!(call(DType::Q2_K, 2, 512, 1, Epilogue::Store).buffer_bytes().unwrap().0, 2 * 2 * 84);
+        assert_eq!(call(DType::Q3_K, 2, 512, 1, Epilogue::Store).buffer_bytes().unwrap().0, 2 * 2 * 110);
         // IQ4_NL: 18 bytes a block of 32; IQ4_XS: 136 a super-block of 256.
         assert_eq!(call(DType::IQ4_NL, 3, 96, 1, Epilogue::Store).buffer_bytes().unwrap().0, 3 * 3 * 18);
         assert_eq!(call(DType::IQ4_XS, 2, 512, 1, Epilogue::Store).buffer_bytes().unwrap().0, 2 * 2 * 136);

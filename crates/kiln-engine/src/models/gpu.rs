@@ -2,7 +2,7 @@
 //! layer.
 //!
 //! - **Weights** live in one arena: every matrix in its file's format (bf16, fp16, fp32, Q8_0,
-//!   Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS), q|k|v and gate|up placed back
+//!   Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, IQ4_NL, IQ4_XS), q|k|v and gate|up placed back
 //!   to back so that one launch serves each pair when their formats agree; biases and q/k norm
 //!   weights as fp32. The norms' weights are fp32 blocks of their own (the norm kernel takes
 //!   whole blocks).
@@ -1844,7 +1844,8 @@ mod tests {
 
     /// A weight format the CUDA kernels do not take is named with its tensor (a layer's matrix,
     /// the output head or the embedding table); every format of the linear kernels passes, Q4_K
-    /// and Q6_K embedding tables (common in Q4_K_M files), the Q5 and IQ4 formats among them.
+    /// and Q6_K embedding tables (common in Q4_K_M files), the Q5, Q2_K, Q3_K and IQ4 formats among
+    /// them.
     #[test]
     fn weights_the_kernels_do_not_take_are_named_with_their_tensor() {
         let linear =
@@ -1860,12 +1861,14 @@ mod tests {
             linear("blk.0.ffn_down.weight", DType::Q5_K),
             linear("blk.1.ffn_down.weight", DType::IQ4_XS),
             linear("blk.1.ffn_gate.weight", DType::IQ4_NL),
+            linear("blk.1.ffn_up.weight", DType::Q2_K),
+            linear("blk.1.attn_v.weight", DType::Q3_K),
         ];
         assert!(first_unserved(&served).is_ok());
         for (bad, dtype) in [
             ("blk.0.ffn_down.weight", DType::Q8_K),
-            ("blk.1.attn_v.weight", DType::Q3_K),
-            ("token_embd.weight", DType::Q2_K),
+            ("blk.1.attn_v.weight", DType::F64),
+            ("token_embd.weight", DType::F8_E4M3),
         ] {
             let weights = [linear("blk.0.attn_q.weight", DType::Q4_0), linear(bad, dtype)];
             let err = first_unserved(&weights).unwrap_err();
