@@ -28,30 +28,19 @@ import gguf
 import numpy as np
 import torch
 
+from gguf_copy import float_rows, writer_like
+
 src, dst, kind = sys.argv[1], sys.argv[2], sys.argv[3]
-QT = {"Q5_0": gguf.GGMLQuantizationType.Q5_0, "Q5_1": gguf.GGMLQuantizationType.Q5_1,
-      "Q5_K": gguf.GGMLQuantizationType.Q5_K, "IQ4_NL": gguf.GGMLQuantizationType.IQ4_NL,
-      "IQ4_XS": gguf.GGMLQuantizationType.IQ4_XS}
 # MOSTLY_Q5_0, MOSTLY_Q5_1, MOSTLY_Q5_K_M, MOSTLY_IQ4_NL, MOSTLY_IQ4_XS
 FILE_TYPE = {"Q5_0": 8, "Q5_1": 9, "Q5_K": 17, "IQ4_NL": 25, "IQ4_XS": 30}
-if kind not in QT:
-    sys.exit(f"type must be one of {sorted(QT)}, not {kind}")
-qtype = QT[kind]
+if kind not in FILE_TYPE:
+    sys.exit(f"type must be one of {sorted(FILE_TYPE)}, not {kind}")
+qtype = gguf.GGMLQuantizationType[kind]
 block = 256 if kind in ("Q5_K", "IQ4_XS") else 32
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 
 r = gguf.GGUFReader(src)
-arch = r.fields["general.architecture"].contents()
-w = gguf.GGUFWriter(dst, arch)
-for name, field in r.fields.items():
-    if name.startswith("GGUF.") or name == "general.architecture":
-        continue
-    if name == "general.file_type":
-        w.add_uint32(name, FILE_TYPE[kind])
-        continue
-    vtype = field.types[0]
-    sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-    w.add_key_value(name, field.contents(), vtype, sub_type=sub)
+w = writer_like(r, dst, FILE_TYPE[kind])
 
 
 def div(a, b):
@@ -211,20 +200,14 @@ def check(name, a, q):
 t0 = time.time()
 counts = {}
 for t in r.tensors:
-    data = np.array(t.data)
-    shape = [int(v) for v in reversed(t.shape.tolist())]  # rows first
-    floats = (gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.BF16)
-    if len(shape) == 2 and t.tensor_type in floats and shape[1] % block == 0:
-        if t.tensor_type == gguf.GGMLQuantizationType.BF16:
-            a = (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
-        else:
-            a = data.astype(np.float32).reshape(shape)
+    a = float_rows(t)
+    if a is not None and a.shape[1] % block == 0:
         q = quantize(np.ascontiguousarray(a))
         check(t.name, a, q)
         w.add_tensor(t.name, q, raw_shape=q.shape, raw_dtype=qtype)
         counts[kind] = counts.get(kind, 0) + 1
     else:
-        w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
         counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
 w.write_header_to_file()
 w.write_kv_data_to_file()

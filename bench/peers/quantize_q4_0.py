@@ -9,20 +9,11 @@ import sys, time
 import numpy as np
 import gguf
 
+from gguf_copy import float_rows, writer_like
+
 src, dst = sys.argv[1], sys.argv[2]
 r = gguf.GGUFReader(src)
-arch = r.fields["general.architecture"].contents()
-w = gguf.GGUFWriter(dst, arch)
-for name, field in r.fields.items():
-    if name.startswith("GGUF.") or name == "general.architecture":
-        continue
-    if name == "general.file_type":
-        w.add_uint32(name, 2)  # MOSTLY_Q4_0
-        continue
-    value = field.contents()
-    vtype = field.types[0]
-    sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-    w.add_key_value(name, value, vtype, sub_type=sub)
+w = writer_like(r, dst, 2)  # MOSTLY_Q4_0
 
 try:
     import torch
@@ -50,14 +41,8 @@ def q4_0(a):
 t0 = time.time()
 checked = False
 for t in r.tensors:
-    data = np.array(t.data)
-    shape = [int(v) for v in reversed(t.shape.tolist())]  # rows first
-    if len(shape) == 2 and t.tensor_type in (gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32,
-                                             gguf.GGMLQuantizationType.BF16):
-        if t.tensor_type == gguf.GGMLQuantizationType.BF16:
-            a = (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
-        else:
-            a = data.astype(np.float32).reshape(shape)
+    a = float_rows(t)
+    if a is not None:
         if t.name == "output.weight":
             q, qt = gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
         else:
@@ -68,6 +53,6 @@ for t in r.tensors:
                 checked = True
         w.add_tensor(t.name, q, raw_shape=q.shape, raw_dtype=qt)
     else:
-        w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
 w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
 print(f"{dst}: {len(r.tensors)} tensors in {time.time() - t0:.1f} s")

@@ -1,8 +1,8 @@
 // The decode-side linear layer: out[t][r] = epilogue(sum_c W[r][c] * x[t][c] (+ bias[r])) for
 // TOKENS (1..8) tokens at once, W in f32, bf16, f16 or a GGUF block format (Q8_0, Q4_0, Q4_1,
 // Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS), dequantized in registers; fp32
-// accumulation. Beside it: the gather of embedding
-// rows, the conversion of weights to bf16 (the prefill path's cuBLAS input) and fp32 -> bf16.
+// accumulation. Beside it: the gather of embedding rows, the conversion of weights to bf16 (the
+// prefill path's cuBLAS input) and fp32 -> bf16.
 //
 // Memory floor: W read once for all tokens (rows x row_bytes); x (at most 8 x cols fp32) stays in
 // L1/L2. A 4096 x 4096 f16 layer is 33.5 MB, 8 us at 4.2 TB/s.
@@ -27,8 +27,9 @@
 // cols is a multiple of 8) and Q4_K's quants (its 144-byte blocks keep 16-byte alignment);
 // Q5_K's quants and high bits (176-byte blocks) too; Q4_1's, Q5_1's, Q2_K's and IQ4_XS's 20-,
 // 24-, 84- and 136-byte blocks are 4-byte aligned (4-byte loads); Q8_0, Q4_0, Q5_0, IQ4_NL (34,
-// 18, 22, 18 bytes), Q3_K (110) and Q6_K (210) are only 2-byte aligned: their bytes come from aligned 4-byte loads joined by byte permutes. Such a load may read up to 2 bytes past the bytes it needs, never past the aligned
-// 4-byte word that holds the last of them.
+// 18, 22, 18 bytes), Q3_K (110) and Q6_K (210) are only 2-byte aligned: their bytes come from
+// aligned 4-byte loads joined by byte permutes. Such a load may read up to 2 bytes past the bytes
+// it needs, never past the aligned 4-byte word that holds the last of them.
 //
 // Dequantization equals `dequantize_row` of the CPU reference bit for bit: small integers become
 // floats exactly by the 2^23 bias trick (or'ing them into the mantissa of 2^23 and subtracting),
@@ -84,49 +85,15 @@ static_assert(TOKENS >= 1 && TOKENS <= 8, "TOKENS must be 1..8");
 static_assert(MMA || SLOTS <= 64, "ROWS x (2 for SwiGLU) x TOKENS must be at most 64");
 static_assert(EPI != 2 || HAS_BIAS == 0, "SwiGLU takes no bias");
 
-// Values per piece, 8-value groups per piece, 32-bit words of a piece's raw bytes.
-#if W_T == 0
-#define PIECE 8
-#define RAW_WORDS 8
-#elif W_T == 1 || W_T == 2
-#define PIECE 8
-#define RAW_WORDS 4
-#elif W_T == 3
-#define PIECE 16
-#define RAW_WORDS 5
-#elif W_T == 4
-#define PIECE 32
-#define RAW_WORDS 5
-#elif W_T == 5
-#define PIECE 32
-#define RAW_WORDS 5
-#elif W_T == 6
-#define PIECE 32
-#define RAW_WORDS 8
-#elif W_T == 7
-#define PIECE 32
-#define RAW_WORDS 9
-#elif W_T == 8 || W_T == 9
-#define PIECE 32
-#define RAW_WORDS 6
-#elif W_T == 10
-#define PIECE 32
-#define RAW_WORDS 12
-#elif W_T == 11
-#define PIECE 32
-#define RAW_WORDS 5
-#elif W_T == 12
-#define PIECE 32
-#define RAW_WORDS 6
-#elif W_T == 13
-#define PIECE 32
-#define RAW_WORDS 5
-#elif W_T == 14
-#define PIECE 32
-#define RAW_WORDS 8
-#else
+// Values per piece, 8-value groups per piece, 32-bit words of a piece's raw bytes (the block
+// formats: see lin_load_piece).
+#if W_T < 0 || W_T > 14
 #error "W_T must be 0..14"
 #endif
+#define PIECE (W_T <= 2 ? 8 : W_T == 3 ? 16 : 32)
+#define RAW_WORDS                                                                                  \
+    (W_T == 0 ? 8 : W_T <= 2 ? 4 : W_T == 10 ? 12 : W_T == 7 ? 9 : W_T == 6 || W_T == 14 ? 8      \
+     : W_T == 8 || W_T == 9 || W_T == 12 ? 6 : 5)
 #define SUBS (PIECE / 8)
 #define QUADS (PIECE / 4)
 

@@ -1843,34 +1843,24 @@ mod tests {
     }
 
     /// A weight format the CUDA kernels do not take is named with its tensor (a layer's matrix,
-    /// the output head or the embedding table); every format of the linear kernels passes, Q4_K
-    /// and Q6_K embedding tables (common in Q4_K_M files), the Q5, Q2_K, Q3_K and IQ4 formats among
-    /// them.
+    /// the output head or the embedding table); every format of the linear kernels
+    /// (`linear::WEIGHT_DTYPES`) passes in every tensor, Q4_K and Q6_K embedding tables (common in
+    /// Q4_K_M files) among them.
     #[test]
     fn weights_the_kernels_do_not_take_are_named_with_their_tensor() {
-        let linear =
+        let tensor =
             |name: &str, dtype| Linear { name: name.into(), dtype, rows: 256, cols: 256, bias: None };
-        let served = [
-            linear("token_embd.weight", DType::Q6_K),
-            linear("blk.0.attn_q.weight", DType::Q4_K),
-            linear("blk.0.attn_k.weight", DType::Q8_0),
-            linear("blk.0.attn_v.weight", DType::BF16),
-            linear("output.weight", DType::Q4_1),
-            linear("blk.0.attn_output.weight", DType::Q5_0),
-            linear("blk.0.ffn_up.weight", DType::Q5_1),
-            linear("blk.0.ffn_down.weight", DType::Q5_K),
-            linear("blk.1.ffn_down.weight", DType::IQ4_XS),
-            linear("blk.1.ffn_gate.weight", DType::IQ4_NL),
-            linear("blk.1.ffn_up.weight", DType::Q2_K),
-            linear("blk.1.attn_v.weight", DType::Q3_K),
-        ];
+        let served: Vec<Linear> = ["token_embd.weight", "blk.0.attn_q.weight", "output.weight"]
+            .iter()
+            .flat_map(|name| linear::WEIGHT_DTYPES.map(|dtype| tensor(name, dtype)))
+            .collect();
         assert!(first_unserved(&served).is_ok());
         for (bad, dtype) in [
             ("blk.0.ffn_down.weight", DType::Q8_K),
             ("blk.1.attn_v.weight", DType::F64),
             ("token_embd.weight", DType::F8_E4M3),
         ] {
-            let weights = [linear("blk.0.attn_q.weight", DType::Q4_0), linear(bad, dtype)];
+            let weights = [tensor("blk.0.attn_q.weight", DType::Q4_0), tensor(bad, dtype)];
             let err = first_unserved(&weights).unwrap_err();
             assert!(err.to_string().contains(bad), "{err}");
             assert!(

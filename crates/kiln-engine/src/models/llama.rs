@@ -816,8 +816,8 @@ fn heads_attention<const G: usize>(
             let first = kv_head * hd + c * VALUE_CHUNK;
             for block in (0..visible).step_by(VALUE_BLOCK) {
                 let end = visible.min(block + VALUE_BLOCK);
+                let at = block * kv_width + first;
                 for (head_sums, head) in sums.iter_mut().zip(scores.chunks_exact(visible)) {
-                    let at = block * kv_width + first;
                     *head_sums = weighted_rows(*head_sums, &head[block..end], values, at, kv_width, width);
                 }
             }
