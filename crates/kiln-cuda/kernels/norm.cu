@@ -1290,15 +1290,27 @@ __device__ __forceinline__ void kiln_norm_segment(
 #if KILN_NORM_BLOCKED && KIND == 0 && WARPS_PER_ROW >= 4 && UNITS_PER_WARP <= 4 && X_T != KILN_F32 && \
     !HAS_RESIDUAL && GATE == 0 && !HAS_BIAS && !EARLY_WEIGHT && !PERSISTENT
 #define KILN_NORM_BOUNDS __launch_bounds__(KILN_NORM_THREADS, (1024 / KILN_NORM_THREADS < 32 ? 1024 / KILN_NORM_THREADS : 32))
+#elif KIND == 1 && !KILN_NORM_BLOCKED && UNITS_PER_WARP == 8 && WARPS_PER_ROW >= 4 && X_T != KILN_F32 && \
+    OUT_T != KILN_F32 && WEIGHT != 2 && HAS_BIAS && !HAS_RESIDUAL && GATE == 0 && !HF_ROUNDING && \
+    !EARLY_WEIGHT && !PERSISTENT && !STAGES
+// LayerNorm with weight and bias, 2-byte x and output, holding 8 units a warp on 4 warps a row or
+// more (bf16 at 8192: the default 4w1r): registers for 1024 threads a multiprocessor, 64 a
+// thread, no spill on sm_90 (register allocation only: the same operations, the same bits). With
+// a minimum of one block a multiprocessor (the next case) ptxas takes 168 since the exact grid
+// (KILN_NORM_EXACT_GRID), 3 blocks a multiprocessor: 8192 x 8192 took 77.9 us on the H200 (81.3%
+// of copy) against 72.1 at 87 registers before it. On an H100, 64 registers ran it in 92.1 us,
+// 80 in 92.5, 128 in 93.3 and 168 in 95.0 (bench/results/2026-12-05-h200-ln). The other flavors
+// spill at 64 (fp32 x or output, a residual, a gate, Llama's rounding, no bias, 16 units).
+#define KILN_NORM_BOUNDS __launch_bounds__(KILN_NORM_THREADS, (1024 + KILN_NORM_THREADS - 1) / KILN_NORM_THREADS)
 #elif KIND == 1 && !KILN_NORM_BLOCKED && UNITS_PER_WARP >= 8 && WARPS_PER_ROW >= 4 && !EARLY_WEIGHT && \
     !PERSISTENT && !STAGES
-// LayerNorm holding 8 units a warp or more on 4 warps a row or more (2-byte x at 8192: the default
-// 4w1r): with the thread count alone sm_90's ptxas stops at 64 registers and spills 8 to 28 bytes
-// (both totals, x, weight and bias); a minimum of one block a multiprocessor lets it take what it
-// needs (register allocation only: the same operations, the same bits; 8192 x 8192 at the same
-// speed). Two warps a row (the default 2w1r at 4096) keep the thread count's bound: at 92
-// registers 2048 x 4096 took 13.7 us on the H200 against 11.4 at 64 with 12 bytes spilled
-// (fewer resident warps; bench/results/2026-11-30-h200-evening, f1 against m1).
+// LayerNorm's other flavors holding 8 units a warp or more on 4 warps a row or more: with the
+// thread count alone sm_90's ptxas stops at 64 registers and spills 8 to 28 bytes (both totals,
+// x, weight and bias); a minimum of one block a multiprocessor lets it take what it needs
+// (register allocation only: the same operations, the same bits). Two warps a row (the default
+// 2w1r at 4096) keep the thread count's bound: at 92 registers 2048 x 4096 took 13.7 us on the
+// H200 against 11.4 at 64 with 12 bytes spilled (fewer resident warps;
+// bench/results/2026-11-30-h200-evening, f1 against m1).
 #define KILN_NORM_BOUNDS __launch_bounds__(KILN_NORM_THREADS, 1)
 #elif I8_PLANES && I8_SECOND_INT && UNITS_PER_WARP >= 4 && !EARLY_WEIGHT
 // The planes with Q4_0's integer block sums from 4 units a warp held (the engine's fp32 prefill
