@@ -573,11 +573,11 @@ fn weight_ahead_and_early_block_lane_variants_match_the_reference() {
     assert!(checked >= 200, "only {checked} checks served");
 }
 
-/// LayerNorm of 2-byte x at 8 units a warp (the kernel's launch bounds of one block a
-/// multiprocessor, where the thread count alone left it 64 registers and spills): the benchmark's
-/// defaults at 4096 and 8192 (2w1r+n, 4w1r+n) and the `+t` forms of their shapes, with and
-/// without the bias, the residual and a 2-byte output (a quick check: `cargo test ... --test
-/// gpu_norm layer_norm_at`).
+/// LayerNorm of 2-byte x at 8 units a warp (the kernel's own launch bounds there: 1024 threads a
+/// multiprocessor for weight, bias and a 2-byte output without a residual, one block a
+/// multiprocessor for the rest): the benchmark's defaults at 4096 and 8192 (2w1r+n, 4w1r+n) and
+/// the `+t` forms of their shapes, with and without the bias, the residual and a 2-byte output (a
+/// quick check: `cargo test ... --test gpu_norm layer_norm_at`).
 #[test]
 fn layer_norm_at_8_units_a_warp_matches_the_reference() {
     let gpu = gpu();
