@@ -8,6 +8,8 @@
 
 use std::fmt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Mutex;
 use std::time::Instant;
 
 use kiln_core::{Error, Result};
@@ -293,11 +295,53 @@ impl KernelCache {
         Ok((compiled, false))
     }
 
+    /// Compiles every specialization in `options` that the cache does not hold yet, on up to
+    /// `threads` threads at once, and stores each: the `get_or_compile` calls that follow read
+    /// them from disk instead of compiling one after another. Options that give the same key are
+    /// compiled once. Returns how many were compiled. Every specialization is tried; the first
+    /// error (in `options`' order) is returned after all have finished.
+    pub fn warm(&self, kernel: &KernelSource, options: &[CompileOptions], threads: usize) -> Result<usize> {
+        let mut work: Vec<(String, &CompileOptions)> = Vec::new();
+        for option in options {
+            let key = KernelCache::key(kernel, option)?;
+            let cached = std::fs::metadata(self.dir.join(format!("{key}.cubin"))).is_ok_and(|m| m.len() > 0);
+            if !cached && !work.iter().any(|(k, _)| *k == key) {
+                work.push((key, option));
+            }
+        }
+        let next = AtomicUsize::new(0);
+        let errors: Mutex<Vec<(usize, Error)>> = Mutex::new(Vec::new());
+        std::thread::scope(|scope| {
+            for _ in 0..threads.clamp(1, work.len().max(1)) {
+                scope.spawn(|| loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some((key, option)) = work.get(i) else { break };
+                    let stored = compile(kernel, option).and_then(|compiled| self.store(key, &compiled));
+                    if let Err(e) = stored {
+                        if let Ok(mut errors) = errors.lock() {
+                            errors.push((i, e));
+                        }
+                    }
+                });
+            }
+        });
+        let mut errors =
+            errors.into_inner().map_err(|_| crate::runtime::poisoned("kernel warm-up errors"))?;
+        errors.sort_by_key(|(i, _)| *i);
+        match errors.into_iter().next() {
+            Some((_, e)) => Err(e),
+            None => Ok(work.len()),
+        }
+    }
+
     fn store(&self, key: &str, compiled: &CompiledKernel) -> Result<()> {
+        // Tells apart the files that threads of this process write aside at once.
+        static WRITES: AtomicU64 = AtomicU64::new(0);
         std::fs::create_dir_all(&self.dir).map_err(|e| Error::io(&self.dir, e))?;
         let write = |name: String, bytes: &[u8]| -> Result<()> {
             // Written aside then renamed, so a reader never sees half a file.
-            let tmp = self.dir.join(format!("{name}.{}.tmp", std::process::id()));
+            let n = WRITES.fetch_add(1, Ordering::Relaxed);
+            let tmp = self.dir.join(format!("{name}.{}.{n}.tmp", std::process::id()));
             let path = self.dir.join(name);
             std::fs::write(&tmp, bytes).map_err(|e| Error::io(&tmp, e))?;
             std::fs::rename(&tmp, &path).map_err(|e| Error::io(&path, e))

@@ -364,11 +364,8 @@ impl Gpu {
         entry: &str,
         defines: &[(&str, &str)],
     ) -> Result<CudaFunction> {
-        let mut defines: Vec<(String, String)> =
-            defines.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
-        if let Some(handoff) = crate::launch::handoff_define() {
-            defines.push(("KILN_HANDOFF".to_owned(), handoff.to_owned()));
-        }
+        let defines =
+            specialization(defines.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect());
         let key: FunctionKey = (kernel.name, entry.to_owned(), defines.clone());
         let mut modules = self.modules.lock().map_err(|_| poisoned("kernel module table"))?;
         if let Some((_, function)) = modules.get(&key) {
@@ -406,11 +403,42 @@ impl Gpu {
         Ok(function)
     }
 
+    /// Compiles these specializations of `kernel` (each a define list, as [`Gpu::function`] takes
+    /// it) for this device into the disk cache, on as many threads as the host has, so that the
+    /// `function` calls that follow load them instead of compiling one after another. Those
+    /// already in the cache are not compiled again. Returns how many were compiled.
+    pub fn warm(&self, kernel: &KernelSource, specializations: &[Vec<(String, String)>]) -> Result<usize> {
+        let options: Vec<CompileOptions> = specializations
+            .iter()
+            .map(|defines| CompileOptions::for_kernel(kernel, self.arch(), specialization(defines.clone())))
+            .collect();
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let started = Instant::now();
+        let compiled = self.cache.warm(kernel, &options, threads)?;
+        tracing::debug!(
+            kernel = kernel.name,
+            compiled,
+            threads,
+            elapsed_us = started.elapsed().as_micros() as u64,
+            "kernels warmed"
+        );
+        Ok(compiled)
+    }
+
     fn bump(&self, f: impl FnOnce(&mut CompileStats)) {
         if let Ok(mut stats) = self.stats.lock() {
             f(&mut stats);
         }
     }
+}
+
+/// A specialization's defines as Kiln compiles them: the caller's, then the fence handoff's
+/// (`KILN_HANDOFF`) when the environment chooses one.
+fn specialization(mut defines: Vec<(String, String)>) -> Vec<(String, String)> {
+    if let Some(handoff) = crate::launch::handoff_define() {
+        defines.push(("KILN_HANDOFF".to_owned(), handoff.to_owned()));
+    }
+    defines
 }
 
 fn load_function(kernel: &KernelSource, module: &Arc<CudaModule>, entry: &str) -> Result<CudaFunction> {

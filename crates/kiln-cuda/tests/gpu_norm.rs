@@ -214,6 +214,25 @@ fn gpu() -> std::sync::Arc<Gpu> {
     Gpu::open(0).expect("these tests need a CUDA GPU (device 0)")
 }
 
+/// Compiles every kernel of these launches, with and without the residual add, on every host
+/// thread (`ops::norm::warm`) before the checks that launch them one after another: those then
+/// load each from the disk cache instead of waiting for NVRTC. The checks are the same.
+fn warm(gpu: &Gpu, launches: &[(NormCall, NormVariant)]) {
+    let all: Vec<(NormCall, NormVariant, bool)> = launches
+        .iter()
+        .flat_map(|&(call, variant)| [(call, variant, false), (call, variant, true)])
+        .collect();
+    let started = std::time::Instant::now();
+    match kiln_cuda::ops::norm::warm(gpu, &all) {
+        Ok(compiled) => eprintln!(
+            "warm-up: {compiled} of {} kernels compiled in {:.1} s",
+            all.len(),
+            started.elapsed().as_secs_f64()
+        ),
+        Err(e) => panic!("compiling the norm kernels ahead: {e}"),
+    }
+}
+
 /// Ragged shapes: rows 1 to 8192, hidden sizes that are and are not multiples of 256, up to 16384;
 /// the last two have more groups of rows than a persistent grid has blocks (each block loops,
 /// loading its next group early; 3001 rows leave the last group of two rows half empty).
@@ -235,17 +254,17 @@ fn every_variant_matches_the_reference() {
     let gpu = gpu();
     let mut rng = Rng::fresh();
     let spec: NormSpec = RmsNorm::llama(1e-5, DType::BF16).into();
-    let mut tested = 0;
+    let mut launches = Vec::new();
     for &variant in NORM_VARIANTS {
         for &(rows, hidden) in SHAPES {
             let call = NormCall { spec, rows, hidden, x_type: DType::BF16, weight_type: DType::BF16 };
             if call.validate(variant).is_ok() {
-                check(&gpu, &mut rng, call, variant);
-                tested += 1;
+                launches.push((call, variant));
             }
         }
     }
-    assert!(tested >= NORM_VARIANTS.len() * 3, "only {tested} variant/shape pairs served");
+    let served = launches.len();
+    assert!(served >= NORM_VARIANTS.len() * 3, "only {served} variant/shape pairs served");
 
     // Every variant once more with fp32 and fp16 x (fp32 x holds two 16-byte vectors per unit):
     // LayerNorm with a bias (the weight and bias loaded early where the variant does) and INT8
@@ -264,8 +283,12 @@ fn every_variant_matches_the_reference() {
         for (spec, x_type, weight_type) in [(layer, DType::F32, DType::F16), (int8, DType::F16, DType::F32)] {
             let call = NormCall { spec, rows: 17, hidden: 2064, x_type, weight_type };
             call.validate(variant).unwrap_or_else(|e| panic!("{variant:?} serves 2064: {e}"));
-            check(&gpu, &mut rng, call, variant);
+            launches.push((call, variant));
         }
+    }
+    warm(&gpu, &launches);
+    for &(call, variant) in &launches {
+        check(&gpu, &mut rng, call, variant);
     }
 }
 
@@ -475,6 +498,7 @@ fn every_flavor_and_dtype_matches_the_reference() {
     let gpu = gpu();
     let mut rng = Rng::fresh();
     let types = [DType::BF16, DType::F16, DType::F32];
+    let mut launches = Vec::new();
     for spec in flavors() {
         for (i, &x_type) in types.iter().enumerate() {
             let weight_type = types[(i + 1) % 3];
@@ -485,21 +509,26 @@ fn every_flavor_and_dtype_matches_the_reference() {
             for &(rows, hidden) in &[(3usize, 1024usize), (17, 4352), (2, 16_384), (700, 4352)] {
                 let call = NormCall { spec, rows, hidden, x_type, weight_type };
                 let variant = NormVariant::default_for(&call);
-                check(&gpu, &mut rng, call, variant);
+                launches.push((call, variant));
                 let other = NORM_VARIANTS.iter().rev().find(|v| **v != variant && call.validate(**v).is_ok());
                 if let Some(&other) = other {
-                    check(&gpu, &mut rng, call, other);
+                    launches.push((call, other));
                 }
                 // 700 rows (2800 segments with 4 groups): every persistent variant loops, with the
                 // weight reloaded per segment when there are groups.
                 if rows == 700 {
                     for &p in NORM_VARIANTS.iter().filter(|v| v.persistent && call.validate(**v).is_ok()) {
-                        check(&gpu, &mut rng, call, p);
+                        launches.push((call, p));
                     }
                 }
             }
         }
     }
+    warm(&gpu, &launches);
+    for &(call, variant) in &launches {
+        check(&gpu, &mut rng, call, variant);
+    }
+    assert!(launches.len() >= flavors().len() * 3 * 4, "only {} checks", launches.len());
 }
 
 /// The staged variants alone (a quick check of them: `cargo test ... --test gpu_norm staged`):
@@ -649,6 +678,7 @@ fn check_variants_over_flavors_and_edges(lanes: &[NormVariant]) -> usize {
     let mut rng = Rng::fresh();
     let mut checked = 0;
     let types = [DType::BF16, DType::F16, DType::F32];
+    let mut edges = Vec::new();
     for (f, spec) in flavors().into_iter().enumerate() {
         // Each flavor in one x type (all three over the flavors, and the quantized outputs in
         // two more below), the weight in the next.
@@ -663,22 +693,58 @@ fn check_variants_over_flavors_and_edges(lanes: &[NormVariant]) -> usize {
             for &(rows, hidden) in &[(3usize, 1040usize), (7, 16), (65, 4112), (2, 16_384), (301, 2080)] {
                 let call = NormCall { spec, rows, hidden, x_type, weight_type };
                 for &variant in lanes.iter().filter(|v| call.validate(**v).is_ok()) {
-                    let xt = FloatType::of(x_type, "test").unwrap();
-                    let x = rng.values(rows * hidden, -2.0, 2.0, xt);
-                    check_on(&gpu, &mut rng, call, variant, &x, checked % 2 == 1);
-                    checked += 1;
+                    edges.push((call, variant));
                 }
             }
         }
     }
     let flavor = flavors();
-    for (spec, rows, hidden) in [
+    let large = [
         (flavor[7], 2048usize, 4096usize),
         (flavor[8], 2048, 4096),
         (flavor[7], 8192, 8192),
         (flavor[8], 8192, 8192),
-    ] {
-        let call = NormCall { spec, rows, hidden, x_type: DType::BF16, weight_type: DType::BF16 };
+    ]
+    .map(|(spec, rows, hidden)| NormCall {
+        spec,
+        rows,
+        hidden,
+        x_type: DType::BF16,
+        weight_type: DType::BF16,
+    });
+    let tie_calls: Vec<NormCall> = [Quantizer::Int8, Quantizer::Nvfp4 { global_scale: 2.0 }]
+        .into_iter()
+        .flat_map(|out| {
+            let tie: NormSpec = RmsNorm {
+                weight: WeightMode::None,
+                out: NormOutput::Quantized(out),
+                ..RmsNorm::llama(1e-30, DType::BF16)
+            }
+            .into();
+            let special: NormSpec =
+                RmsNorm { out: NormOutput::Quantized(out), ..RmsNorm::llama(1e-5, DType::BF16) }.into();
+            [(tie, 300), (special, 70)].map(|(spec, rows)| NormCall {
+                spec,
+                rows,
+                hidden: 4096,
+                x_type: DType::BF16,
+                weight_type: DType::BF16,
+            })
+        })
+        .collect();
+    let mut launches = edges.clone();
+    for call in large.iter().chain(&tie_calls) {
+        launches.extend(lanes.iter().filter(|v| call.validate(**v).is_ok()).map(|&v| (*call, v)));
+    }
+    warm(&gpu, &launches);
+    for &(call, variant) in &edges {
+        let xt = FloatType::of(call.x_type, "test").unwrap();
+        let x = rng.values(call.rows * call.hidden, -2.0, 2.0, xt);
+        check_on(&gpu, &mut rng, call, variant, &x, checked % 2 == 1);
+        checked += 1;
+    }
+    for call in large {
+        let (rows, hidden) = (call.rows, call.hidden);
         let x = rng.values(rows * hidden, -2.0, 2.0, FloatType::BF16);
         // One reference run for every variant (the CPU's norm of 8192 x 8192 takes seconds).
         let served: Vec<NormVariant> = lanes.iter().copied().filter(|v| call.validate(*v).is_ok()).collect();
@@ -686,22 +752,13 @@ fn check_variants_over_flavors_and_edges(lanes: &[NormVariant]) -> usize {
         checked += served.len();
     }
     // Ties (y = x, see tie_rows) and blocks with NaN, infinite, zero, tiny and huge values.
-    for out in [Quantizer::Int8, Quantizer::Nvfp4 { global_scale: 2.0 }] {
-        let spec: NormSpec = RmsNorm {
-            weight: WeightMode::None,
-            out: NormOutput::Quantized(out),
-            ..RmsNorm::llama(1e-30, DType::BF16)
-        }
-        .into();
-        let (rows, hidden) = (300usize, 4096usize);
-        let call = NormCall { spec, rows, hidden, x_type: DType::BF16, weight_type: DType::BF16 };
-        let x = tie_rows(&mut rng, rows, hidden);
+    for pair in tie_calls.chunks(2) {
+        let (call, hidden) = (pair[0], pair[0].hidden);
+        let x = tie_rows(&mut rng, call.rows, hidden);
         let served: Vec<NormVariant> = lanes.iter().copied().filter(|v| call.validate(*v).is_ok()).collect();
         check_variants_on_weight(&gpu, &mut rng, call, &served, &x, false, None);
         checked += served.len();
-        let spec: NormSpec =
-            RmsNorm { out: NormOutput::Quantized(out), ..RmsNorm::llama(1e-5, DType::BF16) }.into();
-        let call = NormCall { spec, rows: 70, hidden, x_type: DType::BF16, weight_type: DType::BF16 };
+        let call = pair[1];
         let mut weight = rng.values(hidden, 0.25, 1.75, FloatType::BF16);
         for (i, w) in weight.iter_mut().enumerate() {
             match (i / 16) % 8 {

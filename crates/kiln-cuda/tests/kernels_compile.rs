@@ -4,7 +4,7 @@
 //! `nvidia-cuda-nvrtc` wheel and points `KILN_NVRTC_PATH` at it (see `scripts/test`). Also checks
 //! that every kernel waits for the kernels before it (`kiln_wait_prior()`) before it can leave.
 
-use kiln_cuda::{compile_only, kernels, Arch};
+use kiln_cuda::{compile_only, kernels, Arch, CompileOptions, KernelCache, KernelSource};
 
 #[test]
 fn every_kernel_compiles_for_every_architecture_without_warnings_or_spills() {
@@ -189,4 +189,65 @@ fn every_kernel_waits_for_the_kernels_before_it() {
     let early = "extern \"C\" __global__ void b(int* p) { if (!p) return; kiln_wait_prior(); p[0] = 1; }";
     assert_eq!(wait_failures("t", missing).1.len(), 1);
     assert_eq!(wait_failures("t", early).1.len(), 1);
+}
+
+/// `KernelCache::warm` (the parallel warm-up behind `Gpu::warm`), with no GPU: it compiles each
+/// distinct specialization once, on several threads, into files that `get_or_compile` then reads
+/// (the same image a compile gives), skips what the cache holds, and reports a failing
+/// specialization by name after storing the others.
+#[test]
+fn warm_compiles_each_specialization_once_into_the_cache() {
+    let dir = std::env::temp_dir().join(format!("kiln-warm-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let cache = KernelCache::new(&dir);
+    let kernel = &kernels::NORM;
+    assert!(kernel.define_sets.len() >= 3, "{}", kernel.define_sets.len());
+    let options_of = |defines: &[(&str, &str)]| {
+        let defines = defines.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+        CompileOptions::for_kernel(kernel, Arch(90), defines)
+    };
+    let mut options: Vec<CompileOptions> = kernel.define_sets[..3].iter().map(|d| options_of(d)).collect();
+    options.push(options_of(kernel.define_sets[1]));
+    let compiled = match cache.warm(kernel, &options, 3) {
+        Ok(n) => n,
+        Err(e) => panic!("warm failed: {e}"),
+    };
+    assert_eq!(compiled, 3, "three distinct specializations, one repeated");
+    let cubins = std::fs::read_dir(&dir)
+        .map(|d| d.flatten().filter(|e| e.path().extension().is_some_and(|x| x == "cubin")).count())
+        .unwrap_or(0);
+    assert_eq!(cubins, 3);
+    let leftovers = std::fs::read_dir(&dir)
+        .map(|d| d.flatten().filter(|e| e.path().extension().is_some_and(|x| x == "tmp")).count())
+        .unwrap_or(0);
+    assert_eq!(leftovers, 0, "files written aside were all renamed");
+    assert_eq!(cache.warm(kernel, &options, 3).ok(), Some(0), "a second warm-up finds them all");
+    for option in &options[..3] {
+        let (image, from_cache) = cache.get_or_compile(kernel, option).unwrap_or_else(|e| panic!("{e}"));
+        assert!(from_cache, "{:?}", option.defines);
+        let fresh = kiln_cuda::compile::compile(kernel, option).unwrap_or_else(|e| panic!("{e}"));
+        assert!(image.image == fresh.image, "{:?}: the cached image is not a compile's", option.defines);
+    }
+
+    // A specialization that does not compile fails the warm-up by name; the others are stored.
+    let broken = KernelSource {
+        name: "broken",
+        source: "#include \"kiln_prelude.cuh\"\n\
+                 #if BROKEN\n#error broken on purpose\n#endif\n\
+                 extern \"C\" __global__ void f(float* out) { out[threadIdx.x] = 1.0f; }\n",
+        define_sets: &[&[]],
+        fmad: true,
+    };
+    let set =
+        |v: &str| CompileOptions::for_kernel(&broken, Arch(90), vec![("BROKEN".to_owned(), v.to_owned())]);
+    match cache.warm(&broken, &[set("0"), set("1"), set("2")], 2) {
+        Err(kiln_core::Error::Compile { kernel, options, .. }) => {
+            assert_eq!(kernel, "broken");
+            assert!(options.iter().any(|o| o == "-DBROKEN=1"), "{options:?}");
+        }
+        other => panic!("expected the compile error of BROKEN=1, got {other:?}"),
+    }
+    let (_, from_cache) = cache.get_or_compile(&broken, &set("0")).unwrap_or_else(|e| panic!("{e}"));
+    assert!(from_cache, "BROKEN=0 was stored beside the failure");
+    let _ = std::fs::remove_dir_all(&dir);
 }

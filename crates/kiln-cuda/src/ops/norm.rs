@@ -629,6 +629,49 @@ pub fn int8_planes_served(call: &NormCall, weight: DType) -> Result<bool> {
     }
 }
 
+/// The kernel's defines for `call` on `variant` as a launch compiles them: `call.defines`, then
+/// the INT8 planes' (`planes`: whether the second operand is Q4_0's integers), the residual add
+/// when there is a residual stream, and the staged grid's stage count.
+fn launch_defines(
+    call: &NormCall,
+    variant: NormVariant,
+    residual: bool,
+    planes: Option<bool>,
+) -> Result<Vec<(&'static str, String)>> {
+    let mut defines = call.defines(variant)?;
+    if let Some(second_int) = planes {
+        defines.push(("I8_PLANES", "1".to_owned()));
+        defines.push(("I8_SECOND_INT", if second_int { "1" } else { "0" }.to_owned()));
+    }
+    if residual {
+        defines.iter_mut().filter(|(k, _)| *k == "HAS_RESIDUAL").for_each(|(_, v)| *v = "1".to_owned());
+    }
+    if variant.stages > 0 {
+        defines.push(("STAGES", variant.stages.to_string()));
+    }
+    Ok(defines)
+}
+
+/// Compiles the kernels of these norm launches (each a call, its variant, and whether it adds a
+/// residual stream) for `gpu` into the disk cache on every host thread ([`Gpu::warm`]), so that
+/// the launches that follow load them instead of compiling one after another. Returns how many
+/// were compiled (those already cached are not).
+pub fn warm(gpu: &Gpu, launches: &[(NormCall, NormVariant, bool)]) -> Result<usize> {
+    gpu.warm(&NORM, &specializations(launches)?)
+}
+
+/// The define lists that these norm launches (each a call, its variant, and whether it adds a
+/// residual stream) compile the kernel with, as [`Gpu::function`] takes them; no GPU needed.
+pub fn specializations(launches: &[(NormCall, NormVariant, bool)]) -> Result<Vec<Vec<(String, String)>>> {
+    launches
+        .iter()
+        .map(|(call, variant, residual)| {
+            let defines = launch_defines(call, *variant, *residual, None)?;
+            Ok(defines.into_iter().map(|(k, v)| (k.to_owned(), v)).collect())
+        })
+        .collect()
+}
+
 fn norm_launch(
     gpu: &Gpu,
     call: &NormCall,
@@ -637,16 +680,12 @@ fn norm_launch(
     planes: Option<(u64, bool)>,
 ) -> Result<()> {
     let variant = variant.unwrap_or_else(|| NormVariant::default_for(call));
-    let mut defines = call.defines(variant)?;
+    call.validate(variant)?;
     if planes.is_some() && variant.block_lane {
         return Err(Error::NotServed {
             op: "norm with int8 planes",
             reason: format!("{variant:?}: the planes take the 8-element lane layout"),
         });
-    }
-    if let Some((_, second_int)) = planes {
-        defines.push(("I8_PLANES", "1".to_owned()));
-        defines.push(("I8_SECOND_INT", if second_int { "1" } else { "0" }.to_owned()));
     }
     let (x_bytes, w_bytes, out_bytes, scale_bytes) = call.buffer_bytes()?;
     let s = &call.spec;
@@ -668,11 +707,9 @@ fn norm_launch(
     super::check_buffer("norm", "scales", len(buffers.scales), scale_bytes)?;
     if buffers.residual.is_some() {
         super::check_buffer("norm", "residual", len(buffers.residual), x_bytes)?;
-        defines.iter_mut().filter(|(k, _)| *k == "HAS_RESIDUAL").for_each(|(_, v)| *v = "1".to_owned());
     }
-    if variant.stages > 0 {
-        defines.push(("STAGES", variant.stages.to_string()));
-    }
+    let defines =
+        launch_defines(call, variant, buffers.residual.is_some(), planes.map(|(_, second)| second))?;
     let define_refs: Vec<(&str, &str)> = defines.iter().map(|(k, v)| (*k, v.as_str())).collect();
     let function = gpu.function(&NORM, "kiln_norm", &define_refs)?;
     let shared = variant.staged_shared_bytes(call, buffers.residual.is_some())?;
@@ -860,17 +897,49 @@ mod tests {
 
     /// The launcher's defines of `call` on `variant` with or without the residual, as a set.
     fn launch_defines(call: &NormCall, variant: NormVariant, residual: bool) -> Vec<(String, String)> {
-        let mut defines: Vec<(String, String)> = call
-            .defines(variant)
+        let mut defines: Vec<(String, String)> = super::launch_defines(call, variant, residual, None)
             .unwrap_or_else(|e| panic!("{variant:?}: {e}"))
             .into_iter()
-            .map(|(k, v)| (k.to_owned(), if k == "HAS_RESIDUAL" && residual { "1".to_owned() } else { v }))
+            .map(|(k, v)| (k.to_owned(), v))
             .collect();
-        if variant.stages > 0 {
-            defines.push(("STAGES".to_owned(), variant.stages.to_string()));
-        }
         defines.sort();
         defines
+    }
+
+    #[test]
+    fn launch_defines_add_the_residual_the_stages_and_the_planes() {
+        let call = NormCall {
+            spec: RmsNorm::llama(1e-5, DType::BF16).into(),
+            rows: 2048,
+            hidden: 4096,
+            x_type: DType::BF16,
+            weight_type: DType::BF16,
+        };
+        let value = |defines: &[(&str, String)], name: &str| {
+            defines.iter().filter(|(k, _)| *k == name).map(|(_, v)| v.clone()).collect::<Vec<_>>()
+        };
+        let variant = NormVariant::default_for(&call);
+        let plain = super::launch_defines(&call, variant, false, None).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(plain, call.defines(variant).unwrap_or_else(|e| panic!("{e}")));
+        assert_eq!(value(&plain, "HAS_RESIDUAL"), ["0"]);
+        let residual = super::launch_defines(&call, variant, true, None).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(value(&residual, "HAS_RESIDUAL"), ["1"]);
+        assert_eq!(residual.len(), plain.len());
+        let planes =
+            super::launch_defines(&call, variant, false, Some(true)).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            (value(&planes, "I8_PLANES"), value(&planes, "I8_SECOND_INT")),
+            (vec!["1".to_owned()], vec!["1".to_owned()])
+        );
+        let staged = NORM_VARIANTS.iter().copied().find(|v| v.stages > 0 && call.validate(*v).is_ok());
+        let staged = staged.unwrap_or_else(|| panic!("no staged variant serves {call:?}"));
+        let defines = super::launch_defines(&call, staged, false, None).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(value(&defines, "STAGES"), [staged.stages.to_string()]);
+        // What `warm` compiles is what the launch compiles, as owned strings.
+        let listed = specializations(&[(call, variant, true)]).unwrap_or_else(|e| panic!("{e}"));
+        let owned: Vec<(String, String)> =
+            residual.iter().map(|(k, v)| ((*k).to_owned(), v.clone())).collect();
+        assert_eq!(listed, [owned]);
     }
 
     /// Whether `defines` is one of kernels::NORM's define sets (in any order).
