@@ -22,6 +22,9 @@ fn every_kernel_compiles_for_every_architecture_without_warnings_or_spills() {
     let selected: Vec<_> =
         kernels::ALL.iter().filter(|k| only.as_ref().is_none_or(|o| o.iter().any(|n| n == k.name))).collect();
     assert!(!selected.is_empty(), "KILN_KERNELS={only:?} selects no kernel family");
+    // Every (kernel, architecture, define set) to compile, in order; compiled on every host thread
+    // (NVRTC is thread-safe), reported in this order.
+    let mut work = Vec::new();
     for kernel in selected.iter().copied() {
         assert!(!kernel.define_sets.is_empty(), "{}: declares no define set", kernel.name);
         for arch in Arch::SUPPORTED {
@@ -36,32 +39,36 @@ fn every_kernel_compiles_for_every_architecture_without_warnings_or_spills() {
                 skipped += 1;
                 continue;
             }
-            for defines in kernel.define_sets {
-                let what = format!("{} {arch} {defines:?}", kernel.name);
-                let image = match compile_only(kernel, arch, defines) {
-                    Ok(image) => image,
-                    Err(e) => {
-                        failures.push(format!("{what}: {e}"));
-                        continue;
-                    }
-                };
-                compiled += 1;
-                for warning in image.warnings() {
-                    failures.push(format!("{what}: {warning}"));
+            work.extend(kernel.define_sets.iter().map(|defines| (kernel, arch, *defines)));
+        }
+    }
+    // Per item: whether it compiled, its failures, and its register lines.
+    type Outcome = (bool, Vec<String>, Vec<String>);
+    let outcomes: Vec<std::sync::Mutex<Option<Outcome>>> = work.iter().map(|_| Default::default()).collect();
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            scope.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(&(kernel, arch, defines)) = work.get(i) else { break };
+                let outcome = check_compile(kernel, arch, defines);
+                if let Ok(mut slot) = outcomes[i].lock() {
+                    *slot = Some(outcome);
                 }
-                if image.resources.is_empty() {
-                    failures.push(format!("{what}: no ptxas report in the log:\n{}", image.log));
-                }
-                for r in &image.resources {
-                    if r.spill_store_bytes > 0 || r.spill_load_bytes > 0 || r.stack_frame_bytes > 0 {
-                        failures.push(format!(
-                            "{what}: {} spills ({} bytes stores, {} bytes loads, {} bytes stack frame)",
-                            r.function, r.spill_store_bytes, r.spill_load_bytes, r.stack_frame_bytes
-                        ));
-                    }
-                    eprintln!("{what}: {} {} registers", r.function, r.registers);
-                }
-            }
+            });
+        }
+    });
+    for (i, slot) in outcomes.into_iter().enumerate() {
+        let (ok, failed, registers) = slot
+            .into_inner()
+            .ok()
+            .flatten()
+            .unwrap_or_else(|| panic!("item {i} of the compile check has no outcome"));
+        compiled += usize::from(ok);
+        failures.extend(failed);
+        for line in registers {
+            eprintln!("{line}");
         }
     }
     assert!(failures.is_empty(), "kernel compile check failed:\n{}", failures.join("\n"));
@@ -73,6 +80,36 @@ fn every_kernel_compiles_for_every_architecture_without_warnings_or_spills() {
         );
     }
     assert!(compiled + skipped >= selected.len() * Arch::SUPPORTED.len());
+}
+
+/// One item of the compile check: whether `kernel` compiled for `arch` with `defines`, what failed
+/// (the error, each warning, a missing ptxas report, spills or a stack frame), and each entry's
+/// registers.
+fn check_compile(
+    kernel: &KernelSource,
+    arch: Arch,
+    defines: &[(&str, &str)],
+) -> (bool, Vec<String>, Vec<String>) {
+    let what = format!("{} {arch} {defines:?}", kernel.name);
+    let image = match compile_only(kernel, arch, defines) {
+        Ok(image) => image,
+        Err(e) => return (false, vec![format!("{what}: {e}")], Vec::new()),
+    };
+    let mut failures: Vec<String> = image.warnings().iter().map(|w| format!("{what}: {w}")).collect();
+    if image.resources.is_empty() {
+        failures.push(format!("{what}: no ptxas report in the log:\n{}", image.log));
+    }
+    let mut registers = Vec::new();
+    for r in &image.resources {
+        if r.spill_store_bytes > 0 || r.spill_load_bytes > 0 || r.stack_frame_bytes > 0 {
+            failures.push(format!(
+                "{what}: {} spills ({} bytes stores, {} bytes loads, {} bytes stack frame)",
+                r.function, r.spill_store_bytes, r.spill_load_bytes, r.stack_frame_bytes
+            ));
+        }
+        registers.push(format!("{what}: {} {} registers", r.function, r.registers));
+    }
+    (true, failures, registers)
 }
 
 #[test]
