@@ -6,13 +6,14 @@
 //! architecture with `--ptxas-options=-v`, so the log reports each entry's registers, stack frame
 //! and spill bytes ([`KernelResources`]) with or without a GPU.
 
+use std::collections::HashSet;
 use std::fmt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use kiln_core::{Error, Result};
+use rayon::prelude::*;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
@@ -295,43 +296,26 @@ impl KernelCache {
         Ok((compiled, false))
     }
 
-    /// Compiles every specialization in `options` that the cache does not hold yet, on up to
-    /// `threads` threads at once, and stores each: the `get_or_compile` calls that follow read
-    /// them from disk instead of compiling one after another. Options that give the same key are
-    /// compiled once. Returns how many were compiled. Every specialization is tried; the first
-    /// error (in `options`' order) is returned after all have finished.
-    pub fn warm(&self, kernel: &KernelSource, options: &[CompileOptions], threads: usize) -> Result<usize> {
+    /// Compiles every specialization in `options` that the cache does not hold yet, on rayon's
+    /// threads, and stores each: the `get_or_compile` calls that follow read them from disk
+    /// instead of compiling one after another. Options that give the same key are compiled once.
+    /// Returns how many were compiled. Every specialization is tried; the first error (in
+    /// `options`' order) is returned after all have finished.
+    pub fn warm(&self, kernel: &KernelSource, options: &[CompileOptions]) -> Result<usize> {
+        let mut keys = HashSet::new();
         let mut work: Vec<(String, &CompileOptions)> = Vec::new();
         for option in options {
             let key = KernelCache::key(kernel, option)?;
             let cached = std::fs::metadata(self.dir.join(format!("{key}.cubin"))).is_ok_and(|m| m.len() > 0);
-            if !cached && !work.iter().any(|(k, _)| *k == key) {
+            if !cached && keys.insert(key.clone()) {
                 work.push((key, option));
             }
         }
-        let next = AtomicUsize::new(0);
-        let errors: Mutex<Vec<(usize, Error)>> = Mutex::new(Vec::new());
-        std::thread::scope(|scope| {
-            for _ in 0..threads.clamp(1, work.len().max(1)) {
-                scope.spawn(|| loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    let Some((key, option)) = work.get(i) else { break };
-                    let stored = compile(kernel, option).and_then(|compiled| self.store(key, &compiled));
-                    if let Err(e) = stored {
-                        if let Ok(mut errors) = errors.lock() {
-                            errors.push((i, e));
-                        }
-                    }
-                });
-            }
-        });
-        let mut errors =
-            errors.into_inner().map_err(|_| crate::runtime::poisoned("kernel warm-up errors"))?;
-        errors.sort_by_key(|(i, _)| *i);
-        match errors.into_iter().next() {
-            Some((_, e)) => Err(e),
-            None => Ok(work.len()),
-        }
+        let stored: Vec<Result<()>> = work
+            .par_iter()
+            .map(|(key, option)| compile(kernel, option).and_then(|compiled| self.store(key, &compiled)))
+            .collect();
+        stored.into_iter().find_map(Result::err).map_or(Ok(work.len()), Err)
     }
 
     fn store(&self, key: &str, compiled: &CompiledKernel) -> Result<()> {

@@ -404,21 +404,19 @@ impl Gpu {
     }
 
     /// Compiles these specializations of `kernel` (each a define list, as [`Gpu::function`] takes
-    /// it) for this device into the disk cache, on as many threads as the host has, so that the
-    /// `function` calls that follow load them instead of compiling one after another. Those
-    /// already in the cache are not compiled again. Returns how many were compiled.
+    /// it) for this device into the disk cache, on rayon's threads, so that the `function` calls
+    /// that follow load them instead of compiling one after another. Those already in the cache
+    /// are not compiled again. Returns how many were compiled.
     pub fn warm(&self, kernel: &KernelSource, specializations: &[Vec<(String, String)>]) -> Result<usize> {
         let options: Vec<CompileOptions> = specializations
             .iter()
             .map(|defines| CompileOptions::for_kernel(kernel, self.arch(), specialization(defines.clone())))
             .collect();
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         let started = Instant::now();
-        let compiled = self.cache.warm(kernel, &options, threads)?;
+        let compiled = self.cache.warm(kernel, &options)?;
         tracing::debug!(
             kernel = kernel.name,
             compiled,
-            threads,
             elapsed_us = started.elapsed().as_micros() as u64,
             "kernels warmed"
         );

@@ -5,6 +5,7 @@
 //! that every kernel waits for the kernels before it (`kiln_wait_prior()`) before it can leave.
 
 use kiln_cuda::{compile_only, kernels, Arch, CompileOptions, KernelCache, KernelSource};
+use rayon::prelude::*;
 
 #[test]
 fn every_kernel_compiles_for_every_architecture_without_warnings_or_spills() {
@@ -22,7 +23,7 @@ fn every_kernel_compiles_for_every_architecture_without_warnings_or_spills() {
     let selected: Vec<_> =
         kernels::ALL.iter().filter(|k| only.as_ref().is_none_or(|o| o.iter().any(|n| n == k.name))).collect();
     assert!(!selected.is_empty(), "KILN_KERNELS={only:?} selects no kernel family");
-    // Every (kernel, architecture, define set) to compile, in order; compiled on every host thread
+    // Every (kernel, architecture, define set) to compile, in order; compiled on rayon's threads
     // (NVRTC is thread-safe), reported in this order.
     let mut work = Vec::new();
     for kernel in selected.iter().copied() {
@@ -42,29 +43,9 @@ fn every_kernel_compiles_for_every_architecture_without_warnings_or_spills() {
             work.extend(kernel.define_sets.iter().map(|defines| (kernel, arch, *defines)));
         }
     }
-    // Per item: whether it compiled, its failures, and its register lines.
-    type Outcome = (bool, Vec<String>, Vec<String>);
-    let outcomes: Vec<std::sync::Mutex<Option<Outcome>>> = work.iter().map(|_| Default::default()).collect();
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    std::thread::scope(|scope| {
-        for _ in 0..threads {
-            scope.spawn(|| loop {
-                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let Some(&(kernel, arch, defines)) = work.get(i) else { break };
-                let outcome = check_compile(kernel, arch, defines);
-                if let Ok(mut slot) = outcomes[i].lock() {
-                    *slot = Some(outcome);
-                }
-            });
-        }
-    });
-    for (i, slot) in outcomes.into_iter().enumerate() {
-        let (ok, failed, registers) = slot
-            .into_inner()
-            .ok()
-            .flatten()
-            .unwrap_or_else(|| panic!("item {i} of the compile check has no outcome"));
+    let outcomes: Vec<(bool, Vec<String>, Vec<String>)> =
+        work.par_iter().map(|&(kernel, arch, defines)| check_compile(kernel, arch, defines)).collect();
+    for (ok, failed, registers) in outcomes {
         compiled += usize::from(ok);
         failures.extend(failed);
         for line in registers {
@@ -229,7 +210,7 @@ fn every_kernel_waits_for_the_kernels_before_it() {
 }
 
 /// `KernelCache::warm` (the parallel warm-up behind `Gpu::warm`), with no GPU: it compiles each
-/// distinct specialization once, on several threads, into files that `get_or_compile` then reads
+/// distinct specialization once, on rayon's threads, into files that `get_or_compile` then reads
 /// (the same image a compile gives), skips what the cache holds, and reports a failing
 /// specialization by name after storing the others.
 #[test]
@@ -245,7 +226,7 @@ fn warm_compiles_each_specialization_once_into_the_cache() {
     };
     let mut options: Vec<CompileOptions> = kernel.define_sets[..3].iter().map(|d| options_of(d)).collect();
     options.push(options_of(kernel.define_sets[1]));
-    let compiled = match cache.warm(kernel, &options, 3) {
+    let compiled = match cache.warm(kernel, &options) {
         Ok(n) => n,
         Err(e) => panic!("warm failed: {e}"),
     };
@@ -258,7 +239,7 @@ fn warm_compiles_each_specialization_once_into_the_cache() {
         .map(|d| d.flatten().filter(|e| e.path().extension().is_some_and(|x| x == "tmp")).count())
         .unwrap_or(0);
     assert_eq!(leftovers, 0, "files written aside were all renamed");
-    assert_eq!(cache.warm(kernel, &options, 3).ok(), Some(0), "a second warm-up finds them all");
+    assert_eq!(cache.warm(kernel, &options).ok(), Some(0), "a second warm-up finds them all");
     for option in &options[..3] {
         let (image, from_cache) = cache.get_or_compile(kernel, option).unwrap_or_else(|e| panic!("{e}"));
         assert!(from_cache, "{:?}", option.defines);
@@ -277,7 +258,7 @@ fn warm_compiles_each_specialization_once_into_the_cache() {
     };
     let set =
         |v: &str| CompileOptions::for_kernel(&broken, Arch(90), vec![("BROKEN".to_owned(), v.to_owned())]);
-    match cache.warm(&broken, &[set("0"), set("1"), set("2")], 2) {
+    match cache.warm(&broken, &[set("0"), set("1"), set("2")]) {
         Err(kiln_core::Error::Compile { kernel, options, .. }) => {
             assert_eq!(kernel, "broken");
             assert!(options.iter().any(|o| o == "-DBROKEN=1"), "{options:?}");
