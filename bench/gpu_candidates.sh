@@ -90,7 +90,7 @@ if [ "$part" = tests ]; then
 fi
 if [ "$part" = norm-check ] || [ "$part" = norm-bench ]; then
   if [ "$part" = norm-check ]; then
-    T 350 test-gpu_norm tests/gpu_norm --test-threads=8
+    T 400 test-gpu_norm tests/gpu_norm --test-threads=8 --nocapture
     grep -E "^test |test result|^exit" "$out/test-gpu_norm.txt"
   fi
   T 150 peer-norm python3 bench/peers/norm.py --out "$out/norm_torch.json"

@@ -21,6 +21,12 @@
 //! at 2048 x 4096 the fixed cost of a launch (its first reads' latency, its last writes' drain) is
 //! a large part of the time, and the copy pays it too.
 //!
+//! `%floor`: the case's time against the streaming floor of its bytes: the fastest of a few
+//! grids of a kernel that only reads the bytes the case reads and writes the bytes it writes
+//! (`stream_floor`, 16-byte accesses, the same launch mode and rotation), the floor any kernel of
+//! that traffic meets. A line before each case gives the floor's time and its percent of the copy
+//! ceiling: the most any kernel moving those bytes reached in this run.
+//!
 //! The cases are the table below, or with `--model` / `--shapes` the norm calls that model makes
 //! (the keys `kiln tune certify` certifies for it).
 
@@ -34,8 +40,10 @@ use kiln_core::{DType, Error, Result};
 use kiln_cuda::certify::{
     median_graph_launch_us, median_launch_us, norm_label, norm_variant, tasks, Family, NormTask, Task,
 };
+use kiln_cuda::cudarc::driver::LaunchConfig;
 use kiln_cuda::ops::norm::{norm, NormBuffers, NormCall, NormVariant, NORM_VARIANTS};
-use kiln_cuda::{DeviceMemory, Gpu};
+use kiln_cuda::runtime::driver_error;
+use kiln_cuda::{kernels, DeviceMemory, Gpu};
 
 use crate::bench_lm_head::copy_ceiling_gbs;
 use crate::tune::{model_shapes, open_store, ShapeArgs};
@@ -207,11 +215,13 @@ pub fn run(args: &BenchNormArgs) -> Result<()> {
         }
     );
     println!(
-        "{:<20} {:>12} {:<32} {:>10} {:>9} {:>9} {:>9} {:>10} {:>9}",
-        "case", "shape", "variant", "time_us", "GB/s", "%copy", "%size", "torch_us", "speedup"
+        "{:<20} {:>12} {:<32} {:>10} {:>9} {:>9} {:>9} {:>9} {:>10} {:>9}",
+        "case", "shape", "variant", "time_us", "GB/s", "%copy", "%size", "%floor", "torch_us", "speedup"
     );
     // Same-size copies, by bytes moved (graph replays, buffers rotated past the L2 cache).
     let mut same_size: BTreeMap<usize, f64> = BTreeMap::new();
+    // Streaming floors, by bytes read and written.
+    let mut floors: BTreeMap<(usize, usize), f64> = BTreeMap::new();
 
     let mut seed = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -287,6 +297,20 @@ pub fn run(args: &BenchNormArgs) -> Result<()> {
                 gbs
             }
         };
+        let read = x_bytes + w_bytes * if spec.bias { 2 } else { 1 } + if residual { x_bytes } else { 0 };
+        let written = out_bytes + scale_bytes + if residual { x_bytes } else { 0 };
+        let floor = match floors.get(&(read, written)) {
+            Some(&us) => us,
+            None => {
+                let us = stream_floor_us(&gpu, read, written, args)?;
+                println!(
+                    "streaming floor {shape} ({read} bytes read, {written} written): {us:.2} us, {:.1}% of the ceiling",
+                    100.0 * moved as f64 / us / 1e3 / ceiling_gbs
+                );
+                floors.insert((read, written), us);
+                us
+            }
+        };
         let default = NormVariant::default_for(&call);
         let mut candidates: Vec<NormVariant> = vec![certified];
         let listed: Vec<NormVariant> = NORM_VARIANTS
@@ -348,7 +372,7 @@ pub fn run(args: &BenchNormArgs) -> Result<()> {
         for (which, (variant, us)) in rows_to_print {
             let gbs = moved as f64 / us / 1e3;
             println!(
-                "{:<20} {:>12} {:<32} {:>10.2} {:>9.0} {:>8.1}% {:>8.1}% {:>10} {:>9}",
+                "{:<20} {:>12} {:<32} {:>10.2} {:>9.0} {:>8.1}% {:>8.1}% {:>8.1}% {:>10} {:>9}",
                 name,
                 shape,
                 format!("{which} {}", label(variant)),
@@ -356,12 +380,52 @@ pub fn run(args: &BenchNormArgs) -> Result<()> {
                 gbs,
                 100.0 * gbs / ceiling_gbs,
                 100.0 * gbs / size_gbs,
+                100.0 * floor / us,
                 torch.map_or("-".to_owned(), |t| format!("{t:.2}")),
                 torch.map_or("-".to_owned(), |t| format!("{:.2}x", t / us)),
             );
         }
     }
     Ok(())
+}
+
+/// The streaming floor of a case that reads `read` bytes and writes `written`: `stream_floor`
+/// (kiln-cuda's copy.cu) over buffer sets rotated past twice the L2 cache, timed like the norm,
+/// the fastest of four grids (4, 8 or 16 blocks of 256 threads a multiprocessor, or a block for
+/// every 1024 words), microseconds a launch.
+fn stream_floor_us(gpu: &Gpu, read: usize, written: usize, args: &BenchNormArgs) -> Result<f64> {
+    let function = gpu.function(&kernels::COPY, "stream_floor", &[])?;
+    let (read16, write16) = (read.div_ceil(16) as u64, written.div_ceil(16) as u64);
+    let l2 = gpu.facts().l2_cache_bytes as usize;
+    let sets = (2 * l2).div_ceil(read + written).clamp(2, 64);
+    let buffers = (0..sets)
+        .map(|_| Ok((gpu.alloc(read16 as usize * 16)?, gpu.alloc(write16 as usize * 16)?)))
+        .collect::<Result<Vec<(DeviceMemory, DeviceMemory)>>>()?;
+    for (src, _) in &buffers {
+        // Non-zero words: the floor moves data like the norm's, not a page of zeros.
+        src.fill_bytes(0x3c)?;
+    }
+    let sms = gpu.facts().multiprocessors;
+    let words = read16.max(write16);
+    let grids = [sms * 4, sms * 8, sms * 16, words.div_ceil(1024).max(1) as u32];
+    let never = 0x9e37_79b9_u32;
+    let mut best = f64::INFINITY;
+    for blocks in grids {
+        let config = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let timer = if args.plain_launches { median_launch_us } else { median_graph_launch_us };
+        let us = timer(gpu, args.batches, args.launches, &mut |i: usize| {
+            let (src, dst) = &buffers[i % sets];
+            let (src_ptr, dst_ptr) = (src.device_ptr(), dst.device_ptr());
+            let mut launch = gpu.launch_builder(&function);
+            launch.arg(&src_ptr).arg(&read16).arg(&dst_ptr).arg(&write16).arg(&never);
+            // SAFETY: stream_floor(const vec16* src, u64 read16, vec16* dst, u64 write16, u32)
+            // reads read16 16-byte words of src and writes at most write16 of dst, and the
+            // buffers hold that many; they outlive the timing, which synchronizes.
+            unsafe { launch.launch(config) }.map_err(|e| driver_error("cuLaunchKernelEx", e))
+        })?;
+        best = best.min(us);
+    }
+    Ok(best)
 }
 
 /// A variant as `4w1r` (warps per row, rows per block), `+e` when it loads the weight early.

@@ -27,6 +27,35 @@ extern "C" __global__ void copy_vec16(const kiln_vec16* __restrict__ src, kiln_v
     for (; i < n16; i += stride) dst[i] = src[i];
 }
 
+// The streaming floor of a kernel that reads read16 16-byte words once and writes write16 once:
+// `kiln bench norm` times it with each case's bytes (x, residual, weight read; output, scales,
+// residual written) in the same launch mode as the norm, so that the fixed cost of a launch at a
+// small shape shows as this kernel's shortfall from the copy ceiling. Word j of dst is word j of
+// src (zero past read16); words read past write16 fold into a value that is stored only if it
+// equals `never`, so that no load is dead code.
+extern "C" __global__ void stream_floor(const kiln_vec16* __restrict__ src, kiln_u64 read16,
+                                        kiln_vec16* __restrict__ dst, kiln_u64 write16, kiln_u32 never) {
+    kiln_wait_prior();
+    const kiln_u64 stride = kiln_grid_stride();
+    const kiln_u64 n = read16 > write16 ? read16 : write16;
+    kiln_u32 folded = 0;
+    for (kiln_u64 i = kiln_global_index(); i < n; i += UNROLL * stride) {
+        kiln_vec16 v[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const kiln_u64 j = i + u * stride;
+            v[u] = j < read16 ? src[j] : kiln_vec16{0u, 0u, 0u, 0u};
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const kiln_u64 j = i + u * stride;
+            if (j < write16) dst[j] = v[u];
+            else folded ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+        }
+    }
+    if (folded == never && write16 > 0) dst[kiln_global_index() % write16] = kiln_vec16{folded, 0u, 0u, 0u};
+}
+
 // Fills n 32-bit words with `pattern` (tests poison outputs with it).
 extern "C" __global__ void fill_u32(kiln_u32* __restrict__ dst, kiln_u32 pattern, kiln_u64 n) {
     kiln_wait_prior();

@@ -63,12 +63,27 @@ fn first_float_difference(want: &[u8], got: &[u8], ty: FloatType) -> Option<usiz
         .map(|i| i * size)
 }
 
-/// Runs one call on the GPU and the CPU and asserts the bytes are equal.
+/// Runs one call on the GPU and the CPU and asserts the bytes are equal, with or without the
+/// residual add at random.
 fn check(gpu: &Gpu, rng: &mut Rng, call: NormCall, variant: NormVariant) {
+    let with_residual = rng.next().is_multiple_of(2);
+    check_with(gpu, rng, call, variant, with_residual);
+}
+
+/// [`check`] with or without the residual add as given, on fresh random x.
+fn check_with(gpu: &Gpu, rng: &mut Rng, call: NormCall, variant: NormVariant, with_residual: bool) {
     let xt = FloatType::of(call.x_type, "test").unwrap();
     let x = rng.values(call.rows * call.hidden, -2.0, 2.0, xt);
-    let with_residual = rng.next().is_multiple_of(2);
     check_on(gpu, rng, call, variant, &x, with_residual);
+}
+
+/// Each launch with the residual add or without it, at random (decided before the kernels are
+/// compiled, so that [`warm`] compiles exactly the kernels the checks launch).
+fn with_random_residuals(
+    rng: &mut Rng,
+    launches: &[(NormCall, NormVariant)],
+) -> Vec<(NormCall, NormVariant, bool)> {
+    launches.iter().map(|&(call, variant)| (call, variant, rng.next().is_multiple_of(2))).collect()
 }
 
 /// [`check`] on the given x (already in x's type), with or without the residual add.
@@ -214,19 +229,16 @@ fn gpu() -> std::sync::Arc<Gpu> {
     Gpu::open(0).expect("these tests need a CUDA GPU (device 0)")
 }
 
-/// Compiles every kernel of these launches, with and without the residual add, on every host
-/// thread (`ops::norm::warm`) before the checks that launch them one after another: those then
-/// load each from the disk cache instead of waiting for NVRTC. The checks are the same.
-fn warm(gpu: &Gpu, launches: &[(NormCall, NormVariant)]) {
-    let all: Vec<(NormCall, NormVariant, bool)> = launches
-        .iter()
-        .flat_map(|&(call, variant)| [(call, variant, false), (call, variant, true)])
-        .collect();
+/// Compiles the kernel of every one of these launches (a call, its variant, and whether it adds
+/// the residual) on every host thread (`ops::norm::warm`) before the checks that launch them one
+/// after another: those then load each from the disk cache instead of waiting for NVRTC. The
+/// checks are the same.
+fn warm(gpu: &Gpu, launches: &[(NormCall, NormVariant, bool)]) {
     let started = std::time::Instant::now();
-    match kiln_cuda::ops::norm::warm(gpu, &all) {
+    match kiln_cuda::ops::norm::warm(gpu, launches) {
         Ok(compiled) => eprintln!(
             "warm-up: {compiled} of {} kernels compiled in {:.1} s",
-            all.len(),
+            launches.len(),
             started.elapsed().as_secs_f64()
         ),
         Err(e) => panic!("compiling the norm kernels ahead: {e}"),
@@ -286,9 +298,10 @@ fn every_variant_matches_the_reference() {
             launches.push((call, variant));
         }
     }
+    let launches = with_random_residuals(&mut rng, &launches);
     warm(&gpu, &launches);
-    for &(call, variant) in &launches {
-        check(&gpu, &mut rng, call, variant);
+    for &(call, variant, with_residual) in &launches {
+        check_with(&gpu, &mut rng, call, variant, with_residual);
     }
 }
 
@@ -524,9 +537,10 @@ fn every_flavor_and_dtype_matches_the_reference() {
             }
         }
     }
+    let launches = with_random_residuals(&mut rng, &launches);
     warm(&gpu, &launches);
-    for &(call, variant) in &launches {
-        check(&gpu, &mut rng, call, variant);
+    for &(call, variant, with_residual) in &launches {
+        check_with(&gpu, &mut rng, call, variant, with_residual);
     }
     assert!(launches.len() >= flavors().len() * 3 * 4, "only {} checks", launches.len());
 }
@@ -732,15 +746,21 @@ fn check_variants_over_flavors_and_edges(lanes: &[NormVariant]) -> usize {
             })
         })
         .collect();
+    // The edges alternate without and with the residual; the large calls and the ties have none,
+    // the special values have it (below).
+    let edges: Vec<(NormCall, NormVariant, bool)> =
+        edges.into_iter().enumerate().map(|(i, (call, variant))| (call, variant, i % 2 == 1)).collect();
     let mut launches = edges.clone();
-    for call in large.iter().chain(&tie_calls) {
-        launches.extend(lanes.iter().filter(|v| call.validate(**v).is_ok()).map(|&v| (*call, v)));
+    for (i, call) in large.iter().chain(&tie_calls).enumerate() {
+        let with_residual = i >= large.len() && (i - large.len()) % 2 == 1;
+        launches
+            .extend(lanes.iter().filter(|v| call.validate(**v).is_ok()).map(|&v| (*call, v, with_residual)));
     }
     warm(&gpu, &launches);
-    for &(call, variant) in &edges {
+    for &(call, variant, with_residual) in &edges {
         let xt = FloatType::of(call.x_type, "test").unwrap();
         let x = rng.values(call.rows * call.hidden, -2.0, 2.0, xt);
-        check_on(&gpu, &mut rng, call, variant, &x, checked % 2 == 1);
+        check_on(&gpu, &mut rng, call, variant, &x, with_residual);
         checked += 1;
     }
     for call in large {
