@@ -30,25 +30,40 @@ extern "C" __global__ void copy_vec16(const kiln_vec16* __restrict__ src, kiln_v
 // The streaming floor of a kernel that reads read16 16-byte words once and writes write16 once:
 // `kiln bench norm` times it with each case's bytes (x, residual, weight read; output, scales,
 // residual written) in the same launch mode as the norm, so that the fixed cost of a launch at a
-// small shape shows as this kernel's shortfall from the copy ceiling. Word j of dst is word j of
-// src (zero past read16); words read past write16 fold into a value that is stored only if it
-// equals `never`, so that no load is dead code.
+// small shape shows as this kernel's shortfall from the copy ceiling. Each block moves contiguous
+// chunks of blockDim.x * UNROLL words (a norm's block reads whole rows), the loads all in flight
+// before the stores, through the non-coherent path without allocating in L1 as the norm's x
+// loads. Word j of dst is word j of src (zero past read16); words read past write16 fold into a
+// value that is stored only if it equals `never`, so that no load is dead code.
 extern "C" __global__ void stream_floor(const kiln_vec16* __restrict__ src, kiln_u64 read16,
                                         kiln_vec16* __restrict__ dst, kiln_u64 write16, kiln_u32 never) {
     kiln_wait_prior();
-    const kiln_u64 stride = kiln_grid_stride();
+    const kiln_u64 chunk = (kiln_u64)blockDim.x * UNROLL;
     const kiln_u64 n = read16 > write16 ? read16 : write16;
     kiln_u32 folded = 0;
-    for (kiln_u64 i = kiln_global_index(); i < n; i += UNROLL * stride) {
+    for (kiln_u64 base = blockIdx.x * chunk + threadIdx.x; base < n; base += (kiln_u64)gridDim.x * chunk) {
         kiln_vec16 v[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            const kiln_u64 j = i + u * stride;
-            v[u] = j < read16 ? src[j] : kiln_vec16{0u, 0u, 0u, 0u};
+            const kiln_u64 j = base + (kiln_u64)u * blockDim.x;
+            v[u] = kiln_vec16{0u, 0u, 0u, 0u};
+            if (j < read16) {
+                asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                    : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w)
+                    : "l"(src + j));
+            }
         }
+        // Every store depends on every load (through `mix`, zero unless `never` is not the value
+        // the host passes), so that the compiler issues all UNROLL loads before the first store
+        // instead of alternating them.
+        kiln_u32 mix = 0;
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) mix ^= v[u].x;
+        mix = never == 0x9e3779b9u ? 0u : mix;
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            const kiln_u64 j = i + u * stride;
+            const kiln_u64 j = base + (kiln_u64)u * blockDim.x;
+            v[u].w ^= mix;
             if (j < write16) dst[j] = v[u];
             else folded ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
         }
