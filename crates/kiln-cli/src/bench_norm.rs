@@ -408,6 +408,7 @@ fn stream_floor_us(gpu: &Gpu, read: usize, written: usize, args: &BenchNormArgs)
     }
     let sms = gpu.facts().multiprocessors;
     let words = read16.max(write16);
+    // The value stream_floor expects: its stores then carry the loaded words unchanged.
     let never = 0x9e37_79b9_u32;
     let mut best = f64::INFINITY;
     for (unroll, defines) in [(4u64, &[][..]), (8, &[("UNROLL", "8")][..])] {
