@@ -39,7 +39,8 @@ use kiln_core::ops::primitives::f32_to_bf16_bits;
 use kiln_core::ops::quantize::Quantizer;
 use kiln_core::{DType, Error, Result};
 use kiln_cuda::certify::{
-    median_graph_launch_us, median_launch_us, norm_label, norm_variant, tasks, Family, NormTask, Task,
+    median_graph_launch_us, median_launch_us, norm_label, norm_variant, rotation_sets, tasks, Family,
+    NormTask, Task,
 };
 use kiln_cuda::cudarc::driver::LaunchConfig;
 use kiln_cuda::ops::norm::{norm, NormBuffers, NormCall, NormVariant, NORM_VARIANTS};
@@ -202,7 +203,7 @@ pub fn run(args: &BenchNormArgs) -> Result<()> {
         }
         None => BTreeMap::new(),
     };
-    let l2 = gpu.facts().l2_cache_bytes as usize;
+    let l2 = gpu.facts().l2_cache_bytes;
 
     // The copy ceiling: a large device-to-device copy, bytes read plus bytes written.
     let ceiling_gbs = copy_ceiling_gbs(&gpu, args.batches)?;
@@ -256,7 +257,7 @@ pub fn run(args: &BenchNormArgs) -> Result<()> {
         let (rows, hidden, spec) = (call.rows, call.hidden, call.spec);
         let (x_bytes, w_bytes, out_bytes, scale_bytes) = call.buffer_bytes()?;
         let set_bytes = x_bytes * if residual { 3 } else { 1 } + out_bytes + scale_bytes;
-        let sets = (2 * l2).div_ceil(set_bytes).clamp(2, 64);
+        let sets = input_sets(set_bytes, l2);
         let xs =
             (0..sets).map(|_| device(&gpu, &random_bf16(x_bytes, &mut seed))).collect::<Result<Vec<_>>>()?;
         let residuals = if residual {
@@ -278,7 +279,7 @@ pub fn run(args: &BenchNormArgs) -> Result<()> {
         let size_gbs = match same_size.get(&half) {
             Some(&gbs) => gbs,
             None => {
-                let copies = (2 * l2).div_ceil(2 * half).clamp(2, 64);
+                let copies = input_sets(2 * half, l2);
                 let pairs = (0..copies)
                     .map(|_| Ok((gpu.alloc(half)?, gpu.alloc(half)?)))
                     .collect::<Result<Vec<(DeviceMemory, DeviceMemory)>>>()?;
@@ -390,6 +391,12 @@ pub fn run(args: &BenchNormArgs) -> Result<()> {
     Ok(())
 }
 
+/// How many sets of `set_bytes` each timing rotates over: together past twice the L2 cache
+/// ([`rotation_sets`]), at least 2 and at most 64 (a graph's launches cycle through them).
+fn input_sets(set_bytes: usize, l2: u64) -> usize {
+    rotation_sets(set_bytes, l2).clamp(2, 64)
+}
+
 /// The streaming floor of a case that reads `read` bytes and writes `written`: `stream_floor`
 /// (kiln-cuda's copy.cu) over buffer sets rotated past twice the L2 cache, timed like the norm,
 /// the fastest of its grids: 4 or 8 words a thread in flight (`UNROLL`), each on blocks of 64,
@@ -397,8 +404,7 @@ pub fn run(args: &BenchNormArgs) -> Result<()> {
 /// multiprocessor looping over them; microseconds a launch.
 fn stream_floor_us(gpu: &Gpu, read: usize, written: usize, args: &BenchNormArgs) -> Result<f64> {
     let (read16, write16) = (read.div_ceil(16) as u64, written.div_ceil(16) as u64);
-    let l2 = gpu.facts().l2_cache_bytes as usize;
-    let sets = (2 * l2).div_ceil(read + written).clamp(2, 64);
+    let sets = input_sets(read + written, gpu.facts().l2_cache_bytes);
     let buffers = (0..sets)
         .map(|_| Ok((gpu.alloc(read16 as usize * 16)?, gpu.alloc(write16 as usize * 16)?)))
         .collect::<Result<Vec<(DeviceMemory, DeviceMemory)>>>()?;

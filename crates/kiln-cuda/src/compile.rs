@@ -279,7 +279,7 @@ impl KernelCache {
         options: &CompileOptions,
     ) -> Result<(CompiledKernel, bool)> {
         let key = KernelCache::key(kernel, options)?;
-        let cubin_path = self.dir.join(format!("{key}.cubin"));
+        let cubin_path = self.cubin_path(&key);
         let log_path = self.dir.join(format!("{key}.log"));
         if let Ok(image) = std::fs::read(&cubin_path) {
             if !image.is_empty() {
@@ -306,7 +306,7 @@ impl KernelCache {
         let mut work: Vec<(String, &CompileOptions)> = Vec::new();
         for option in options {
             let key = KernelCache::key(kernel, option)?;
-            let cached = std::fs::metadata(self.dir.join(format!("{key}.cubin"))).is_ok_and(|m| m.len() > 0);
+            let cached = std::fs::metadata(self.cubin_path(&key)).is_ok_and(|m| m.len() > 0);
             if !cached && keys.insert(key.clone()) {
                 work.push((key, option));
             }
@@ -316,6 +316,11 @@ impl KernelCache {
             .map(|(key, option)| compile(kernel, option).and_then(|compiled| self.store(key, &compiled)))
             .collect();
         stored.into_iter().find_map(Result::err).map_or(Ok(work.len()), Err)
+    }
+
+    /// Where the cache keeps the image of `key`.
+    fn cubin_path(&self, key: &str) -> PathBuf {
+        self.dir.join(format!("{key}.cubin"))
     }
 
     fn store(&self, key: &str, compiled: &CompiledKernel) -> Result<()> {
