@@ -22,8 +22,9 @@
 //! a large part of the time, and the copy pays it too.
 //!
 //! `%floor`: the case's time against the streaming floor of its bytes: the fastest of twelve
-//! grids of a kernel that only reads the bytes the case reads and writes the bytes it writes
-//! (`stream_floor`, 16-byte accesses, the same launch mode and rotation): what a kernel of that
+//! grids (24 where the case writes fewer bytes than it reads: the stores in the first chunks, or
+//! spread over all) of a kernel that only reads the bytes the case reads and writes the bytes it
+//! writes (`stream_floor`, 16-byte accesses, the same launch mode and rotation): what a kernel of that
 //! traffic reaches with nothing to compute. A line before each case gives the floor's time and
 //! its percent of the copy ceiling. It is measured, not proven: a norm above 100% moves its bytes
 //! faster than every grid of the streaming kernel did.
@@ -401,7 +402,8 @@ fn input_sets(set_bytes: usize, l2: u64) -> usize {
 /// (kiln-cuda's copy.cu) over buffer sets rotated past twice the L2 cache, timed like the norm,
 /// the fastest of its grids: 4 or 8 words a thread in flight (`UNROLL`), each on blocks of 64,
 /// 128 or 256 threads covering the words in one pass, and on 4, 8 or 16 blocks of 256 threads a
-/// multiprocessor looping over them; microseconds a launch.
+/// multiprocessor looping over them; with fewer bytes written than read, each of those with the
+/// stores in the first chunks and spread over every chunk (`SPREAD`); microseconds a launch.
 fn stream_floor_us(gpu: &Gpu, read: usize, written: usize, args: &BenchNormArgs) -> Result<f64> {
     let (read16, write16) = (read.div_ceil(16) as u64, written.div_ceil(16) as u64);
     let sets = input_sets(read + written, gpu.facts().l2_cache_bytes);
@@ -417,8 +419,13 @@ fn stream_floor_us(gpu: &Gpu, read: usize, written: usize, args: &BenchNormArgs)
     // The value stream_floor expects: its stores then carry the loaded words unchanged.
     let never = 0x9e37_79b9_u32;
     let mut best = f64::INFINITY;
-    for (unroll, defines) in [(4u64, &[][..]), (8, &[("UNROLL", "8")][..])] {
-        let function = gpu.function(&kernels::COPY, "stream_floor", defines)?;
+    // With fewer words written than read, the stores either come from the first chunks or are
+    // spread over all of them (SPREAD), each layout timed.
+    let spreads: &[&str] = if write16 < read16 { &["0", "1"] } else { &["0"] };
+    let layouts = spreads.iter().flat_map(|&spread| [(4u64, "4", spread), (8, "8", spread)]);
+    for (unroll, unroll_define, spread) in layouts {
+        let defines = [("UNROLL", unroll_define), ("SPREAD", spread)];
+        let function = gpu.function(&kernels::COPY, "stream_floor", &defines)?;
         let one_pass =
             [64u32, 128, 256].map(|threads| (threads, words.div_ceil(threads as u64 * unroll).max(1) as u32));
         let looping = [4, 8, 16].map(|per_sm| (256u32, sms * per_sm));

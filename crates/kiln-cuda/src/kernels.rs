@@ -21,6 +21,7 @@ pub const COPY: KernelSource = KernelSource {
         &[],
         &[("UNROLL", "1")],
         &[("UNROLL", "8")],
+        &[("UNROLL", "8"), ("SPREAD", "1")],
         &[("KILN_HANDOFF", "1")],
         &[("KILN_HANDOFF", "2")],
     ],
