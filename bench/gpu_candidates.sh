@@ -12,11 +12,12 @@
 #            measured before each pair; then every row count's default.
 #   tests    the GPU tests of the LM head and of the norms side by side (bit for bit against the
 #            CPU reference, the candidates and their special-value tests included).
-#   norm-check  the norms' acceptance in one call: every gpu_norm test, then PyTorch's norms and
-#            three processes of `kiln bench norm --default-only` against them (each followed by
-#            INT8 and NVFP4 at 2048 x 4096 with the 2-warp one-wave candidate beside the
-#            defaults), then every one-lane-a-block variant of INT8 and NVFP4 at the large shapes
-#            (about 520 s).
+#   norm-check  the acceptance of the norms, embedding and RoPE in one call: every gpu_embedding
+#            and gpu_rope test, every gpu_norm test, then PyTorch's norms and three processes of
+#            `kiln bench norm --default-only` against them (each followed by INT8 and NVFP4 at
+#            2048 x 4096 with the 2-warp one-wave candidate beside the defaults), then every
+#            one-lane-a-block variant of INT8 and NVFP4 at the large shapes (about 420 s on an
+#            H100: the gpu_norm tests 340 s of it).
 #   norm-bench  norm-check without the tests: PyTorch's norms, three processes of the defaults,
 #            then every one-lane-a-block variant of INT8 and NVFP4 (about 100 s).
 #   quant    the Q5_0, Q5_1, Q5_K, IQ4_NL and IQ4_XS weights: gpu_linear's product test on them
@@ -90,8 +91,10 @@ if [ "$part" = tests ]; then
 fi
 if [ "$part" = norm-check ] || [ "$part" = norm-bench ]; then
   if [ "$part" = norm-check ]; then
+    T 90 test-gpu_embedding tests/gpu_embedding
+    T 90 test-gpu_rope tests/gpu_rope
     T 400 test-gpu_norm tests/gpu_norm --test-threads=8 --nocapture
-    grep -E "^test |test result|^exit" "$out/test-gpu_norm.txt"
+    grep -E "^test |test result|^exit" "$out"/test-gpu_embedding.txt "$out"/test-gpu_rope.txt "$out/test-gpu_norm.txt"
   fi
   T 150 peer-norm python3 bench/peers/norm.py --out "$out/norm_torch.json"
   for i in 1 2 3; do
