@@ -24,6 +24,15 @@ pub enum BenchCommand {
     /// Attention prefill (TFLOP/s) and decode (% of the copy ceiling) against PyTorch.
     Attention(crate::bench_attention::BenchAttentionArgs),
     /// The norm kernels against the copy ceiling and PyTorch.
+    ///
+    /// Each case (RMSNorm plain, with a residual, with INT8 and NVFP4 outputs; LayerNorm) at each
+    /// shape gives a line of the table for its certified, default and fastest variant. Columns:
+    /// `time_us` the median time a launch (CUDA graph replays by default); `GB/s` the bytes read
+    /// and written over that time; `%copy` that against the device-to-device copy ceiling
+    /// measured in the same run; `%size` against a copy of the same bytes; `%floor` the
+    /// streaming floor's time over the case's (a kernel that only reads and writes the case's
+    /// bytes, timed the same way; its own line gives its percent of the ceiling); `torch_us` and
+    /// `speedup` PyTorch's time from `--peer` and its ratio to Kiln's.
     Norm(crate::bench_norm::BenchNormArgs),
     /// The LM head at 151936 x 4096 bf16 against the copy ceiling and `torch.matmul`.
     LmHead(crate::bench_lm_head::BenchLmHeadArgs),
