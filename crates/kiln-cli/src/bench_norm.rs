@@ -290,8 +290,7 @@ pub fn run(args: &BenchNormArgs) -> Result<()> {
                 let pairs = (0..copies)
                     .map(|_| Ok((gpu.alloc(half)?, gpu.alloc(half)?)))
                     .collect::<Result<Vec<(DeviceMemory, DeviceMemory)>>>()?;
-                let timer = if args.plain_launches { median_launch_us } else { median_graph_launch_us };
-                let us = timer(&gpu, args.batches, args.launches, &mut |i: usize| {
+                let us = time_launches(&gpu, args, &mut |i: usize| {
                     let (src, dst) = &pairs[i % copies];
                     dst.copy_from_device(src)
                 })?;
@@ -349,8 +348,7 @@ pub fn run(args: &BenchNormArgs) -> Result<()> {
         }
         let mut results: Vec<(NormVariant, f64)> = Vec::with_capacity(candidates.len());
         for variant in candidates {
-            let timer = if args.plain_launches { median_launch_us } else { median_graph_launch_us };
-            let us = timer(&gpu, args.batches, args.launches, &mut |i: usize| {
+            let us = time_launches(&gpu, args, &mut |i: usize| {
                 let k = i % sets;
                 let buffers = NormBuffers {
                     x: &xs[k],
@@ -398,6 +396,20 @@ pub fn run(args: &BenchNormArgs) -> Result<()> {
     Ok(())
 }
 
+/// The median time per launch of `launch(i)`, microseconds: graph replays of each batch, or plain
+/// launches with `--plain-launches` (`median_graph_launch_us` / `median_launch_us`).
+fn time_launches(
+    gpu: &Gpu,
+    args: &BenchNormArgs,
+    launch: &mut dyn FnMut(usize) -> Result<()>,
+) -> Result<f64> {
+    if args.plain_launches {
+        median_launch_us(gpu, args.batches, args.launches, launch)
+    } else {
+        median_graph_launch_us(gpu, args.batches, args.launches, launch)
+    }
+}
+
 /// How many sets of `set_bytes` each timing rotates over: together past twice the L2 cache
 /// ([`rotation_sets`]), at least 2 and at most 64 (a graph's launches cycle through them).
 fn input_sets(set_bytes: usize, l2: u64) -> usize {
@@ -438,8 +450,7 @@ fn stream_floor_us(gpu: &Gpu, read: usize, written: usize, args: &BenchNormArgs)
         for (threads, blocks) in one_pass.into_iter().chain(looping) {
             let config =
                 LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
-            let timer = if args.plain_launches { median_launch_us } else { median_graph_launch_us };
-            let us = timer(gpu, args.batches, args.launches, &mut |i: usize| {
+            let us = time_launches(gpu, args, &mut |i: usize| {
                 let (src, dst) = &buffers[i % sets];
                 let (src_ptr, dst_ptr) = (src.device_ptr(), dst.device_ptr());
                 let mut launch = gpu.launch_builder(&function);

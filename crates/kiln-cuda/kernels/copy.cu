@@ -90,6 +90,7 @@ extern "C" __global__ void stream_floor(const kiln_vec16* __restrict__ src, kiln
     if (folded == never && write16 > 0) dst[kiln_global_index() % write16] = kiln_vec16{folded, 0u, 0u, 0u};
 }
 
+// Fills n 32-bit words with `pattern` (tests poison outputs with it).
 extern "C" __global__ void fill_u32(kiln_u32* __restrict__ dst, kiln_u32 pattern, kiln_u64 n) {
     kiln_wait_prior();
     for (kiln_u64 i = kiln_global_index(); i < n; i += kiln_grid_stride()) dst[i] = pattern;

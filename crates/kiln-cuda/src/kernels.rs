@@ -473,7 +473,8 @@ pub const NORM: KernelSource = KernelSource {
             ("WEIGHT_AHEAD", "1"),
         ],
         // The L1 prefetch of the weight and bias (KILN_NORM_WEIGHT_PREFETCH=1): kiln bench norm's
-        // LayerNorm and RMSNorm at 2048 x 4096 (2w1r+n), and NVFP4 one lane a block (4w1r+b+n).
+        // LayerNorm at 2048 x 4096 (2w1r+n: weight and bias, a unit each) and NVFP4 one lane a
+        // block (4w1r+b+n: a pair of units each).
         &[
             ("KIND", "1"),
             ("X_T", "2"),
@@ -483,24 +484,6 @@ pub const NORM: KernelSource = KernelSource {
             ("HAS_BIAS", "1"),
             ("HAS_RESIDUAL", "0"),
             ("HF_ROUNDING", "0"),
-            ("GATE", "0"),
-            ("WARPS_PER_ROW", "2"),
-            ("ROWS_PER_BLOCK", "1"),
-            ("UNITS_PER_WARP", "8"),
-            ("EARLY_WEIGHT", "0"),
-            ("PERSISTENT", "0"),
-            ("SEGMENT_N", "4096"),
-            ("WEIGHT_PREFETCH", "1"),
-        ],
-        &[
-            ("KIND", "0"),
-            ("X_T", "2"),
-            ("W_T", "2"),
-            ("OUT_T", "2"),
-            ("WEIGHT", "0"),
-            ("HAS_BIAS", "0"),
-            ("HAS_RESIDUAL", "0"),
-            ("HF_ROUNDING", "1"),
             ("GATE", "0"),
             ("WARPS_PER_ROW", "2"),
             ("ROWS_PER_BLOCK", "1"),
