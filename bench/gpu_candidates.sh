@@ -16,12 +16,12 @@
 #            and gpu_rope test, every gpu_norm test, then PyTorch's norms and three processes of
 #            `kiln bench norm --default-only` against them (each followed by INT8 and NVFP4 at
 #            2048 x 4096 with the 2-warp one-wave candidate beside the defaults), then every
-#            one-lane-a-block variant of INT8 and NVFP4 at the large shapes, one process of the
-#            defaults with KILN_NORM_WEIGHT_PREFETCH=1, and every variant of RMSNorm and LayerNorm
-#            at 2048 x 4096 (about 480 s on an H100: the gpu_norm tests 340 s of it).
+#            one-lane-a-block variant of INT8 and NVFP4 at the large shapes, and every variant of
+#            RMSNorm and LayerNorm at 2048 x 4096 (about 460 s on an H100: the gpu_norm tests 340 s
+#            of it).
 #   norm-bench  norm-check without the tests: PyTorch's norms, three processes of the defaults,
-#            the defaults with the weight prefetch, every variant of RMSNorm and LayerNorm at
-#            2048 x 4096, then every one-lane-a-block variant of INT8 and NVFP4 (about 160 s).
+#            every variant of RMSNorm and LayerNorm at 2048 x 4096, then every one-lane-a-block
+#            variant of INT8 and NVFP4 (about 140 s).
 #   quant    the Q5_0, Q5_1, Q5_K, IQ4_NL and IQ4_XS weights: gpu_linear's product test on them
 #            (every epilogue, token count and variant), its embedding-gather and bf16-conversion
 #            tests on every format, greedy GPU-vs-CPU parity on the tiny random model quantized to
@@ -105,10 +105,6 @@ if [ "$part" = norm-check ] || [ "$part" = norm-bench ]; then
     T 40 bench-norm-2w-$i ./kiln bench norm --cases rms_norm_nvfp4,rms_norm_int8 --sizes 2048x4096 \
       --variants 2w1r+b+n --peer "$out/norm_torch.json"
   done
-  # The defaults again with the weight and bias prefetched into L1 after the x loads (a
-  # measurement knob: the same bits), at the two large shapes.
-  T 60 bench-norm-prefetch env KILN_NORM_WEIGHT_PREFETCH=1 ./kiln bench norm --default-only --sizes 2048x4096,8192x8192 \
-    --peer "$out/norm_torch.json"
   # Every variant of RMSNorm and LayerNorm at 2048 x 4096, the shape where the H200 left them
   # under 85% of the copy ceiling.
   T 90 bench-norm-all-2048 ./kiln bench norm --cases rms_norm,layer_norm --sizes 2048x4096 --peer "$out/norm_torch.json"

@@ -217,12 +217,6 @@ pub fn run(args: &BenchNormArgs) -> Result<()> {
             "CUDA graph replays of each batch of launches between CUDA events (--plain-launches: launches)"
         }
     );
-    if kiln_cuda::ops::norm::weight_prefetch()? {
-        println!(
-            "weight prefetch: on ({}=1: every norm kernel prefetches its weight and bias into L1)",
-            kiln_cuda::ops::norm::WEIGHT_PREFETCH_ENV
-        );
-    }
     println!(
         "{:<20} {:>12} {:<32} {:>10} {:>9} {:>9} {:>9} {:>9} {:>10} {:>9}",
         "case", "shape", "variant", "time_us", "GB/s", "%copy", "%size", "%floor", "torch_us", "speedup"

@@ -749,39 +749,6 @@ __device__ __forceinline__ void kiln_norm_weight_ahead(KilnRaw8<W_T>& w, KilnRaw
     }
 }
 
-// WEIGHT_PREFETCH (optional, 0 by default) 1, for measurement (KILN_NORM_WEIGHT_PREFETCH=1):
-// after the first segment's x loads are issued, each lane asks L1 for the lines of its weight and
-// bias units (`prefetch.L1`, no registers), so that the output's weight loads after the reduction
-// find them there instead of waiting on L2 while every warp of a one-wave grid waits the same.
-// A hint only: the same loads, the same bits.
-#ifndef WEIGHT_PREFETCH
-#define WEIGHT_PREFETCH 0
-#endif
-
-__device__ __forceinline__ void kiln_prefetch_l1(const void* p) {
-    asm volatile("prefetch.L1 [%0];" : : "l"(p));
-}
-
-// The L1 prefetch of the weight and bias units of this lane (WEIGHT_PREFETCH): one prefetch a
-// unit (a pair of units one lane a block, whose 16 elements share a line), each a constant
-// offset from the lane's first element, computed once (the empty asm, as in kiln_norm_load).
-__device__ __forceinline__ void kiln_norm_prefetch_weight(const void* weight, const void* bias, long long wbase,
-                                                          bool active, int n, int warp_in_row, int lane) {
-    constexpr int size = W_T == KILN_F32 ? 4 : 2;
-    const unsigned char* w_first = static_cast<const unsigned char*>(WEIGHT != 2 ? weight : bias) +
-                                   KILN_NORM_AT(wbase, 0) * size;
-    const unsigned char* b_first = static_cast<const unsigned char*>(HAS_BIAS ? bias : weight) +
-                                   KILN_NORM_AT(wbase, 0) * size;
-    asm volatile("" : "+l"(w_first), "+l"(b_first));
-#pragma unroll
-    for (int u = 0; u < UNITS_PER_WARP; u += BLOCK_LANE ? 2 : 1) {
-        if (active && kiln_norm_col(warp_in_row, u, lane) < n) {
-            if (WEIGHT != 2) kiln_prefetch_l1(w_first + kiln_norm_off(u) * size);
-            if (HAS_BIAS) kiln_prefetch_l1(b_first + kiln_norm_off(u) * size);
-        }
-    }
-}
-
 // The early weight and bias units as fp32 values (1 + w for WEIGHT 1), for KILN_NORM_WF.
 __device__ __forceinline__ void kiln_norm_weight_values(
     const KilnRaw8<W_T> (&wr)[EARLY_WEIGHT && WEIGHT != 2 ? UNITS_PER_WARP : 1],
@@ -1443,10 +1410,6 @@ kiln_norm(const void* __restrict__ x, void* residual, const void* __restrict__ w
     // A grid of one block a segment (KILN_NORM_EXACT_GRID): every block's segment exists, and the
     // checks of `active` fold away.
     kiln_norm_load(current, x, residual, gate, seg * n, KILN_NORM_EXACT_GRID || seg < segments, n, warp_in_row, lane);
-    if (WEIGHT_PREFETCH && !EARLY_WEIGHT) {
-        kiln_norm_prefetch_weight(weight, bias, groups == 1 ? 0 : (seg % groups) * n,
-                                  KILN_NORM_EXACT_GRID || seg < segments, n, warp_in_row, lane);
-    }
     KilnRaw8<W_T> wr[EARLY_WEIGHT && WEIGHT != 2 ? UNITS_PER_WARP : 1];
     KilnRaw8<W_T> br[EARLY_WEIGHT && HAS_BIAS ? UNITS_PER_WARP : 1];
     if (EARLY_WEIGHT) {

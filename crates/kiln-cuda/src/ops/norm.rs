@@ -182,31 +182,6 @@ pub fn staged_warps_per_multiprocessor() -> Result<usize> {
     }
 }
 
-/// The environment variable that compiles the norm kernels with the L1 prefetch of the weight
-/// and bias after the x loads (the kernel's `WEIGHT_PREFETCH`; `1`, or `0` for none, the
-/// default), for measurement: `KILN_NORM_WEIGHT_PREFETCH=1 kiln bench norm`. A hint to the
-/// cache only: the same loads and the same bits.
-pub const WEIGHT_PREFETCH_ENV: &str = "KILN_NORM_WEIGHT_PREFETCH";
-
-/// Whether [`WEIGHT_PREFETCH_ENV`] asks for the weight prefetch.
-pub fn weight_prefetch() -> Result<bool> {
-    weight_prefetch_setting(std::env::var(WEIGHT_PREFETCH_ENV).ok().as_deref())
-}
-
-/// [`WEIGHT_PREFETCH_ENV`]'s value (`None`: unset) as a choice; anything but `0`, `1` or empty is
-/// an error by name.
-fn weight_prefetch_setting(value: Option<&str>) -> Result<bool> {
-    match value.map(str::trim) {
-        None | Some("0") | Some("") => Ok(false),
-        Some("1") => Ok(true),
-        Some(other) => Err(Error::InvalidArgument {
-            name: WEIGHT_PREFETCH_ENV,
-            value: other.to_owned(),
-            reason: "1 to prefetch the weight and bias into L1, 0 (or unset) not to".into(),
-        }),
-    }
-}
-
 /// Most shared memory (bytes) of a staged variant's stages, with a residual (the largest of the
 /// launches of a call): what every supported GPU gives a block (sm_86 and sm_89: 99 KiB).
 pub const STAGED_SHARED_LIMIT: usize = 96 * 1024;
@@ -673,8 +648,6 @@ fn launch_defines(
     }
     if variant.stages > 0 {
         defines.push(("STAGES", variant.stages.to_string()));
-    } else if weight_prefetch()? {
-        defines.push(("WEIGHT_PREFETCH", "1".to_owned()));
     }
     Ok(defines)
 }
@@ -931,19 +904,6 @@ mod tests {
             .collect();
         defines.sort();
         defines
-    }
-
-    #[test]
-    fn the_weight_prefetch_setting_is_0_or_1() {
-        for (value, on) in [(None, false), (Some("0"), false), (Some(""), false), (Some(" 1 "), true)] {
-            assert_eq!(super::weight_prefetch_setting(value).ok(), Some(on), "{value:?}");
-        }
-        for value in ["2", "yes", "on"] {
-            match super::weight_prefetch_setting(Some(value)) {
-                Err(Error::InvalidArgument { name, .. }) => assert_eq!(name, super::WEIGHT_PREFETCH_ENV),
-                other => panic!("{value}: {other:?}"),
-            }
-        }
     }
 
     #[test]
