@@ -14,7 +14,9 @@
 //! Every variant of `NORM_VARIANTS` that serves a case is timed (each on its own line on stderr);
 //! the table shows the certified variant (the tuning store's winner for the case's key, else the
 //! declared default; with `KILN_TUNING=strict` an uncertified key fails by name before anything is
-//! timed), the declared default and the best.
+//! timed), the declared default and the best. A line before the table names each certificate of
+//! the cases that was made for other kernel source than this build's (`kiln tune show` marks it
+//! `stale`): its winner is still the certified variant, but its timings are of other code.
 //!
 //! `%size`: the case's GB/s against a device-to-device copy of the same bytes (half the bytes
 //! moved read, half written), timed the same way (graph replays of copies over rotated buffers):
@@ -38,6 +40,7 @@ use std::path::PathBuf;
 use kiln_core::ops::norm::{LayerNorm, NormOutput, NormSpec, RmsNorm, WeightMode};
 use kiln_core::ops::primitives::f32_to_bf16_bits;
 use kiln_core::ops::quantize::Quantizer;
+use kiln_core::tuning::store::load_certificates;
 use kiln_core::{DType, Error, Result};
 use kiln_cuda::certify::{
     median_graph_launch_us, median_launch_us, norm_label, norm_variant, rotation_sets, tasks, Family,
@@ -49,7 +52,7 @@ use kiln_cuda::runtime::driver_error;
 use kiln_cuda::{kernels, DeviceMemory, Gpu};
 
 use crate::bench_lm_head::copy_ceiling_gbs;
-use crate::tune::{model_shapes, open_store, ShapeArgs};
+use crate::tune::{model_shapes, open_store, staleness, store_dirs, ShapeArgs};
 
 /// Arguments of `kiln bench norm`.
 #[derive(Debug, Clone, clap::Args)]
@@ -252,6 +255,13 @@ pub fn run(args: &BenchNormArgs) -> Result<()> {
         .iter()
         .map(|(_, task)| norm_variant(&store, task, arch))
         .collect::<Result<Vec<NormVariant>>>()?;
+    // A certificate of older kernel source still decides the certified variant: say so.
+    for c in load_certificates(&store_dirs()?)? {
+        let certifies_a_case = cases.iter().any(|(_, task)| task.key(arch).is_ok_and(|k| k == c.key));
+        if let Some(stale) = staleness(&c).filter(|_| certifies_a_case) {
+            println!("certificate {} (winner {}): {stale}", c.key, c.winner);
+        }
+    }
     for ((name, task), certified) in cases.iter().zip(certified) {
         let name = name.as_str();
         let (call, residual) = (task.call, task.residual);

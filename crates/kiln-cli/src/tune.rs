@@ -21,7 +21,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 use kiln_core::tuning::store::{load_certificates, record_certificate, tuning_cache_dir};
 use kiln_core::tuning::{CandidateStatus, Certificate, TuningStore};
 use kiln_core::{DType, Error, Result};
-use kiln_cuda::certify::{certify, tasks, Certified, CertifyOptions, Family, ModelShapes, KILN_VERSION};
+use kiln_cuda::certify::{
+    certify, generator, tasks, Certified, CertifyOptions, Family, ModelShapes, KILN_VERSION,
+};
 use kiln_cuda::Gpu;
 use kiln_engine::fetch::{self, DEFAULT_MODEL};
 use kiln_engine::formats::GgufFile;
@@ -104,6 +106,11 @@ pub fn shipped_dir() -> PathBuf {
     let relative = Path::new("tuning").join("certificates");
     let beside_binary = std::env::current_exe().ok().and_then(|exe| exe.parent().map(|d| d.join(&relative)));
     beside_binary.filter(|d| d.is_dir()).unwrap_or(relative)
+}
+
+/// The folders of the certificates the store reads: the shipped ones and this machine's.
+pub fn store_dirs() -> Result<Vec<PathBuf>> {
+    Ok(vec![shipped_dir(), tuning_cache_dir()?.join("certificates")])
 }
 
 /// The store the kernels consult: the shipped certificates and this machine's, `KILN_TUNING`'s mode.
@@ -335,11 +342,7 @@ fn report(heading: &str, rows: &[SummaryRow]) -> String {
 }
 
 fn show(args: &ShowArgs) -> Result<ExitCode> {
-    let dirs = if args.dirs.is_empty() {
-        vec![shipped_dir(), tuning_cache_dir()?.join("certificates")]
-    } else {
-        args.dirs.clone()
-    };
+    let dirs = if args.dirs.is_empty() { store_dirs()? } else { args.dirs.clone() };
     let certificates: Vec<Certificate> = load_certificates(&dirs)?
         .into_iter()
         .filter(|c| args.kernel.as_ref().is_none_or(|k| *k == c.key.kernel))
@@ -361,10 +364,29 @@ fn show(args: &ShowArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// One certificate as a block of lines; the winner's row is marked `*`.
+/// `stale: ...` when the kernel source of `c`'s family (prelude and `.cu` file, hashed as
+/// [`generator`] does) is no longer the source it timed: its winner still runs, but the proof is of
+/// other code. `None` when the source is the same, or the key names no known family.
+pub fn staleness(c: &Certificate) -> Option<String> {
+    let family = Family::parse(&c.key.kernel).ok()?;
+    let now = generator(family);
+    (now.source_sha256 != c.generator.source_sha256).then(|| {
+        format!(
+            "stale: the {family} kernel source is now {} (not {}); `kiln tune certify --kernel {family}` proves it again",
+            short(&now.source_sha256),
+            short(&c.generator.source_sha256)
+        )
+    })
+}
+
+/// One certificate as a block of lines; the winner's row is marked `*`, and a [`staleness`] line
+/// follows the key.
 fn describe(c: &Certificate) -> String {
     let mut text = String::new();
     let _ = writeln!(text, "\n{}  winner {}", c.key, c.winner);
+    if let Some(stale) = staleness(c) {
+        let _ = writeln!(text, "  {stale}");
+    }
     let _ = writeln!(
         text,
         "  kiln {} source {}  {}  driver {}  {}{}",
@@ -424,6 +446,33 @@ mod tests {
         assert!(text.contains("4.50 us"), "{text}");
         assert!(text.contains("failed: too many registers"), "{text}");
         assert!(text.contains("source abababababab "), "{text}");
+        assert!(!text.contains("stale"), "a key of no known family is not judged: {text}");
+    }
+
+    #[test]
+    fn describe_says_when_the_kernel_source_changed_since_the_proof() {
+        let key = TuningKey::new("norm", "rms.hf.n4096.g1.rows1", "f32.f32.f32", "sm_90").unwrap();
+        let candidates = vec![CandidateResult::ok("4w1r", 3.25, 0.0), CandidateResult::ok("8w1r", 4.5, 0.0)];
+        let certificate = |generator| {
+            Certificate::new(
+                key.clone(),
+                candidates.clone(),
+                generator,
+                "NVIDIA H200",
+                "CUDA 13.0",
+                "2026-11-30",
+            )
+            .unwrap()
+        };
+        let old = Generator { kiln_version: "0.1.0".into(), source_sha256: "ab".repeat(32) };
+        let text = describe(&certificate(old));
+        let now = generator(Family::Norm).source_sha256;
+        assert!(
+            text.contains(&format!("stale: the norm kernel source is now {} (not abababababab)", &now[..12])),
+            "{text}"
+        );
+        let text = describe(&certificate(generator(Family::Norm)));
+        assert!(!text.contains("stale"), "{text}");
     }
 
     fn certified_for_test(plant: bool) -> Certified {
