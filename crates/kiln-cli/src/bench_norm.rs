@@ -256,9 +256,9 @@ pub fn run(args: &BenchNormArgs) -> Result<()> {
         .map(|(_, task)| norm_variant(&store, task, arch))
         .collect::<Result<Vec<NormVariant>>>()?;
     // A certificate of older kernel source still decides the certified variant: say so.
-    for c in load_certificates(&store_dirs()?)? {
-        let certifies_a_case = cases.iter().any(|(_, task)| task.key(arch).is_ok_and(|k| k == c.key));
-        if let Some(stale) = staleness(&c).filter(|_| certifies_a_case) {
+    let keys = cases.iter().map(|(_, task)| task.key(arch)).collect::<Result<Vec<_>>>()?;
+    for c in load_certificates(&store_dirs()?)?.into_iter().filter(|c| keys.contains(&c.key)) {
+        if let Some(stale) = staleness(&c) {
             println!("certificate {} (winner {}): {stale}", c.key, c.winner);
         }
     }

@@ -48,12 +48,12 @@
 // on the H200, 84% of the copy ceiling (bench/results/2026-12-01-h200-g, g2).
 // At 2048 x 4096 the defaults run as one wave (2048 blocks of 2 warps, 31 warps a
 // multiprocessor, every row's x in registers at once, which caps a lane at 64 registers), so no
-// later wave's loads hide a warp's instructions. On sm_90 the path to the exit (no slow path
-// taken) of RMSNorm with Hugging Face's rounding is 631 instructions a lane for its 64 values
-// (9.9 a value), 2.5 us of issue a multiprocessor on the H200 (4 a clock at 1.98 GHz); of
-// LayerNorm with weight and bias 1200 (18.75 a value: x widened for the mean, the variance and
+// later wave's loads hide a warp's instructions. On sm_90 the fast path (`scripts/sass-fast-path`)
+// of RMSNorm with Hugging Face's rounding is 580 instructions a lane for its 64 values (9.1 a
+// value), 2.3 us of issue a multiprocessor on the H200 (31 warps, 4 a clock at 1.98 GHz); of
+// LayerNorm with weight and bias 1139 (17.8 a value: x widened for the mean, the variance and
 // the output, and four fp32 operations a value for the output, none fusable without changing the
-// bits), 4.7 us, where 85% of the copy ceiling leaves 9.3 us for the whole launch.
+// bits), 4.5 us, where 85% of the copy ceiling leaves 9.3 us for the whole launch.
 //
 // A segment is one norm: a row, or one group of a row (`n` elements, `groups` per row). Unit `u`
 // of a segment (elements 256u .. 256u + 256) belongs to warp `u % WARPS_PER_ROW` of the row's
