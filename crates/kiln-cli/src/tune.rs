@@ -110,7 +110,7 @@ pub fn shipped_dir() -> PathBuf {
 
 /// The folders of the certificates the store reads: the shipped ones and this machine's.
 pub fn store_dirs() -> Result<Vec<PathBuf>> {
-    Ok(vec![shipped_dir(), tuning_cache_dir()?.join("certificates")])
+    TuningStore::default_dirs(&shipped_dir())
 }
 
 /// The store the kernels consult: the shipped certificates and this machine's, `KILN_TUNING`'s mode.

@@ -88,9 +88,14 @@ impl TuningStore {
     /// from `KILN_TUNING`.
     pub fn open_default(shipped_dir: &Path) -> Result<TuningStore> {
         let mode = TuningMode::from_env()?;
-        let cache = tuning_cache_dir()?;
-        let dirs = [shipped_dir.to_path_buf(), cache.join("certificates")];
-        TuningStore::open(&dirs, &cache.join("index"), mode)
+        let dirs = TuningStore::default_dirs(shipped_dir)?;
+        TuningStore::open(&dirs, &tuning_cache_dir()?.join("index"), mode)
+    }
+
+    /// The certificate folders [`TuningStore::open_default`] reads: the shipped ones under
+    /// `shipped_dir`, then this machine's under `$KILN_CACHE_DIR/tuning/certificates`.
+    pub fn default_dirs(shipped_dir: &Path) -> Result<Vec<PathBuf>> {
+        Ok(vec![shipped_dir.to_path_buf(), tuning_cache_dir()?.join("certificates")])
     }
 
     /// The index file this store was read from or built into.
